@@ -1,0 +1,149 @@
+"""TOML + pydantic validation with errors that name the file, the key path, the bad value and what
+would be valid (including a close spelling for a misspelt key)."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(Exception):
+    """One or more problems in a config file; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML file; a missing file or a syntax error becomes a ConfigError naming it."""
+    if not path.is_file():
+        raise ConfigError([f"{path}: file not found"])
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text: {exc}"]) from None
+
+
+def _model_at(cls: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """Follow a pydantic error location through nested models to the model holding the last key."""
+    current: Any = cls
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+            return None
+        field = current.model_fields.get(part)
+        if field is None:
+            return None
+        current = _unwrap_model(field.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap_model(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _unwrap_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _expected(cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
+    """Human form of the annotation of the field at ``loc``."""
+    parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
+    if parent is None or not isinstance(loc[-1], str):
+        return None
+    field = parent.model_fields.get(loc[-1])
+    if field is None:
+        return None
+    return describe_type(field.annotation)
+
+
+def describe_type(annotation: Any) -> str:
+    """``Literal['a','b'] | None`` -> ``one of 'a', 'b' (or omit it)``, and so on."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        parts = [describe_type(a) for a in args if a is not type(None)]
+        text = " or ".join(parts)
+        return text + (" (or leave it out)" if type(None) in args else "")
+    if origin in (list, tuple):
+        inner = describe_type(args[0]) if args else "values"
+        return f"a list of {inner}"
+    if isinstance(annotation, type):
+        if issubclass(annotation, BaseModel):
+            return "a table"
+        return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(
+            annotation.__name__, annotation.__name__
+        )
+    return str(annotation)
+
+
+def format_errors(exc: ValidationError, cls: type[BaseModel], source: str, prefix: str = "") -> list[str]:
+    """Turn pydantic's errors into one line each: ``file: key.path: problem``."""
+    problems = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        key = prefix + ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
+            valid = sorted(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            msg = f"unknown key {str(loc[-1])!r}.{hint} Valid keys here: {', '.join(valid)}"
+        elif kind == "missing":
+            msg = "required key is missing"
+            expected = _expected(cls, loc)
+            if expected:
+                msg += f" (expected {expected})"
+        else:
+            value = err.get("input")
+            expected = _expected(cls, loc)
+            msg = f"invalid value {value!r}: {err['msg']}"
+            if expected and kind not in ("value_error", "assertion_error"):
+                msg += f" (expected {expected})"
+        problems.append(f"{source}: {key}: {msg}")
+    return problems
+
+
+def validate(cls: type[M], data: dict[str, Any], source: str, prefix: str = "", context: Any = None) -> M:
+    """Validate ``data`` against ``cls``; raise ConfigError listing every problem."""
+    try:
+        return cls.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, cls, source, prefix)) from None
+
+
+def reference_markdown(cls: type[BaseModel], heading: str, table: str = "") -> str:
+    """A markdown table of every key of ``cls`` (name, type, default, description)."""
+    lines = [f"### {heading}", "", "| key | type | default | description |", "|---|---|---|---|"]
+    nested = []
+    for name, field in cls.model_fields.items():
+        sub = _unwrap_model(field.annotation)
+        if sub is not None and sub is not cls:
+            nested.append((name, sub))
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        if sub is not None:
+            default = "see below" if not field.is_required() else "required"
+        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        typ = describe_type(field.annotation).replace("|", "\\|")
+        lines.append(f"| `{name}` | {typ} | {default} | {desc} |")
+    lines.append("")
+    for name, sub in nested:
+        lines.append(reference_markdown(sub, f"[{table + '.' if table else ''}{name}]", f"{table}.{name}".strip(".")))
+    return "\n".join(lines)
