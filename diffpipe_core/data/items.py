@@ -1,0 +1,69 @@
+"""The records passed between the data stages: scan -> bucket -> decode -> encode -> cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A training shape in pixels: width, height and frames (1 for images)."""
+
+    width: int
+    height: int
+    frames: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}" + (f"x{self.frames}f" if self.frames > 1 else "")
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One training sample before decoding: a file (or one clip of a video) in one bucket.
+
+    ``id`` is unique and human readable (``relative/path.png`` or ``clip.mp4#2`` for the 3rd clip);
+    it is what error messages and non-finite-loss reports name. ``content_key`` identifies the media
+    content (size+mtime, or a hash in strict mode) for cache invalidation.
+    """
+
+    id: str
+    path: Path
+    caption: str
+    bucket: Bucket
+    content_key: str
+    mask_path: Path | None = None
+    clip_start: float | None = None  # seconds, videos only
+    repeats: int = 1
+    directory: int = 0  # index of the [[directory]] entry it came from
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    """A file left out of the dataset, with a reason a user understands."""
+
+    path: Path
+    reason: str
+
+
+@dataclass
+class ScanResult:
+    items: list[MediaItem] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
+
+
+@dataclass
+class DecodedMedia:
+    """Decoded, resized and cropped media for one item.
+
+    ``pixels``: ``(C, H, W)`` for images, ``(C, F, H, W)`` for videos; float32 in [-1, 1], exactly the
+    bucket's size. ``mask``: ``(1, H, W)`` float in [0, 1] or None. ``original_size`` is ``(h, w)``
+    before resizing and ``crop_coords`` the crop's top-left ``(top, left)`` in the resized image.
+    """
+
+    pixels: torch.Tensor
+    mask: torch.Tensor | None
+    original_size: tuple[int, int]
+    crop_coords: tuple[int, int]
