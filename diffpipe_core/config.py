@@ -125,7 +125,10 @@ class RunConfig(Strict):
                     f"partition_split has {len(self.partition_split)} values but pipeline_stages="
                     f"{self.pipeline_stages} needs {self.pipeline_stages - 1}"
                 )
-            if sorted(set(self.partition_split)) != list(self.partition_split) or min(self.partition_split, default=1) < 1:
+            if (
+                sorted(set(self.partition_split)) != list(self.partition_split)
+                or min(self.partition_split, default=1) < 1
+            ):
                 raise ValueError("partition_split must be strictly ascending layer indices >= 1")
         return self
 

@@ -20,8 +20,9 @@ def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
 
-def flux_resolution_shift(image_seq_len: int, base_len: int = 256, max_len: int = 4096,
-                          base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def flux_resolution_shift(
+    image_seq_len: int, base_len: int = 256, max_len: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15
+) -> float:
     """Flux's resolution-dependent shift: ``mu`` is linear in the image token count, shift = e^mu."""
     slope = (max_shift - base_shift) / (max_len - base_len)
     mu = base_shift + slope * (image_seq_len - base_len)

@@ -110,13 +110,13 @@ class Registry:
                 f"Model plugins are separate packages: pip install diffpipe-{name}"
             )
         if not info.ok:
-            raise PluginError(f"model plugin {name!r} ({info.distribution or 'in-process'}) failed to load: {info.error}")
+            raise PluginError(
+                f"model plugin {name!r} ({info.distribution or 'in-process'}) failed to load: {info.error}"
+            )
         return ModelPlugin(self, info)
 
     def _other_models(self, name: str) -> list[Any]:
-        return [
-            p.module for n, p in self.plugins.items() if p.is_model and p.ok and n != name and p.module is not None
-        ]
+        return [p.module for n, p in self.plugins.items() if p.is_model and p.ok and n != name and p.module is not None]
 
 
 class ModelPlugin:

@@ -4,11 +4,11 @@ would be valid (including a close spelling for a misspelt key)."""
 from __future__ import annotations
 
 import difflib
-import tomllib
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tomllib
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)

@@ -58,7 +58,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
-        q, k, v = (p(x).view(b, n, self.heads, d // self.heads).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (
+            p(x).view(b, n, self.heads, d // self.heads).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v)
+        )
         out = F.scaled_dot_product_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).reshape(b, n, d))
 

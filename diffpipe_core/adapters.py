@@ -1,0 +1,128 @@
+"""peft LoRA on the plugin's ``lora_targets``: apply, collect, export, save and load.
+
+A saved adapter is a folder with ``adapter_model.safetensors`` (diffusers/peft keys under the model's
+pipeline prefix, e.g. ``transformer.blocks.0.attn.to_q.lora_A.weight``, plus one ``.alpha`` scalar
+per module so tools that read alpha only from tensors apply the right strength), the peft
+``adapter_config.json``, and any extra formats the plugin exports (``adapter_model.<format>.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+from torch import nn
+
+from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def lora_config(rank: int, alpha: float, dropout: float, target_modules: list[str]) -> LoraConfig:
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+
+
+def apply_lora(model: nn.Module, config: LoraConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Inject LoRA layers in place, freeze everything else, and cast LoRA weights to ``dtype``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as exc:
+        raise ValueError(f"LoRA target_modules {config.target_modules} matched nothing in the model: {exc}") from None
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+            if p.device.type != "meta":
+                p.data = p.data.to(dtype)
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """LoRA weights with peft's adapter name removed (``...to_q.lora_A.weight``); meta tensors skipped."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name and p.device.type != "meta":
+            out[name.replace(".default", "")] = p.detach()
+    return out
+
+
+def with_alpha(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """Add one scalar ``<module>.alpha`` tensor per LoRA module."""
+    out = dict(state)
+    for key in state:
+        if key.endswith(".lora_A.weight"):
+            out[key[: -len(".lora_A.weight")] + ".alpha"] = torch.tensor(float(alpha))
+    return out
+
+
+def diffusers_format(state: dict[str, torch.Tensor], prefix: str, alpha: float) -> dict[str, torch.Tensor]:
+    """The default export: peft keys under the diffusers pipeline prefix, with ``.alpha`` tensors."""
+    return {f"{prefix}.{k}": v for k, v in with_alpha(state, alpha).items()}
+
+
+def peft_adapter_config(config: LoraConfig) -> dict[str, Any]:
+    targets = config.target_modules
+    return {
+        "peft_type": "LORA",
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+        "bias": "none",
+        "init_lora_weights": True,
+    }
+
+
+def save_adapter(
+    out_dir: Path,
+    files: dict[str, dict[str, torch.Tensor]],
+    config: LoraConfig,
+    dtype: torch.dtype,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = peft_adapter_config(config)
+    meta = {"format": "pt", "lora_adapter_metadata": json.dumps(cfg), **(metadata or {})}
+    for name, state in files.items():
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+        atomic_save_safetensors(tensors, out_dir / name, meta)
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(cfg, indent=2))
+
+
+def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a saved adapter folder (or its safetensors file): ``(state_dict, adapter_config)``."""
+    path = Path(path)
+    file = path / ADAPTER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no adapter found (expected a folder holding {ADAPTER_FILE})")
+    cfg_file = file.parent / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file}: adapter config missing beside {file.name}")
+    return load_file(str(file)), json.loads(cfg_file.read_text())
+
+
+def load_adapter(model: nn.Module, path: Path, prefix: str | None = None) -> nn.Module:
+    """Inject the saved LoRA into a fresh ``model`` (the bare diffusion model) and load its weights.
+
+    ``prefix`` is the pipeline prefix the keys were saved under (``"transformer"``); detected when None.
+    """
+    state, cfg = read_adapter(path)
+    if prefix is None:
+        prefix = next(iter(state)).split(".", 1)[0]
+    bare = {
+        k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".") and not k.endswith(".alpha")
+    }
+    config = lora_config(cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
+    apply_lora(model, config)
+    result = set_peft_model_state_dict(model, bare)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{path}: {len(unexpected)} adapter keys do not match the model, e.g. {unexpected[:3]}")
+    return model

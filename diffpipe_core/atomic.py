@@ -1,0 +1,74 @@
+"""Atomic file and folder writes: write beside the target, then rename over it.
+
+A process killed mid-write leaves the previous file (or folder) intact and at worst a ``.tmp-*``
+leftover, which the next write replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_save_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written ``tmp_dir`` to ``final_dir``, replacing an older one as late as possible."""
+    old = None
+    if final_dir.exists():
+        old = final_dir.with_name(f".old-{final_dir.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,71 @@
+"""The run folder: one per training run under ``output_dir``, and resolving ``--resume``."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from diffpipe_core import __version__
+from diffpipe_core.atomic import atomic_write_text
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+def new_run_dir(output_dir: Path) -> Path:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        candidate = output_dir / (stamp if i == 0 else f"{stamp}-{i}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"{output_dir}: could not create a new run folder")
+
+
+def write_run_info(run_dir: Path, config_text: str, plugins: dict[str, str], extra: dict[str, Any]) -> None:
+    atomic_write_text(run_dir / "config.toml", config_text)
+    info = {
+        "diffpipe_core": __version__,
+        "plugins": plugins,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        **extra,
+    }
+    atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    marker = run_dir / CHECKPOINTS / LATEST
+    if not marker.is_file():
+        return None
+    ckpt = run_dir / CHECKPOINTS / marker.read_text().strip()
+    return ckpt if ckpt.is_dir() else None
+
+
+def resolve_resume(output_dir: Path, resume: str) -> tuple[Path, Path]:
+    """``(run_dir, checkpoint_dir)`` for ``--resume latest``, a run folder, or a checkpoint folder."""
+    if resume == "latest":
+        runs = (
+            sorted((p for p in output_dir.iterdir() if p.is_dir()), key=lambda p: p.name) if output_dir.is_dir() else []
+        )
+        for run in reversed(runs):
+            ckpt = latest_checkpoint(run)
+            if ckpt is not None:
+                return run, ckpt
+        raise FileNotFoundError(f"--resume latest: no run under {output_dir} has a checkpoint yet")
+    path = Path(resume).resolve()
+    if (path / "train_state.json").is_file():
+        return path.parent.parent, path
+    ckpt = latest_checkpoint(path) if path.is_dir() else None
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"--resume {resume}: not a run folder with checkpoints/{LATEST} nor a checkpoint folder with train_state.json"
+        )
+    return path, ckpt

@@ -1,0 +1,98 @@
+"""Saving trained adapters and full models from a pipeline whose layers are spread over ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig
+
+from diffpipe_core.adapters import ADAPTER_FILE, diffusers_format, save_adapter
+from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text, replace_dir
+from diffpipe_core.registry import ModelPlugin
+
+
+def gather_to_rank0(local: dict[str, torch.Tensor], include: bool) -> dict[str, torch.Tensor] | None:
+    """Merge the tensors each contributing rank holds into one dict on rank 0 (None elsewhere)."""
+    payload = {k: v.detach().cpu() for k, v in local.items()} if include else {}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return payload
+    gathered: list[dict[str, torch.Tensor]] | None = (
+        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    )
+    dist.gather_object(payload, gathered, dst=0)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def write_adapter(
+    out_dir: Path,
+    state: dict[str, torch.Tensor],
+    plugin: ModelPlugin,
+    config: LoraConfig,
+    formats: list[str],
+    dtype: torch.dtype,
+) -> None:
+    """Rank 0: write the adapter folder atomically in every requested format."""
+    alpha, rank = float(config.lora_alpha), int(config.r)
+    prefix = plugin.call("adapter_key_prefix") or "transformer"
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for fmt in formats:
+        exported = plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
+        if exported is None and fmt == "diffusers":
+            exported = diffusers_format(state, prefix, alpha)
+        if exported is None:
+            raise ValueError(f"adapter.save_formats: model {plugin.name!r} cannot export format {fmt!r}")
+        files[ADAPTER_FILE if fmt == "diffusers" else f"adapter_model.{fmt}.safetensors"] = exported
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_adapter(tmp, files, config, dtype, metadata={"diffpipe_model": plugin.name})
+    replace_dir(tmp, out_dir)
+
+
+def write_model_shards(
+    out_dir: Path,
+    local: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    stage_id: int,
+    dp_rank: int,
+    num_stages: int,
+    dtype: torch.dtype,
+    barrier: Callable[[], None],
+) -> None:
+    """Collective: each stage's data-parallel rank 0 writes its own shard (no rank holds the whole
+    model); rank 0 writes the index and renames the folder into place."""
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    name = f"model-{stage_id + 1:05d}-of-{num_stages:05d}.safetensors"
+    if dp_rank == 0:
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in local.items()}
+        atomic_save_safetensors(tensors, tmp / name, {"format": "pt"})
+        atomic_write_text(tmp / f".keys-{stage_id}.json", json.dumps(sorted(tensors)))
+    barrier()
+    if rank == 0:
+        weight_map = {}
+        for s in range(num_stages):
+            keys_file = tmp / f".keys-{s}.json"
+            for key in json.loads(keys_file.read_text()):
+                weight_map[key] = f"model-{s + 1:05d}-of-{num_stages:05d}.safetensors"
+            keys_file.unlink()
+        atomic_write_text(
+            tmp / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )
+        replace_dir(tmp, out_dir)
+    barrier()

@@ -1,0 +1,417 @@
+"""The training loop: a plain loop around DeepSpeed's PipelineEngine.train_batch.
+
+Determinism: the noise, timesteps and caption dropout of micro-batch ``m`` come from a generator
+seeded by ``(seed, m, data-parallel rank)``, and torch's global RNG (LoRA dropout) is reseeded every
+step from ``(seed, step, rank)``. So a run resumed from a checkpoint repeats exactly the losses the
+uninterrupted run would have logged, and the first and last pipeline stages, which both draw the
+micro-batch, agree on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine import checkpoint as ckpt_io
+from diffpipe_core.engine.ds_patches import (
+    ExplicitPartitionPipelineModule,
+    InputsRequireGrad,
+    non_reentrant_checkpoint,
+)
+from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
+from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.engine.saving import gather_to_rank0, write_adapter, write_model_shards
+from diffpipe_core.optim import build_optimizer, lr_lambda
+from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import TrainingContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_CONSECUTIVE_NONFINITE = 5
+
+
+def mix_seed(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+class MicroBatches:
+    """The iterator DeepSpeed pulls micro-batches from: sampler -> collate -> prepare_inputs."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: Any,
+        plugin: ModelPlugin,
+        context: TrainingContext,
+        seed: int,
+        dp_rank: int,
+        micro_index: int,
+    ) -> None:
+        self.dataset, self.sampler, self.plugin, self.context = dataset, sampler, plugin, context
+        self.seed, self.dp_rank, self.micro_index = seed, dp_rank, micro_index
+        self.step_ids: list[str] = []
+        self._it = iter(sampler)
+
+    def __iter__(self) -> MicroBatches:
+        return self
+
+    def __next__(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        try:
+            indices = next(self._it)
+        except StopIteration:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._it = iter(self.sampler)
+            indices = next(self._it)
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.micro_index, self.dp_rank))
+        self.micro_index += 1
+        self.step_ids.extend(self.dataset.sample_ids(indices))
+        batch = self.dataset.collate(indices, generator)
+        return self.plugin.require("prepare_inputs", batch=batch, context=self.context, generator=generator)
+
+
+@dataclass
+class TrainSummary:
+    steps: int = 0
+    first_loss: float | None = None
+    last_loss: float | None = None
+    skipped_steps: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    samples: int = 0
+
+
+class Trainer:
+    """Builds the pipeline engine for this rank and runs the loop."""
+
+    def __init__(
+        self, cfg: ResolvedConfig, plugin: ModelPlugin, dataset: Any, run_dir: Path, device: torch.device
+    ) -> None:
+        from diffpipe_core.data import BucketSampler
+
+        self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.stages = self.run.pipeline_stages
+        self.dp = self.world // self.stages
+        self.stage_id, self.dp_rank = self.rank // self.dp, self.rank % self.dp
+        self.dtype = DTYPES[cfg.model.dtype]
+        self.sampler = BucketSampler(
+            dataset.groups(), self.run.micro_batch_size_per_gpu, self.dp_rank, self.dp, self.run.seed
+        )
+        gas = self.run.gradient_accumulation_steps
+        if len(self.sampler) < gas:
+            raise ValueError(
+                f"the dataset gives {len(self.sampler)} micro-batches per epoch per data-parallel rank, fewer than "
+                f"gradient_accumulation_steps={gas}; lower it or micro_batch_size_per_gpu, or add data"
+            )
+        self.steps_per_epoch = len(self.sampler) // gas
+        self.total_steps = self.run.max_steps or self.run.epochs * self.steps_per_epoch
+        self._build_model()
+        self._nonfinite = False
+        self.grad_norm: float | None = None
+
+    # ----------------------------------------------------------------------------- model
+    def _build_model(self) -> None:
+        run, plugin = self.run, self.plugin
+        stage = load_for_stages(plugin, self.cfg.model, self.device, self.dtype)
+        self.parts = stage_parts(stage.layers, self.stages, run.partition_method, run.partition_split)
+        own = range(self.parts[self.stage_id], self.parts[self.stage_id + 1])
+        if stage.per_stage_loading:
+            materialise_layers(plugin, self.cfg.model, stage, own, self.device, self.dtype)
+        self.model = stage.model
+        torch.manual_seed(run.seed)
+        if run.adapter is not None:
+            targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=self.cfg.model)
+            self.lora = lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets))
+            apply_lora(self.model, self.lora, DTYPES[run.adapter.dtype])
+            if run.adapter.init_from_existing:
+                self._init_adapter_from(run.adapter.init_from_existing)
+        else:
+            self.lora = None
+            for p in self.model.parameters():
+                p.requires_grad_(p.is_floating_point())
+        self.module = ExplicitPartitionPipelineModule(
+            layers=[InputsRequireGrad(stage.layers[0]), *stage.layers[1:]],
+            parts=self.parts,
+            num_stages=self.stages,
+            loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
+            activation_checkpoint_interval=1 if run.activation_checkpointing else 0,
+            activation_checkpoint_func=non_reentrant_checkpoint,
+            dynamic_shape=True,
+        )
+        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad and p.device.type != "meta"}
+        if not self.trainable:
+            raise ValueError(
+                f"pipeline stage {self.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
+                "change partition_split or the adapter's target_modules"
+            )
+        self.optimizer = build_optimizer(run.optimizer, list(self.trainable.values()), plugin.registry.pm)
+        self.scheduler = LambdaLR(self.optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, self.total_steps))
+        self._guard_optimizer_step()
+        ds_config = {
+            "train_micro_batch_size_per_gpu": run.micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": run.gradient_accumulation_steps,
+            "gradient_clipping": 0.0,  # done in _guard_optimizer_step
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=self.module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            config=ds_config,
+            model_parameters=list(self.trainable.values()),
+        )
+
+    def _init_adapter_from(self, path: Path) -> None:
+        state, _ = read_adapter(path)
+        prefix = self.plugin.call("adapter_key_prefix") or "transformer"
+        named = dict(self.model.named_parameters())
+        loaded = 0
+        for key, value in state.items():
+            if key.endswith(".alpha"):
+                continue
+            bare = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else key
+            name = bare.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+            if name in named and named[name].device.type != "meta":
+                named[name].data.copy_(value.to(named[name].dtype))
+                loaded += 1
+        if loaded == 0 and any(p.device.type != "meta" for n, p in named.items() if "lora_" in n):
+            raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's LoRA layers")
+
+    def _guard_optimizer_step(self) -> None:
+        """Clip by the global gradient norm over all stages, and skip the optimizer step on every rank when
+        any rank has a non-finite gradient, so a bad batch never reaches the weights or optimizer state.
+        (Clipping here rather than in DeepSpeed gives us the pre-clip norm to log.)"""
+        original = self.optimizer.step
+        params = list(self.trainable.values())
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            # One all-reduce carries both the non-finite flag and this rank's squared gradient norm;
+            # data-parallel replicas hold the same gradients, so the sum is divided by their count.
+            grads = [p.grad for p in params if p.grad is not None]
+            sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=self.device))
+            bad = 0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0
+            packed = torch.stack([torch.tensor(bad, device=self.device), sq.reshape(())])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+            self.grad_norm = math.sqrt(max(packed[1].item(), 0.0) / self.dp) if packed[0].item() == 0 else float("nan")
+            if packed[0].item() > 0:
+                self._nonfinite = True
+                self.optimizer.zero_grad(set_to_none=True)
+                return None
+            clip = self.run.gradient_clipping
+            if clip and self.grad_norm > clip:
+                for g in grads:
+                    g.mul_(clip / (self.grad_norm + 1e-6))
+            return original(*args, **kwargs)
+
+        self.optimizer.step = guarded_step  # type: ignore[method-assign]
+
+    # ----------------------------------------------------------------------------- state
+    def _checkpoint(self, step: int, micro_index: int) -> None:
+        state = {
+            "step": step,
+            "micro_index": micro_index,
+            "sampler": self.sampler.state_dict(),
+            "world_size": self.world,
+            "pipeline_stages": self.stages,
+            "total_steps": self.total_steps,
+        }
+        optim_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        ckpt_io.write_checkpoint(
+            self.run_dir,
+            step,
+            rank=self.rank,
+            stage_id=self.stage_id,
+            dp_rank=self.dp_rank,
+            params=self.trainable,
+            optimizer_state=optim_state,
+            train_state=state,
+            keep=self.run.keep_checkpoints,
+            barrier=dist.barrier,
+        )
+
+    def _restore(self, ckpt: Path) -> dict[str, Any]:
+        state = ckpt_io.read_train_state(ckpt)
+        params = ckpt_io.read_params(ckpt)
+        missing = [n for n in self.trainable if n not in params]
+        if missing:
+            raise ValueError(f"checkpoint {ckpt} lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, p in self.trainable.items():
+                p.copy_(params[name].to(p.dtype))
+        if state.get("pipeline_stages") == self.stages and state.get("world_size") == self.world:
+            optim = ckpt_io.read_optimizer_state(ckpt, self.stage_id)
+            self.optimizer.load_state_dict(optim["optimizer"])
+            self.scheduler.load_state_dict(optim["scheduler"])
+        elif self.rank == 0:
+            print(f"diffpipe: process layout changed since {ckpt.name}; optimizer state starts fresh", flush=True)
+        self.sampler.load_state_dict(state["sampler"])
+        return state
+
+    def _save(self, name: str) -> Path:
+        out = self.run_dir / "saved" / name
+        save_dtype = DTYPES[self.run.save_dtype]
+        if self.lora is not None:
+            from diffpipe_core.adapters import lora_state_dict
+
+            merged = gather_to_rank0(lora_state_dict(self.model), include=self.dp_rank == 0)
+            if self.rank == 0:
+                assert merged is not None
+                write_adapter(out, merged, self.plugin, self.lora, self.run.adapter.save_formats, save_dtype)
+            dist.barrier()
+        else:
+            local = {n: p for n, p in self.model.state_dict().items() if p.device.type != "meta"}
+            write_model_shards(
+                out,
+                local,
+                rank=self.rank,
+                stage_id=self.stage_id,
+                dp_rank=self.dp_rank,
+                num_stages=self.stages,
+                dtype=save_dtype,
+                barrier=dist.barrier,
+            )
+        return out
+
+    # ----------------------------------------------------------------------------- loop
+    def train(self, resume_from: Path | None = None) -> TrainSummary:
+        run = self.run
+        start_step, micro_index = 0, 0
+        if resume_from is not None:
+            state = self._restore(resume_from)
+            start_step, micro_index = state["step"], state["micro_index"]
+        context = TrainingContext(model_config=self.cfg.model)
+        batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
+        summary = TrainSummary()
+        writer = self._writer() if self.rank == 0 else None
+        metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
+        bar = tqdm(
+            total=self.total_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            disable=self.rank != 0,
+            dynamic_ncols=True,
+        )
+        if self.rank == 0 and self.sampler.remainder:
+            print(
+                f"diffpipe: {self.sampler.remainder} samples per epoch do not fill a micro-batch in their bucket; "
+                "they are carried into later epochs by the reshuffle",
+                flush=True,
+            )
+        last_ckpt_time = time.monotonic()
+        started = time.monotonic()
+        consecutive_bad = 0
+        samples_per_step = run.micro_batch_size_per_gpu * run.gradient_accumulation_steps * self.dp
+        step = start_step
+        while step < self.total_steps:
+            torch.manual_seed(mix_seed(run.seed, step, self.rank))
+            batches.step_ids = []
+            self._nonfinite = False
+            t0 = time.perf_counter()
+            loss = float(self.engine.train_batch(data_iter=batches))
+            dt = time.perf_counter() - t0
+            step += 1
+            lr = self.scheduler.get_last_lr()[0]
+            grad_norm = self.grad_norm
+            if self._nonfinite or not math.isfinite(loss):
+                consecutive_bad += 1
+                summary.skipped_steps.append(step)
+                ids = ", ".join(batches.step_ids) or "(held by the first stage)"
+                if self.rank == 0 or self.stage_id == 0:
+                    print(
+                        f"diffpipe: non-finite loss ({loss}) at step {step}; optimizer step skipped; samples: {ids}",
+                        flush=True,
+                    )
+                if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
+                    raise FloatingPointError(
+                        f"{consecutive_bad} consecutive non-finite steps (last: step {step}); stopping. Saved "
+                        "checkpoints and adapters are untouched"
+                    )
+            else:
+                consecutive_bad = 0
+                summary.first_loss = loss if summary.first_loss is None else summary.first_loss
+                summary.last_loss = loss
+            summary.steps += 1
+            summary.samples += samples_per_step
+            if self.rank == 0:
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": _num(grad_norm),
+                    "samples_per_s": samples_per_step / dt,
+                    "epoch": self._epoch(step),
+                }
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if step % run.log_every_n_steps == 0:
+                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                        if record[key] is not None and math.isfinite(record[key]):
+                            writer.add_scalar(f"train/{key}", record[key], step)
+                    for hookimpl_result in self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record):
+                        del hookimpl_result
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                bar.update(1)
+            epoch_done = step % self.steps_per_epoch == 0
+            if (run.save_every_n_steps and step % run.save_every_n_steps == 0) or (
+                epoch_done and run.save_every_n_epochs and self._epoch(step) % run.save_every_n_epochs == 0
+            ):
+                if step < self.total_steps:
+                    self._save(f"step-{step:07d}")
+            if step < self.total_steps and self._checkpoint_due(step, last_ckpt_time):
+                self._checkpoint(step, batches.micro_index)
+                last_ckpt_time = time.monotonic()
+        bar.close()
+        summary.seconds = time.monotonic() - started
+        final = self._save("final")
+        self._checkpoint(step, batches.micro_index)
+        if self.rank == 0:
+            writer.close()
+            metrics_file.close()
+            self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
+            print(
+                f"diffpipe: trained {summary.steps} steps ({summary.samples} samples) in {summary.seconds:.1f}s; "
+                f"loss {summary.first_loss} -> {summary.last_loss}; skipped steps: {summary.skipped_steps or 'none'}; "
+                f"saved to {final}",
+                flush=True,
+            )
+        return summary
+
+    def _epoch(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def _checkpoint_due(self, step: int, last_time: float) -> bool:
+        run = self.run
+        if run.checkpoint_every_n_steps and step % run.checkpoint_every_n_steps == 0:
+            return True
+        if run.checkpoint_every_n_minutes:
+            due = torch.tensor([1.0 if time.monotonic() - last_time >= 60 * run.checkpoint_every_n_minutes else 0.0])
+            dist.broadcast(due, src=0)  # wall clocks differ per rank: rank 0 decides
+            return bool(due.item())
+        return False
+
+    def _writer(self) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+
+def _num(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if torch.is_tensor(value) else value)

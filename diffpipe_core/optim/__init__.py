@@ -1,0 +1,57 @@
+"""Optimizers by name (built-ins plus those plugins register) and the LR schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from diffpipe_core.config import OptimizerConfig
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+def _adamw8bit(params: Iterable[torch.nn.Parameter], **kw: Any) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, **kw)
+
+
+def builtin_optimizers() -> dict[str, OptimizerFactory]:
+    return {
+        "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
+        "adamw8bit": _adamw8bit,
+        "sgd": lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
+    }
+
+
+def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
+    """Built-ins plus every ``register_optimizers`` contribution."""
+    table = builtin_optimizers()
+    pm.hook.register_optimizers(register=lambda name, factory: table.__setitem__(name, factory))
+    return table
+
+
+def build_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], pm: Any) -> torch.optim.Optimizer:
+    table = available_optimizers(pm)
+    if cfg.type not in table:
+        raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
+    return table[cfg.type](params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based): linear warmup, then the schedule."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
