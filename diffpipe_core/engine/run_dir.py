@@ -66,6 +66,7 @@ def resolve_resume(output_dir: Path, resume: str) -> tuple[Path, Path]:
     ckpt = latest_checkpoint(path) if path.is_dir() else None
     if ckpt is None:
         raise FileNotFoundError(
-            f"--resume {resume}: not a run folder with checkpoints/{LATEST} nor a checkpoint folder with train_state.json"
+            f"--resume {resume}: not a run folder with checkpoints/{LATEST} "
+            "nor a checkpoint folder with train_state.json"
         )
     return path, ckpt
