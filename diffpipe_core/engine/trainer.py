@@ -321,6 +321,7 @@ class Trainer:
         while step < self.total_steps:
             torch.manual_seed(mix_seed(run.seed, step, self.rank))
             batches.step_ids = []
+            context.step = step
             self._nonfinite = False
             t0 = time.perf_counter()
             loss = float(self.engine.train_batch(data_iter=batches))

@@ -1,0 +1,89 @@
+"""Running ``diffpipe`` in a subprocess from tests, and installing throwaway plugins for it.
+
+Every run gets a timeout and its own process group, which is killed whole on timeout, so a hung
+worker can never hang the test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def cli_env(extra_paths: list[Path] | None = None, **env: str) -> dict[str, str]:
+    out = dict(os.environ)
+    if extra_paths:
+        out["PYTHONPATH"] = os.pathsep.join([*map(str, extra_paths), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out.setdefault("HF_DATASETS_OFFLINE", "1")
+    out.setdefault("HF_HUB_OFFLINE", "1")
+    out.update(env)
+    return out
+
+
+def start_diffpipe(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m diffpipe_core.cli *args`` in a new session (its own process group)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "diffpipe_core.cli", *args],
+        cwd=cwd,
+        env=env or cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_diffpipe(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None) -> CliResult:
+    """Run diffpipe to completion; on timeout kill its whole process group and raise."""
+    proc = start_diffpipe(args, cwd, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise TimeoutError(f"diffpipe {' '.join(args)} ran past {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        kill_group(proc)  # stray workers, if any
+    return CliResult(proc.returncode, out, err)
+
+
+def write_plugin_distribution(
+    site: Path, dist_name: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]
+) -> Path:
+    """Make ``site`` an importable folder holding a real installed distribution: a ``.dist-info`` with
+    METADATA and entry_points.txt, plus the given module sources. Put ``site`` on PYTHONPATH to use it."""
+    site.mkdir(parents=True, exist_ok=True)
+    for name, source in modules.items():
+        (site / f"{name}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist_name.replace('-', '_')}-0.0.1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.0.1\n")
+    lines = []
+    for group, eps in entry_points.items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in eps.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return site
