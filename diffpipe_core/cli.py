@@ -185,7 +185,7 @@ def config_reference(model: str | None) -> None:
     """Print the config reference (markdown) generated from the schemas."""
     from diffpipe_core.docs import config_reference_markdown
 
-    click.echo(config_reference_markdown(get_registry(), model))
+    click.echo(config_reference_markdown(get_registry(), model), nl=False)
 
 
 def _register_plugin_commands() -> None:

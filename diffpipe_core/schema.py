@@ -62,6 +62,8 @@ def _unwrap_model(annotation: Any) -> Any:
 
 def _expected(cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
     """Human form of the annotation of the field at ``loc``."""
+    if not loc:
+        return None
     parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
     if parent is None or not isinstance(loc[-1], str):
         return None
@@ -84,7 +86,11 @@ def describe_type(annotation: Any) -> str:
     if origin in (list, tuple):
         inner = describe_type(args[0]) if args else "values"
         return f"a list of {inner}"
+    if origin is dict or annotation is dict:
+        return "a table"
     if isinstance(annotation, type):
+        if issubclass(annotation, Path):
+            return "a path"
         if issubclass(annotation, BaseModel):
             return "a table"
         return {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}.get(
@@ -99,6 +105,7 @@ def format_errors(exc: ValidationError, cls: type[BaseModel], source: str, prefi
     for err in exc.errors():
         loc = tuple(err["loc"])
         key = prefix + ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+        key = key.rstrip(".") or "(top level)"
         kind = err["type"]
         if kind == "extra_forbidden":
             parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
@@ -114,7 +121,7 @@ def format_errors(exc: ValidationError, cls: type[BaseModel], source: str, prefi
         else:
             value = err.get("input")
             expected = _expected(cls, loc)
-            msg = f"invalid value {value!r}: {err['msg']}"
+            msg = f"{err['msg']}" if kind == "value_error" and not loc else f"invalid value {value!r}: {err['msg']}"
             if expected and kind not in ("value_error", "assertion_error"):
                 msg += f" (expected {expected})"
         problems.append(f"{source}: {key}: {msg}")
