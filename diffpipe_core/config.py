@@ -150,7 +150,7 @@ class ResolvedConfig:
 def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...]) -> None:
     for key in keys:
         if isinstance(data.get(key), str):
-            data[key] = str((base / data[key]).expanduser()) if not Path(data[key]).is_absolute() else data[key]
+            data[key] = str((base / Path(data[key]).expanduser()).resolve())
 
 
 def load_config(path: Path | str, registry: Registry, model_override: str | None = None) -> ResolvedConfig:
@@ -238,7 +238,7 @@ def _validate_model(
     for key, field in schema.model_fields.items():
         value = getattr(model_cfg, key)
         if isinstance(value, Path) and (field.json_schema_extra or {}).get("must_exist", True):
-            resolved = value if value.is_absolute() else base / value
+            resolved = (base / value).resolve()
             if not resolved.exists():
                 problems.append(f"{source}: model.{key}: path not found: {resolved}")
                 continue
