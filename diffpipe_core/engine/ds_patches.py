@@ -4,9 +4,12 @@
    trainable parameters (so a LoRA run puts the whole frozen base model on one stage) and builds
    every layer to count them. We pass stage boundaries we computed ourselves (frozen parameters
    included, or the user's ``partition_split``).
-2. ``InputsRequireGrad``: DeepSpeed hands the first stage its inputs detached. When the first layers are
-   frozen (LoRA), their outputs then carry no autograd graph, and the backward pass of the next stage
-   has nothing to send gradients into. Wrapping the first layer makes its float inputs require grad.
+2. ``OutputsRequireGrad``: DeepSpeed sends every float tensor a stage outputs to the next stage and
+   later runs backward from it with the gradient it gets back. When a stage's layers are frozen (the
+   embedders of a LoRA run) its outputs carry no autograd graph and that backward fails. Wrapping the
+   last layer of each stage but the final one marks such outputs as leaves that require grad, so the
+   backward is a no-op there. (Making the first layer's inputs require grad would also work, but it
+   computes input gradients nobody needs.)
 3. ``non_reentrant_checkpoint``: DeepSpeed's default activation checkpoint function breaks when the
    first layer returns several float tensors; torch's non-reentrant checkpoint does not.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.utils.checkpoint
 from deepspeed.pipe import PipelineModule
 from torch import nn
@@ -40,15 +44,26 @@ def non_reentrant_checkpoint(function: Any, *args: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-class InputsRequireGrad(nn.Module):
-    """Wraps the first pipeline layer so that its float inputs are part of the autograd graph."""
+class OutputsRequireGrad(nn.Module):
+    """Wraps the last layer of a non-final stage so every float output can receive a gradient."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
 
-    def forward(self, inputs: tuple[Any, ...]) -> Any:
-        inputs = tuple(
-            x.requires_grad_(True) if hasattr(x, "is_floating_point") and x.is_floating_point() else x for x in inputs
+    def forward(self, inputs: Any) -> Any:
+        outputs = self.layer(inputs)
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        return tuple(
+            x.requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() and not x.requires_grad else x
+            for x in outputs
         )
-        return self.layer(inputs)
+
+
+def wrap_stage_boundaries(layers: list[nn.Module], parts: list[int]) -> list[nn.Module]:
+    """Apply ``OutputsRequireGrad`` to the last layer of every stage except the final one."""
+    out = list(layers)
+    for stop in parts[1:-1]:
+        out[stop - 1] = OutputsRequireGrad(out[stop - 1])
+    return out

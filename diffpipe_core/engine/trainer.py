@@ -27,8 +27,8 @@ from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import checkpoint as ckpt_io
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
-    InputsRequireGrad,
     non_reentrant_checkpoint,
+    wrap_stage_boundaries,
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.partition import stage_parts
@@ -144,7 +144,7 @@ class Trainer:
             for p in self.model.parameters():
                 p.requires_grad_(p.is_floating_point())
         self.module = ExplicitPartitionPipelineModule(
-            layers=[InputsRequireGrad(stage.layers[0]), *stage.layers[1:]],
+            layers=wrap_stage_boundaries(stage.layers, self.parts),
             parts=self.parts,
             num_stages=self.stages,
             loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
