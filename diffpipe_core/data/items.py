@@ -38,6 +38,7 @@ class MediaItem:
     clip_start: float | None = None  # seconds, videos only
     repeats: int = 1
     directory: int = 0  # index of the [[directory]] entry it came from
+    caption_variants: tuple[str, ...] = ()  # shuffled-tag versions of ``caption`` to cache (shuffle_tags)
 
 
 @dataclass(frozen=True)

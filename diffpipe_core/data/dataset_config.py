@@ -1,0 +1,332 @@
+"""The dataset TOML: schema, loading and validation.
+
+Key names follow tdrussell/diffusion-pipe where the concept is the same. Relative paths resolve
+against the directory of the dataset TOML. Every ``[[directory]]`` entry may override the bucketing,
+frame and caption keys of the top level; :meth:`DatasetConfig.settings_for` merges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from diffpipe_core.schema import ConfigError, read_toml, validate
+
+Resolution = int | tuple[int, int]
+AspectRatio = float | tuple[int, int]
+ClipMode = Literal["single_beginning", "single_middle", "multiple_overlapping"]
+
+DEFAULT_MIN_AR = 0.5
+DEFAULT_MAX_AR = 2.0
+
+
+def _check_resolutions(value: list[Resolution] | None) -> list[Resolution] | None:
+    if value is None:
+        return value
+    if not value:
+        raise ValueError("give at least one resolution, e.g. [512] or [[768, 512]]")
+    for res in value:
+        sides = res if isinstance(res, tuple) else (res,)
+        if any(s < 16 for s in sides):
+            raise ValueError(f"resolution {res!r} is too small; sides must be at least 16 pixels")
+    return value
+
+
+def _check_ar_buckets(value: list[AspectRatio] | None) -> list[AspectRatio] | None:
+    if value is None:
+        return value
+    if not value:
+        raise ValueError("give at least one aspect ratio (width / height), or leave ar_buckets out")
+    for ar in value:
+        if isinstance(ar, tuple):
+            if ar[0] <= 0 or ar[1] <= 0:
+                raise ValueError(f"[width, height] pair {list(ar)!r} must be positive")
+        elif ar <= 0:
+            raise ValueError(f"aspect ratio {ar!r} must be positive (width / height)")
+    return value
+
+
+def _check_frame_buckets(value: list[int] | None) -> list[int] | None:
+    if value is None:
+        return value
+    if not value:
+        raise ValueError("give at least one frame count, e.g. [1, 33]")
+    if any(f < 1 for f in value):
+        raise ValueError("frame counts must be at least 1")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Overridable(_Strict):
+    """Keys that the top level sets and each ``[[directory]]`` may override (None = inherit)."""
+
+    resolutions: list[Resolution] | None = Field(
+        None,
+        description="Training resolutions: a side length (512 means a 512x512 area) or a "
+        "[width, height] pair (its area; without AR bucketing exactly that size). Each item is used once "
+        "per resolution.",
+    )
+    enable_ar_bucket: bool | None = Field(
+        None, description="Bucket items by aspect ratio instead of center-cropping everything to one shape."
+    )
+    min_ar: float | None = Field(
+        None,
+        gt=0,
+        description="Smallest aspect ratio (width / height) kept when AR bucketing is on; narrower "
+        "items are left out. Default 0.5, or the smallest of ar_buckets.",
+    )
+    max_ar: float | None = Field(
+        None,
+        gt=0,
+        description="Largest aspect ratio (width / height) kept when AR bucketing is on; wider items "
+        "are left out. Default 2.0, or the largest of ar_buckets.",
+    )
+    num_ar_buckets: int | None = Field(
+        None,
+        ge=1,
+        description="Number of aspect-ratio buckets, log-spaced between min_ar and max_ar. Default 7.",
+    )
+    ar_buckets: list[AspectRatio] | None = Field(
+        None,
+        description="Explicit aspect-ratio buckets: ratios (width / height) or [width, height] pairs. "
+        "Overrides num_ar_buckets.",
+    )
+    frame_buckets: list[int] | None = Field(
+        None,
+        description="Video frame counts to train on (after resampling to the model's frame rate); each video "
+        "goes to the largest bucket it fills. Counts must fit the model (frame_multiple * k + frame_offset). "
+        "Images are always 1 frame. Default [1].",
+    )
+    video_clip_mode: ClipMode | None = Field(
+        None,
+        description="Which frames of a video to use: 'single_beginning' (one clip from the start), "
+        "'single_middle' (one clip from the middle) or 'multiple_overlapping' (as few evenly spaced, "
+        "possibly overlapping clips as cover the whole video). Default 'single_beginning'.",
+    )
+    caption_prefix: str | None = Field(
+        None, description="Text put in front of every caption, as is (include a trailing space or comma)."
+    )
+    shuffle_tags: bool | None = Field(
+        None,
+        description="Treat captions as tag lists and cache shuffled orders of them (the prefix stays first).",
+    )
+    tag_delimiter: str | None = Field(
+        None, description="What separates tags when shuffle_tags is on. Default ', '."
+    )
+    cache_shuffle_num: int | None = Field(
+        None,
+        ge=1,
+        description="How many shuffled caption variants are cached per item when shuffle_tags is on. "
+        "Default 4.",
+    )
+    allow_empty_captions: bool | None = Field(
+        None,
+        description="Keep items without a caption (trained with an empty prompt). When false they are "
+        "left out with a warning. Default false.",
+    )
+
+    _check_res = field_validator("resolutions")(_check_resolutions)
+    _check_ar = field_validator("ar_buckets")(_check_ar_buckets)
+    _check_frames = field_validator("frame_buckets")(_check_frame_buckets)
+
+
+class DirectoryConfig(_Overridable):
+    """One ``[[directory]]`` entry: a folder of media and captions."""
+
+    path: Path = Field(
+        description="Folder of images/videos (searched recursively) with captions beside them."
+    )
+    num_repeats: int = Field(
+        1, ge=1, description="How many times each item of this folder is seen per epoch."
+    )
+    mask_path: Path | None = Field(
+        None,
+        description="Folder of grayscale loss masks named like the media (any image extension, same relative "
+        "path); white = train, black = ignore. Items without a mask train on the whole image.",
+    )
+
+
+class DatasetConfig(_Overridable):
+    """Top-level keys of the dataset TOML."""
+
+    resolutions: list[Resolution] = Field(
+        [512],
+        description="Training resolutions: a side length (512 means a 512x512 area) or a "
+        "[width, height] pair (its area; without AR bucketing exactly that size). Each item is used once "
+        "per resolution.",
+    )
+    enable_ar_bucket: bool = Field(
+        False, description="Bucket items by aspect ratio instead of center-cropping everything to one shape."
+    )
+    frame_buckets: list[int] = Field(
+        [1],
+        description="Video frame counts to train on (after resampling to the model's frame rate); each video "
+        "goes to the largest bucket it fills. Counts must fit the model (frame_multiple * k + frame_offset). "
+        "Images are always 1 frame.",
+    )
+    video_clip_mode: ClipMode = Field(
+        "single_beginning",
+        description="Which frames of a video to use: 'single_beginning' (one clip from the start), "
+        "'single_middle' (one clip from the middle) or 'multiple_overlapping' (as few evenly spaced, "
+        "possibly overlapping clips as cover the whole video).",
+    )
+    caption_prefix: str = Field("", description="Text put in front of every caption, as is.")
+    shuffle_tags: bool = Field(
+        False,
+        description="Treat captions as tag lists and cache shuffled orders of them (the prefix stays first).",
+    )
+    tag_delimiter: str = Field(", ", description="What separates tags when shuffle_tags is on.")
+    cache_shuffle_num: int = Field(
+        4, ge=1, description="How many shuffled caption variants are cached per item when shuffle_tags is on."
+    )
+    allow_empty_captions: bool = Field(
+        False,
+        description="Keep items without a caption (trained with an empty prompt). When false they are "
+        "left out with a warning.",
+    )
+    uncond_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of samples trained with the empty prompt (caption dropout); the empty prompt's "
+        "embedding is cached once.",
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="Where cached latents and text embeddings go. Default: 'cache' beside the dataset TOML.",
+    )
+    directory: list[DirectoryConfig] = Field(
+        description="The media folders ([[directory]] entries); at least one.", min_length=1
+    )
+    _source: Path | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> Path | None:
+        """The dataset TOML this config was loaded from (None when built in code)."""
+        return self._source
+
+    def settings_for(self, index: int) -> DirectorySettings:
+        """The effective settings of ``directory[index]``: its overrides over the top-level keys."""
+        d = self.directory[index]
+
+        def pick(key: str) -> Any:
+            value = getattr(d, key)
+            return getattr(self, key) if value is None else value
+
+        ar_buckets = pick("ar_buckets")
+        min_ar = d.min_ar if d.min_ar is not None else self.min_ar
+        max_ar = d.max_ar if d.max_ar is not None else self.max_ar
+        ratios = [_ratio(a) for a in ar_buckets] if ar_buckets is not None else None
+        if min_ar is None:
+            min_ar = min(ratios) if ratios else DEFAULT_MIN_AR
+        if max_ar is None:
+            max_ar = max(ratios) if ratios else DEFAULT_MAX_AR
+        num = pick("num_ar_buckets")
+        return DirectorySettings(
+            index=index,
+            path=d.path,
+            num_repeats=d.num_repeats,
+            mask_path=d.mask_path,
+            resolutions=tuple(pick("resolutions")),
+            enable_ar_bucket=pick("enable_ar_bucket"),
+            min_ar=float(min_ar),
+            max_ar=float(max_ar),
+            num_ar_buckets=7 if num is None else num,
+            ar_buckets=tuple(ratios) if ratios is not None else None,
+            frame_buckets=tuple(sorted(set(pick("frame_buckets")))),
+            video_clip_mode=pick("video_clip_mode"),
+            caption_prefix=pick("caption_prefix"),
+            shuffle_tags=pick("shuffle_tags"),
+            tag_delimiter=pick("tag_delimiter"),
+            cache_shuffle_num=pick("cache_shuffle_num"),
+            allow_empty_captions=pick("allow_empty_captions"),
+        )
+
+
+def _ratio(ar: AspectRatio) -> float:
+    return ar[0] / ar[1] if isinstance(ar, tuple) else float(ar)
+
+
+@dataclass(frozen=True)
+class DirectorySettings:
+    """Effective settings of one ``[[directory]]`` (top level merged with its overrides)."""
+
+    index: int
+    path: Path
+    num_repeats: int
+    mask_path: Path | None
+    resolutions: tuple[Resolution, ...]
+    enable_ar_bucket: bool
+    min_ar: float
+    max_ar: float
+    num_ar_buckets: int
+    ar_buckets: tuple[float, ...] | None  # explicit ratios (width / height), or None for log-spaced
+    frame_buckets: tuple[int, ...]
+    video_clip_mode: str
+    caption_prefix: str
+    shuffle_tags: bool
+    tag_delimiter: str
+    cache_shuffle_num: int
+    allow_empty_captions: bool
+
+
+def _resolve(value: Any, base: Path) -> Any:
+    if isinstance(value, str) and value:
+        p = Path(value).expanduser()
+        return str(p if p.is_absolute() else (base / p).resolve())
+    return value
+
+
+def load_dataset_config(path: Path | str) -> DatasetConfig:
+    """Read and validate a dataset TOML; raise :class:`ConfigError` listing every problem.
+
+    Relative paths resolve against the TOML's folder; every ``[[directory]]`` path (and mask_path) must
+    exist. ``cache_dir`` defaults to ``<toml folder>/cache``.
+    """
+    path = Path(path).resolve()
+    source = str(path)
+    data = dict(read_toml(path))
+    base = path.parent
+    data["cache_dir"] = _resolve(data.get("cache_dir"), base)
+    if isinstance(data.get("directory"), list):
+        entries = []
+        for entry in data["directory"]:
+            if isinstance(entry, dict):
+                entry = dict(entry)
+                for key in ("path", "mask_path"):
+                    entry[key] = _resolve(entry.get(key), base) if key in entry else None
+                if entry["mask_path"] is None:
+                    del entry["mask_path"]
+                if entry["path"] is None:
+                    del entry["path"]
+            entries.append(entry)
+        data["directory"] = entries
+    elif isinstance(data.get("directory"), dict):
+        problems = [f"{source}: directory: write [[directory]] (a list of tables), not [directory]"]
+        raise ConfigError(problems)
+    cfg = validate(DatasetConfig, data, source)
+    if cfg.cache_dir is None:
+        cfg = cfg.model_copy(update={"cache_dir": base / "cache"})
+    cfg._source = path
+
+    problems: list[str] = []
+    for i, d in enumerate(cfg.directory):
+        if not d.path.exists():
+            problems.append(f"{source}: directory[{i}].path: directory not found: {d.path}")
+        elif not d.path.is_dir():
+            problems.append(f"{source}: directory[{i}].path: not a directory: {d.path}")
+        if d.mask_path is not None and not d.mask_path.is_dir():
+            problems.append(f"{source}: directory[{i}].mask_path: directory not found: {d.mask_path}")
+        s = cfg.settings_for(i)
+        where = "" if (d.min_ar is None and d.max_ar is None) else f"directory[{i}]."
+        if s.enable_ar_bucket and s.min_ar > s.max_ar:
+            problems.append(f"{source}: {where}min_ar: {s.min_ar} is larger than max_ar {s.max_ar}")
+    if problems:
+        raise ConfigError(problems)
+    return cfg

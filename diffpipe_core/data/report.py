@@ -1,0 +1,75 @@
+"""The ``diffpipe data`` report: buckets, micro-batches per epoch, and every file left out with why."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from diffpipe_core.data.items import Bucket, ScanResult
+from diffpipe_core.data.scan import reason_category
+
+
+def bucket_counts(scan: ScanResult) -> dict[Bucket, int]:
+    """Samples per epoch in each bucket (each item counted ``repeats`` times), sorted by bucket."""
+    counts: dict[Bucket, int] = defaultdict(int)
+    for item in scan.items:
+        counts[item.bucket] += item.repeats
+    return dict(sorted(counts.items()))
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
+
+    return [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
+
+
+def format_report(scan: ScanResult, micro_batch_size: int, dp_world_size: int) -> str:
+    """A plain-text report: one row per bucket (size, frames, samples per epoch including repeats,
+    micro-batches per epoch on each data-parallel rank, and the remainder that cannot fill a global
+    micro-batch of ``micro_batch_size * dp_world_size``), then every skipped file and a summary."""
+    per_step = micro_batch_size * dp_world_size
+    counts = bucket_counts(scan)
+    rows = []
+    total_batches = total_rest = 0
+    for bucket, n in counts.items():
+        batches, rest = divmod(n, per_step)
+        total_batches += batches
+        total_rest += rest
+        rows.append([f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), str(batches), str(rest)])
+    lines = [
+        f"Buckets (micro_batch_size={micro_batch_size}, data-parallel ranks={dp_world_size}):",
+        *_table(
+            ["resolution", "frames", "items", "micro-batches/rank", "remainder"],
+            [*rows, ["total", "", str(sum(counts.values())), str(total_batches), str(total_rest)]],
+            right={1, 2, 3, 4},
+        ),
+    ]
+    if total_rest:
+        lines.append(
+            f"{total_rest} samples per epoch are a remainder that cannot fill a micro-batch on every "
+            "data-parallel rank in their bucket."
+        )
+    empty = [b for b, n in counts.items() if n < per_step]
+    if empty:
+        lines.append("buckets too small for even one micro-batch: " + ", ".join(map(str, empty)))
+    lines.append("")
+    if scan.skipped:
+        lines.append(f"Left out ({len(scan.skipped)} files):")
+        lines += _table(
+            ["file", "reason"],
+            [[str(s.path), s.reason] for s in sorted(scan.skipped, key=lambda s: str(s.path))],
+            right=set(),
+        )
+        lines.append("")
+    files = len({item.path for item in scan.items})
+    by_cat = Counter(reason_category(s.reason) for s in scan.skipped)
+    summary = f"Summary: {files} files used, {len(scan.items)} items in {len(counts)} buckets, "
+    summary += f"{len(scan.skipped)} files left out"
+    if by_cat:
+        summary += " (" + ", ".join(f"{n} {cat}" for cat, n in by_cat.most_common()) + ")"
+    lines.append(summary + ".")
+    return "\n".join(lines)
