@@ -36,11 +36,22 @@ def sample_timesteps(
     sigmoid_scale: float = 1.0,
     shift: float = 1.0,
     device: torch.device | str = "cpu",
+    quantile: float | None = None,
 ) -> torch.Tensor:
     """Draw ``n`` flow-matching times in (0, 1).
 
     ``logit_normal``: ``sigmoid(sigmoid_scale * N(0, 1))``; ``uniform``: U(0, 1). Then the time shift.
+    With ``quantile`` (evaluation), every sample gets that quantile of the same distribution instead.
     """
+    if quantile is not None:
+        q = torch.full((n,), float(quantile))
+        if method == "logit_normal":
+            t = torch.sigmoid(sigmoid_scale * math.sqrt(2.0) * torch.erfinv(2 * q - 1))
+        elif method == "uniform":
+            t = q
+        else:
+            raise ValueError(f"unknown timestep_sample_method {method!r}; valid: 'logit_normal', 'uniform'")
+        return shift_timesteps(t, shift).to(device)
     if method == "logit_normal":
         t = torch.sigmoid(sigmoid_scale * torch.randn(n, generator=generator))
     elif method == "uniform":

@@ -76,8 +76,14 @@ class EncodeBatch:
 
 @dataclass
 class TrainingContext:
-    """Read-only facts about the run that hooks may use (passed to ``prepare_inputs``)."""
+    """Facts about the run that ``prepare_inputs`` may use.
+
+    ``step`` is the 0-based optimizer step. ``eval_quantile`` is set while evaluating held-out data:
+    use that quantile of the timestep distribution for every sample instead of sampling
+    (``diffpipe_core.diffusion.sample_timesteps(..., quantile=context.eval_quantile)`` does it).
+    """
 
     model_config: ModelConfigBase
     step: int = 0
+    eval_quantile: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -49,13 +49,22 @@ lr = 3e-3
 """
 
 
-def make_project(root: Path, *, stages: int = 1, max_steps: int = 12, ckpt: int = 4, name: str = "run.toml") -> Path:
+def make_project(
+    root: Path,
+    *,
+    stages: int = 1,
+    max_steps: int = 12,
+    ckpt: int = 4,
+    name: str = "run.toml",
+    extra: str = "",
+    tables: str = "",
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if not (root / "model").exists():
         write_tiny_model(root / "model")
         write_image_dataset(root / "images", 8, size=(64, 64))
         write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
-    (root / name).write_text(RUN_TOML.format(max_steps=max_steps, stages=stages, ckpt=ckpt))
+    (root / name).write_text(extra + RUN_TOML.format(max_steps=max_steps, stages=stages, ckpt=ckpt) + tables)
     return root / name
 
 
@@ -68,7 +77,8 @@ def losses(run_dir: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        out[record["step"]] = record["loss"]
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
     return out
 
 
@@ -107,8 +117,10 @@ def test_two_pipeline_stages_match_one_process(single: Path, tmp_path: Path) -> 
     assert "stage=0" in out or len(seq) == 6
 
 
-def test_two_data_parallel_replicas(tmp_path: Path) -> None:
-    config = make_project(tmp_path, stages=1, max_steps=16, ckpt=100)
+def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
+    extra = "eval_every_n_steps = 8\nactivation_checkpointing = true\n"
+    tables = '[[eval_datasets]]\nname = "held"\nconfig = "dataset.toml"\n'
+    config = make_project(tmp_path, stages=1, max_steps=16, ckpt=100, extra=extra, tables=tables)
     train(tmp_path, config, "--num-procs", "2")
     run = run_dirs(tmp_path)[0]
     seq = losses(run)
@@ -117,6 +129,15 @@ def test_two_data_parallel_replicas(tmp_path: Path) -> None:
     assert last < first
     info = json.loads((run / "run_info.json").read_text())
     assert info["num_procs"] == 2
+    evals = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval" in record:
+            evals[record["step"]] = record["eval"]
+    assert sorted(evals) == [8, 16]
+    assert set(evals[8]) == {"held/loss", *(f"held/t_q{q}" for q in ("0.1", "0.3", "0.5", "0.7", "0.9"))}
+    # the eval set is the training set here, so held-out loss must fall as the model overfits
+    assert evals[16]["held/loss"] < evals[8]["held/loss"]
 
 
 def test_kill_and_resume_repeats_the_losses(tmp_path: Path) -> None:

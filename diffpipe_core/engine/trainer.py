@@ -39,6 +39,7 @@ from diffpipe_core.types import TrainingContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_CONSECUTIVE_NONFINITE = 5
+EVAL_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 def mix_seed(*parts: int) -> int:
@@ -97,12 +98,19 @@ class Trainer:
     """Builds the pipeline engine for this rank and runs the loop."""
 
     def __init__(
-        self, cfg: ResolvedConfig, plugin: ModelPlugin, dataset: Any, run_dir: Path, device: torch.device
+        self,
+        cfg: ResolvedConfig,
+        plugin: ModelPlugin,
+        dataset: Any,
+        run_dir: Path,
+        device: torch.device,
+        eval_datasets: dict[str, Any] | None = None,
     ) -> None:
         from diffpipe_core.data import BucketSampler
 
         self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
         self.device = device
+        self.eval_datasets = eval_datasets or {}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.stages = self.run.pipeline_stages
         self.dp = self.world // self.stages
@@ -287,6 +295,36 @@ class Trainer:
             )
         return out
 
+    def evaluate(self, step: int, writer: Any) -> dict[str, float]:
+        """Held-out loss of every eval dataset at fixed timestep quantiles (no dropout, no update).
+
+        Every eval micro-batch of this rank's share goes through the pipeline once per quantile, with
+        noise seeded by its position, so eval losses are comparable across steps and runs.
+        """
+        from diffpipe_core.data import BucketSampler
+
+        results: dict[str, float] = {}
+        for name, dataset in self.eval_datasets.items():
+            per_quantile = []
+            for q in EVAL_QUANTILES:
+                sampler = BucketSampler(dataset.groups(), self.run.micro_batch_size_per_gpu, self.dp_rank, self.dp, 0)
+                if len(sampler) == 0:
+                    break
+                context = TrainingContext(model_config=self.cfg.model, step=step, eval_quantile=q)
+                batches = MicroBatches(dataset, sampler, self.plugin, context, self.run.seed + 1, self.dp_rank, 0)
+                loss = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(sampler)))
+                per_quantile.append(loss)
+                results[f"{name}/t_q{q:.1f}"] = loss
+            if per_quantile:
+                results[f"{name}/loss"] = sum(per_quantile) / len(per_quantile)
+        if writer is not None:
+            for key, value in results.items():
+                writer.add_scalar(f"eval/{key}", value, step)
+        if self.rank == 0 and results:
+            means = ", ".join(f"{k.split('/')[0]} {v:.4f}" for k, v in results.items() if k.endswith("/loss"))
+            tqdm.write(f"diffpipe: step {step} eval loss: {means}")
+        return results
+
     # ----------------------------------------------------------------------------- loop
     def train(self, resume_from: Path | None = None) -> TrainSummary:
         run = self.run
@@ -374,6 +412,14 @@ class Trainer:
             ):
                 if step < self.total_steps:
                     self._save(f"step-{step:07d}")
+            if self.eval_datasets and (
+                (run.eval_every_n_steps and step % run.eval_every_n_steps == 0)
+                or (epoch_done and run.eval_every_n_epochs and self._epoch(step) % run.eval_every_n_epochs == 0)
+            ):
+                evals = self.evaluate(step, writer)
+                if metrics_file is not None and evals:
+                    metrics_file.write(json.dumps({"step": step, "eval": evals}) + "\n")
+                    metrics_file.flush()
             if step < self.total_steps and self._checkpoint_due(step, last_ckpt_time):
                 self._checkpoint(step, batches.micro_index)
                 last_ckpt_time = time.monotonic()

@@ -64,13 +64,30 @@ def main(argv: list[str] | None = None) -> int:
             trust_cache=args.trust_cache,
             progress=rank == 0,
         )
+        eval_datasets = {
+            ev.name: prepare_cache(
+                ev.config,
+                plugin,
+                cfg.model,
+                rank=rank,
+                world_size=world,
+                barrier=dist.barrier,
+                device=device,
+                batch_size=cfg.run.caching_batch_size,
+                regenerate=args.regenerate,
+                strict=args.strict,
+                trust_cache=args.trust_cache,
+                progress=rank == 0,
+            )
+            for ev in cfg.run.eval_datasets
+        }
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if not args.cache_only:
             from diffpipe_core.engine.trainer import Trainer
 
-            trainer = Trainer(cfg, plugin, dataset, Path(args.run_dir), device)
+            trainer = Trainer(cfg, plugin, dataset, Path(args.run_dir), device, eval_datasets)
             trainer.train(Path(args.resume_from) if args.resume_from else None)
     except Exception as exc:  # report once per rank, then fail the launch
         print(f"diffpipe: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ from torch import nn
 
 from diffpipe_core import EncodeBatch, ModelConfigBase, ModelSpec, TrainingContext, hookimpl
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_reference.model import ByteTextEncoder, TinyDiT, TinyVAE, load_module, read_config
+from diffpipe_reference.model import ByteTextEncoder, TinyDiT, TinyVAE, load_module
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -117,7 +117,14 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
     cfg: ReferenceConfig = context.model_config  # type: ignore[assignment]
     latents = batch["latents"].float()
     noise = torch.randn(latents.shape, generator=generator)
-    t = sample_timesteps(latents.shape[0], generator, cfg.timestep_sample_method, cfg.sigmoid_scale, cfg.shift)
+    t = sample_timesteps(
+        latents.shape[0],
+        generator,
+        cfg.timestep_sample_method,
+        cfg.sigmoid_scale,
+        cfg.shift,
+        quantile=context.eval_quantile,
+    )
     x_t, target = flow_matching_pair(latents, noise, t)
     targets = (target, batch["mask"]) if "mask" in batch else (target,)
     return (x_t, t, batch["text_embeds"].float()), targets
@@ -137,8 +144,3 @@ def lora_targets(model_config: ReferenceConfig) -> list[str]:
 @hookimpl
 def adapter_key_prefix() -> str:
     return "transformer"
-
-
-def model_folder_config(path: Path):
-    """The architecture config of a reference model folder (for tools and tests)."""
-    return read_config(path)
