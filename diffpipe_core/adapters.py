@@ -9,6 +9,7 @@ per module so tools that read alpha only from tensors apply the right strength),
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,33 @@ def with_alpha(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.
 def diffusers_format(state: dict[str, torch.Tensor], prefix: str, alpha: float) -> dict[str, torch.Tensor]:
     """The default export: peft keys under the diffusers pipeline prefix, with ``.alpha`` tensors."""
     return {f"{prefix}.{k}": v for k, v in with_alpha(state, alpha).items()}
+
+
+def kohya_format(
+    state: dict[str, torch.Tensor],
+    alpha: float,
+    prefix: str = "lora_unet",
+    rename: Callable[[str], str | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """peft keys -> kohya keys, as ComfyUI and A1111 load them.
+
+    ``blocks.0.attn.to_q.lora_A.weight`` becomes ``<prefix>_blocks_0_attn_to_q.lora_down.weight`` (``lora_B`` ->
+    ``lora_up``) plus a scalar ``.alpha``. ``rename`` first maps the module path (e.g. diffusers -> original
+    SGM/BFL names); returning None drops that module.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        for part, kohya in ((".lora_A.weight", "lora_down"), (".lora_B.weight", "lora_up")):
+            if key.endswith(part):
+                module = key[: -len(part)]
+                module = rename(module) if rename else module
+                if module is None:
+                    break
+                name = f"{prefix}_{module.replace('.', '_')}"
+                out[f"{name}.{kohya}.weight"] = value
+                out[f"{name}.alpha"] = torch.tensor(float(alpha))
+                break
+    return out
 
 
 def peft_adapter_config(config: LoraConfig) -> dict[str, Any]:
