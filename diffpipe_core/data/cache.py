@@ -1,0 +1,464 @@
+"""The content-keyed cache of latents and text embeddings, and the dataset that reads it.
+
+Layout under ``DatasetConfig.cache_dir``::
+
+    <model name>/<dataset TOML stem>/
+        index.json                      the last prepared item list (used as is by trust_cache)
+        <fingerprint[:16]>/             one folder per encoder fingerprint (plugin, version, settings)
+            media/<shard>/              latents etc., one shard per few batches of one bucket
+            captions/<shard>/           text embeddings
+            failed/<rank>-<id>.json     media that failed to decode (skipped until its content changes)
+
+Every entry is keyed by content (see :mod:`diffpipe_core.data.cache_keys`); an entry whose inputs
+changed simply has another key, so nothing stale is ever read. After a successful run, shards holding
+no live entry and folders of other fingerprints are deleted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from diffpipe_core.data.cache_encode import (
+    MediaWork,
+    ShardBuffer,
+    decoded_batches,
+    encode_captions,
+    encode_media,
+)
+from diffpipe_core.data.cache_keys import caption_key, encoder_fingerprint, mask_content_key, media_key
+from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
+from diffpipe_core.data.items import Bucket, MediaItem
+from diffpipe_core.types import ModelConfigBase
+
+log = logging.getLogger("diffpipe.data")
+
+INDEX_FORMAT = 1
+DEFAULT_SHARD_BATCHES = 16
+
+
+class CacheError(Exception):
+    """The cache cannot serve the dataset (entries missing, incompatible tensors)."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One dataset item as the cache sees it."""
+
+    id: str
+    bucket: Bucket
+    repeats: int
+    media_key: str
+    caption_keys: tuple[str, ...]
+
+
+def caption_variants(item: MediaItem) -> tuple[str, ...]:
+    """The caption texts cached for an item: its shuffled variants if the scan made any, else its caption."""
+    return tuple(getattr(item, "caption_variants", ()) or ()) or (item.caption,)
+
+
+def cache_root(cache_dir: Path, model_name: str, dataset_toml: Path) -> Path:
+    """The cache folder of one dataset for one model."""
+    return Path(cache_dir) / model_name / Path(dataset_toml).stem
+
+
+# ------------------------------------------------------------------------------------------ dataset
+class CachedDataset:
+    """Cached samples of one dataset, indexed ``0 .. len-1`` with ``num_repeats`` expanded.
+
+    ``collate`` stacks the cached tensors of a list of indices from one bucket; ``groups`` lists the
+    indices per bucket for :class:`~diffpipe_core.data.sampler.BucketSampler`. Tensors are memory-mapped.
+    """
+
+    def __init__(self, entries: list[CacheEntry], fp_dir: Path, uncond_fraction: float,
+                 empty_caption_key: str | None, summary: dict[str, Any] | None = None) -> None:
+        self.entries = entries
+        self.uncond_fraction = float(uncond_fraction)
+        self.summary: dict[str, Any] = summary or {}
+        self._media_shards = list_shards(fp_dir / "media")
+        self._caption_shards = list_shards(fp_dir / "captions")
+        media_loc = _locate(self._media_shards, {e.media_key for e in entries})
+        caption_loc = _locate(self._caption_shards,
+                              {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None}))
+        missing = [e.id for e in entries if e.media_key not in media_loc
+                   or any(k not in caption_loc for k in e.caption_keys)]
+        if missing:
+            raise CacheError(
+                f"the cache in {fp_dir} lacks entries for {len(missing)} item(s), e.g. {', '.join(missing[:5])}; "
+                "run caching again (without trust_cache), or with regenerate to rebuild it"
+            )
+        if self.uncond_fraction > 0 and (empty_caption_key is None or empty_caption_key not in caption_loc):
+            raise CacheError(f"the cache in {fp_dir} has no empty-prompt embedding for uncond_fraction="
+                             f"{self.uncond_fraction}; run caching again without trust_cache")
+        clash = _columns(self._media_shards) & _columns(self._caption_shards)
+        if clash:
+            raise CacheError(f"encode_batch returned the same key(s) {sorted(clash)} for media and captions; "
+                             "a plugin must name them differently")
+        self._media = np.array([media_loc[e.media_key] for e in entries], dtype=np.int64).reshape(-1, 2)
+        self._captions = [tuple(caption_loc[k] for k in e.caption_keys) for e in entries]
+        self._empty = caption_loc.get(empty_caption_key) if empty_caption_key is not None else None
+        repeats = np.array([e.repeats for e in entries], dtype=np.int64)
+        self._item_of = np.repeat(np.arange(len(entries)), repeats)
+
+    def __len__(self) -> int:
+        return len(self._item_of)
+
+    def groups(self) -> list[list[int]]:
+        """Sample indices per bucket (buckets sorted, indices ascending)."""
+        by_bucket: dict[Bucket, list[int]] = {}
+        for index, item in enumerate(self._item_of.tolist()):
+            by_bucket.setdefault(self.entries[item].bucket, []).append(index)
+        return [by_bucket[b] for b in sorted(by_bucket)]
+
+    def bucket_of(self, index: int) -> Bucket:
+        return self.entries[int(self._item_of[index])].bucket
+
+    def sample_ids(self, indices: list[int]) -> list[str]:
+        """The items' ids (file path, ``#clip`` for video clips), for error messages."""
+        return [self.entries[int(self._item_of[i])].id for i in indices]
+
+    def collate(self, indices: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Stacked tensors of the given samples: every media and caption key the plugin returned.
+
+        Random choices (caption dropout with probability ``uncond_fraction``, and which cached caption
+        variant) come from ``generator``, two uniform draws per sample whatever the data, so equal
+        generators give equal batches.
+        """
+        if not indices:
+            raise ValueError("collate: empty list of indices")
+        n = len(indices)
+        drop = torch.rand(n, generator=generator) < self.uncond_fraction
+        pick = torch.rand(n, generator=generator)
+        items = [int(self._item_of[i]) for i in indices]
+        buckets = {self.entries[i].bucket for i in items}
+        if len(buckets) > 1:
+            raise ValueError(f"collate: samples from {len(buckets)} buckets ({', '.join(map(str, sorted(buckets)))}) "
+                             f"cannot be stacked: {', '.join(self.sample_ids(indices))}")
+        media = [tuple(self._media[i]) for i in items]
+        captions = []
+        for j, i in enumerate(items):
+            if drop[j]:
+                captions.append(self._empty)
+            else:
+                options = self._captions[i]
+                captions.append(options[min(int(pick[j] * len(options)), len(options) - 1)])
+        out = _gather(self._media_shards, media, self.sample_ids(indices))
+        out.update(_gather(self._caption_shards, captions, self.sample_ids(indices)))
+        return out
+
+
+def _locate(shards: list[Shard], wanted: set[str]) -> dict[str, tuple[int, int]]:
+    loc: dict[str, tuple[int, int]] = {}
+    for s, shard in enumerate(shards):
+        for row, key in enumerate(shard.keys):
+            if key in wanted:
+                loc[key] = (s, row)
+    return loc
+
+
+def _columns(shards: list[Shard]) -> set[str]:
+    return {c for shard in shards for c in shard.columns}
+
+
+def _gather(shards: list[Shard], locs: list[tuple[int, int]], ids: list[str]) -> dict[str, torch.Tensor]:
+    """Rows from several shards, stacked in the order of ``locs`` (filled in numpy: small copies there
+    cost microseconds, torch's indexing costs more)."""
+    by_shard: dict[int, list[int]] = {}
+    for pos, (s, _) in enumerate(locs):
+        by_shard.setdefault(int(s), []).append(pos)
+    first = shards[next(iter(by_shard))]
+    columns = first.columns
+    out = {name: np.empty((len(locs), *array.shape[1:]), dtype=array.dtype) for name, array in first.arrays().items()}
+    for s, positions in by_shard.items():
+        shard = shards[s]
+        if shard.columns != columns:
+            raise CacheError(f"cached tensors of {', '.join(ids)} differ in keys or shapes and cannot be stacked")
+        rows = [int(locs[p][1]) for p in positions]
+        for name, array in shard.arrays().items():
+            out[name][positions] = array[rows]
+    return {name: _to_torch(array, columns[name][1]) for name, array in out.items()}
+
+
+def _to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+# ------------------------------------------------------------------------------------------ caching
+def prepare_cache(
+    dataset_toml: Path,
+    plugin: Any,
+    model_config: ModelConfigBase,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+    device: torch.device = torch.device("cpu"),
+    batch_size: int = 4,
+    regenerate: bool = False,
+    strict: bool = False,
+    trust_cache: bool = False,
+    progress: bool = True,
+    decode_workers: int | None = None,
+    shard_batches: int = DEFAULT_SHARD_BATCHES,
+) -> CachedDataset:
+    """Scan the dataset, encode what the cache lacks (this rank's share), and open the whole cache.
+
+    Args:
+        dataset_toml: the dataset TOML.
+        plugin: the model plugin (:class:`~diffpipe_core.registry.ModelPlugin`).
+        model_config: its validated ``[model]`` config; the keys in ``plugin.spec.encoder_settings``
+            are part of every cache key.
+        rank / world_size / barrier: every rank encodes a disjoint round-robin share of the missing
+            entries; ``barrier`` must block until all ranks reach it (e.g. ``torch.distributed.barrier``).
+            All ranks must see the same cache folder.
+        device: where the encoders run.
+        batch_size: samples per ``encode_batch`` call.
+        regenerate: discard this dataset's cache and encode everything.
+        strict: key media by a hash of their bytes instead of size + mtime.
+        trust_cache: open the stored index without scanning the files (falls back to a scan if the
+            index is missing or was made with other encoder settings).
+        progress: show a progress bar and summary line (rank 0).
+        decode_workers: DataLoader workers decoding ahead of the encoder (default:
+            ``$DIFFPIPE_DECODE_WORKERS`` or ``min(4, cpus - 1)``).
+        shard_batches: batches per shard file; an interrupted run keeps every finished shard.
+    """
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    start = time.perf_counter()
+    show = progress and rank == 0
+    dataset_toml = Path(dataset_toml)
+    cfg = load_dataset_config(dataset_toml)
+    spec = plugin.spec
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings))
+    root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
+    fp_dir = root / fingerprint[:16]
+    index_path = root / "index.json"
+    empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+
+    if trust_cache and not regenerate:
+        index = _read_index(index_path, fingerprint)
+        if index is not None:
+            entries = index["entries"]
+            summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                               len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
+            try:
+                dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
+            except CacheError as exc:
+                log.warning("trust_cache: %s; checking every file instead", exc)
+            else:
+                summary["seconds"] = round(time.perf_counter() - start, 3)
+                _report(summary, show)
+                return dataset
+        else:
+            log.warning("%s: no cache index for these encoder settings; checking every file", index_path)
+
+    if regenerate:
+        if rank == 0:
+            shutil.rmtree(fp_dir, ignore_errors=True)
+            index_path.unlink(missing_ok=True)
+        barrier()
+
+    # -- plan: the same on every rank, made before any rank writes
+    from diffpipe_core.data.scan import scan_dataset
+
+    scan = scan_dataset(cfg, spec, strict=strict)
+    use_masks = any(item.mask_path is not None for item in scan.items)
+    entries: list[CacheEntry] = []
+    first_item: dict[str, MediaItem] = {}
+    texts: dict[str, str] = {}
+    for item in scan.items:
+        key = media_key(item, mask_content_key(item, use_masks, strict), fingerprint)
+        first_item.setdefault(key, item)
+        variants = caption_variants(item)
+        keys = tuple(caption_key(t, fingerprint) for t in variants)
+        texts.update(zip(keys, variants))
+        entries.append(CacheEntry(item.id, item.bucket, item.repeats, key, keys))
+    if empty_key is not None:
+        texts[empty_key] = ""
+
+    cached_media = {k for shard in list_shards(fp_dir / "media") for k in shard.keys}
+    cached_captions = {k for shard in list_shards(fp_dir / "captions") for k in shard.keys}
+    failed = _read_failures(fp_dir / "failed")
+    todo_media = [k for k in first_item if k not in cached_media and k not in failed]
+    known_bad = sum(1 for k in first_item if k in failed)  # failed before, content unchanged: not retried
+    todo_captions = [k for k in texts if k not in cached_captions]
+    barrier()
+
+    # -- encode this rank's share
+    my_media = [MediaWork(k, first_item[k]) for k in todo_media[rank::world_size]]
+    my_captions = todo_captions[rank::world_size]
+    encoded_media, new_failures = 0, []
+    if my_media or my_captions:
+        encoded_media, new_failures = _encode_share(
+            plugin, model_config, spec, fp_dir, rank, my_media, my_captions, texts, use_masks, device,
+            batch_size, shard_batches, _workers(decode_workers), show,
+        )
+    barrier()
+
+    # -- rank 0 tidies up and records the index; then everyone opens the whole cache
+    failed = _read_failures(fp_dir / "failed")
+    skipped = [(str(s.path), s.reason) for s in scan.skipped]
+    skipped += [(str(first_item[k].path), failed[k]) for k in first_item if k in failed]
+    entries = [e for e in entries if e.media_key not in failed]
+    if rank == 0:
+        _collect_garbage(root, fp_dir, set(first_item), set(texts))
+        _write_index(index_path, fingerprint, entries, skipped)
+    barrier()
+    if not entries:
+        raise CacheError(f"{dataset_toml}: every item failed to decode; see the warnings above")
+    reused_media = len(first_item) - len(todo_media) - known_bad
+    reused_captions = len(texts) - len(todo_captions)
+    summary = _summary(entries, encoded_media, len(my_captions), reused_media, reused_captions, skipped, start)
+    summary["encoded_media_all_ranks"] = len(todo_media) - len([k for k in todo_media if k in failed])
+    summary["encoded_captions_all_ranks"] = len(todo_captions)
+    summary["decode_failures"] = len(new_failures)
+    dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    _report(summary, show)
+    return dataset
+
+
+def _workers(requested: int | None) -> int:
+    if requested is not None:
+        return max(0, requested)
+    env = os.environ.get("DIFFPIPE_DECODE_WORKERS")
+    if env:
+        return max(0, int(env))
+    return max(0, min(4, (os.cpu_count() or 1) - 1))
+
+
+def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir: Path, rank: int,
+                  my_media: list[MediaWork], my_captions: list[str], texts: dict[str, str], use_masks: bool,
+                  device: torch.device, batch_size: int, shard_batches: int, workers: int,
+                  show: bool) -> tuple[int, list[tuple[MediaWork, str]]]:
+    """Load the encoders, encode captions then media, write failures; always free the encoders."""
+    from diffpipe_core.data.decode import MediaError, load_media
+
+    # Held in a dict so that clearing it drops the only reference, whatever closures exist.
+    held = {"encoders": plugin.require("load_encoders", model_config=model_config, device=device)}
+    bar = tqdm(total=len(my_media) + len(my_captions), unit="item", desc="caching", disable=not show,
+               dynamic_ncols=True)
+    prefix = f"r{rank:03d}-{time.time_ns()}"
+    stream = None
+    try:
+        def encode(batch: Any) -> Any:
+            return plugin.require("encode_batch", encoders=held["encoders"], batch=batch)
+
+        # Decoding workers start now and run ahead while the captions are encoded.
+        stream = decoded_batches(my_media, spec, batch_size, use_masks, workers, load_media, MediaError,
+                                 device.type == "cuda")
+        encode_captions(encode, plugin.name, [texts[k] for k in my_captions], my_captions, batch_size,
+                        ShardBuffer(fp_dir / "captions", prefix, shard_batches), bar.update)
+        encoded, failures = encode_media(encode, plugin.name, my_media, stream, device,
+                                         ShardBuffer(fp_dir / "media", prefix, shard_batches), bar.update)
+        if failures:
+            _write_failures(fp_dir / "failed", prefix, {w.key: reason for w, reason in failures})
+        return encoded, failures
+    finally:
+        bar.close()
+        del stream  # shuts decode workers down, also after an error
+        held.clear()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------ records
+def _summary(entries: list[CacheEntry], encoded_media: int, encoded_captions: int, reused_media: int,
+             reused_captions: int, skipped: list[tuple[str, str]], start: float) -> dict[str, Any]:
+    return {
+        "items": len(entries),
+        "samples": sum(e.repeats for e in entries),
+        "encoded_media": encoded_media,
+        "encoded_captions": encoded_captions,
+        "reused_media": reused_media,
+        "reused_captions": reused_captions,
+        "skipped": len(skipped),
+        "skipped_files": [{"path": p, "reason": r} for p, r in skipped],
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _report(summary: dict[str, Any], show: bool) -> None:
+    line = (f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
+            f"{summary['encoded_media']}, reused {summary['reused_media']} | captions encoded "
+            f"{summary['encoded_captions']}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
+            f"{summary['seconds']:.1f} s")
+    if show:
+        tqdm.write(line, file=sys.stderr)
+    else:
+        log.info(line)
+
+
+def _atomic_write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _write_failures(folder: Path, prefix: str, failures: dict[str, str]) -> None:
+    _atomic_write_json(folder / f"{prefix}-{uuid.uuid4().hex[:8]}.json", failures)
+
+
+def _read_failures(folder: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.json")):
+            if not path.name.startswith("."):
+                out.update(json.loads(path.read_text()))
+    return out
+
+
+def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]]) -> None:
+    rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
+            for e in entries]
+    _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "entries": rows,
+                              "skipped": [list(s) for s in skipped]})
+
+
+def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("format") != INDEX_FORMAT or data.get("fingerprint") != fingerprint:
+        return None
+    entries = [CacheEntry(i, Bucket(w, h, f), r, m, tuple(c)) for i, w, h, f, r, m, c in data["entries"]]
+    return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]]}
+
+
+def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str]) -> None:
+    """Delete other fingerprints' folders, shards without a live entry, stale failure records and temp
+    folders. Runs on rank 0 between barriers, while nobody reads or writes."""
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.is_dir() and path != fp_dir:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.name.startswith(".tmp-"):
+                path.unlink(missing_ok=True)
+    for table, live in (("media", live_media), ("captions", live_captions)):
+        remove_temp_dirs(fp_dir / table)
+        for shard in list_shards(fp_dir / table):
+            if not live.intersection(shard.keys):
+                shutil.rmtree(shard.path, ignore_errors=True)
+    folder = fp_dir / "failed"
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if path.name.startswith(".") or not live_media.intersection(json.loads(path.read_text())):
+                path.unlink(missing_ok=True)

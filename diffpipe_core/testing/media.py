@@ -1,0 +1,64 @@
+"""Tiny on-disk datasets for tests: PNG images with caption files, and a dataset TOML."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def write_png(path: Path, width: int, height: int, seed: int = 0) -> Path:
+    """A smooth random RGB image (so resizing does not alias it into noise)."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, size=(max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    Image.fromarray(coarse).resize((width, height), Image.BILINEAR).save(path)
+    return path
+
+
+def write_image_dataset(
+    folder: Path,
+    n: int,
+    size: tuple[int, int] | Sequence[tuple[int, int]] = (64, 64),
+    captions: Sequence[str] | None = None,
+    seed: int = 0,
+) -> list[Path]:
+    """Write ``n`` PNGs ``img_000.png``... with ``img_000.txt`` captions into ``folder``; return the PNG paths.
+
+    ``size`` is one ``(width, height)`` or one per image; ``captions`` defaults to ``"caption i"``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    sizes = [size] * n if isinstance(size[0], int) else list(size)  # type: ignore[index]
+    if len(sizes) != n:
+        raise ValueError(f"{len(sizes)} sizes for {n} images")
+    paths = []
+    for i in range(n):
+        w, h = sizes[i]  # type: ignore[misc]
+        path = write_png(folder / f"img_{i:03d}.png", w, h, seed=seed * 100_003 + i)
+        caption = captions[i] if captions is not None else f"caption {i}"
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def write_dataset_toml(
+    path: Path, directory: Path, directory_keys: dict[str, object] | None = None, **keys: object
+) -> Path:
+    """A minimal dataset TOML with one ``[[directory]]`` (plus ``directory_keys`` such as ``num_repeats``);
+    ``keys`` become top-level keys (numbers, bools, strings and lists of them)."""
+
+    def fmt(value: object) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str | Path):
+            return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(value, list | tuple):
+            return "[" + ", ".join(fmt(v) for v in value) + "]"
+        return repr(value)
+
+    lines = [f"{k} = {fmt(v)}" for k, v in keys.items()]
+    lines += ["", "[[directory]]", f"path = {fmt(directory)}"]
+    lines += [f"{k} = {fmt(v)}" for k, v in (directory_keys or {}).items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
