@@ -242,3 +242,32 @@ def test_non_finite_loss_is_reported_and_skipped(tmp_path: Path) -> None:
     assert all(torch.isfinite(v.float()).all() for v in state.values())
     ckpt = load_file(str(sorted((run / "checkpoints").glob("step-*"))[-1] / "params-stage0.safetensors"))
     assert all(torch.isfinite(v).all() for v in ckpt.values())
+
+
+def test_full_finetune_on_two_stages_saves_one_shard_per_stage(tmp_path: Path) -> None:
+    config = make_project(tmp_path, stages=2, max_steps=4, ckpt=100)
+    config.write_text(config.read_text().replace("[adapter]\nrank = 8\nalpha = 16\ndropout = 0.1\n", ""))
+    train(tmp_path, config, "--num-procs", "2")
+    saved = run_dirs(tmp_path)[0] / "saved" / "final"
+    index = json.loads((saved / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {name: load_file(str(saved / name)) for name in set(index.values())}
+    assert sorted(shards) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert not set(shards["model-00001-of-00002.safetensors"]) & set(shards["model-00002-of-00002.safetensors"])
+    state = {k: v for shard in shards.values() for k, v in shard.items()}
+    model = TinyDiT(read_config(tmp_path / "model"))
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)  # every tensor, no extras
+    base = load_file(str(tmp_path / "model" / "transformer.safetensors"))
+    changed = [k for k in base if not torch.equal(base[k].to(torch.bfloat16), state[k])]
+    assert len(changed) > len(base) // 2, "full fine-tuning should update most tensors"
+
+
+def test_adapter_init_from_existing(single: Path, tmp_path: Path) -> None:
+    config = make_project(tmp_path, stages=1, max_steps=1, ckpt=100)
+    text = config.read_text().replace("dropout = 0.1", f'dropout = 0.1\ninit_from_existing = "{single}/saved/final"')
+    config.write_text(text.replace("lr = 3e-3", "lr = 1e-12"))
+    train(tmp_path, config, "--num-procs", "1")
+    before, _ = read_adapter(single / "saved" / "final")
+    after, _ = read_adapter(run_dirs(tmp_path)[0] / "saved" / "final")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
