@@ -395,9 +395,12 @@ def _summary(entries: list[CacheEntry], encoded_media: int, encoded_captions: in
 
 
 def _report(summary: dict[str, Any], show: bool) -> None:
+    # totals over all ranks where known, so the line rank 0 prints describes the whole cache
+    media = summary.get("encoded_media_all_ranks", summary["encoded_media"])
+    captions = summary.get("encoded_captions_all_ranks", summary["encoded_captions"])
     line = (f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
-            f"{summary['encoded_media']}, reused {summary['reused_media']} | captions encoded "
-            f"{summary['encoded_captions']}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
+            f"{media}, reused {summary['reused_media']} | captions encoded "
+            f"{captions}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
             f"{summary['seconds']:.1f} s")
     if show:
         tqdm.write(line, file=sys.stderr)

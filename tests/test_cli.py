@@ -1,0 +1,46 @@
+"""`diffpipe data` and `diffpipe cache` through the real CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from diffpipe_reference.model import write_tiny_model
+
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_core.testing.processes import run_diffpipe
+
+RUN = """
+output_dir = "out"
+dataset = "dataset.toml"
+micro_batch_size_per_gpu = 2
+[model]
+type = "reference"
+path = "model"
+"""
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    write_tiny_model(tmp_path / "model")
+    write_image_dataset(tmp_path / "images", 5, size=[(64, 64)] * 3 + [(128, 64)] * 2)
+    (tmp_path / "images" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "images", resolutions=[64], enable_ar_bucket=True)
+    (tmp_path / "run.toml").write_text(RUN)
+    return tmp_path
+
+
+def test_data_command_lists_buckets_and_left_out_files(project: Path) -> None:
+    result = run_diffpipe(["data", "--config", "run.toml"], cwd=project, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "64x64" in result.stdout and "broken.png" in result.stdout
+
+
+@pytest.mark.slow
+def test_cache_command_encodes_once_then_reuses(project: Path) -> None:
+    first = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "2"], cwd=project, timeout=300)
+    assert first.returncode == 0, first.output[-3000:]
+    assert "media encoded 5, reused 0" in first.output and "captions encoded 5, reused 0" in first.output
+    second = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "1"], cwd=project, timeout=300)
+    assert second.returncode == 0, second.output[-3000:]
+    assert "media encoded 0, reused 5" in second.output and "captions encoded 0, reused 5" in second.output
