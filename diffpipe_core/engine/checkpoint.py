@@ -47,8 +47,9 @@ def write_checkpoint(
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-*"):  # from a run killed while saving
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     if dp_rank == 0:
