@@ -130,6 +130,7 @@ def train(
         write_run_info(
             run_dir,
             cfg.path.read_text(),
+            {"run": cfg.run.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json")},
             plugins,
             {"model": cfg.model_name, "num_procs": n, "pipeline_stages": cfg.run.pipeline_stages},
         )

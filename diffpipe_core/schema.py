@@ -85,7 +85,14 @@ def describe_type(annotation: Any) -> str:
         return text + (" (or leave it out)" if type(None) in args else "")
     if origin in (list, tuple):
         inner = describe_type(args[0]) if args else "values"
-        return f"a list of {inner}"
+        plural = {
+            "a table": "tables",
+            "an integer": "integers",
+            "a number": "numbers",
+            "a string": "strings",
+            "a path": "paths",
+        }
+        return f"a list of {plural.get(inner, inner)}"
     if origin is dict or annotation is dict:
         return "a table"
     if isinstance(annotation, type):

@@ -103,6 +103,9 @@ def test_single_process_overfits(single: Path) -> None:
     first, last = sum(seq[s] for s in range(1, 6)) / 5, sum(seq[s] for s in range(21, 31)) / 10
     assert last < 0.85 * first, f"loss did not fall: first 5 steps {first:.4f}, last 10 steps {last:.4f}"
     assert (single / "config.toml").is_file() and (single / "run_info.json").is_file()
+    resolved = json.loads((single / "resolved_config.json").read_text())
+    assert resolved["run"]["gradient_clipping"] == 1.0 and resolved["model"]["sigmoid_scale"] == 1.0
+    assert json.loads((single / "run_info.json").read_text())["plugins"]["reference"].startswith("diffpipe-reference")
     assert any((single / "tensorboard").iterdir())
 
 
@@ -118,9 +121,10 @@ def test_two_pipeline_stages_match_one_process(single: Path, tmp_path: Path) -> 
 
 
 def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
-    extra = "eval_every_n_steps = 8\nactivation_checkpointing = true\n"
+    extra = "eval_every_n_steps = 8\nactivation_checkpointing = true\n"  # and bf16 base weights below
     tables = '[[eval_datasets]]\nname = "held"\nconfig = "dataset.toml"\n'
     config = make_project(tmp_path, stages=1, max_steps=16, ckpt=100, extra=extra, tables=tables)
+    config.write_text(config.read_text().replace('path = "model"', 'path = "model"\ndtype = "bfloat16"'))
     train(tmp_path, config, "--num-procs", "2")
     run = run_dirs(tmp_path)[0]
     seq = losses(run)

@@ -53,12 +53,15 @@ class OutputsRequireGrad(nn.Module):
 
     def forward(self, inputs: Any) -> Any:
         outputs = self.layer(inputs)
-        if not isinstance(outputs, tuple):
-            outputs = (outputs,)
-        return tuple(
-            x.requires_grad_(True) if torch.is_tensor(x) and x.is_floating_point() and not x.requires_grad else x
-            for x in outputs
-        )
+        if torch.is_tensor(outputs):  # keep a lone tensor a tensor: the next stage's layer expects what it got before
+            return _require_grad(outputs)
+        return tuple(_require_grad(x) for x in outputs)
+
+
+def _require_grad(x: Any) -> Any:
+    if torch.is_tensor(x) and x.is_floating_point() and not x.requires_grad:
+        return x.requires_grad_(True)
+    return x
 
 
 def wrap_stage_boundaries(layers: list[nn.Module], parts: list[int]) -> list[nn.Module]:

@@ -66,7 +66,7 @@ def stage_parts(
     """Boundaries from an explicit ``partition_split``, or by ``method`` ('parameters' or 'uniform')."""
     n = len(layers)
     if split is not None:
-        if split[-1] >= n:
+        if split and split[-1] >= n:  # split=[] is valid for a single stage
             raise ValueError(f"partition_split {split} points past the model's {n} layers (valid: 1..{n - 1})")
         return [0, *split, n]
     weights = layer_param_counts(layers) if method == "parameters" else [1] * n

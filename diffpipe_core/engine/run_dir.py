@@ -29,8 +29,13 @@ def new_run_dir(output_dir: Path) -> Path:
     raise RuntimeError(f"{output_dir}: could not create a new run folder")
 
 
-def write_run_info(run_dir: Path, config_text: str, plugins: dict[str, str], extra: dict[str, Any]) -> None:
+def write_run_info(
+    run_dir: Path, config_text: str, resolved: dict[str, Any], plugins: dict[str, str], extra: dict[str, Any]
+) -> None:
+    """``config.toml`` as given, ``resolved_config.json`` (every key, defaults filled in, absolute paths) and
+    ``run_info.json`` (versions of diffpipe and every plugin, the process layout)."""
     atomic_write_text(run_dir / "config.toml", config_text)
+    atomic_write_text(run_dir / "resolved_config.json", json.dumps(resolved, indent=2))
     info = {
         "diffpipe_core": __version__,
         "plugins": plugins,
