@@ -1,0 +1,206 @@
+"""One rank of a 2-process DeepSpeed (gloo) run for tests/test_ds_patches.py.
+
+Usage: ``python ds_patch_worker.py SCENARIO OUT_DIR`` with MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK and
+LOCAL_RANK set. Each rank writes ``OUT_DIR/rank{RANK}.json`` (and ``.pt`` files for tensors); the test
+reads them. Every rank builds every layer from the same seed, so weights agree across ranks and runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from torch import nn
+
+from diffpipe_core.engine.ds_patches import (
+    ExplicitPartitionPipelineModule,
+    non_reentrant_checkpoint,
+    wrap_stage_boundaries,
+)
+
+DIM = 4
+MICRO_BATCHES = 2
+
+
+class Tagged(nn.Linear):
+    """A Linear whose weights are all ``tag``, so a rank can tell which global layers it holds."""
+
+    def __init__(self, tag: int) -> None:
+        super().__init__(DIM, DIM)
+        with torch.no_grad():
+            self.weight.fill_(float(tag))
+            self.bias.fill_(float(tag))
+
+
+def unwrap(inputs: Any) -> torch.Tensor:
+    """The first stage gets the batch's inputs tuple as is (like the trainer's batches)."""
+    return inputs[0] if isinstance(inputs, tuple) else inputs
+
+
+class FirstLinear(nn.Linear):
+    def forward(self, inputs: Any) -> torch.Tensor:
+        return super().forward(unwrap(inputs))
+
+
+class Split(nn.Module):
+    """First layer returning several float tensors (like an embedder returning hidden + conditioning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+
+    def forward(self, inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x = unwrap(inputs)
+        return torch.tanh(self.a(x)), torch.sigmoid(self.b(x))
+
+
+class Merge(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, c = inputs
+        return self.lin(h) * c + h
+
+
+def mse(outputs: torch.Tensor, labels: tuple[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(outputs, labels[0])
+
+
+def batches(seed: int = 1) -> list[tuple[tuple[torch.Tensor], tuple[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(1, DIM, generator=g),), (torch.randn(1, DIM, generator=g),)) for _ in range(MICRO_BATCHES)]
+
+
+def engine_for(module: PipelineModule) -> Any:
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": MICRO_BATCHES,
+        "gradient_clipping": 0.0,  # as the trainer; DeepSpeed's clipping fails on a stage with no gradients
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), config=config
+    )
+    return engine
+
+
+def local_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def scenario_parts(rank: int, out: Path) -> dict[str, Any]:
+    module = ExplicitPartitionPipelineModule(
+        layers=[Tagged(i) for i in range(4)], parts=[0, 1, 4], num_stages=2, loss_fn=mse, dynamic_shape=True
+    )
+    return {
+        "parts": list(module.parts),
+        "local_start": module._local_start,
+        "local_stop": module._local_stop,
+        "forward_func_tags": [int(f.weight[0, 0].item()) for f in module.forward_funcs],
+        "param_count": sum(p.numel() for p in module.parameters()),
+    }
+
+
+def frozen_first_stage_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    frozen = FirstLinear(DIM, DIM).requires_grad_(False)
+    return [frozen, nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()), nn.Linear(DIM, DIM)]
+
+
+def run_frozen_first_stage(rank: int, out: Path, wrap: bool) -> dict[str, Any]:
+    parts = [0, 1, 3]
+    layers = frozen_first_stage_layers()
+    module = ExplicitPartitionPipelineModule(
+        layers=wrap_stage_boundaries(layers, parts) if wrap else layers,
+        parts=parts,
+        num_stages=2,
+        loss_fn=mse,
+        dynamic_shape=True,
+    )
+    engine = engine_for(module)
+    before = local_state(module)
+    loss = engine.train_batch(data_iter=iter(batches()))
+    torch.save({"before": before, "after": local_state(module)}, out / f"frozen_first_stage_rank{rank}.pt")
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    return {"loss": float(loss), "trainable": trainable}
+
+
+def checkpoint_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [Split(), Merge(), nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()), nn.Linear(DIM, DIM)]
+
+
+def scenario_checkpoint(rank: int, out: Path, checkpoint_func: Any = non_reentrant_checkpoint) -> dict[str, Any]:
+    calls = [0]
+
+    def counted_checkpoint(function: Any, *args: Any) -> Any:
+        calls[0] += 1
+        return checkpoint_func(function, *args)
+
+    result: dict[str, Any] = {}
+    states = {}
+    for name, interval in (("plain", 0), ("checkpointed", 1)):
+        module = ExplicitPartitionPipelineModule(
+            layers=checkpoint_layers(),
+            parts=[0, 1, 4],
+            num_stages=2,
+            loss_fn=mse,
+            activation_checkpoint_interval=interval,
+            activation_checkpoint_func=counted_checkpoint,
+            dynamic_shape=True,
+        )
+        states["initial"] = local_state(module)
+        engine = engine_for(module)
+        result[f"{name}_loss"] = float(engine.train_batch(data_iter=iter(batches())))
+        states[name] = local_state(module)
+        result[f"{name}_checkpoint_calls"] = calls[0]
+        result["parts"] = list(module.parts)
+    torch.save(states, out / f"checkpoint_rank{rank}.pt")
+    return result
+
+
+SCENARIOS = {
+    "parts": scenario_parts,
+    "wrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=True),
+    "unwrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=False),
+    "checkpoint": scenario_checkpoint,
+    "ds_default_checkpoint": lambda rank, out: scenario_checkpoint(rank, out, deepspeed.checkpointing.checkpoint),
+}
+
+
+def main() -> None:
+    scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    for scenario in scenarios:
+        try:
+            results[scenario] = SCENARIOS[scenario](rank, out)
+        except Exception as e:  # some scenarios are expected to fail: report how
+            traceback.print_exc()
+            results[scenario] = {"error": f"{type(e).__name__}: {e}"}
+        (out / f"rank{rank}.json").write_text(json.dumps(results))
+        if "error" in results[scenario]:
+            # The other stage may be blocked in a pipeline send/recv that will never complete;
+            # leave without the barrier (the test kills what is left).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
