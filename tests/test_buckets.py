@@ -21,8 +21,13 @@ from diffpipe_core.schema import ConfigError
 from diffpipe_core.types import ModelConfigBase, ModelSpec
 
 VIDEO = ModelSpec(
-    name="tinyvideo", modality="video", config_schema=ModelConfigBase, spatial_multiple=16,
-    frame_multiple=4, frame_offset=1, video_fps=8,
+    name="tinyvideo",
+    modality="video",
+    config_schema=ModelConfigBase,
+    spatial_multiple=16,
+    frame_multiple=4,
+    frame_offset=1,
+    video_fps=8,
 )
 
 
@@ -65,8 +70,14 @@ def test_round_size_keeps_area_and_rounds_down_to_the_multiple() -> None:
 
 def test_images_of_several_aspect_ratios_land_in_the_expected_buckets(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    sizes = {"square.png": (300, 300), "wide.png": (800, 400), "tall.png": (400, 800),
-             "four_three.png": (640, 480), "slightly_wide.png": (520, 500), "too_wide.png": (900, 300)}
+    sizes = {
+        "square.png": (300, 300),
+        "wide.png": (800, 400),
+        "tall.png": (400, 800),
+        "four_three.png": (640, 480),
+        "slightly_wide.png": (520, 500),
+        "too_wide.png": (900, 300),
+    }
     for name, size in sizes.items():
         image(data / name, size)
     toml = dataset(tmp_path, "resolutions = [512]\nenable_ar_bucket = true\nnum_ar_buckets = 5\n")
@@ -156,8 +167,10 @@ def test_report_counts_repeats_batches_per_rank_and_remainders() -> None:
     a, b = Bucket(512, 512), Bucket(720, 352, 33)
     scan = ScanResult(
         items=[item(i, a) for i in range(7)] + [item(10, b, repeats=3), item(11, b, repeats=3)],
-        skipped=[SkippedFile(Path("/d/bad.png"), "unreadable: truncated"),
-                 SkippedFile(Path("/d/x.mp4"), "too short: 4 frames at 8 fps (0.50s)")],
+        skipped=[
+            SkippedFile(Path("/d/bad.png"), "unreadable: truncated"),
+            SkippedFile(Path("/d/x.mp4"), "too short: 4 frames at 8 fps (0.50s)"),
+        ],
     )
     text = format_report(scan, micro_batch_size=2, dp_world_size=2)
     rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line[:1].isdigit()}

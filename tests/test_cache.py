@@ -221,8 +221,14 @@ def test_interrupted_caching_resumes(setup):
 def test_caption_dropout_and_variants(setup):
     tmp_path, plugin, config, counter = setup
     write_image_dataset(tmp_path / "data", 4, captions=[f"red, square, tag{i}, small" for i in range(4)])
-    toml = write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "data", resolutions=[64],
-                              uncond_fraction=0.25, shuffle_tags=True, cache_shuffle_num=3)
+    toml = write_dataset_toml(
+        tmp_path / "dataset.toml",
+        tmp_path / "data",
+        resolutions=[64],
+        uncond_fraction=0.25,
+        shuffle_tags=True,
+        cache_shuffle_num=3,
+    )
     ds = _cache(toml, plugin, config)
     assert "" in counter.captions and len(counter.captions) == 4 * 3 + 1
     encoders = plugin.require("load_encoders", model_config=config, device=torch.device("cpu"))
@@ -301,8 +307,9 @@ def test_masks_are_keyed_by_content_and_default_to_ones(setup):
     half = torch.zeros(64, 64, dtype=torch.uint8)
     half[:, :32] = 255
     Image.fromarray(half.numpy()).save(mask_file)
-    toml = write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "data",
-                              {"mask_path": str(tmp_path / "masks")}, resolutions=[64])
+    toml = write_dataset_toml(
+        tmp_path / "dataset.toml", tmp_path / "data", {"mask_path": str(tmp_path / "masks")}, resolutions=[64]
+    )
     ds = _cache(toml, plugin, config)
     masks = {sid: t["mask"] for sid, t in _all_tensors(ds).items()}
     assert len(masks) == 3
@@ -343,8 +350,16 @@ class TinyVideo:
 
     @hookimpl
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(name="tinyvideo", modality="video", config_schema=TinyVideoConfig, spatial_multiple=16,
-                         frame_multiple=4, frame_offset=1, video_fps=8, encoder_settings=("scale",))
+        return ModelSpec(
+            name="tinyvideo",
+            modality="video",
+            config_schema=TinyVideoConfig,
+            spatial_multiple=16,
+            frame_multiple=4,
+            frame_offset=1,
+            video_fps=8,
+            encoder_settings=("scale",),
+        )
 
     @hookimpl
     def load_encoders(self, model_config: TinyVideoConfig, device):
@@ -354,8 +369,10 @@ class TinyVideo:
     def encode_batch(self, encoders, batch: EncodeBatch):
         if batch.pixels is not None:
             return {"latents": (torch.nn.functional.avg_pool3d(batch.pixels, (1, 8, 8)) * encoders).bfloat16()}
-        ids = [torch.tensor(list(c.encode()[:8]) + [0] * (8 - len(c.encode()[:8])), dtype=torch.float32)
-               for c in batch.captions]
+        ids = [
+            torch.tensor(list(c.encode()[:8]) + [0] * (8 - len(c.encode()[:8])), dtype=torch.float32)
+            for c in batch.captions
+        ]
         return {"text_embeds": torch.stack(ids) * encoders}
 
 
@@ -380,8 +397,7 @@ def test_video_latents_in_bfloat16_round_trip(tmp_path: Path):
     for i in range(3):
         _write_mp4(tmp_path / "data" / f"clip{i}.mp4", frames=10, fps=8, size=(32, 32), seed=i)
         (tmp_path / "data" / f"clip{i}.txt").write_text(f"clip {i}", encoding="utf-8")
-    toml = write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "data", resolutions=[32],
-                              frame_buckets=[1, 5, 9])
+    toml = write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "data", resolutions=[32], frame_buckets=[1, 5, 9])
     config = TinyVideoConfig(type="tinyvideo", scale=2.0)
     ds = _cache(toml, plugin, config)
     assert counter.media == 3 and counter.pixels[0].shape == (3, 9, 32, 32)

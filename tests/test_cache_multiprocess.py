@@ -83,10 +83,24 @@ def _run_ranks(script: Path, args: list[str], world: int, timeout: float) -> Non
     port = _free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for p in procs:

@@ -22,8 +22,13 @@ from diffpipe_core.types import ModelConfigBase, ModelSpec
 
 IMAGE = ModelSpec(name="img", modality="image", config_schema=ModelConfigBase, spatial_multiple=16)
 VIDEO = ModelSpec(
-    name="tinyvideo", modality="video", config_schema=ModelConfigBase, spatial_multiple=16,
-    frame_multiple=4, frame_offset=1, video_fps=8,
+    name="tinyvideo",
+    modality="video",
+    config_schema=ModelConfigBase,
+    spatial_multiple=16,
+    frame_multiple=4,
+    frame_offset=1,
+    video_fps=8,
 )
 
 
@@ -51,8 +56,11 @@ def video(path: Path, frames: int, caption: str = "a clip") -> Path:
 
 def scan(tmp_path: Path, spec: ModelSpec = IMAGE, extra: str = "") -> ScanResult:
     toml = tmp_path / "dataset.toml"
-    toml.write_text(f'resolutions = [64]\nframe_buckets = [1, 9, 17]\n{extra}\n[[directory]]\npath = "data"\n'
-                    + ('mask_path = "masks"\n' if (tmp_path / "masks").is_dir() else ""), encoding="utf-8")
+    toml.write_text(
+        f'resolutions = [64]\nframe_buckets = [1, 9, 17]\n{extra}\n[[directory]]\npath = "data"\n'
+        + ('mask_path = "masks"\n' if (tmp_path / "masks").is_dir() else ""),
+        encoding="utf-8",
+    )
     return scan_dataset(load_dataset_config(toml), spec)
 
 

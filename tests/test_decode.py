@@ -110,8 +110,9 @@ def test_exif_orientation_is_applied(tmp_path: Path) -> None:
 def test_large_jpeg_decoded_at_reduced_scale_matches_a_full_decode(tmp_path: Path) -> None:
     x = np.linspace(0, 255, 1024, dtype=np.float32)
     y = np.linspace(0, 255, 512, dtype=np.float32)
-    arr = np.stack([np.broadcast_to(x, (512, 1024)), np.broadcast_to(y[:, None], (512, 1024)),
-                    np.full((512, 1024), 90.0)], axis=-1).astype(np.uint8)
+    arr = np.stack(
+        [np.broadcast_to(x, (512, 1024)), np.broadcast_to(y[:, None], (512, 1024)), np.full((512, 1024), 90.0)], axis=-1
+    ).astype(np.uint8)
     path = tmp_path / "big.jpg"
     Image.fromarray(arr).save(path, quality=95)
     out = load_media(item(path, 48, 48), SPEC)

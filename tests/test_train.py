@@ -109,15 +109,21 @@ def test_single_process_overfits(single: Path) -> None:
     assert any((single / "tensorboard").iterdir())
 
 
-def test_two_pipeline_stages_match_one_process(single: Path, tmp_path: Path) -> None:
-    config = make_project(tmp_path, stages=2, max_steps=6, ckpt=100)
-    out = train(tmp_path, config, "--num-procs", "2")
-    seq = losses(run_dirs(tmp_path)[0])
-    reference = losses(single)
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run on 2 pipeline stages, checkpointing every 3 steps."""
+    root = tmp_path_factory.mktemp("two_stages")
+    config = make_project(root, stages=2, max_steps=12, ckpt=3)
+    train(root, config, "--num-procs", "2")
+    return run_dirs(root)[0]
+
+
+def test_two_pipeline_stages_match_one_process(single: Path, two_stages: Path) -> None:
+    seq = losses(two_stages)
     # Same seed and data: the pipeline split must not change the maths (the LR schedule differs with
     # max_steps, so only the first step, taken at the same warmup LR, is compared exactly).
-    assert seq[1] == pytest.approx(reference[1], rel=1e-5)
-    assert "stage=0" in out or len(seq) == 6
+    assert seq[1] == pytest.approx(losses(single)[1], rel=1e-5)
+    assert sorted(seq) == list(range(1, 13)) and all(math.isfinite(v) for v in seq.values())
 
 
 def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
@@ -144,11 +150,9 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     assert evals[16]["held/loss"] < evals[8]["held/loss"]
 
 
-def test_kill_and_resume_repeats_the_losses(tmp_path: Path) -> None:
-    reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
-    config = make_project(reference_root, stages=2, max_steps=12, ckpt=3)
-    train(reference_root, config, "--num-procs", "2")
-    expected = losses(run_dirs(reference_root)[0])
+def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
+    killed_root = tmp_path / "killed"
+    expected = losses(two_stages)
 
     config = make_project(killed_root, stages=2, max_steps=12, ckpt=3)
     proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=killed_root)
@@ -216,8 +220,13 @@ def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:
 
 
 NAN_PLUGIN = """
+import json
 import torch
 from diffpipe_core import hookimpl
+
+@hookimpl
+def on_train_end(run_dir, summary):
+    (run_dir / "observer.json").write_text(json.dumps(summary["skipped_steps"]))
 
 @hookimpl(wrapper=True)
 def prepare_inputs(batch, context, generator):
@@ -241,6 +250,7 @@ def test_non_finite_loss_is_reported_and_skipped(tmp_path: Path) -> None:
     assert "img_0" in out.split("non-finite loss", 1)[1].splitlines()[0]  # names the samples
     run = run_dirs(tmp_path)[0]
     seq = losses(run)
+    assert json.loads((run / "observer.json").read_text()) == [4]  # generic plugins observe the run
     assert math.isnan(seq[4]) and all(math.isfinite(seq[s]) for s in (1, 2, 3, 5, 6))
     state, _ = read_adapter(run / "saved" / "final")
     assert all(torch.isfinite(v.float()).all() for v in state.values())

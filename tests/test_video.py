@@ -27,8 +27,13 @@ class TinyVideo:
     @hookimpl
     def model_spec(self) -> ModelSpec:
         return ModelSpec(
-            name="tinyvideo", modality="video", config_schema=ModelConfigBase, spatial_multiple=16,
-            frame_multiple=4, frame_offset=1, video_fps=8,
+            name="tinyvideo",
+            modality="video",
+            config_schema=ModelConfigBase,
+            spatial_multiple=16,
+            frame_multiple=4,
+            frame_offset=1,
+            video_fps=8,
         )
 
 
@@ -66,7 +71,7 @@ def write_video(path: Path, frames: int, fps: int, level, size=(64, 48), options
 def scan(tmp_path: Path, spec: ModelSpec, extra: str = "") -> ScanResult:
     toml = tmp_path / "dataset.toml"
     toml.write_text(
-        f'resolutions = [64]\nenable_ar_bucket = true\nframe_buckets = [1, 5, 9, 17, 33]\n{extra}\n'
+        f"resolutions = [64]\nenable_ar_bucket = true\nframe_buckets = [1, 5, 9, 17, 33]\n{extra}\n"
         '[[directory]]\npath = "data"\n',
         encoding="utf-8",
     )
@@ -122,8 +127,9 @@ def test_clip_modes_with_a_smaller_bucket(tmp_path: Path, spec: ModelSpec) -> No
     assert starts["single_beginning"] == [0.0]
     assert starts["single_middle"] == [11 / 8]
     assert starts["multiple_overlapping"] == [0.0, 12 / 8, 23 / 8]
-    toml.write_text('resolutions = [64]\nframe_buckets = [1, 17]\nvideo_clip_mode = "single_middle"\n'
-                    '[[directory]]\npath = "data"\n')
+    toml.write_text(
+        'resolutions = [64]\nframe_buckets = [1, 17]\nvideo_clip_mode = "single_middle"\n[[directory]]\npath = "data"\n'
+    )
     (it,) = scan_dataset(load_dataset_config(toml), spec).items
     got = levels(load_media(it, spec).pixels)
     assert all(abs(g - 6 * (11 + j)) <= 3 for j, g in enumerate(got)), got
@@ -152,8 +158,14 @@ def test_videos_in_an_image_model_dataset_are_left_out(tmp_path: Path) -> None:
 
 def test_video_truncated_after_its_header_fails_at_decode_naming_the_file(tmp_path: Path, spec: ModelSpec) -> None:
     rng = np.random.default_rng(0)
-    path = write_video(tmp_path / "data" / "cut clip.mp4", 40, 8, size=(128, 96), options={"movflags": "faststart"},
-                       level=lambda i: rng.integers(0, 255, (96, 128, 3), dtype=np.uint8))  # header first
+    path = write_video(
+        tmp_path / "data" / "cut clip.mp4",
+        40,
+        8,
+        size=(128, 96),
+        options={"movflags": "faststart"},
+        level=lambda i: rng.integers(0, 255, (96, 128, 3), dtype=np.uint8),
+    )  # header first
     data = path.read_bytes()
     media_start = data.find(b"mdat")
     assert 0 < data.find(b"moov") < media_start

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict, read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import checkpoint as ckpt_io
 from diffpipe_core.engine.ds_patches import (
@@ -274,8 +274,6 @@ class Trainer:
         out = self.run_dir / "saved" / name
         save_dtype = DTYPES[self.run.save_dtype]
         if self.lora is not None:
-            from diffpipe_core.adapters import lora_state_dict
-
             merged = gather_to_rank0(lora_state_dict(self.model), include=self.dp_rank == 0)
             if self.rank == 0:
                 assert merged is not None
@@ -402,8 +400,7 @@ class Trainer:
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                         if record[key] is not None and math.isfinite(record[key]):
                             writer.add_scalar(f"train/{key}", record[key], step)
-                    for hookimpl_result in self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record):
-                        del hookimpl_result
+                    self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
                 bar.update(1)
             epoch_done = step % self.steps_per_epoch == 0
