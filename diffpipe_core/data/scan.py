@@ -26,6 +26,7 @@ from diffpipe_core.data.buckets import (
     spatial_buckets,
     video_frame_bucket,
 )
+from diffpipe_core.data.cache_keys import file_content_key
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
 from diffpipe_core.data.decode import MediaError, probe_image, probe_video
 from diffpipe_core.data.items import Bucket, MediaItem, ScanResult, SkippedFile
@@ -165,17 +166,6 @@ def _walk(root: Path, exclude: set[Path]) -> list[Path]:
     return found
 
 
-def _file_key(path: Path, strict: bool) -> str:
-    if strict:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return "sha256:" + h.hexdigest()
-    st = path.stat()
-    return f"{st.st_size}-{st.st_mtime_ns}"
-
-
 def _find_mask(mask_root: Path, rel: Path) -> Path | None:
     folder = mask_root / rel.parent
     for ext in sorted(IMAGE_EXTS):
@@ -275,9 +265,9 @@ def _scan_file(
         frames = chosen
         starts = [s / fps for s in clip_starts(available, chosen, settings.video_clip_mode)]
 
-    key = _file_key(path, strict)
+    key = file_content_key(path, strict)
     if mask is not None:
-        key += "|mask:" + _file_key(mask, strict)
+        key += "|mask:" + file_content_key(mask, strict)
     prefix = settings.caption_prefix
     full_caption = prefix + body
     variants = (

@@ -50,23 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, registry, model_override=args.model)
         plugin = registry.model(cfg.model_name)
         device = _device()
-        dataset = prepare_cache(
-            cfg.run.dataset,
-            plugin,
-            cfg.model,
-            rank=rank,
-            world_size=world,
-            barrier=dist.barrier,
-            device=device,
-            batch_size=cfg.run.caching_batch_size,
-            regenerate=args.regenerate,
-            strict=args.strict,
-            trust_cache=args.trust_cache,
-            progress=rank == 0,
-        )
-        eval_datasets = {
-            ev.name: prepare_cache(
-                ev.config,
+
+        def cache(dataset_toml: Path):
+            return prepare_cache(
+                dataset_toml,
                 plugin,
                 cfg.model,
                 rank=rank,
@@ -79,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                 trust_cache=args.trust_cache,
                 progress=rank == 0,
             )
-            for ev in cfg.run.eval_datasets
-        }
+
+        dataset = cache(cfg.run.dataset)
+        eval_datasets = {ev.name: cache(ev.config) for ev in cfg.run.eval_datasets}
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
