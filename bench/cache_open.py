@@ -21,8 +21,6 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from diffpipe_reference import plugin as reference_plugin  # noqa: E402
-from diffpipe_reference.model import write_tiny_model  # noqa: E402
 
 from diffpipe_core.data import BucketSampler, prepare_cache  # noqa: E402
 from diffpipe_core.data.cache import CacheEntry, _write_index, cache_root  # noqa: E402
@@ -31,6 +29,8 @@ from diffpipe_core.data.cache_store import write_shard  # noqa: E402
 from diffpipe_core.data.items import Bucket  # noqa: E402
 from diffpipe_core.registry import Registry  # noqa: E402
 from diffpipe_core.testing.media import write_dataset_toml  # noqa: E402
+from diffpipe_reference import plugin as reference_plugin  # noqa: E402
+from diffpipe_reference.model import write_tiny_model  # noqa: E402
 
 
 def synthesise(fp_dir: Path, n: int, rows: int, buckets: list[Bucket]) -> list[CacheEntry]:

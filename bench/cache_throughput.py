@@ -30,8 +30,6 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from diffpipe_reference import plugin as reference_plugin  # noqa: E402
-from diffpipe_reference.model import write_tiny_model  # noqa: E402
 
 from diffpipe_core import hookimpl  # noqa: E402
 from diffpipe_core.data import prepare_cache  # noqa: E402
@@ -42,6 +40,8 @@ from diffpipe_core.data.scan import scan_dataset  # noqa: E402
 from diffpipe_core.registry import Registry  # noqa: E402
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset  # noqa: E402
 from diffpipe_core.types import EncodeBatch  # noqa: E402
+from diffpipe_reference import plugin as reference_plugin  # noqa: E402
+from diffpipe_reference.model import write_tiny_model  # noqa: E402
 
 
 class DiffusersVAE:

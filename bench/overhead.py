@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
-from diffpipe_reference.model import TinyDiT, TinyDiTConfig, write_tiny_model
 
 from diffpipe_core.adapters import apply_lora, lora_config
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_reference.model import TinyDiT, TinyDiTConfig, write_tiny_model
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out", "fc1", "fc2"]
 

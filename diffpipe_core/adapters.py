@@ -1,9 +1,11 @@
 """peft LoRA on the plugin's ``lora_targets``: apply, collect, export, save and load.
 
 A saved adapter is a folder with ``adapter_model.safetensors`` (diffusers/peft keys under the model's
-pipeline prefix, e.g. ``transformer.blocks.0.attn.to_q.lora_A.weight``, plus one ``.alpha`` scalar
-per module so tools that read alpha only from tensors apply the right strength), the peft
-``adapter_config.json``, and any extra formats the plugin exports (``adapter_model.<format>.safetensors``).
+pipeline prefix, e.g. ``transformer.blocks.0.attn.to_q.lora_A.weight``, with the LoRA config in the
+safetensors metadata the way diffusers' ``save_lora_weights`` writes it, so ``load_lora_weights`` applies
+the trained alpha), the peft ``adapter_config.json``, and any extra formats the plugin exports
+(``adapter_model.<format>.safetensors``; kohya/ComfyUI layouts carry one ``.alpha`` scalar per module,
+the only place ComfyUI reads the strength from).
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ def with_alpha(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.
     return out
 
 
-def diffusers_format(state: dict[str, torch.Tensor], prefix: str, alpha: float) -> dict[str, torch.Tensor]:
-    """The default export: peft keys under the diffusers pipeline prefix, with ``.alpha`` tensors."""
-    return {f"{prefix}.{k}": v for k, v in with_alpha(state, alpha).items()}
+def diffusers_format(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The default export: peft keys under the diffusers pipeline prefix. No ``.alpha`` tensors: diffusers
+    rejects them in a peft-format file and reads alpha from the metadata :func:`save_adapter` writes."""
+    return {f"{prefix}.{k}": v for k, v in state.items()}
 
 
 def kohya_format(
@@ -107,21 +110,30 @@ def peft_adapter_config(config: LoraConfig) -> dict[str, Any]:
     }
 
 
+def diffusers_metadata(config: LoraConfig, prefix: str) -> dict[str, str]:
+    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the LoRA config, keys prefixed."""
+    packed = {f"{prefix}.{k}": v for k, v in peft_adapter_config(config).items()}
+    return {"format": "pt", "lora_adapter_metadata": json.dumps(packed)}
+
+
 def save_adapter(
     out_dir: Path,
     files: dict[str, dict[str, torch.Tensor]],
     config: LoraConfig,
     dtype: torch.dtype,
-    metadata: dict[str, str] | None = None,
+    prefix: str,
 ) -> None:
-    """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``."""
+    """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``.
+
+    Only the diffusers file (``adapter_model.safetensors``) carries the LoRA config as metadata; diffusers
+    refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = peft_adapter_config(config)
-    meta = {"format": "pt", "lora_adapter_metadata": json.dumps(cfg), **(metadata or {})}
     for name, state in files.items():
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+        meta = diffusers_metadata(config, prefix) if name == ADAPTER_FILE else {"format": "pt"}
         atomic_save_safetensors(tensors, out_dir / name, meta)
-    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(cfg, indent=2))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(peft_adapter_config(config), indent=2))
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -8,13 +8,12 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
-import diffpipe_reference.plugin as reference_plugin
 import numpy as np
 import pytest
 import torch
-from diffpipe_reference.model import write_tiny_model
 from PIL import Image
 
+import diffpipe_reference.plugin as reference_plugin
 from diffpipe_core import hookimpl
 from diffpipe_core.data import BucketSampler, CachedDataset, prepare_cache
 from diffpipe_core.data.cache_store import list_shards, write_shard
@@ -24,6 +23,7 @@ from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_png
 from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec
+from diffpipe_reference.model import write_tiny_model
 
 
 class EncodeCounter:

@@ -11,14 +11,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-import diffpipe_reference.plugin as reference_plugin
 import torch
-from diffpipe_reference.model import write_tiny_model
 from safetensors.torch import load_file
 
+import diffpipe_reference.plugin as reference_plugin
 from diffpipe_core.data import prepare_cache
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_reference.model import write_tiny_model
 
 WORKER = textwrap.dedent(
     """

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from diffpipe_reference.model import write_tiny_model
 
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_reference.model import write_tiny_model
 
 RUN = """
 output_dir = "out"

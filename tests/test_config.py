@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from diffpipe_reference.model import write_tiny_model
 
 from diffpipe_core.config import check_world_size, load_config
 from diffpipe_core.registry import get_registry
 from diffpipe_core.schema import ConfigError
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_reference.model import write_tiny_model
 
 GOOD = """
 output_dir = "out"

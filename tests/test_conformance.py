@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import diffpipe_reference.plugin as reference
 import pytest
 import torch
-from diffpipe_reference.model import write_tiny_model
 
+import diffpipe_reference.plugin as reference
 from diffpipe_core import hookimpl
 from diffpipe_core.testing.conformance import check_model_plugin
+from diffpipe_reference.model import write_tiny_model
 
 
 def test_reference_plugin_conforms(tmp_path: Path) -> None:

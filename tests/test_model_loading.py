@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffpipe_reference.model import write_tiny_model
 from safetensors.torch import load_file, save_file
 
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.registry import PluginError, get_registry
+from diffpipe_reference.model import write_tiny_model
 
 
 def setup(tmp_path: Path):

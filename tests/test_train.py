@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import load_adapter, read_adapter
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe, write_plugin_distribution
+from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -185,8 +186,9 @@ def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:
     state, cfg = read_adapter(adapter)
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16
     assert all(k.startswith("transformer.") for k in state)
-    alphas = [v for k, v in state.items() if k.endswith(".alpha")]
-    assert alphas and all(float(a) == 16.0 for a in alphas)
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert meta["transformer.lora_alpha"] == 16 and meta["transformer.r"] == 8
 
     model_dir = single.parent.parent / "model"
     config = read_config(model_dir)

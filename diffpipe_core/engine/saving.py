@@ -48,14 +48,14 @@ def write_adapter(
     for fmt in formats:
         exported = plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
         if exported is None and fmt == "diffusers":
-            exported = diffusers_format(state, prefix, alpha)
+            exported = diffusers_format(state, prefix)
         if exported is None:
             raise ValueError(f"adapter.save_formats: model {plugin.name!r} cannot export format {fmt!r}")
         files[ADAPTER_FILE if fmt == "diffusers" else f"adapter_model.{fmt}.safetensors"] = exported
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_adapter(tmp, files, config, dtype, metadata={"diffpipe_model": plugin.name})
+    save_adapter(tmp, files, config, dtype, prefix)
     replace_dir(tmp, out_dir)
 
 

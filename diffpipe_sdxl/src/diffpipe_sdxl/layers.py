@@ -1,0 +1,176 @@
+"""The SDXL UNet as a list of pipeline layers: embed (conv_in + time/added-condition embedding), one layer per
+resnet of every down, mid and up block (with the transformer that follows it and the block's down/upsampler),
+and the output head. SDXL: 1 + 6 + 2 + 9 + 1 = 19 layers.
+
+Every layer takes and returns one tuple ``(h, [emb], [text, text_mask], *skips)``: the hidden state, the
+time embedding (until the last up block), the text embeddings and their mask (until the last block with
+cross-attention), then the skip activations the up blocks will consume (pushed by the down blocks, popped
+by the up blocks, as in ``UNet2DConditionModel.forward``). A tensor is dropped from the tuple after its
+last user, so every float that crosses a stage boundary is used downstream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def _attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean token mask ``(B, L)`` -> the additive bias ``(B, 1, L)`` diffusers' UNet builds from
+    ``encoder_attention_mask``."""
+    return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, takes_emb: bool, takes_text: bool, gives_emb: bool, gives_text: bool) -> None:
+        super().__init__()
+        self.takes_emb, self.takes_text = takes_emb, takes_text
+        self.gives_emb, self.gives_text = gives_emb, gives_text
+
+    def unpack(self, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                               torch.Tensor | None, list[torch.Tensor]]:
+        h, rest = inputs[0], list(inputs[1:])
+        emb = rest.pop(0) if self.takes_emb else None
+        text, mask = (rest.pop(0), rest.pop(0)) if self.takes_text else (None, None)
+        return h, emb, text, mask, rest
+
+    def pack(self, h: torch.Tensor, emb: torch.Tensor | None, text: torch.Tensor | None, mask: torch.Tensor | None,
+             skips: list[torch.Tensor]) -> Tensors:
+        out = [h]
+        if self.gives_emb:
+            out.append(emb)
+        if self.gives_text:
+            out += [text, mask]
+        return tuple(out + skips)  # type: ignore[arg-type]
+
+
+class EmbedLayer(_Layer):
+    """``(x_t, t, text, text_mask, pooled, time_ids)`` -> ``(conv_in(x_t), emb, text, mask, conv_in(x_t))``."""
+
+    def __init__(self, unet: nn.Module, gives_text: bool) -> None:
+        super().__init__(False, False, True, gives_text)
+        self.conv_in, self.time_proj, self.time_embedding = unet.conv_in, unet.time_proj, unet.time_embedding
+        self.add_time_proj, self.add_embedding = unet.add_time_proj, unet.add_embedding
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        x, t, text, mask, pooled, time_ids = inputs
+        dtype = self.conv_in.weight.dtype
+        h = self.conv_in(x.to(dtype))
+        emb = self.time_embedding(self.time_proj(t).to(dtype))
+        time_embeds = self.add_time_proj(time_ids.flatten()).reshape(pooled.shape[0], -1)
+        emb = emb + self.add_embedding(torch.cat([pooled, time_embeds], dim=-1).to(dtype))
+        return self.pack(h, emb, text.to(dtype), mask, [h])
+
+
+class UnitLayer(_Layer):
+    """One resnet of a UNet block with the transformer that follows it (if any) and the block's down/upsampler
+    (on its last unit), exactly as the diffusers blocks chain them:
+
+    - ``down``: resnet, attention, push the result as a skip; the downsampler's output is pushed too;
+    - ``up``: pop a skip and concatenate it, resnet, attention; the upsampler takes the size of the next skip;
+    - ``mid``: (attention, then) resnet: the mid block's first unit is its first resnet alone.
+    """
+
+    def __init__(self, kind: str, resnet: nn.Module, attention: nn.Module | None, sampler: nn.Module | None,
+                 takes_text: bool, gives_text: bool, gives_emb: bool) -> None:
+        super().__init__(True, takes_text, gives_emb, gives_text)
+        self.kind, self.resnet, self.attention, self.sampler = kind, resnet, attention, sampler
+
+    def _attend(self, h: torch.Tensor, text: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        assert self.attention is not None and text is not None and mask is not None
+        bias = _attention_bias(mask, h.dtype)
+        return self.attention(h, encoder_hidden_states=text, encoder_attention_mask=bias, return_dict=False)[0]
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        h, emb, text, mask, skips = self.unpack(inputs)
+        if self.kind == "mid":
+            if self.attention is not None:
+                h = self._attend(h, text, mask)
+            h = self.resnet(h, emb)
+        elif self.kind == "down":
+            h = self.resnet(h, emb)
+            if self.attention is not None:
+                h = self._attend(h, text, mask)
+            skips.append(h)
+            if self.sampler is not None:
+                h = self.sampler(h)
+                skips.append(h)
+        else:
+            h = self.resnet(torch.cat([h, skips.pop()], dim=1), emb)
+            if self.attention is not None:
+                h = self._attend(h, text, mask)
+            if self.sampler is not None:
+                h = self.sampler(h, skips[-1].shape[2:] if skips else None)
+        return self.pack(h, emb, text, mask, skips)
+
+
+class OutLayer(nn.Module):
+    """``(h,)`` -> ``(prediction,)`` in float32: conv_norm_out, SiLU, conv_out."""
+
+    def __init__(self, unet: nn.Module) -> None:
+        super().__init__()
+        self.conv_norm_out, self.conv_act, self.conv_out = unet.conv_norm_out, unet.conv_act, unet.conv_out
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        (h,) = inputs
+        return (self.conv_out(self.conv_act(self.conv_norm_out(h))).float(),)
+
+
+SUPPORTED_BLOCKS = {
+    "DownBlock2D", "CrossAttnDownBlock2D", "UNetMidBlock2DCrossAttn", "UpBlock2D", "CrossAttnUpBlock2D"
+}
+
+
+def check_supported(unet: nn.Module) -> None:
+    """The layers replicate ``UNet2DConditionModel.forward`` and its blocks for SDXL-style configs only."""
+    cfg = unet.config
+    problems = []
+    if cfg.addition_embed_type != "text_time":
+        problems.append(f"addition_embed_type={cfg.addition_embed_type!r} (need 'text_time')")
+    for key in ("class_embed_type", "encoder_hid_dim_type", "time_embedding_act_fn"):
+        if getattr(cfg, key, None) is not None:
+            problems.append(f"{key}={getattr(cfg, key)!r} (need None)")
+    if unet.conv_norm_out is None:
+        problems.append("no conv_norm_out")
+    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+        if type(block).__name__ not in SUPPORTED_BLOCKS:
+            problems.append(f"block type {type(block).__name__} (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
+        if getattr(block, "s1", None) is not None:
+            problems.append("FreeU is enabled")
+    if problems:
+        raise ValueError(f"UNet config not supported by the SDXL plugin: {'; '.join(problems)}")
+
+
+def _units(unet: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, nn.Module | None]]:
+    """``(kind, resnet, attention, sampler)`` in execution order."""
+    units = []
+    for kind, blocks in (("down", unet.down_blocks), ("up", unet.up_blocks)):
+        if kind == "up":
+            mid = unet.mid_block
+            units.append(("mid", mid.resnets[0], None, None))
+            units += [("mid", r, a, None) for a, r in zip(mid.attentions, mid.resnets[1:])]
+        for block in blocks:
+            attentions = list(getattr(block, "attentions", None) or [None] * len(block.resnets))
+            samplers = block.downsamplers if kind == "down" else block.upsamplers
+            for j, (resnet, attention) in enumerate(zip(block.resnets, attentions)):
+                last = j == len(block.resnets) - 1
+                units.append((kind, resnet, attention, samplers[0] if last and samplers is not None else None))
+    return units
+
+
+def split_unet(unet: nn.Module) -> list[nn.Module]:
+    """The pipeline layers of an SDXL UNet (see the module docstring): embed, one layer per resnet (with its
+    transformer and the block's sampler), the output head."""
+    check_supported(unet)
+    units = _units(unet)
+    last_text = max((i for i, u in enumerate(units) if u[2] is not None), default=-1)
+    layers: list[nn.Module] = [EmbedLayer(unet, gives_text=last_text >= 0)]
+    for i, (kind, resnet, attention, sampler) in enumerate(units):
+        layers.append(
+            UnitLayer(kind, resnet, attention, sampler, takes_text=i <= last_text, gives_text=i < last_text,
+                      gives_emb=i < len(units) - 1)
+        )
+    layers.append(OutLayer(unet))
+    return layers

@@ -1,0 +1,211 @@
+"""End-to-end through the real CLI (DeepSpeed on gloo): cache and train the tiny SDXL fully with 1 stage from the
+diffusers folder, and a LoRA with 2 pipeline stages from the single-file checkpoint; then load the saved LoRA, in
+diffusers and kohya formats, through diffusers' ``StableDiffusionXLPipeline.load_lora_weights``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+from safetensors.torch import load_file
+
+from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_sdxl.plugin import LORA_TARGETS
+
+pytestmark = pytest.mark.slow
+
+RUN_TOML = """
+output_dir = "out"
+dataset = "dataset.toml"
+max_steps = {steps}
+micro_batch_size_per_gpu = 2
+gradient_accumulation_steps = 2
+pipeline_stages = {stages}
+seed = 11
+save_dtype = "float32"
+
+[model]
+type = "sdxl"
+dtype = "float32"
+max_prompt_chunks = 2
+{model}
+
+[optimizer]
+lr = {lr}
+{adapter}"""
+ADAPTER = """
+[adapter]
+rank = 4
+alpha = 8
+save_formats = ["diffusers", "kohya"]
+"""
+
+
+def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool) -> Path:
+    folder, file = tiny
+    root.mkdir(parents=True, exist_ok=True)
+    # mixed sizes: the 96x64 ones are center-cropped into the 64x64 bucket
+    write_image_dataset(root / "images", 8, size=[(64, 64), (96, 64)] * 4)
+    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64], enable_ar_bucket=False)
+    model = f'path = "{file}"\nconfig_path = "{folder}"' if single_file else f'path = "{folder}"'
+    toml = RUN_TOML.format(
+        steps=steps, stages=stages, model=model, lr=5e-3 if lora else 1e-3, adapter=ADAPTER if lora else ""
+    )
+    (root / "run.toml").write_text(toml)
+    result = run_diffpipe(
+        ["train", "--config", str(root / "run.toml"), "--num-procs", str(stages)], cwd=root, timeout=400
+    )
+    assert result.returncode == 0, result.output[-4000:]
+    [run] = [p for p in (root / "out").iterdir() if p.is_dir()]
+    return run
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out[record["step"]] = record["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_stage(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Full fine-tuning, 1 process, from the diffusers folder."""
+    return train(tmp_path_factory.mktemp("one_stage"), tiny_sdxl, stages=1, steps=10, single_file=False, lora=False)
+
+
+@pytest.fixture(scope="module")
+def two_stages(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LoRA, 2 pipeline stages, from the single-file checkpoint."""
+    return train(tmp_path_factory.mktemp("two_stages"), tiny_sdxl, stages=2, steps=4, single_file=True, lora=True)
+
+
+def test_loss_falls_and_two_stages_match_one(one_stage: Path, two_stages: Path) -> None:
+    one, two = losses(one_stage), losses(two_stages)
+    assert sorted(one) == list(range(1, 11)) and sorted(two) == [1, 2, 3, 4]
+    first, last = sum(one[s] for s in (1, 2, 3)) / 3, sum(one[s] for s in (8, 9, 10)) / 3
+    assert last < 0.85 * first, f"loss did not fall: {one}"
+    # Same seed, same weights (folder vs single file), same data, and a fresh LoRA (lora_B = 0) leaves the UNet
+    # unchanged: the first step's loss must not depend on the pipeline split or the load path.
+    assert two[1] == pytest.approx(one[1], rel=1e-5)
+    # gradients crossed the stage boundary: the LoRA weights of both stages were trained
+    ckpt = sorted((two_stages / "checkpoints").glob("step-*"))[-1]
+    for stage in (0, 1):
+        trained = load_file(str(ckpt / f"params-stage{stage}.safetensors"))
+        lora_b = [v for k, v in trained.items() if "lora_B" in k]
+        assert lora_b and all(v.abs().max() > 0 for v in lora_b), f"stage {stage}"
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([100, 800])
+    text, pooled = torch.randn(2, 77, 64, generator=g), torch.randn(2, 32, generator=g)
+    time_ids = torch.tensor([[64.0, 96, 0, 16, 64, 64]] * 2)
+    return x, t, text, pooled, time_ids
+
+
+def _run(unet: torch.nn.Module) -> torch.Tensor:
+    x, t, text, pooled, time_ids = _inputs()
+    with torch.no_grad():
+        return unet(x, t, text, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+
+
+@pytest.fixture(scope="module")
+def trained_outputs(two_stages: Path, tiny_sdxl: tuple[Path, Path]) -> torch.Tensor:
+    """The trained UNet's outputs, rebuilt from the checkpoint's trainable tensors (all stages) with peft."""
+    trained = UNet2DConditionModel.from_pretrained(tiny_sdxl[0], subfolder="unet", local_files_only=True)
+    untrained = _run(trained)
+    apply_lora(trained, lora_config(4, 8, 0.0, LORA_TARGETS))
+    ckpt = sorted((two_stages / "checkpoints").glob("step-*"))[-1]
+    params: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("params-stage*.safetensors")):
+        params.update(load_file(str(f)))
+    missing, unexpected = trained.load_state_dict(params, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    expected = _run(trained.eval())
+    assert (expected - untrained).abs().max() > 1e-3, "training did not change the UNet"
+    return expected
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    err = (got - expected).abs().max()
+    assert err < 1e-4 * max(1.0, expected.abs().max().item()), f"{what}: max error {err}"
+
+
+def test_saved_lora_key_layouts(two_stages: Path) -> None:
+    saved = two_stages / "saved" / "final"
+    state, cfg = read_adapter(saved)
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight" in state
+    assert all(k.startswith("unet.") and ".lora_" in k for k in state)
+    kohya = load_file(str(saved / "adapter_model.kohya.safetensors"))
+    assert "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya
+    assert "lora_unet_output_blocks_0_1_transformer_blocks_1_ff_net_2.lora_up.weight" in kohya
+    assert float(kohya["lora_unet_middle_block_1_transformer_blocks_0_attn2_to_k.alpha"]) == 8.0
+    assert len(kohya) == len(state) * 3 // 2  # down, up and alpha per module
+
+
+def test_kohya_lora_reproduces_the_trained_unet_in_diffusers(
+    two_stages: Path, tiny_sdxl: tuple[Path, Path], trained_outputs: torch.Tensor
+) -> None:
+    """diffusers converts the SGM-named kohya keys itself; alpha comes from the .alpha tensors."""
+    kohya = load_file(str(two_stages / "saved" / "final" / "adapter_model.kohya.safetensors"))
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl[0], local_files_only=True)
+    pipe.load_lora_weights(kohya)
+    _assert_close(_run(pipe.unet.eval()), trained_outputs, "kohya")
+
+
+def test_diffusers_lora_reproduces_the_trained_unet_in_diffusers(
+    two_stages: Path, tiny_sdxl: tuple[Path, Path], trained_outputs: torch.Tensor
+) -> None:
+    """The PEFT-format tensors; passed as a dict diffusers infers rank (and alpha = rank), so the strength
+    alpha / rank = 2 is set through set_adapters."""
+    state, cfg = read_adapter(two_stages / "saved" / "final")
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl[0], local_files_only=True)
+    pipe.load_lora_weights(state, adapter_name="trained")
+    pipe.set_adapters(["trained"], adapter_weights=[cfg["lora_alpha"] / cfg["r"]])
+    _assert_close(_run(pipe.unet.eval()), trained_outputs, "diffusers")
+
+
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "adapter_model.kohya.safetensors"])
+def test_saved_files_load_by_path(
+    name: str, two_stages: Path, tiny_sdxl: tuple[Path, Path], trained_outputs: torch.Tensor
+) -> None:
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl[0], local_files_only=True)
+    pipe.load_lora_weights(str(two_stages / "saved" / "final"), weight_name=name)
+    _assert_close(_run(pipe.unet.eval()), trained_outputs, name)
+
+
+def test_full_finetune_exports_load_in_diffusers(one_stage: Path, tiny_sdxl: tuple[Path, Path], tmp_path: Path) -> None:
+    """The saved full fine-tune, exported as an original-layout single file and as a diffusers UNet folder, loads
+    back through diffusers with exactly the trained weights (and the base VAE / text encoders)."""
+    from diffpipe_sdxl.config import SDXLConfig
+    from diffpipe_sdxl.export import export_saved_model
+
+    folder = tiny_sdxl[0]
+    saved = one_stage / "saved" / "final"
+    trained: dict[str, torch.Tensor] = {}
+    for shard in saved.glob("model-*.safetensors"):
+        trained.update(load_file(str(shard)))
+    cfg = SDXLConfig(type="sdxl", path=folder)
+    export_saved_model(saved, cfg, tmp_path / "sf", "single_file")
+    export_saved_model(saved, cfg, tmp_path / "df", "diffusers")
+    pipe = StableDiffusionXLPipeline.from_single_file(
+        str(tmp_path / "sf" / "sdxl.safetensors"), config=str(folder), local_files_only=True
+    )
+    from_folder = UNet2DConditionModel.from_pretrained(tmp_path / "df" / "unet", local_files_only=True)
+    base = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
+    for unet in (pipe.unet, from_folder):
+        state = unet.state_dict()
+        assert state.keys() == trained.keys()
+        assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert not torch.equal(base.unet.state_dict()["conv_out.weight"], trained["conv_out.weight"])
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        a, b = getattr(pipe, name).state_dict(), getattr(base, name).state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in b), name
