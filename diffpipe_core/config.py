@@ -108,6 +108,11 @@ class RunConfig(Strict):
     save_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of saved adapters and models."
     )
+    save_model_formats: list[str] = Field(
+        [],
+        description="Full fine-tuning only: extra formats the model plugin's export_model writes beside the "
+        "saved shards, each into its own subfolder (e.g. 'diffusers', 'single_file').",
+    )
     eval_every_n_epochs: int | None = Field(None, ge=1, description="Eval loss every N epochs.")
     eval_every_n_steps: int | None = Field(None, ge=1, description="Eval loss every N steps.")
     caching_batch_size: int = Field(4, ge=1, description="Batch size for encode_batch while caching.")

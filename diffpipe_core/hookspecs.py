@@ -136,9 +136,14 @@ def adapter_key_prefix() -> str:
 
 
 @hookspec(firstresult=True)
-def export_model(model: nn.Module, model_config: ModelConfigBase, out_dir: Path, format: str) -> bool | None:
-    """*model, optional* Save a fully fine-tuned model in ``format`` under ``out_dir``; return True
-    if written. Without an implementation the core writes ``model.safetensors`` plus config."""
+def export_model(saved_dir: Path, model_config: ModelConfigBase, out_dir: Path, format: str) -> bool | None:
+    """*model, optional* Convert a saved full fine-tune into an ecosystem ``format`` under ``out_dir``.
+
+    ``saved_dir`` holds what the core wrote: ``model-0000k-of-0000n.safetensors`` shards keyed by the
+    diffusion model's ``state_dict`` names, one per pipeline stage, plus ``model.safetensors.index.json``.
+    Called on rank 0 after every full-model save, once per entry of the run's ``save_model_formats``
+    (e.g. ``"diffusers"``, ``"single_file"``). Return True when written, None for an unknown format.
+    """
 
 
 @hookspec(firstresult=True)

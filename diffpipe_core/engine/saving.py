@@ -6,6 +6,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,3 +97,16 @@ def write_model_shards(
         )
         replace_dir(tmp, out_dir)
     barrier()
+
+
+def export_model_formats(saved_dir: Path, plugin: ModelPlugin, model_config: Any, formats: list[str]) -> None:
+    """Rank 0: the plugin's ecosystem formats of a saved full fine-tune, each in ``saved_dir/<format>``
+    (written to a temporary folder first)."""
+    for fmt in formats:
+        out = saved_dir / fmt
+        tmp = saved_dir / f".tmp-{fmt}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        if not plugin.call("export_model", saved_dir=saved_dir, model_config=model_config, out_dir=tmp, format=fmt):
+            raise ValueError(f"save_model_formats: model {plugin.name!r} cannot export format {fmt!r}")
+        replace_dir(tmp, out)

@@ -32,7 +32,7 @@ from diffpipe_core.engine.ds_patches import (
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.partition import stage_parts
-from diffpipe_core.engine.saving import gather_to_rank0, write_adapter, write_model_shards
+from diffpipe_core.engine.saving import export_model_formats, gather_to_rank0, write_adapter, write_model_shards
 from diffpipe_core.optim import build_optimizer, lr_lambda
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
@@ -291,6 +291,9 @@ class Trainer:
                 dtype=save_dtype,
                 barrier=dist.barrier,
             )
+            if self.rank == 0 and self.run.save_model_formats:
+                export_model_formats(out, self.plugin, self.cfg.model, self.run.save_model_formats)
+            dist.barrier()
         return out
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:

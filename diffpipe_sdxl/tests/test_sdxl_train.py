@@ -38,6 +38,8 @@ max_prompt_chunks = 2
 [optimizer]
 lr = {lr}
 {adapter}"""
+FULL = 'save_model_formats = ["diffusers", "single_file"]\n'
+
 ADAPTER = """
 [adapter]
 rank = 4
@@ -56,6 +58,7 @@ def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_f
     toml = RUN_TOML.format(
         steps=steps, stages=stages, model=model, lr=5e-3 if lora else 1e-3, adapter=ADAPTER if lora else ""
     )
+    toml = toml if lora else FULL + toml
     (root / "run.toml").write_text(toml)
     result = run_diffpipe(
         ["train", "--config", str(root / "run.toml"), "--num-procs", str(stages)], cwd=root, timeout=400
@@ -182,24 +185,19 @@ def test_saved_files_load_by_path(
     _assert_close(_run(pipe.unet.eval()), trained_outputs, name)
 
 
-def test_full_finetune_exports_load_in_diffusers(one_stage: Path, tiny_sdxl: tuple[Path, Path], tmp_path: Path) -> None:
-    """The saved full fine-tune, exported as an original-layout single file and as a diffusers UNet folder, loads
-    back through diffusers with exactly the trained weights (and the base VAE / text encoders)."""
-    from diffpipe_sdxl.config import SDXLConfig
-    from diffpipe_sdxl.export import export_saved_model
-
+def test_full_finetune_exports_load_in_diffusers(one_stage: Path, tiny_sdxl: tuple[Path, Path]) -> None:
+    """The run's save_model_formats: the saved full fine-tune as an original-layout single file and as a diffusers
+    UNet folder, written by the plugin's export_model beside the shards, loads back through diffusers with exactly
+    the trained weights (and the base VAE / text encoders)."""
     folder = tiny_sdxl[0]
     saved = one_stage / "saved" / "final"
     trained: dict[str, torch.Tensor] = {}
     for shard in saved.glob("model-*.safetensors"):
         trained.update(load_file(str(shard)))
-    cfg = SDXLConfig(type="sdxl", path=folder)
-    export_saved_model(saved, cfg, tmp_path / "sf", "single_file")
-    export_saved_model(saved, cfg, tmp_path / "df", "diffusers")
     pipe = StableDiffusionXLPipeline.from_single_file(
-        str(tmp_path / "sf" / "sdxl.safetensors"), config=str(folder), local_files_only=True
+        str(saved / "single_file" / "sdxl.safetensors"), config=str(folder), local_files_only=True
     )
-    from_folder = UNet2DConditionModel.from_pretrained(tmp_path / "df" / "unet", local_files_only=True)
+    from_folder = UNet2DConditionModel.from_pretrained(saved / "diffusers" / "unet", local_files_only=True)
     base = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
     for unet in (pipe.unet, from_folder):
         state = unet.state_dict()

@@ -29,15 +29,22 @@ class _Layer(nn.Module):
         self.takes_emb, self.takes_text = takes_emb, takes_text
         self.gives_emb, self.gives_text = gives_emb, gives_text
 
-    def unpack(self, inputs: Tensors) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                                               torch.Tensor | None, list[torch.Tensor]]:
+    def unpack(
+        self, inputs: Tensors
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
         h, rest = inputs[0], list(inputs[1:])
         emb = rest.pop(0) if self.takes_emb else None
         text, mask = (rest.pop(0), rest.pop(0)) if self.takes_text else (None, None)
         return h, emb, text, mask, rest
 
-    def pack(self, h: torch.Tensor, emb: torch.Tensor | None, text: torch.Tensor | None, mask: torch.Tensor | None,
-             skips: list[torch.Tensor]) -> Tensors:
+    def pack(
+        self,
+        h: torch.Tensor,
+        emb: torch.Tensor | None,
+        text: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        skips: list[torch.Tensor],
+    ) -> Tensors:
         out = [h]
         if self.gives_emb:
             out.append(emb)
@@ -73,8 +80,16 @@ class UnitLayer(_Layer):
     - ``mid``: (attention, then) resnet: the mid block's first unit is its first resnet alone.
     """
 
-    def __init__(self, kind: str, resnet: nn.Module, attention: nn.Module | None, sampler: nn.Module | None,
-                 takes_text: bool, gives_text: bool, gives_emb: bool) -> None:
+    def __init__(
+        self,
+        kind: str,
+        resnet: nn.Module,
+        attention: nn.Module | None,
+        sampler: nn.Module | None,
+        takes_text: bool,
+        gives_text: bool,
+        gives_emb: bool,
+    ) -> None:
         super().__init__(True, takes_text, gives_emb, gives_text)
         self.kind, self.resnet, self.attention, self.sampler = kind, resnet, attention, sampler
 
@@ -118,9 +133,7 @@ class OutLayer(nn.Module):
         return (self.conv_out(self.conv_act(self.conv_norm_out(h))).float(),)
 
 
-SUPPORTED_BLOCKS = {
-    "DownBlock2D", "CrossAttnDownBlock2D", "UNetMidBlock2DCrossAttn", "UpBlock2D", "CrossAttnUpBlock2D"
-}
+SUPPORTED_BLOCKS = {"DownBlock2D", "CrossAttnDownBlock2D", "UNetMidBlock2DCrossAttn", "UpBlock2D", "CrossAttnUpBlock2D"}
 
 
 def check_supported(unet: nn.Module) -> None:
@@ -169,8 +182,15 @@ def split_unet(unet: nn.Module) -> list[nn.Module]:
     layers: list[nn.Module] = [EmbedLayer(unet, gives_text=last_text >= 0)]
     for i, (kind, resnet, attention, sampler) in enumerate(units):
         layers.append(
-            UnitLayer(kind, resnet, attention, sampler, takes_text=i <= last_text, gives_text=i < last_text,
-                      gives_emb=i < len(units) - 1)
+            UnitLayer(
+                kind,
+                resnet,
+                attention,
+                sampler,
+                takes_text=i <= last_text,
+                gives_text=i < last_text,
+                gives_emb=i < len(units) - 1,
+            )
         )
     layers.append(OutLayer(unet))
     return layers

@@ -139,11 +139,19 @@ def load_encoders(cfg: SDXLConfig, device: torch.device) -> Encoders:
     if cfg.path.is_file():
         parts = _single_file_parts(cfg.path, (CLIP_L_PREFIX, CLIP_G_PREFIX, VAE_PREFIX))
         te1 = create_diffusers_clip_model_from_ldm(
-            CLIPTextModel, parts, subfolder="text_encoder", config=str(folder), torch_dtype=te_dtype,
+            CLIPTextModel,
+            parts,
+            subfolder="text_encoder",
+            config=str(folder),
+            torch_dtype=te_dtype,
             local_files_only=True,
         )
         te2 = create_diffusers_clip_model_from_ldm(
-            CLIPTextModelWithProjection, parts, subfolder="text_encoder_2", config=str(folder), torch_dtype=te_dtype,
+            CLIPTextModelWithProjection,
+            parts,
+            subfolder="text_encoder_2",
+            config=str(folder),
+            torch_dtype=te_dtype,
             local_files_only=True,
         )
         vae = None
@@ -159,8 +167,10 @@ def load_encoders(cfg: SDXLConfig, device: torch.device) -> Encoders:
         te2 = CLIPTextModelWithProjection.from_pretrained(
             folder / "text_encoder_2", torch_dtype=te_dtype, local_files_only=True
         )
-        vae = None if cfg.vae_path is not None else AutoencoderKL.from_pretrained(
-            folder, subfolder="vae", torch_dtype=vae_dtype, local_files_only=True
+        vae = (
+            None
+            if cfg.vae_path is not None
+            else AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=vae_dtype, local_files_only=True)
         )
     if cfg.vae_path is not None:
         vae = AutoencoderKL.from_pretrained(cfg.vae_path, torch_dtype=vae_dtype, local_files_only=True)

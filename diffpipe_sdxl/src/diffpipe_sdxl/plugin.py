@@ -91,6 +91,10 @@ def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int,
 
 
 @hookimpl
-def export_model(model: nn.Module, model_config: SDXLConfig, out_dir: Path, format: str) -> bool | None:
-    """``diffusers`` (a UNet folder) or ``single_file`` (an original-layout checkpoint)."""
-    return export.export_model(model, model_config, out_dir, format)
+def export_model(saved_dir: Path, model_config: SDXLConfig, out_dir: Path, format: str) -> bool | None:
+    """``diffusers`` (a UNet folder) or ``single_file`` (an original-layout checkpoint with the base VAE and
+    text encoders)."""
+    if format not in export.MODEL_FORMATS:
+        return None
+    export.export_saved_model(saved_dir, model_config, out_dir, format)
+    return True

@@ -122,7 +122,7 @@ def _vae_name_to_ldm(name: str, num_up_blocks: int) -> str:
         rest = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
         for a, b in rest.items():
             if m[2].startswith(a + "."):
-                return f"{m[1]}.mid.attn_1.{b}{m[2][len(a):]}"
+                return f"{m[1]}.mid.attn_1.{b}{m[2][len(a) :]}"
     if re.fullmatch(r"(encoder|decoder)\.conv_(in|out)\.(weight|bias)|(post_)?quant_conv\.(weight|bias)", name):
         return name
     raise ValueError(f"no original-layout name for VAE tensor {name!r}")

@@ -97,8 +97,12 @@ def write_tiny_sdxl(folder: Path | str, seed: int = 0) -> Path:
         tokenizer_2=tok2,
         unet=UNet2DConditionModel(**TINY_UNET),
         scheduler=EulerDiscreteScheduler(
-            beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-            steps_offset=1, timestep_spacing="leading",
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            num_train_timesteps=1000,
+            steps_offset=1,
+            timestep_spacing="leading",
         ),
     )
     pipe.save_pretrained(folder)
