@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, write a tiny random-weight model to demo/model in its real on-disk format,
-# then cache the bundled sample dataset and train a LoRA for a few steps on CPU.
+# Set up .venv if needed, write a tiny random-weight Flux to demo/flux-tiny in the diffusers folder layout,
+# then cache the bundled sample dataset (examples/sample_dataset) and train a LoRA for a few steps on CPU.
+# DEMO_MODEL=reference trains the core's tiny reference DiT instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${DIFFPIPE_VENV:-.venv}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 mkdir -p demo
-"$VENV/bin/python" -c "from diffpipe_reference.model import write_tiny_model; write_tiny_model('demo/model')"
+if [ "${DEMO_MODEL:-flux}" = "reference" ]; then
+  "$VENV/bin/python" -c "from diffpipe_reference.model import write_tiny_model; write_tiny_model('demo/model')"
+  CONFIG=examples/demo/run.toml RUNS=demo/runs
+else
+  "$VENV/bin/python" -m diffpipe_flux.testing demo/flux-tiny
+  CONFIG=diffpipe_flux/examples/run.toml RUNS=demo/flux-runs
+fi
 "$VENV/bin/diffpipe" models
-"$VENV/bin/diffpipe" validate --config examples/demo/run.toml
-"$VENV/bin/diffpipe" data --config examples/demo/run.toml
-"$VENV/bin/diffpipe" train --config examples/demo/run.toml --num-procs "${NUM_PROCS:-1}"
-echo "diffpipe: the LoRA is in $(ls -d demo/runs/*/saved/final | tail -n 1)"
+"$VENV/bin/diffpipe" validate --config "$CONFIG"
+"$VENV/bin/diffpipe" data --config "$CONFIG"
+"$VENV/bin/diffpipe" train --config "$CONFIG" --num-procs "${NUM_PROCS:-1}"
+echo "diffpipe: the LoRA is in $(ls -d "$RUNS"/*/saved/final | tail -n 1)"

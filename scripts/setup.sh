@@ -16,5 +16,5 @@ fi
 # compat editable mode puts each plugin's src/ on sys.path, so the distribution folders of the same name
 # (diffpipe_flux/ holding src/diffpipe_flux/) never shadow the packages when run from the repo root
 "$VENV/bin/python" -m pip install --quiet --config-settings editable_mode=compat \
-  -e ".[dev]" -e tests/reference_plugin -e diffpipe_sdxl
+  -e ".[dev]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl
 echo "diffpipe: environment ready in $VENV"
