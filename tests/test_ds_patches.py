@@ -120,8 +120,8 @@ def test_outputs_require_grad_lets_a_frozen_stage_feed_trainable_ones(working_ru
     stage0, stage1 = scenario(out, "wrapped")
     assert stage0["trainable"] == [] and stage1["trainable"], (stage0, stage1)
     assert stage0["loss"] == pytest.approx(stage1["loss"]) and stage0["loss"] > 0
-    frozen = torch.load(out / "frozen_first_stage_rank0.pt")
-    trained = torch.load(out / "frozen_first_stage_rank1.pt")
+    frozen = torch.load(out / "frozen_first_stage_rank0.pt", weights_only=True)
+    trained = torch.load(out / "frozen_first_stage_rank1.pt", weights_only=True)
     for name, before in frozen["before"].items():
         assert torch.equal(before, frozen["after"][name]), f"frozen {name} changed"
     changed = [n for n, before in trained["before"].items() if not torch.equal(before, trained["after"][n])]
@@ -140,7 +140,7 @@ def test_non_reentrant_checkpoint_matches_an_unchecked_run(working_run: Path, tm
         assert r["parts"] == [0, 1, 4]
         assert r["plain_checkpoint_calls"] == 0 and r["checkpointed_checkpoint_calls"] > 0, r
         assert r["checkpointed_loss"] == pytest.approx(r["plain_loss"], rel=1e-6)
-        states = torch.load(out / f"checkpoint_rank{rank}.pt")
+        states = torch.load(out / f"checkpoint_rank{rank}.pt", weights_only=True)
         for name, initial in states["initial"].items():
             assert not torch.equal(initial, states["plain"][name]), f"rank {rank}: {name} did not train"
             torch.testing.assert_close(states["checkpointed"][name], states["plain"][name], rtol=1e-6, atol=1e-7)
