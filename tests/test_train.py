@@ -93,7 +93,7 @@ def train(root: Path, config: Path, *args: str, timeout: float = 400, env=None) 
 def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 1-process run, shared by several tests."""
     root = tmp_path_factory.mktemp("single")
-    config = make_project(root, stages=1, max_steps=30, ckpt=10)
+    config = make_project(root, stages=1, max_steps=30, ckpt=10, extra="save_every_n_epochs = 5\n")
     train(root, config, "--num-procs", "1")
     return run_dirs(root)[0]
 
@@ -108,6 +108,8 @@ def test_single_process_overfits(single: Path) -> None:
     assert resolved["run"]["gradient_clipping"] == 1.0 and resolved["model"]["sigmoid_scale"] == 1.0
     assert json.loads((single / "run_info.json").read_text())["plugins"]["reference"].startswith("diffpipe-reference")
     assert any((single / "tensorboard").iterdir())
+    # 8 samples / (2 per micro-batch x 2 micro-batches) = 2 steps per epoch: a save every 5 epochs = 10 steps
+    assert sorted(p.name for p in (single / "saved").iterdir()) == ["final", "step-0000010", "step-0000020"]
 
 
 @pytest.fixture(scope="module")
