@@ -97,13 +97,17 @@ def main() -> None:
             sampler.set_epoch(0)
             sampler.position = 0
         assert len(ds) == args.items and batch["latents"].shape[0] == 4
-        print(f"{args.items} items in {shards} shards ({args.rows_per_shard} rows each), {len(buckets)} buckets; "
-              f"synthesised in {made:.1f} s")
+        print(
+            f"{args.items} items in {shards} shards ({args.rows_per_shard} rows each), {len(buckets)} buckets; "
+            f"synthesised in {made:.1f} s"
+        )
         print(f"open (prepare_cache, trust_cache=True): {opened:6.2f} s  (target < 10 s)")
         print(f"groups + sampler + first order:         {grouped:6.2f} s")
         print(f"first collate (4 samples):              {collated * 1000:6.1f} ms")
-        print(f"collate, mean of 200 micro-batches:     {times[0] * 1000:6.1f} ms (shards opened on the way), "
-              f"{times[1] * 1000:.2f} ms (open)")
+        print(
+            f"collate, mean of 200 micro-batches:     {times[0] * 1000:6.1f} ms (shards opened on the way), "
+            f"{times[1] * 1000:.2f} ms (open)"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

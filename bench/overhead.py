@@ -3,7 +3,7 @@
     python bench/overhead.py [--steps 40] [--dim 256] [--depth 6] [--size 256]
 
 Runs `diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine) on a synthetic dataset, takes
-the median step time from its metrics.jsonl (after warm-up), then times a plain loop doing the same
+the median step time (step_seconds) from its metrics.jsonl (after warm-up), then times a plain loop doing the same
 forward, backward and AdamW step on the same reference model with the same LoRA and batch size.
 Target: ratio <= 1.10.
 """
@@ -11,7 +11,6 @@ Target: ratio <= 1.10.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import torch
 
 from diffpipe_core.adapters import apply_lora, lora_config
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.engine.run_dir import step_seconds
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_reference.model import TinyDiT, TinyDiTConfig, write_tiny_model
@@ -53,9 +53,7 @@ lr = 1e-4
     result = run_diffpipe(["train", "--config", "run.toml", "--num-procs", "1"], cwd=root, timeout=1800)
     if result.returncode != 0:
         sys.exit(result.output[-3000:])
-    run = next((root / "out").iterdir())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [args.batch / r["samples_per_s"] for r in records]
+    return step_seconds(next((root / "out").iterdir()))
 
 
 def plain_step_times(cfg: TinyDiTConfig, args: argparse.Namespace) -> list[float]:

@@ -18,17 +18,10 @@ from diffpipe_core.data.report import format_report
 from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import get_registry
 from diffpipe_core.schema import ConfigError
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import ModelConfigBase, ModelSpec
 
-VIDEO = ModelSpec(
-    name="tinyvideo",
-    modality="video",
-    config_schema=ModelConfigBase,
-    spatial_multiple=16,
-    frame_multiple=4,
-    frame_offset=1,
-    video_fps=8,
-)
+VIDEO = TINY_VIDEO_SPEC
 
 
 def reference_spec() -> ModelSpec:

@@ -18,18 +18,11 @@ from diffpipe_core.data.items import ScanResult
 from diffpipe_core.data.report import format_report
 from diffpipe_core.data.scan import DatasetError, scan_dataset
 from diffpipe_core.schema import ConfigError
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import ModelConfigBase, ModelSpec
 
 IMAGE = ModelSpec(name="img", modality="image", config_schema=ModelConfigBase, spatial_multiple=16)
-VIDEO = ModelSpec(
-    name="tinyvideo",
-    modality="video",
-    config_schema=ModelConfigBase,
-    spatial_multiple=16,
-    frame_multiple=4,
-    frame_offset=1,
-    video_fps=8,
-)
+VIDEO = TINY_VIDEO_SPEC
 
 
 def image(path: Path, size: tuple[int, int] = (64, 64), caption: str | None = "ok", fmt: str | None = None) -> Path:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import load_adapter, read_adapter
+from diffpipe_core.engine.run_dir import read_metrics, train_losses
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe, write_plugin_distribution
 from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
@@ -73,14 +74,7 @@ def run_dirs(root: Path) -> list[Path]:
     return sorted(p for p in (root / "out").iterdir() if p.is_dir())
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """Last logged loss per step (a resumed run logs the steps after its checkpoint again)."""
-    out: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+losses = train_losses
 
 
 def train(root: Path, config: Path, *args: str, timeout: float = 400, env=None) -> str:
@@ -142,11 +136,7 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     assert last < first
     info = json.loads((run / "run_info.json").read_text())
     assert info["num_procs"] == 2
-    evals = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "eval" in record:
-            evals[record["step"]] = record["eval"]
+    evals = {r["step"]: r["eval"] for r in read_metrics(run) if "eval" in r}
     assert sorted(evals) == [8, 16]
     assert set(evals[8]) == {"held/loss", *(f"held/t_q{q}" for q in ("0.1", "0.3", "0.5", "0.7", "0.9"))}
     # the eval set is the training set here, so held-out loss must fall as the model overfits

@@ -18,6 +18,7 @@ from diffpipe_core.data.decode import MediaError, load_media
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import Registry
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import ModelConfigBase, ModelSpec
 
 
@@ -26,15 +27,7 @@ class TinyVideo:
 
     @hookimpl
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(
-            name="tinyvideo",
-            modality="video",
-            config_schema=ModelConfigBase,
-            spatial_multiple=16,
-            frame_multiple=4,
-            frame_offset=1,
-            video_fps=8,
-        )
+        return TINY_VIDEO_SPEC
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,21 @@ def resolve_resume(output_dir: Path, resume: str) -> tuple[Path, Path]:
             "nor a checkpoint folder with train_state.json"
         )
     return path, ckpt
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl``: one per optimizer step (``step``, ``loss``, ``lr``,
+    ``grad_norm``, ``samples_per_s``, ``step_seconds``, ``epoch``) plus one per evaluation (``step``, ``eval``)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """The training loss of each step; a resumed run logs the steps after its checkpoint again, and the
+    last record of a step wins."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def step_seconds(run_dir: Path) -> list[float]:
+    """Seconds per optimizer step (``train_batch`` only: no checkpoint, save or eval time), in step order."""
+    return [r["step_seconds"] for r in read_metrics(run_dir) if "loss" in r]

@@ -395,6 +395,7 @@ class Trainer:
                     "lr": lr,
                     "grad_norm": _num(grad_norm),
                     "samples_per_s": samples_per_step / dt,
+                    "step_seconds": dt,
                     "epoch": self._epoch(step),
                 }
                 metrics_file.write(json.dumps(record) + "\n")

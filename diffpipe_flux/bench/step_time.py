@@ -5,7 +5,7 @@
 A tiny-but-not-trivial Flux (inner dim 256 = 4 heads x 64, 2 double + 4 single blocks, 16-channel latents
 of 64x64 = 1024 packed image tokens, 64 T5 tokens) is written to disk in the diffusers layout. diffpipe
 trains it with `diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); the median step time
-comes from metrics.jsonl (micro_batch / samples_per_s) after warm-up. The plain loop runs the same
+comes from metrics.jsonl (step_seconds) after warm-up. The plain loop runs the same
 forward (FluxTransformer2DModel.forward), backward, gradient clipping and AdamW step on the same
 transformer with the same peft LoRA (rank 16 on the plugin's lora_targets). Target: ratio <= 1.10.
 """
@@ -13,7 +13,6 @@ transformer with the same peft LoRA (rank 16 on the plugin's lora_targets). Targ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import torch
 
 from diffpipe_core.adapters import apply_lora, lora_config
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.engine.run_dir import step_seconds
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, run_diffpipe
@@ -75,8 +75,7 @@ lr = 1e-4
     if result.returncode != 0:
         sys.exit(result.output[-3000:])
     run = next((root / "out").iterdir())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [args.batch / r["samples_per_s"] for r in records if "samples_per_s" in r]
+    return step_seconds(run)
 
 
 def plain_step_times(model_dir: Path, args: argparse.Namespace) -> list[float]:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_flux.bfl import bfl_to_diffusers
@@ -84,8 +85,7 @@ def train(root: Path, config: Path) -> Path:
 
 
 def losses(run: Path) -> list[float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
+    return [loss for _, loss in sorted(train_losses(run).items())]
 
 
 def assert_loss_falls(seq: list[float]) -> None:

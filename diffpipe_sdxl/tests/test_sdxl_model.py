@@ -184,8 +184,9 @@ def test_v_prediction_and_min_snr_match_their_formulas(ztsnr: bool) -> None:
     """Checked against diffusers' DDPMScheduler (add_noise, get_velocity, rescale_betas_zero_snr) and
     diffusers.training_utils.compute_snr."""
     cfg = SDXLConfig(type="sdxl", path=Path("."), v_pred=True, zero_terminal_snr=ztsnr, min_snr_gamma=5.0)
-    sched = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                          rescale_betas_zero_snr=ztsnr)
+    sched = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", rescale_betas_zero_snr=ztsnr
+    )
     assert torch.allclose(ddpm.alphas_cumprod(zero_terminal_snr=ztsnr).float(), sched.alphas_cumprod, atol=1e-6)
     batch = _batch()
     generator = torch.Generator().manual_seed(3)
@@ -228,14 +229,16 @@ def test_sdxl_topology_layers_and_single_file_names(tmp_path: Path) -> None:
     from diffpipe_sdxl.testing import TINY_UNET
 
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(**{
-        **TINY_UNET,
-        "block_out_channels": (32, 32, 64),
-        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        "attention_head_dim": (2, 2, 4),
-        "transformer_layers_per_block": (1, 1, 2),
-    }).eval()
+    unet = UNet2DConditionModel(
+        **{
+            **TINY_UNET,
+            "block_out_channels": (32, 32, 64),
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "attention_head_dim": (2, 2, 4),
+            "transformer_layers_per_block": (1, 1, 2),
+        }
+    ).eval()
     layers = split_unet(unet)
     assert len(layers) == 1 + 6 + 2 + 9 + 1
     x, t = torch.randn(1, 4, 16, 8), torch.tensor([321])

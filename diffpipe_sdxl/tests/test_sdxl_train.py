@@ -4,7 +4,6 @@ diffusers and kohya formats, through diffusers' ``StableDiffusionXLPipeline.load
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_sdxl.plugin import LORA_TARGETS
@@ -68,13 +68,7 @@ def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_f
     return run
 
 
-def losses(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            out[record["step"]] = record["loss"]
-    return out
+losses = train_losses
 
 
 @pytest.fixture(scope="module")
