@@ -11,7 +11,8 @@ the only place ComfyUI reads the strength from).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,74 @@ def kohya_format(
                 out[f"{name}.{kohya}.weight"] = value
                 out[f"{name}.alpha"] = torch.tensor(float(alpha))
                 break
+    return out
+
+
+@dataclass(frozen=True)
+class FusedTarget:
+    """A module of another key layout (ComfyUI's, an original checkpoint's) whose weight is the weights of
+    ``parts`` (module paths of the trained model) stacked along the output dimension, in order.
+
+    ``sizes``: the output rows of each part; needed for a part without a LoRA (its rows are zero in the fused
+    ``lora_B``). Empty: every part's rows are read from its own ``lora_B``.
+    """
+
+    name: str
+    parts: tuple[str, ...]
+    sizes: tuple[int, ...] = ()
+
+
+def fuse_lora(
+    state: dict[str, torch.Tensor], target: FusedTarget, alpha: float
+) -> dict[str, torch.Tensor] | None:
+    """The one LoRA of ``target`` that applies exactly what its parts' peft LoRAs in ``state`` apply.
+
+    ``lora_A`` stacks the adapted parts' ``lora_A`` rows; ``lora_B`` is block-diagonal (zero rows for a part
+    without LoRA), so ``lora_B @ lora_A`` is the parts' ``B_i @ A_i`` stacked. Its rank is the sum of the parts'
+    ranks, so ``alpha`` is multiplied by the number of adapted parts: tools that scale by alpha / rank (ComfyUI)
+    then apply the trained strength. Returns ``{"lora_A.weight", "lora_B.weight", "alpha"}``, or None when no
+    part has a LoRA.
+    """
+    present = [p for p in target.parts if f"{p}.lora_A.weight" in state]
+    if not present:
+        return None
+    downs = [state[f"{p}.lora_A.weight"] for p in present]
+    sizes = list(target.sizes)
+    if not sizes:
+        missing = [p for p in target.parts if p not in present]
+        if missing:
+            raise ValueError(f"{target.name}: no LoRA on {missing[0]!r} and its size is not given")
+        sizes = [state[f"{p}.lora_B.weight"].shape[0] for p in target.parts]
+    up = torch.zeros(sum(sizes), sum(d.shape[0] for d in downs), dtype=downs[0].dtype)
+    row = col = 0
+    for part, size in zip(target.parts, sizes, strict=True):
+        if part in present:
+            lora_b = state[f"{part}.lora_B.weight"]
+            if lora_b.shape[0] != size:
+                raise ValueError(f"{part}.lora_B.weight has {lora_b.shape[0]} rows; {target.name} expects {size}")
+            up[row : row + size, col : col + lora_b.shape[1]] = lora_b
+            col += lora_b.shape[1]
+        row += size
+    return {"lora_A.weight": torch.cat(downs, dim=0), "lora_B.weight": up, "alpha": torch.tensor(alpha * len(present))}
+
+
+def fused_lora_format(
+    state: dict[str, torch.Tensor], alpha: float, targets: Iterable[FusedTarget], prefix: str
+) -> dict[str, torch.Tensor]:
+    """peft LoRA keys -> ``<prefix>.<target.name>.lora_A.weight`` / ``.lora_B.weight`` / ``.alpha`` for every
+    target with an adapted part (:func:`fuse_lora`; a one-part target is a rename). A LoRA module that no
+    target takes raises a ValueError naming it."""
+    modules = {k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for target in targets:
+        fused = fuse_lora(state, target, float(alpha))
+        if fused is not None:
+            out.update({f"{prefix}.{target.name}.{k}": v for k, v in fused.items()})
+            done.update(target.parts)
+    unknown = sorted(modules - done)
+    if unknown:
+        raise ValueError(f"LoRA modules with no counterpart in the {prefix!r} layout: {unknown[:3]}")
     return out
 
 

@@ -26,9 +26,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS allows (changing it races other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A temporary file beside ``path`` with the permissions a normal new file gets (``mkstemp`` makes it
+    0600, which would hide saved LoRAs from a ComfyUI running as another user)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    os.fchmod(fd, 0o666 & ~current_umask())
+    return fd, tmp
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -48,11 +70,11 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_save_safetensors(
     tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}.")
+    fd, tmp = _temp_beside(path)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o666 & ~current_umask())  # safetensors writes through its own 0600 temporary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -61,7 +83,14 @@ def atomic_save_safetensors(
 
 
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a fully written ``tmp_dir`` to ``final_dir``, replacing an older one as late as possible."""
+    """Move a fully written ``tmp_dir`` to ``final_dir``, replacing an older one as late as possible.
+
+    Its files get the permissions the umask gives a normal file first: libraries that wrote them (safetensors,
+    diffusers' ``save_pretrained``) leave 0600, which other users and containers cannot read."""
+    mode = 0o666 & ~current_umask()
+    for file in tmp_dir.rglob("*"):
+        if file.is_file() and not file.is_symlink():
+            os.chmod(file, mode)
     old = None
     if final_dir.exists():
         old = final_dir.with_name(f".old-{final_dir.name}")

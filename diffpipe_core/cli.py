@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from diffpipe_core.plugin_cli import plugin as plugin_commands
+from diffpipe_core.quiet import VERBOSE_ENV, quiet_libraries
 from diffpipe_core.registry import PluginError, get_registry
+from diffpipe_core.sampling.command import sample as sample_command
 from diffpipe_core.schema import ConfigError
+
+if "--verbose" in sys.argv[1:]:  # plugins are imported below, before click parses the flag
+    os.environ[VERBOSE_ENV] = "1"
+quiet_libraries()
 
 CONFIG = click.option(
     "--config", "config_path", required=True, type=click.Path(path_type=Path), help="The run config (TOML)."
@@ -16,14 +24,26 @@ CONFIG = click.option(
 MODEL = click.option("--model", default=None, help="Model plugin name; defaults to [model] type in the config.")
 
 
-def _fail(problems: list[str]) -> None:
-    click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:", err=True)
-    for p in problems:
-        click.echo(f"  - {p}", err=True)
+# What a user's input can cause (bad files, configs, folders): reported as a message, not a traceback.
+USER_ERRORS = (ConfigError, PluginError, OSError, ValueError, KeyError)
+
+
+def _fail(problems: list[str], note: str | None = None) -> None:
+    if len(problems) == 1 and "\n" not in problems[0]:
+        click.echo(f"diffpipe: error: {problems[0]}", err=True)
+    else:
+        click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:", err=True)
+        for p in problems:
+            click.echo(f"  - {p}", err=True)
+    if note:
+        click.echo(f"({note})", err=True)
     sys.exit(1)
 
 
-def _load(config_path: Path, model: str | None, world_size: int | None = None):
+def _load(config_path: Path, model: str | None, world_size: int | None = None, check_work: bool = False):
+    """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
+    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of
+    every dataset (an empty one fails)."""
     from diffpipe_core.config import check_world_size, load_config
     from diffpipe_core.data.dataset_config import load_dataset_config
 
@@ -34,10 +54,11 @@ def _load(config_path: Path, model: str | None, world_size: int | None = None):
     except ConfigError as exc:
         problems.extend(exc.problems)
     if cfg is not None:
+        datasets = []
         try:
-            load_dataset_config(cfg.run.dataset)
+            datasets.append(load_dataset_config(cfg.run.dataset))
             for ev in cfg.run.eval_datasets:
-                load_dataset_config(ev.config)
+                datasets.append(load_dataset_config(ev.config))
         except ConfigError as exc:
             problems.extend(exc.problems)
         if world_size is not None:
@@ -45,15 +66,51 @@ def _load(config_path: Path, model: str | None, world_size: int | None = None):
                 check_world_size(cfg.run, world_size, str(cfg.path))
             except ConfigError as exc:
                 problems.extend(exc.problems)
+        if check_work and not problems:
+            problems.extend(_work_problems(cfg, datasets))
     if problems:
         _fail(problems)
     return cfg
 
 
-@click.group()
+def _work_problems(cfg, datasets: list) -> list[str]:
+    from diffpipe_core.data.scan import DatasetError, scan_dataset
+    from diffpipe_core.model_files import model_file_problems
+
+    plugin = get_registry().model(cfg.model_name)
+    problems = model_file_problems(plugin, cfg.model)
+    for dataset in datasets:
+        try:
+            scan_dataset(dataset, plugin.spec)
+        except (DatasetError, ConfigError) as exc:
+            problems.extend(getattr(exc, "problems", None) or [f"{dataset.source}: {exc}"])
+    return problems
+
+
+class _Main(click.Group):
+    """The command group: an error a user can cause prints one line (a traceback only with ``--debug``)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as exc:
+            if os.environ.get("DIFFPIPE_DEBUG"):
+                raise
+            problems = getattr(exc, "problems", None)
+            _fail(problems if problems else [str(exc) or type(exc).__name__], "run with --debug for a traceback")
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="diffpipe-core")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show tracebacks of errors (in the worker processes too).")
+@click.option("--verbose", is_flag=True, help="Show the libraries' own messages (DeepSpeed, transformers, ...).")
+def main(debug: bool, verbose: bool) -> None:
     """diffpipe: train image and video diffusion models with pipeline parallelism."""
+    if debug:
+        os.environ["DIFFPIPE_DEBUG"] = "1"  # inherited by the workers
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_libraries()
 
 
 @main.command()
@@ -64,12 +121,17 @@ def models() -> None:
     if not rows:
         click.echo("No model plugins installed. Install one, e.g.: pip install diffpipe-flux")
         return
-    click.echo(f"{'model':<14} {'kind':<6} {'distribution':<24} {'version':<10} status")
+    from diffpipe_core.sampling.config import can_sample
+
+    width = max(14, *(len(info.name) + 1 for info in rows))
+    click.echo(f"{'model':<{width}} {'kind':<6} {'distribution':<24} {'version':<10} {'sample':<7} status")
     for info in rows:
         kind = info.spec.modality if info.spec else "?"
         status = "ok" if info.ok else f"FAILED: {info.error}"
+        samples = "yes" if can_sample(info, registry) else "no"  # implements the denoising hooks
         click.echo(
-            f"{info.name:<14} {kind:<6} {info.distribution or '(in-process)':<24} {info.version or '-':<10} {status}"
+            f"{info.name:<{width}} {kind:<6} {info.distribution or '(in-process)':<24} {info.version or '-':<10} "
+            f"{samples:<7} {status}"
         )
 
 
@@ -79,10 +141,15 @@ def models() -> None:
 @click.option("--num-procs", type=int, default=None, help="Also check pipeline_stages against this many processes.")
 def validate(config_path: Path, model: str | None, num_procs: int | None) -> None:
     """Check the run config and its dataset config without loading any model."""
-    from diffpipe_core.engine.launcher import default_num_procs
-
-    cfg = _load(config_path, model, default_num_procs(num_procs))
+    cfg = _load(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
+    if num_procs is None:
+        stages = cfg.run.pipeline_stages
+        fits = ", ".join(str(stages * k) for k in range(1, 5))
+        click.echo(
+            f"pipeline_stages = {stages}: train with a multiple of {stages} processes ({fits}, ...); "
+            "each group of pipeline stages is one data-parallel replica"
+        )
 
 
 @main.command()
@@ -99,6 +166,12 @@ def validate(config_path: Path, model: str | None, num_procs: int | None) -> Non
 @click.option("--regenerate-cache", is_flag=True, help="Re-encode the whole dataset.")
 @click.option("--strict", is_flag=True, help="Key the cache on file hashes rather than size and mtime.")
 @click.option("--trust-cache", is_flag=True, help="Use the cache index without re-checking the files.")
+@click.option(
+    "--hostfile",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Several machines: a DeepSpeed hostfile ('host slots=N' lines); DeepSpeed's launcher starts the workers.",
+)
 def train(
     config_path: Path,
     model: str | None,
@@ -107,38 +180,48 @@ def train(
     regenerate_cache: bool,
     strict: bool,
     trust_cache: bool,
+    hostfile: Path | None,
 ) -> None:
-    """Cache the dataset if needed, then train and save."""
-    from diffpipe_core.engine.launcher import default_num_procs, launch_workers
-    from diffpipe_core.engine.run_dir import new_run_dir, resolve_resume, write_run_info
+    """Cache the dataset if needed, then train and save.
 
-    n = default_num_procs(num_procs)
-    cfg = _load(config_path, model, n)
-    resume_from = None
-    if resume:
-        try:
-            run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)
-        except FileNotFoundError as exc:
-            _fail([str(exc)])
-        click.echo(f"diffpipe: resuming {run_dir} from {resume_from.name}")
+    Started by a launcher (torchrun, DeepSpeed's, a SLURM script setting RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT), each process runs as that worker instead of starting its own.
+    """
+    from diffpipe_core.engine.launcher import (
+        default_num_procs,
+        hostfile_slots,
+        launch_deepspeed,
+        launch_workers,
+        launched_externally,
+    )
+    from diffpipe_core.engine.run_dir import resolve_resume, start_run
+
+    external = launched_externally()
+    if external is not None:
+        n = external
+    elif hostfile is not None:
+        n = hostfile_slots(hostfile)
     else:
-        run_dir = new_run_dir(cfg.run.output_dir)
-        registry = get_registry()
-        plugins = {
-            p.name: f"{p.distribution or 'in-process'} {p.version or ''}".strip() for p in registry.plugins.values()
-        }
-        write_run_info(
-            run_dir,
-            cfg.path.read_text(),
-            {"run": cfg.run.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json")},
-            plugins,
-            {"model": cfg.model_name, "num_procs": n, "pipeline_stages": cfg.run.pipeline_stages},
-        )
+        n = default_num_procs(num_procs)
+    cfg = _load(config_path, model, n, check_work=True)
+    args = ["--config", str(cfg.path), "--model", cfg.model_name]
+    if resume:
+        run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)  # a bad path: one line, see _Main
+        click.echo(f"diffpipe: resuming {run_dir} from {resume_from.name}")
+        args += ["--run-dir", str(run_dir), "--resume-from", str(resume_from)]
+    elif external is not None:
+        args += ["--new-run"]  # rank 0 creates the run folder and tells the others
+    else:
+        run_dir = start_run(cfg, n)
         click.echo(f"diffpipe: run folder {run_dir}")
-    args = ["--config", str(cfg.path), "--run-dir", str(run_dir), "--model", cfg.model_name]
-    if resume_from is not None:
-        args += ["--resume-from", str(resume_from)]
+        args += ["--run-dir", str(run_dir)]
     args += ["--regenerate"] * regenerate_cache + ["--strict"] * strict + ["--trust-cache"] * trust_cache
+    if external is not None:
+        from diffpipe_core.engine.worker import main as worker_main
+
+        sys.exit(worker_main(args))
+    if hostfile is not None:
+        sys.exit(launch_deepspeed(hostfile, args))
     sys.exit(launch_workers(args, n))
 
 
@@ -148,14 +231,18 @@ def train(
 @click.option("--num-procs", type=int, default=None, help="Worker processes sharing the encoding.")
 @click.option("--regenerate", is_flag=True, help="Re-encode everything.")
 @click.option("--strict", is_flag=True, help="Key the cache on file hashes rather than size and mtime.")
-def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool) -> None:
+@click.option(
+    "--prune", is_flag=True, help="Then delete (and list) cached encodings of other encoder settings or model files."
+)
+def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool,
+          prune: bool) -> None:
     """Encode the dataset into the latent/text cache (what train does first)."""
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
     n = default_num_procs(num_procs)
-    cfg = _load(config_path, model)
+    cfg = _load(config_path, model, check_work=True)
     args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only"]
-    args += ["--regenerate"] * regenerate + ["--strict"] * strict
+    args += ["--regenerate"] * regenerate + ["--strict"] * strict + ["--prune"] * prune
     sys.exit(launch_workers(args, n))
 
 
@@ -167,7 +254,7 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     """Show buckets, micro-batches per epoch, and every file left out with why."""
     from diffpipe_core.data.dataset_config import load_dataset_config
     from diffpipe_core.data.report import format_report
-    from diffpipe_core.data.scan import scan_dataset
+    from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.engine.launcher import default_num_procs
 
     n = default_num_procs(num_procs)
@@ -175,6 +262,10 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     spec = get_registry().model(cfg.model_name).spec
     try:
         scan = scan_dataset(load_dataset_config(cfg.run.dataset), spec)
+    except DatasetError as exc:  # empty: the report still lists every file left out, and why
+        if exc.result is not None and exc.result.skipped:
+            click.echo(format_report(exc.result, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
+        _fail([f"{cfg.run.dataset}: {exc.summary}"])
     except Exception as exc:
         _fail([f"{cfg.run.dataset}: {exc}"])
     click.echo(format_report(scan, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
@@ -187,6 +278,10 @@ def config_reference(model: str | None) -> None:
     from diffpipe_core.docs import config_reference_markdown
 
     click.echo(config_reference_markdown(get_registry(), model), nl=False)
+
+
+main.add_command(plugin_commands)
+main.add_command(sample_command)
 
 
 def _register_plugin_commands() -> None:

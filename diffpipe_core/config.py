@@ -14,8 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diffpipe_core.registry import PluginError, Registry
+from diffpipe_core.sampling.config import SampleConfig, sample_problems
 from diffpipe_core.schema import ConfigError, read_toml, validate
-from diffpipe_core.types import ModelConfigBase
+from diffpipe_core.types import ModelConfigBase, ModelSpec
 
 
 class Strict(BaseModel):
@@ -56,7 +57,9 @@ class OptimizerConfig(Strict):
 
     type: str = Field(
         "adamw",
-        description="'adamw' (torch), 'adamw8bit' (bitsandbytes), 'sgd', or a name a plugin registers.",
+        description="'adamw' (torch), 'adamw8bit' (bitsandbytes 8-bit states), 'adamw8bit_kahan' (8-bit states plus "
+        "Kahan-compensated bf16/fp16 weights: updates below bf16 resolution still count; use it for full fine-tunes "
+        "of bf16 models), 'sgd', or a name a plugin registers.",
     )
     lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="Adam betas.")
@@ -97,7 +100,19 @@ class RunConfig(Strict):
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="LR schedule after warmup (linear and cosine decay to 0 at the last step)."
     )
-    activation_checkpointing: bool = Field(False, description="Recompute each layer's activations in backward.")
+    activation_checkpointing: bool | Literal["offload"] = Field(
+        False,
+        description="true: recompute the model's blocks' activations in backward instead of keeping them; "
+        "'offload': also keep each block's saved input in (pinned) CPU memory until backward. Works with any "
+        "number of pipeline stages.",
+    )
+    blocks_to_swap: int = Field(
+        0,
+        ge=0,
+        description="Keep the frozen weights of this many of each stage's blocks in (pinned) CPU memory and bring "
+        "each to the GPU just before it runs, forward and backward, overlapping the copy with compute; LoRA "
+        "weights stay on the GPU. Works with any number of stages; on a CPU-only run it changes nothing.",
+    )
     save_every_n_epochs: int | None = Field(None, ge=1, description="Save the adapter/model every N epochs.")
     save_every_n_steps: int | None = Field(None, ge=1, description="Save the adapter/model every N steps.")
     checkpoint_every_n_minutes: float | None = Field(
@@ -118,9 +133,14 @@ class RunConfig(Strict):
     caching_batch_size: int = Field(4, ge=1, description="Batch size for encode_batch while caching.")
     log_every_n_steps: int = Field(1, ge=1, description="TensorBoard/console logging interval.")
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
-    model: dict[str, Any] = Field(description="Model table; its keys are defined by the model plugin.")
+    model: dict[str, Any] = Field(
+        description="Model table; its keys are defined by the model plugin (`diffpipe config-reference --model NAME`). "
+        "Every model takes `type`, `dtype` and `quantize` ('nf4', 'int8' or 'float8': quantized frozen base weights "
+        "for LoRA training)."
+    )
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
+    sample: SampleConfig | None = Field(None, description="Samples during training; leave out for none.")
 
     @model_validator(mode="after")
     def _check_split(self) -> RunConfig:
@@ -177,6 +197,9 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
     if isinstance(data.get("adapter"), dict):
         data["adapter"] = dict(data["adapter"])
         _resolve_paths(data["adapter"], base, ("init_from_existing",))
+    if isinstance(data.get("sample"), dict):
+        data["sample"] = dict(data["sample"])
+        _resolve_paths(data["sample"], base, ("prompts",))
 
     problems: list[str] = []
     model_table = data.get("model")
@@ -216,10 +239,41 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
                 problems.append(f"{source}: adapter: model {spec.name!r} supports only adapter training; add [adapter]")
             if run.adapter is not None and not spec.supports_lora:
                 problems.append(f"{source}: adapter: model {spec.name!r} does not support LoRA")
+            if run.adapter is None and model_cfg.quantize is not None:
+                problems.append(
+                    f"{source}: model.quantize: {model_cfg.quantize!r} quantizes the frozen base weights, which a full "
+                    "fine-tune would have to train; add an [adapter] table (LoRA on the quantized base) or remove it"
+                )
+            if model_cfg.quantize is not None and not spec.block_layers:
+                problems.append(
+                    f"{source}: model.quantize: model {spec.name!r} names no block layers (ModelSpec.block_layers), "
+                    "whose linears are what gets quantized; remove quantize"
+                )
+            problems.extend(_unknown_formats(run, spec, source))
+            if run.sample is not None:
+                problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source))
     if problems:
         raise ConfigError(problems)
     assert run is not None and model_cfg is not None
     return ResolvedConfig(path=path, run=run, model=model_cfg, raw=raw)
+
+
+def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:
+    """Save formats the model plugin does not declare in ``ModelSpec``: found now, not at the first save."""
+    problems = []
+    adapter_formats = run.adapter.save_formats if run.adapter else []
+    checks = [
+        ("adapter.save_formats", adapter_formats, {"diffusers", *spec.adapter_formats}),
+        ("save_model_formats", run.save_model_formats, set(spec.model_formats)),
+    ]
+    for key, asked, known in checks:
+        for fmt in asked:
+            if fmt not in known:
+                offer = ", ".join(repr(f) for f in sorted(known)) or "none"
+                problems.append(
+                    f"{source}: {key}: model {spec.name!r} cannot export format {fmt!r}; it exports: {offer}"
+                )
+    return problems
 
 
 def _validate_model(

@@ -1,6 +1,10 @@
 """Shared diffusion maths: timestep sampling, shifts, flow-matching inputs and targets, masked MSE.
 
 Plugins call these instead of re-implementing them.
+
+Time convention: ``t`` is a float in (0, 1) per sample; ``t = 0`` is the clean latent and ``t = 1`` pure
+noise (rectified flow: ``x_t = (1 - t) * x + t * noise``, velocity target ``noise - x``). A model that
+expects diffusers' 0-1000 timesteps scales ``t`` in its own layers.
 """
 
 from __future__ import annotations

@@ -12,19 +12,21 @@ the first non-None result.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
-import torch
-from torch import nn
 
-from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, TrainingContext
+from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
+
+if TYPE_CHECKING:  # annotations only: the contract is imported by every command, torch only by those using it
+    import torch
+    from torch import nn
+
+    Tensors = tuple[torch.Tensor, ...]
 
 hookspec = pluggy.HookspecMarker("diffpipe")
-
-Tensors = tuple[torch.Tensor, ...]
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -33,6 +35,19 @@ def model_spec() -> ModelSpec:
     """*model* Describe the model: name, image/video, latent geometry, and its ``[model]`` schema.
 
     Called before anything is loaded (``diffpipe models``, ``diffpipe validate``).
+    """
+
+
+@hookspec(firstresult=True)
+def validate_model_files(model_config: ModelConfigBase) -> list[str]:
+    """*model* Check the model folder / files' structure without loading any weights.
+
+    Read only what says what the files are (``model_index.json`` and ``config.json`` class names, the
+    expected components and weight files, safetensors headers) and return one problem string per finding,
+    each naming the folder or file, what was expected and what was found
+    (``"/models/x/model_index.json: _class_name is 'StableDiffusionXLPipeline'; expected 'FluxPipeline'"``).
+    Return ``[]`` when the files fit. Called by ``diffpipe validate`` and before caching or training starts,
+    so a wrong folder is reported before any work is done.
     """
 
 
@@ -67,11 +82,15 @@ def load_diffusion_model(model_config: ModelConfigBase, device: torch.device, dt
 
 
 @hookspec(firstresult=True)
-def diffusion_model_weights(model_config: ModelConfigBase) -> list[tuple[Path, Callable[[str], str | None]]]:
+def diffusion_model_weights(model_config: ModelConfigBase) -> list[tuple[Path, Callable[[str], Any]]]:
     """*model, optional* Where the weights of a meta-built model live, for per-stage loading.
 
     Returns ``(safetensors_file, key_map)`` pairs; ``key_map`` turns a file key into the model's
-    ``state_dict`` key (or None to skip it). Plugins that do not implement it are loaded whole.
+    ``state_dict`` key (or None to skip it). When one file tensor makes several model tensors (a fused qkv
+    of an original-layout single file) or must be transformed, ``key_map`` returns a list of
+    ``(model_key, transform)`` pairs instead, ``transform(file_tensor) -> model_tensor`` (None: as is); a
+    stage reads such a tensor only when it needs one of its model keys. Plugins that do not implement it are
+    loaded whole.
     """
 
 
@@ -146,9 +165,69 @@ def export_model(saved_dir: Path, model_config: ModelConfigBase, out_dir: Path, 
     """
 
 
+# Sampling (``[sample]`` during training, ``diffpipe sample``): the core runs the loop, classifier-free guidance,
+# prompt encoding (``load_encoders`` + ``encode_batch``), the forward passes through the training pipeline, writing
+# and logging; a plugin that implements these five hooks can sample (``diffpipe models`` shows it).
 @hookspec(firstresult=True)
-def sample(model: nn.Module, encoders: Any, prompts: Sequence[str], model_config: ModelConfigBase) -> Any:
-    """*model, optional* Generate samples during training (images or videos as uint8 tensors)."""
+def denoise_init(
+    request: SampleRequest, model_config: ModelConfigBase, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """*model, optional (sampling)* The starting noise and the timestep schedule of one sample.
+
+    Returns ``(latents, schedule)``. ``latents`` has batch size 1 and is drawn from ``generator`` only (the core
+    seeds it per prompt, so every sampling point starts from the same noise), in whatever layout
+    :func:`denoise_inputs` and :func:`denoise_step` carry, e.g. Flux ``(1, C, H/8, W/8)``.
+    ``schedule`` is a 1-D tensor of ``request.steps + 1`` entries from the noisiest to the last, e.g.
+    flow-matching sigmas ``1 ... 0`` (:func:`diffpipe_core.sampling.schedules.flow_sigmas`).
+    """
+
+
+@hookspec(firstresult=True)
+def denoise_inputs(
+    latents: torch.Tensor,
+    schedule: torch.Tensor,
+    index: int,
+    text: dict[str, torch.Tensor],
+    request: SampleRequest,
+    model_config: ModelConfigBase,
+) -> Tensors:
+    """*model, optional (sampling)* The first pipeline layer's inputs for denoising step ``index``.
+
+    The same tuple layout :func:`prepare_inputs` returns as ``model_inputs``, built from the current
+    ``latents`` at ``schedule[index]`` and the prompt's ``text`` tensors (what :func:`encode_batch` returned for a
+    caption). Both have the same batch size: 1, or 2 under classifier-free guidance (negative prompt first).
+    """
+
+
+@hookspec(firstresult=True)
+def denoise_step(
+    latents: torch.Tensor, prediction: torch.Tensor, schedule: torch.Tensor, index: int, model_config: ModelConfigBase
+) -> torch.Tensor:
+    """*model, optional (sampling)* One step of the sampler: from ``schedule[index]`` to ``schedule[index + 1]``.
+
+    ``prediction`` is the first tensor the last pipeline layer returned (float32, already combined by the core's
+    classifier-free guidance), for ``latents`` of batch size 1. Returns the next latents in the same layout.
+    Flow-matching models take an Euler step (:func:`diffpipe_core.sampling.schedules.flow_euler_step`); others
+    follow their reference pipeline's scheduler.
+    """
+
+
+@hookspec(firstresult=True)
+def load_decoder(model_config: ModelConfigBase, device: torch.device) -> Any:
+    """*model, optional (sampling)* Load only what turns latents into pixels (the VAE) onto ``device``.
+
+    Called on one rank at each sampling point; the core drops the object (and empties the device cache) right
+    after :func:`decode_latents`, so it is never resident while training.
+    """
+
+
+@hookspec(firstresult=True)
+def decode_latents(decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+    """*model, optional (sampling)* Decode final latents (what :func:`denoise_step` returned, batch first) to pixels.
+
+    Returns float RGB in [-1, 1]: ``(B, 3, H, W)`` for images, ``(B, 3, F, H, W)`` for videos. Undo the latent
+    scaling/shift the plugin applied in :func:`encode_batch`.
+    """
 
 
 # ---------------------------------------------------------------------------------------- generic

@@ -1,20 +1,33 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install diffpipe-core, the model plugins (reference, flux, sdxl) and the dev tools.
+# Create .venv (once) and install diffpipe-core, the model plugins (reference, flux, sdxl, hunyuan, ltx, cosmos) and the dev tools.
 # torch is pinned here, not in the packages: CI and these CPU machines use the 2.13.0 CPU build;
 # on a GPU machine keep your own CUDA torch (set DIFFPIPE_TORCH to the spec you want, or "skip").
+# pip's and the build backends' own output goes to $VENV/setup.log (shown on failure; DIFFPIPE_VERBOSE=1 shows it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DIFFPIPE_VENV:-.venv}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_quietly() {
+  if [ -n "${DIFFPIPE_VERBOSE:-}" ]; then
+    "$VENV/bin/python" -m pip "$@"
+  elif ! "$VENV/bin/python" -m pip --quiet "$@" >>"$VENV/setup.log" 2>&1; then
+    tail -n 40 "$VENV/setup.log" >&2
+    echo "diffpipe: set-up failed: pip $*; the full log is $VENV/setup.log" >&2
+    exit 1
+  fi
+}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  pip_quietly install --upgrade pip
 fi
+: >"$VENV/setup.log"
 TORCH_SPEC=${DIFFPIPE_TORCH:-torch==2.13.0}
 if [ "$TORCH_SPEC" != "skip" ]; then
-  "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
+  pip_quietly install "$TORCH_SPEC"
 fi
 # compat editable mode puts each plugin's src/ on sys.path, so the distribution folders of the same name
 # (diffpipe_flux/ holding src/diffpipe_flux/) never shadow the packages when run from the repo root
-"$VENV/bin/python" -m pip install --quiet --config-settings editable_mode=compat \
-  -e ".[dev]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl
+pip_quietly install --config-settings editable_mode=compat \
+  -e ".[dev]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
+  -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos
 echo "diffpipe: environment ready in $VENV"

@@ -22,7 +22,8 @@ from torch import nn
 
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
-    non_reentrant_checkpoint,
+    forward_outputs,
+    name_gradless_boundary_tensors,
     wrap_stage_boundaries,
 )
 
@@ -63,14 +64,15 @@ class Split(nn.Module):
         return torch.tanh(self.a(x)), torch.sigmoid(self.b(x))
 
 
-class Merge(nn.Module):
+class UsesFirst(nn.Module):
+    """Takes (h, c) but ignores c: c crosses the stage boundary and never gets a gradient."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h, c = inputs
-        return self.lin(h) * c + h
+        return self.lin(inputs[0])
 
 
 def mse(outputs: torch.Tensor, labels: tuple[torch.Tensor]) -> torch.Tensor:
@@ -137,46 +139,46 @@ def run_frozen_first_stage(rank: int, out: Path, wrap: bool) -> dict[str, Any]:
     return {"loss": float(loss), "trainable": trainable}
 
 
-def checkpoint_layers() -> list[nn.Module]:
+def scenario_unused_boundary(rank: int, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
-    return [Split(), Merge(), nn.Sequential(nn.Linear(DIM, DIM), nn.GELU()), nn.Linear(DIM, DIM)]
+    parts = [0, 1, 3]
+    layers = [Split(), UsesFirst(), nn.Linear(DIM, DIM)]
+    module = ExplicitPartitionPipelineModule(
+        layers=wrap_stage_boundaries(layers, parts), parts=parts, num_stages=2, loss_fn=mse, dynamic_shape=True
+    )
+    engine = engine_for(module)
+    name_gradless_boundary_tensors(engine, "layer 0 (Split)")
+    return {"loss": float(engine.train_batch(data_iter=iter(batches())))}
 
 
-def scenario_checkpoint(rank: int, out: Path, checkpoint_func: Any = non_reentrant_checkpoint) -> dict[str, Any]:
-    calls = [0]
-
-    def counted_checkpoint(function: Any, *args: Any) -> Any:
-        calls[0] += 1
-        return checkpoint_func(function, *args)
-
-    result: dict[str, Any] = {}
-    states = {}
-    for name, interval in (("plain", 0), ("checkpointed", 1)):
-        module = ExplicitPartitionPipelineModule(
-            layers=checkpoint_layers(),
-            parts=[0, 1, 4],
-            num_stages=2,
-            loss_fn=mse,
-            activation_checkpoint_interval=interval,
-            activation_checkpoint_func=counted_checkpoint,
-            dynamic_shape=True,
-        )
-        states["initial"] = local_state(module)
-        engine = engine_for(module)
-        result[f"{name}_loss"] = float(engine.train_batch(data_iter=iter(batches())))
-        states[name] = local_state(module)
-        result[f"{name}_checkpoint_calls"] = calls[0]
-        result["parts"] = list(module.parts)
-    torch.save(states, out / f"checkpoint_rank{rank}.pt")
-    return result
+def scenario_forward(rank: int, out: Path) -> dict[str, Any]:
+    """After a training step, a forward-only pass returns each micro-batch's outputs on the last stage."""
+    parts = [0, 1, 3]
+    module = ExplicitPartitionPipelineModule(
+        layers=wrap_stage_boundaries(frozen_first_stage_layers(), parts),
+        parts=parts,
+        num_stages=2,
+        loss_fn=mse,
+        dynamic_shape=True,
+    )
+    engine = engine_for(module)
+    engine.train_batch(data_iter=iter(batches()))
+    outputs = forward_outputs(engine, iter(batches(seed=2)), MICRO_BATCHES)
+    if rank == 0:
+        return {"outputs": outputs}
+    first = frozen_first_stage_layers()[0]  # frozen: what stage 0 still holds
+    with torch.no_grad():
+        expected = [module.forward_funcs[1](module.forward_funcs[0](first(x))) for x, _ in batches(seed=2)]
+    got = [o[0] if isinstance(o, (list, tuple)) else o for o in outputs]
+    return {"max_error": max(float((g - e).abs().max()) for g, e in zip(got, expected)), "count": len(got)}
 
 
 SCENARIOS = {
     "parts": scenario_parts,
     "wrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=True),
     "unwrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=False),
-    "checkpoint": scenario_checkpoint,
-    "ds_default_checkpoint": lambda rank, out: scenario_checkpoint(rank, out, deepspeed.checkpointing.checkpoint),
+    "unused_boundary": scenario_unused_boundary,
+    "forward": scenario_forward,
 }
 
 

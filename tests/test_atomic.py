@@ -68,8 +68,6 @@ def test_crash_during_adapter_save_keeps_the_previous_adapter(tmp_path: Path, mo
     with pytest.raises(OSError, match="disk full"):
         write_adapter(out, newer, plugin, config, ["diffusers"], torch.float32)
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="cannot export format 'unknown-format'"):
-        write_adapter(out, newer, plugin, config, ["diffusers", "unknown-format"], torch.float32)
     kept, _ = read_adapter(out)
     assert torch.equal(kept["transformer.blocks.0.attn.to_q.lora_A.weight"], torch.ones(2, 4))
 
@@ -87,3 +85,31 @@ def test_atomic_write_leaves_old_content_on_failure(tmp_path: Path, monkeypatch:
     monkeypatch.undo()
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_saved_files_get_the_umask_permissions(tmp_path: Path, umask: int) -> None:
+    """Issue 9.8: a saved LoRA (and every other atomic write) is readable as the user's umask allows,
+    not 0600 as a temporary file from mkstemp would leave it."""
+    import os
+
+    from safetensors.torch import save_file
+
+    plugin = get_registry().model("reference")
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"])
+    state = {"blocks.0.attn.to_q.lora_A.weight": torch.ones(2, 4), "blocks.0.attn.to_q.lora_B.weight": torch.ones(4, 2)}
+    old = os.umask(umask)
+    try:
+        assert atomic.current_umask() == umask
+        write_adapter(tmp_path / "final", state, plugin, config, ["diffusers"], torch.float32)
+        atomic.atomic_write_bytes(tmp_path / "blob.bin", b"x")
+        export = tmp_path / ".tmp-export"  # a folder a library wrote (safetensors' own files are 0600)
+        export.mkdir()
+        save_file({"w": torch.ones(1)}, str(export / "model.safetensors"))
+        atomic.replace_dir(export, tmp_path / "export")
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "final").iterdir(), tmp_path / "blob.bin", tmp_path / "export" / "model.safetensors"]
+    assert len(files) >= 4
+    for file in files:
+        assert file.stat().st_mode & 0o777 == 0o666 & ~umask, file

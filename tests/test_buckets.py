@@ -83,10 +83,23 @@ def test_images_of_several_aspect_ratios_land_in_the_expected_buckets(tmp_path: 
         "wide.png": Bucket(720, 352),
         "tall.png": Bucket(352, 720),
         "four_three.png": Bucket(608, 416),  # closest AR is sqrt(2): 608.9 x 430.5 -> 608 x 416
+        # issue 9.5: outside max_ar = 2 it goes to the nearest bucket, as in diffusion-pipe, cropped
+        "too_wide.png": Bucket(720, 352),
     }
-    assert [(s.path.name, s.reason.split(":")[0]) for s in scan.skipped] == [("too_wide.png", "aspect ratio")]
+    assert scan.skipped == []
     for b in buckets.values():
         assert b.width % 16 == 0 and b.height % 16 == 0 and b.frames == 1
+    crops = {item.path.name: item.crop_fraction for item in scan.items}
+    assert crops["too_wide.png"] == pytest.approx(1 - (720 / 352) / 3) and crops["square.png"] == 0
+    report = format_report(scan, 1, 1)
+    assert "1 item cropped by more than 20% of the image to fit its bucket (most: data/too_wide.png, 32%)" in report
+    assert "6 files used, 6 items in 4 buckets, 0 files left out" in report
+
+    keys = "resolutions = [512]\nenable_ar_bucket = true\nnum_ar_buckets = 5\ndrop_outside_ar = true\n"
+    toml = dataset(tmp_path, keys)
+    scan = scan_dataset(load_dataset_config(toml), reference_spec())
+    assert [(s.path.name, s.reason.split(":")[0]) for s in scan.skipped] == [("too_wide.png", "aspect ratio")]
+    assert "cropped by more than" not in format_report(scan, 1, 1)
 
 
 def test_explicit_ar_buckets_multiple_resolutions_and_a_coarser_multiple(tmp_path: Path) -> None:

@@ -171,8 +171,8 @@ def test_invalidation_reencodes_exactly_what_changed(setup):
     direct_b = _direct(plugin, config_b, toml)
     _assert_same(_all_tensors(ds), direct_b)
     assert not torch.equal(direct_b[item.id]["latents"], _direct(plugin, config, toml)[item.id]["latents"])
-    # Only the current encoder's folder is kept.
-    assert len([p for p in (tmp_path / "cache" / "reference" / "dataset").iterdir() if p.is_dir()]) == 1
+    # Both encoders' folders are kept (another run may use the first); `diffpipe cache --prune` removes one.
+    assert len([p for p in (tmp_path / "cache" / "reference" / "dataset").iterdir() if p.is_dir()]) == 2
 
     # A setting the plugin does not list (the timestep sampler) changes nothing in the cache.
     counter.reset()
@@ -425,3 +425,68 @@ def test_sampler_batches_from_the_cache_collate_and_mixed_buckets_do_not(setup):
     a, b = ds.groups()
     with pytest.raises(ValueError, match="buckets"):
         ds.collate([a[0], b[0]])
+
+
+def test_model_folder_replaced_in_place_rebuilds_the_cache(setup):
+    """Issue 9.1: the encoders are keyed by their files (stat, safetensors header, config content), not by
+    the path string; the diffusion model's own file is not part of the key."""
+    tmp_path, plugin, config, counter = setup
+    toml = _dataset(tmp_path, n=4)
+    _cache(toml, plugin, config)
+    old = _direct(plugin, config, toml)
+
+    counter.reset()
+    write_tiny_model(config.path, seed=1)  # another model at the same path
+    ds = _cache(toml, plugin, config)
+    assert counter.media == 4 and len(counter.captions) == 4
+    new = _direct(plugin, config, toml)
+    _assert_same(_all_tensors(ds), new)
+    some = next(iter(new))
+    assert not torch.equal(new[some]["latents"], old[some]["latents"])
+
+    counter.reset()  # a new transformer (the denoiser, not an encoder) keeps the cache
+    write_tiny_model(tmp_path / "other", seed=2)
+    os.replace(tmp_path / "other" / "transformer.safetensors", config.path / "transformer.safetensors")
+    _cache(toml, plugin, config)
+    assert counter.calls == 0
+
+    counter.reset()  # an edited config file is seen even when size and mtime are kept
+    cfg_file = config.path / "config.json"
+    st = cfg_file.stat()
+    cfg_file.write_text(cfg_file.read_text().replace("  ", " \t", 1))  # same size, same meaning, other bytes
+    os.utime(cfg_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cfg_file.stat().st_size == st.st_size
+    ds = _cache(toml, plugin, config, trust_cache=True)  # the index of another fingerprint is not trusted
+    assert counter.media == 4
+
+
+def test_other_fingerprints_survive_until_prune_and_a_used_one_is_never_deleted(setup):
+    """Issue 9.2: two encoder settings on one dataset keep their folders; prune lists what it removes and
+    keeps a folder another process holds a lease on."""
+    import fcntl
+
+    tmp_path, plugin, config, counter = setup
+    toml = _dataset(tmp_path, n=2)
+    root = tmp_path / "cache" / "reference" / "dataset"
+    _cache(toml, plugin, config)
+    (fp_a,) = [p for p in root.iterdir() if p.is_dir()]
+    config_b = plugin.spec.config_schema(type="reference", path=write_tiny_model(tmp_path / "model_b", seed=1))
+    _cache(toml, plugin, config_b)
+    assert fp_a.is_dir() and len([p for p in root.iterdir() if p.is_dir()]) == 2
+
+    # Another process uses fp_a: it holds a locked lease file there (the lock, not the file, is what counts).
+    lease = fp_a / ".users" / "otherhost-1-test"
+    fd = os.open(lease, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        ds = _cache(toml, plugin, config_b, prune=True)
+        assert fp_a.is_dir() and ds.summary["pruned"] == [f"kept {fp_a} (in use by another process)"]
+        with pytest.raises(Exception, match="in use by another process"):
+            _cache(toml, plugin, config, regenerate=True)
+        assert fp_a.is_dir()
+    finally:
+        os.close(fd)  # that process ends
+    counter.reset()
+    ds = _cache(toml, plugin, config_b, prune=True)
+    assert not fp_a.exists() and counter.calls == 0
+    assert len(ds.summary["pruned"]) == 1 and ds.summary["pruned"][0].startswith(f"removed {fp_a} (")

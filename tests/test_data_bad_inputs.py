@@ -67,7 +67,7 @@ def only_skip(result: ScanResult, name: str, category: str, caplog: pytest.LogCa
     assert any(name in w and reason in w for w in warnings), warnings
     assert "good.png" in {i.path.name for i in result.items}
     report = format_report(result, micro_batch_size=1, dp_world_size=1)
-    assert name in report and f"1 files left out (1 {category})" in report
+    assert name in report and f"1 file left out (1 {category})" in report
     return reason
 
 

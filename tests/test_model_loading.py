@@ -24,7 +24,7 @@ def test_only_own_stage_is_materialised(tmp_path: Path) -> None:
     plugin, cfg, stage = setup(tmp_path)
     assert stage.per_stage_loading and all(p.device.type == "meta" for p in stage.model.parameters())
     parts = stage_parts(stage.layers, 2)
-    materialise_layers(plugin, cfg, stage, range(parts[1], parts[2]), torch.device("cpu"), torch.float32)
+    materialise_layers(plugin, cfg, stage, range(parts[1], parts[2]), torch.device("cpu"))
     file = load_file(str(tmp_path / "m" / "transformer.safetensors"))
     real = {n for n, p in stage.model.named_parameters() if p.device.type != "meta"}
     assert real and len(real) < len(file)
@@ -42,4 +42,4 @@ def test_missing_tensor_in_weight_file_is_named(tmp_path: Path) -> None:
     del state["blocks.0.fc1.weight"]
     save_file(state, str(weights))
     with pytest.raises(PluginError, match="blocks.0.fc1.weight"):
-        materialise_layers(plugin, cfg, stage, range(len(stage.layers)), torch.device("cpu"), torch.float32)
+        materialise_layers(plugin, cfg, stage, range(len(stage.layers)), torch.device("cpu"))

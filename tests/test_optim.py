@@ -33,7 +33,7 @@ def test_adamw8bit_steps_on_cpu() -> None:
 
 
 def test_unknown_optimizer_lists_available() -> None:
-    with pytest.raises(ValueError, match="unknown optimizer 'lion'; available: adamw, adamw8bit, sgd"):
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'; available: adamw, adamw8bit, adamw8bit_kahan, sgd"):
         build_optimizer(OptimizerConfig(type="lion"), params(), Registry().pm)
 
 

@@ -17,7 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import load_adapter, read_adapter
-from diffpipe_core.engine.run_dir import read_metrics, train_losses
+from diffpipe_core.engine.run_dir import read_metrics, step_seconds, train_losses
+from diffpipe_core.engine.trainer import quarter_means
+from diffpipe_core.optim import lr_lambda
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe, write_plugin_distribution
 from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
@@ -88,7 +90,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 1-process run, shared by several tests."""
     root = tmp_path_factory.mktemp("single")
     config = make_project(root, stages=1, max_steps=30, ckpt=10, extra="save_every_n_epochs = 5\n")
-    train(root, config, "--num-procs", "1")
+    (root / "train.log").write_text(train(root, config, "--num-procs", "1"))
     return run_dirs(root)[0]
 
 
@@ -104,15 +106,33 @@ def test_single_process_overfits(single: Path) -> None:
     assert any((single / "tensorboard").iterdir())
     # 8 samples / (2 per micro-batch x 2 micro-batches) = 2 steps per epoch: a save every 5 epochs = 10 steps
     assert sorted(p.name for p in (single / "saved").iterdir()) == ["final", "step-0000010", "step-0000020"]
+    # issue 9.13: the end-of-run line compares the mean loss of the first and last quarter of the steps
+    seq30 = [seq[s] for s in range(1, 31)]
+    first_q, last_q = quarter_means(single)
+    assert first_q == pytest.approx(sum(seq30[:7]) / 7) and last_q == pytest.approx(sum(seq30[-7:]) / 7)
+    log = (single.parent.parent / "train.log").read_text()
+    assert f"mean loss {first_q:.4f} in the first quarter of steps -> {last_q:.4f} in the last" in log
+    # issue 9.11: the libraries' own chatter stays behind --verbose
+    for noise in ("Setting accelerator", "SEED_LAYERS", "Using topology", "built successfully", "UserWarning",
+                  "gemm_4bit", "kept in float32", "torchvision"):
+        assert noise not in log, f"library output {noise!r} in:\n{log[-3000:]}"
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted run on 2 pipeline stages, checkpointing every 3 steps."""
-    root = tmp_path_factory.mktemp("two_stages")
-    config = make_project(root, stages=2, max_steps=12, ckpt=3)
-    train(root, config, "--num-procs", "2")
-    return run_dirs(root)[0]
+def two_stages(reference_two_stages: Path) -> Path:
+    """One uninterrupted run on 2 pipeline stages, checkpointing every 3 steps (shared: see conftest.py)."""
+    return reference_two_stages
+
+
+def test_logged_lr_is_the_lr_the_step_used(two_stages: Path) -> None:
+    """Issue 9.9: with warmup_steps = 2 and a cosine schedule over 12 steps, step k (1-based) trains at
+    lr * factor(k - 1); the lr read after the scheduler stepped would be one step ahead (and 0 at the end)."""
+    factor = lr_lambda("cosine", 2, 12)
+    records = [r for r in read_metrics(two_stages) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for r in records:
+        assert r["lr"] == pytest.approx(3e-3 * factor(r["step"] - 1), rel=1e-9), r
+    assert records[0]["lr"] == pytest.approx(1.5e-3) and records[-1]["lr"] > 0
 
 
 def test_two_pipeline_stages_match_one_process(single: Path, two_stages: Path) -> None:
@@ -126,6 +146,8 @@ def test_two_pipeline_stages_match_one_process(single: Path, two_stages: Path) -
 def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     extra = "eval_every_n_steps = 8\nactivation_checkpointing = true\n"  # and bf16 base weights below
     tables = '[[eval_datasets]]\nname = "held"\nconfig = "dataset.toml"\n'
+    # and samples shared over the 2 replicas: 3 prompts, so one replica pads its share (issue 14)
+    tables += '[sample]\nprompts = ["one", "two", "three"]\nevery_n_steps = 16\nsteps = 2\nresolution = 32\n'
     config = make_project(tmp_path, stages=1, max_steps=16, ckpt=100, extra=extra, tables=tables)
     config.write_text(config.read_text().replace('path = "model"', 'path = "model"\ndtype = "bfloat16"'))
     train(tmp_path, config, "--num-procs", "2")
@@ -141,6 +163,8 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     assert set(evals[8]) == {"held/loss", *(f"held/t_q{q}" for q in ("0.1", "0.3", "0.5", "0.7", "0.9"))}
     # the eval set is the training set here, so held-out loss must fall as the model overfits
     assert evals[16]["held/loss"] < evals[8]["held/loss"]
+    samples = sorted(p.name for p in (run / "samples" / "step-0000016").iterdir())
+    assert samples == ["00-one.png", "01-two.png", "02-three.png", "latents.safetensors", "prompts.json"]
 
 
 def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
@@ -171,6 +195,9 @@ def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) ->
     assert sorted(got) == sorted(expected)
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+    # issue 9.10: the resume dropped the records after its checkpoint, so each step is logged once
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))
+    assert len(step_seconds(run)) == 12
 
 
 def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:
@@ -279,3 +306,37 @@ def test_adapter_init_from_existing(single: Path, tmp_path: Path) -> None:
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key], after[key]), key
+
+
+def grad_norms(run: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run) if "loss" in r}
+
+
+def assert_same_training(run: Path, reference: Path) -> None:
+    """Same losses, gradient norms and trained adapter as ``reference``, to float tolerance."""
+    got, expected = losses(run), losses(reference)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), f"loss at step {step}"
+        assert grad_norms(run)[step] == pytest.approx(grad_norms(reference)[step], rel=1e-4), f"grad norm {step}"
+    mine, theirs = (load_file(str(r / "saved" / "final" / "adapter_model.safetensors")) for r in (run, reference))
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        torch.testing.assert_close(mine[key].float(), theirs[key].float(), rtol=1e-2, atol=1e-3, msg=key)
+
+
+def test_block_swap_and_offloaded_checkpointing_on_two_stages(two_stages: Path, tmp_path: Path) -> None:
+    """Issue 10: with 2 stages, swapping 2 blocks per stage and offloading checkpointed block inputs train exactly
+    like the plain run (on CPU the swap runs the same code with the CPU as the device)."""
+    extra = 'blocks_to_swap = 2\nactivation_checkpointing = "offload"\n'
+    config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3, extra=extra)
+    output = train(tmp_path, config, "--num-procs", "2")
+    assert "blocks_to_swap has no effect without a GPU" in output
+    assert_same_training(run_dirs(tmp_path)[0], two_stages)
+
+
+def test_block_swap_and_checkpointing_on_one_stage(single: Path, tmp_path: Path) -> None:
+    extra = "save_every_n_epochs = 5\nblocks_to_swap = 3\nactivation_checkpointing = true\n"
+    config = make_project(tmp_path, stages=1, max_steps=30, ckpt=10, extra=extra)
+    train(tmp_path, config, "--num-procs", "1")
+    assert_same_training(run_dirs(tmp_path)[0], single)

@@ -180,3 +180,21 @@ def test_resampling_takes_the_source_frame_nearest_each_target_time(tmp_path: Pa
         exact = k * 10 / 8
         if exact % 1 != 0.5:  # skip ties (equally near two source frames)
             assert abs(g - 12 * round(exact)) <= 3, (k, got)
+
+
+def test_frame_counts_take_every_frame_time_before_the_end(tmp_path: Path, spec: ModelSpec) -> None:
+    """Issue 9.4: frames at k / fps strictly before the end: 26 frames at 24 fps (1.083 s) hold 9 frames at
+    8 fps (the last at 1.0 s), not 8; a 1-frame clip holds 1, not 0."""
+    from diffpipe_core.data.buckets import resampled_frame_count
+
+    assert resampled_frame_count(26 / 24, 8) == 9 and resampled_frame_count(2.0, 8) == 16
+    assert resampled_frame_count(1 / 24, 8) == 1 and resampled_frame_count(0.0, 8) == 0
+    write_video(tmp_path / "data" / "c26.mp4", 26, 24, level=lambda j: 9 * j)
+    write_video(tmp_path / "data" / "one.mp4", 1, 24, level=lambda j: 100)
+    result = scan(tmp_path, spec)
+    (item,) = result.items
+    assert item.path.name == "c26.mp4" and item.bucket.frames == 9
+    got = levels(load_media(item, spec).pixels)
+    assert len(got) == 9 and abs(got[-1] - 9 * 24) <= 3, got  # the frame at 1.0 s is source frame 24
+    (skipped,) = result.skipped
+    assert skipped.path.name == "one.mp4" and skipped.reason.startswith("too short: 1 frame at 8 fps"), skipped

@@ -88,9 +88,10 @@ def video_frame_bucket(available_frames: int, frame_buckets: Sequence[int]) -> i
 
 
 def resampled_frame_count(duration_s: float, fps: float) -> int:
-    """How many frames a video of ``duration_s`` seconds yields at ``fps`` (frames at k / fps, k >= 0,
-    strictly before the end)."""
-    return max(0, math.floor(duration_s * fps + 1e-6))
+    """How many frames a video of ``duration_s`` seconds yields at ``fps``: the times k / fps (k >= 0)
+    strictly before the end, so the ceiling of ``duration_s * fps`` (26 frames at 24 fps give 9 at 8 fps;
+    a 1-frame clip gives 1)."""
+    return max(0, math.ceil(duration_s * fps - 1e-6))
 
 
 def clip_starts(available_frames: int, clip_frames: int, mode: str) -> list[int]:

@@ -11,7 +11,8 @@ Layout under ``DatasetConfig.cache_dir``::
 
 Every entry is keyed by content (see :mod:`diffpipe_core.data.cache_keys`); an entry whose inputs
 changed simply has another key, so nothing stale is ever read. After a successful run, shards holding
-no live entry and folders of other fingerprints are deleted.
+no live entry are deleted unless another process uses the folder (see :mod:`diffpipe_core.data.cache_lock`);
+folders of other fingerprints are deleted only by ``prune`` (``diffpipe cache --prune``), which lists them.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ from diffpipe_core.data.cache_encode import (
     encode_captions,
     encode_media,
 )
+from diffpipe_core.data.cache_fresh import plan_digest
 from diffpipe_core.data.cache_keys import caption_key, encoder_fingerprint, mask_content_key, media_key
+from diffpipe_core.data.cache_lock import gate, in_use, other_users, take_lease
 from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
 from diffpipe_core.data.items import Bucket, MediaItem
+from diffpipe_core.data.scan_index import gc_paused
 from diffpipe_core.types import ModelConfigBase
 
 log = logging.getLogger("diffpipe.data")
@@ -215,6 +219,7 @@ def prepare_cache(
     progress: bool = True,
     decode_workers: int | None = None,
     shard_batches: int = DEFAULT_SHARD_BATCHES,
+    prune: bool = False,
 ) -> CachedDataset:
     """Scan the dataset, encode what the cache lacks (this rank's share), and open the whole cache.
 
@@ -236,21 +241,31 @@ def prepare_cache(
         decode_workers: DataLoader workers decoding ahead of the encoder (default:
             ``$DIFFPIPE_DECODE_WORKERS`` or ``min(4, cpus - 1)``).
         shard_batches: batches per shard file; an interrupted run keeps every finished shard.
+        prune: after caching, delete (and list) the folders of other encoder fingerprints that no live
+            process is using; ``summary["pruned"]`` lists them.
     """
     from diffpipe_core.data.dataset_config import load_dataset_config
+    from diffpipe_core.model_files import model_file_problems
 
     start = time.perf_counter()
     show = progress and rank == 0
     dataset_toml = Path(dataset_toml)
     cfg = load_dataset_config(dataset_toml)
     spec = plugin.spec
-    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings))
+    wrong = model_file_problems(plugin, model_config)
+    if wrong:  # before anything is encoded with encoders built from the wrong files
+        raise CacheError("the model files do not fit model " + repr(plugin.name) + ":\n  " + "\n  ".join(wrong))
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings),
+                                      strict=strict)
     root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
     fp_dir = root / fingerprint[:16]
     index_path = root / "index.json"
     empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+    if rank == 0:  # one lease per run: the other ranks end with rank 0
+        with gate(root):
+            take_lease(fp_dir)
 
-    if trust_cache and not regenerate:
+    if trust_cache and not regenerate and not prune:
         index = _read_index(index_path, fingerprint)
         if index is not None:
             entries = index["entries"]
@@ -268,15 +283,35 @@ def prepare_cache(
             log.warning("%s: no cache index for these encoder settings; checking every file", index_path)
 
     if regenerate:
+        busy: list[str] = []
         if rank == 0:
-            shutil.rmtree(fp_dir, ignore_errors=True)
-            index_path.unlink(missing_ok=True)
+            with gate(root):
+                busy = other_users(fp_dir)
+                if not busy:
+                    shutil.rmtree(fp_dir, ignore_errors=True)
+                    index_path.unlink(missing_ok=True)
+                    take_lease(fp_dir)
         barrier()
+        if busy:
+            raise CacheError(f"{fp_dir} is in use by another process ({', '.join(busy)}); regenerating would "
+                             "delete its cache. Wait for it to finish, or run without regenerate")
 
     # -- plan: the same on every rank, made before any rank writes
     from diffpipe_core.data.scan import scan_dataset
 
-    scan = scan_dataset(cfg, spec, strict=strict)
+    if rank != 0:
+        barrier()  # rank 0 scans first and updates the scan index; the other ranks then only stat the files
+    scan = scan_dataset(cfg, spec, strict=strict, progress=show)
+    if rank == 0:
+        barrier()
+    plan = plan_digest(scan, fingerprint, strict, empty_key)
+    fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
+                                                             empty_key, start)
+    if fresh is not None:  # nothing changed since the index was written (the same on every rank)
+        for _ in range(3):  # as many barriers as the caching path below, so that ranks stay in step regardless
+            barrier()
+        _report(fresh.summary, show)
+        return fresh
     use_masks = any(item.mask_path is not None for item in scan.items)
     entries: list[CacheEntry] = []
     first_item: dict[str, MediaItem] = {}
@@ -315,9 +350,10 @@ def prepare_cache(
     skipped = [(str(s.path), s.reason) for s in scan.skipped]
     skipped += [(str(first_item[k].path), failed[k]) for k in first_item if k in failed]
     entries = [e for e in entries if e.media_key not in failed]
+    pruned: list[str] = []
     if rank == 0:
-        _collect_garbage(root, fp_dir, set(first_item), set(texts))
-        _write_index(index_path, fingerprint, entries, skipped)
+        pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune)
+        _write_index(index_path, fingerprint, entries, skipped, plan)
     barrier()
     if not entries:
         raise CacheError(f"{dataset_toml}: every item failed to decode; see the warnings above")
@@ -327,6 +363,7 @@ def prepare_cache(
     summary["encoded_media_all_ranks"] = len(todo_media) - len([k for k in todo_media if k in failed])
     summary["encoded_captions_all_ranks"] = len(todo_captions)
     summary["decode_failures"] = len(new_failures)
+    summary["pruned"], summary["prune"] = pruned, prune
     dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     _report(summary, show)
@@ -402,6 +439,9 @@ def _report(summary: dict[str, Any], show: bool) -> None:
             f"{media}, reused {summary['reused_media']} | captions encoded "
             f"{captions}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
             f"{summary['seconds']:.1f} s")
+    pruned = summary.get("pruned")
+    if pruned is not None and summary.get("prune"):
+        line += "".join(f"\ncache --prune: {p}" for p in pruned) or "\ncache --prune: no other encoder fingerprints"
     if show:
         tqdm.write(line, file=sys.stderr)
     else:
@@ -428,10 +468,11 @@ def _read_failures(folder: Path) -> dict[str, str]:
     return out
 
 
-def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]]) -> None:
+def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]],
+                 plan: str | None = None) -> None:
     rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
             for e in entries]
-    _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "entries": rows,
+    _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
                               "skipped": [list(s) for s in skipped]})
 
 
@@ -443,18 +484,61 @@ def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
     if data.get("format") != INDEX_FORMAT or data.get("fingerprint") != fingerprint:
         return None
     entries = [CacheEntry(i, Bucket(w, h, f), r, m, tuple(c)) for i, w, h, f, r, m, c in data["entries"]]
-    return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]]}
+    return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]], "plan": data.get("plan")}
 
 
-def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str]) -> None:
-    """Delete other fingerprints' folders, shards without a live entry, stale failure records and temp
-    folders. Runs on rank 0 between barriers, while nobody reads or writes."""
-    if root.is_dir():
-        for path in root.iterdir():
-            if path.is_dir() and path != fp_dir:
+def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,
+                   empty_key: str | None, start: float) -> CachedDataset | None:
+    """The cache as its index lists it, if the index was written for this very plan (same scan, same
+    encoders: :mod:`diffpipe_core.data.cache_fresh`) and every entry is in the shards; else None."""
+    try:
+        with gc_paused():  # 100,000 entries: many small objects, no cycles
+            index = _read_index(index_path, fingerprint)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # damaged by hand: plan and rewrite it
+        log.warning("%s is damaged (%s: %s); checking every entry", index_path, type(exc).__name__, exc)
+        return None
+    if index is None or index["plan"] != plan:
+        return None
+    entries = index["entries"]
+    summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                       len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
+    try:
+        with gc_paused():
+            dataset = CachedDataset(entries, fp_dir, uncond_fraction, empty_key, summary)
+    except CacheError as exc:  # shards deleted by hand: cache what is missing
+        log.warning("%s; encoding what is missing", exc)
+        return None
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    return dataset
+
+
+def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str],
+                     prune: bool) -> list[str]:
+    """Delete shards without a live entry, stale failure records and temp folders, unless another process
+    uses this fingerprint's folder; with ``prune`` also the folders of other fingerprints that no process
+    uses. Runs on rank 0 between barriers. Returns one line per pruned or kept folder."""
+    report: list[str] = []
+    with gate(root):
+        if prune:
+            for path in sorted(root.iterdir()):
+                if not path.is_dir() or path.resolve() == fp_dir.resolve() or path.name.startswith("."):
+                    continue
+                if in_use(path):
+                    report.append(f"kept {path} (in use by another process)")
+                    continue
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 shutil.rmtree(path, ignore_errors=True)
-            elif path.name.startswith(".tmp-"):
+                report.append(f"removed {path} ({size / 2**20:.1f} MiB, another encoder fingerprint)")
+        for path in root.iterdir():
+            if path.name.startswith(".tmp-"):
                 path.unlink(missing_ok=True)
+        if in_use(fp_dir):
+            return report
+        _remove_dead_shards(fp_dir, live_media, live_captions)
+    return report
+
+
+def _remove_dead_shards(fp_dir: Path, live_media: set[str], live_captions: set[str]) -> None:
     for table, live in (("media", live_media), ("captions", live_captions)):
         remove_temp_dirs(fp_dir / table)
         for shard in list_shards(fp_dir / table):

@@ -4,19 +4,23 @@ A media entry depends on the media content, its bucket and clip, the mask conten
 (plugin name, version and the ``[model]`` keys the plugin declares in ``spec.encoder_settings``); a
 caption entry on the caption text and the same encoder fingerprint. Equal key = same tensors, so a
 changed input can never be served from an old entry.
+
+Encoder settings that are paths (a model folder, a VAE file) are keyed by what the files are, not by the
+path string (:func:`encoder_identity`): replacing a model folder in place changes the fingerprint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from diffpipe_core.data.items import MediaItem
 from diffpipe_core.types import ModelConfigBase
 
-KEY_FORMAT = 1  # bump when the cached layout or key recipe changes
+KEY_FORMAT = 2  # bump when the cached layout or key recipe changes
 
 
 def _digest(payload: Any) -> str:
@@ -32,22 +36,104 @@ def _setting_value(value: Any) -> Any:
     return value
 
 
-def encoder_fingerprint(plugin_name: str, plugin_version: str, model_config: ModelConfigBase,
-                        encoder_settings: tuple[str, ...]) -> str:
-    """Hash of everything about the encoders that changes their outputs."""
-    settings = {}
+# Parts of a model folder that hold the diffusion model itself (diffusers' component names), not an
+# encoder: they do not change the cached latents or text embeddings, so they are left out of the identity.
+DENOISER_PARTS = frozenset({"transformer", "transformer_2", "unet"})
+# Small files (configs, tokenizers) are keyed by their content; weights by size, mtime and header.
+CONTENT_KEYED_SUFFIXES = frozenset({".json", ".txt", ".yaml", ".yml", ".model"})
+SMALL_FILE_BYTES = 1 << 20
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _safetensors_header_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        head = f.read(8)
+        size = int.from_bytes(head, "little") if len(head) == 8 else 0
+        header = f.read(min(size, 100 << 20))
+    return hashlib.sha256(head + header).hexdigest()[:32]
+
+
+def encoder_file_identity(path: Path, strict: bool) -> str:
+    """What one encoder file is: its SHA-256 with ``strict``; else the content hash of a config-sized file,
+    or ``size:mtime_ns`` plus the safetensors header's hash for weights."""
+    if strict:
+        return "sha256:" + _sha256_file(path)
+    st = path.stat()
+    if path.suffix.lower() in CONTENT_KEYED_SUFFIXES or st.st_size <= SMALL_FILE_BYTES:
+        return "sha256:" + _sha256_file(path)
+    ident = f"{st.st_size}:{st.st_mtime_ns}"
+    if path.suffix.lower() == ".safetensors":
+        ident += ":header:" + _safetensors_header_digest(path)
+    return ident
+
+
+def encoder_path_identity(path: Path, strict: bool = False) -> dict[str, str] | str:
+    """The identity of a path-valued encoder setting: ``{relative file: identity}`` for a folder (hidden files
+    and the denoiser's parts, see ``DENOISER_PARTS``, left out), one identity for a file, ``"missing"``."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return encoder_file_identity(path, strict)
+    if not path.is_dir():
+        return "missing"
+    out: dict[str, str] = {}
+    for folder, dirs, files in os.walk(path):
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (here == path and d in DENOISER_PARTS))
+        for name in sorted(files):
+            file = here / name
+            if name.startswith(".") or (here == path and file.stem in DENOISER_PARTS):
+                continue
+            out[file.relative_to(path).as_posix()] = encoder_file_identity(file, strict)
+    return out
+
+
+def encoder_identity(model_config: ModelConfigBase, encoder_settings: tuple[str, ...],
+                     strict: bool = False) -> dict[str, Any]:
+    """What the encoders are, for the cache key: each ``encoder_settings`` value, with every path-valued one
+    (a model folder or file) replaced by the identity of its files (:func:`encoder_path_identity`).
+
+    Cheap without ``strict`` (a stat per file, the safetensors headers, the small config/tokenizer files'
+    content), so it can run on every start; ``strict`` hashes every file.
+    """
+    settings: dict[str, Any] = {}
     for name in encoder_settings:
         if not hasattr(model_config, name):
             raise ValueError(
-                f"model plugin {plugin_name!r} lists {name!r} in spec.encoder_settings, but its [model] "
-                f"config has no such key (keys: {', '.join(sorted(type(model_config).model_fields))})"
+                f"spec.encoder_settings names {name!r}, but the [model] config has no such key "
+                f"(keys: {', '.join(sorted(type(model_config).model_fields))})"
             )
-        settings[name] = _setting_value(getattr(model_config, name))
+        value = getattr(model_config, name)
+        settings[name] = _setting_value(value)
+        if isinstance(value, Path):
+            files = encoder_path_identity(value, strict)
+            # Keyed by content, not location: a moved folder is the same encoder (a missing one keeps its path).
+            settings[name] = {"files": files} if files != "missing" else {"missing": settings[name]}
+    return settings
+
+
+def encoder_fingerprint(plugin_name: str, plugin_version: str, model_config: ModelConfigBase,
+                        encoder_settings: tuple[str, ...], strict: bool = False) -> str:
+    """Hash of everything about the encoders that changes their outputs: the plugin's name and version and
+    :func:`encoder_identity` (which reads the encoder files' stats and headers, or hashes them with ``strict``)."""
+    try:
+        settings = encoder_identity(model_config, encoder_settings, strict)
+    except ValueError as exc:
+        raise ValueError(f"model plugin {plugin_name!r}: {exc}") from None
     return _digest({"format": KEY_FORMAT, "plugin": plugin_name, "version": plugin_version, "settings": settings})
 
 
-def file_content_key(path: Path, strict: bool) -> str:
-    """``size:mtime_ns`` of a file, or its SHA-256 when ``strict``."""
+def file_content_key(path: Path, strict: bool, size_mtime: tuple[int, int] | None = None) -> str:
+    """``size:mtime_ns`` of a file, or its SHA-256 when ``strict``. ``size_mtime`` is a ``stat`` the caller
+    already made (the scan index), so the file is not stat'ed twice."""
+    if size_mtime is not None and not strict:
+        return f"{size_mtime[0]}:{size_mtime[1]}"
     if strict:
         h = hashlib.sha256()
         with path.open("rb") as f:

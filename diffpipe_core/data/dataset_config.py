@@ -78,14 +78,21 @@ class _Overridable(_Strict):
     min_ar: float | None = Field(
         None,
         gt=0,
-        description="Smallest aspect ratio (width / height) kept when AR bucketing is on; narrower "
-        "items are left out. Default 0.5, or the smallest of ar_buckets.",
+        description="Smallest bucket aspect ratio (width / height) when AR bucketing is on; narrower items go "
+        "to the nearest bucket, cropped (or are left out with drop_outside_ar). Default 0.5, or the smallest "
+        "of ar_buckets.",
     )
     max_ar: float | None = Field(
         None,
         gt=0,
-        description="Largest aspect ratio (width / height) kept when AR bucketing is on; wider items "
-        "are left out. Default 2.0, or the largest of ar_buckets.",
+        description="Largest bucket aspect ratio (width / height) when AR bucketing is on; wider items go to "
+        "the nearest bucket, cropped (or are left out with drop_outside_ar). Default 2.0, or the largest of "
+        "ar_buckets.",
+    )
+    drop_outside_ar: bool | None = Field(
+        None,
+        description="Leave out items whose aspect ratio is outside min_ar..max_ar instead of cropping them into "
+        "the nearest bucket (as diffusion-pipe does). Default false.",
     )
     num_ar_buckets: int | None = Field(
         None,
@@ -237,6 +244,7 @@ class DatasetConfig(_Overridable):
             enable_ar_bucket=pick("enable_ar_bucket"),
             min_ar=float(min_ar),
             max_ar=float(max_ar),
+            drop_outside_ar=bool(pick("drop_outside_ar")),
             num_ar_buckets=7 if num is None else num,
             ar_buckets=tuple(ratios) if ratios is not None else None,
             frame_buckets=tuple(sorted(set(pick("frame_buckets")))),
@@ -265,6 +273,7 @@ class DirectorySettings:
     enable_ar_bucket: bool
     min_ar: float
     max_ar: float
+    drop_outside_ar: bool
     num_ar_buckets: int
     ar_buckets: tuple[float, ...] | None  # explicit ratios (width / height), or None for log-spaced
     frame_buckets: tuple[int, ...]

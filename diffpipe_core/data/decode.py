@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import av
-import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 from diffpipe_core.data.items import DecodedMedia, MediaItem
 from diffpipe_core.types import ModelSpec
+
+if TYPE_CHECKING:  # imported where used: `diffpipe validate` scans image datasets, and should start at once
+    import torch
 
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
 _HIGH_DEPTH = {"I;16": 65535.0, "I;16L": 65535.0, "I;16B": 65535.0, "I;16N": 65535.0, "I": 65535.0, "F": 1.0}
@@ -104,6 +105,8 @@ def probe_image(path: Path) -> tuple[int, int]:
 
 def probe_video(path: Path) -> VideoInfo:
     """Size, duration and frame rate of a video from its stream headers plus one decoded frame."""
+    import av
+
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
@@ -166,6 +169,8 @@ class _Fit:
 
 def _flatten(im: Image.Image) -> tuple[Image.Image, float | None]:
     """An 8-bit RGB image, or a float 'F' gray image plus its full-scale value for high bit depths."""
+    import numpy as np
+
     if im.mode in _HIGH_DEPTH:
         arr = np.asarray(im).astype(np.float32) / _HIGH_DEPTH[im.mode]
         return Image.fromarray(np.clip(arr, 0.0, 1.0), mode="F"), 1.0
@@ -180,6 +185,9 @@ def _flatten(im: Image.Image) -> tuple[Image.Image, float | None]:
 
 
 def _to_tensor(im: Image.Image, float_scale: float | None) -> torch.Tensor:
+    import numpy as np
+    import torch
+
     if float_scale is not None:  # gray float image in [0, 1]
         arr = np.clip(np.asarray(im, dtype=np.float32), 0.0, 1.0) * 2.0 - 1.0
         t = torch.from_numpy(arr.copy())[None].expand(3, -1, -1).contiguous()
@@ -202,6 +210,9 @@ def _open_oriented(path: Path, want: tuple[int, int] | None = None) -> tuple[Ima
 
 
 def _load_mask(path: Path, fit: _Fit, item_id: str) -> torch.Tensor:
+    import numpy as np
+    import torch
+
     try:
         mask, (mw, mh) = _open_oriented(path)
         if mask.mode in _HIGH_DEPTH:
@@ -251,6 +262,8 @@ def _load_image(item: MediaItem) -> DecodedMedia:
 
 
 def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
+    import av
+
     W, H, F = item.bucket.width, item.bucket.height, item.bucket.frames
     start = item.clip_start or 0.0
     try:
@@ -289,6 +302,8 @@ def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
         )
     first = chosen[0]
     fit = _Fit(first.width, first.height, W, H)
+    import torch
+
     converted: dict[int, torch.Tensor] = {}
     planes = []
     for frame in chosen:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, order=True)
@@ -39,6 +41,7 @@ class MediaItem:
     repeats: int = 1
     directory: int = 0  # index of the [[directory]] entry it came from
     caption_variants: tuple[str, ...] = ()  # shuffled-tag versions of ``caption`` to cache (shuffle_tags)
+    crop_fraction: float = 0.0  # share of the image the center crop to the bucket's aspect ratio cuts away
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,12 @@ class SkippedFile:
 
 @dataclass
 class ScanResult:
+    """The usable items and the files left out. ``stats`` counts the scan's ``files`` and, from the scan index,
+    the files ``read`` (new or changed), ``reused`` (unchanged: one ``stat``) and ``removed``."""
+
     items: list[MediaItem] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

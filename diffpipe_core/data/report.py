@@ -7,6 +7,12 @@ from collections import Counter, defaultdict
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import reason_category
 
+CROP_WARN = 0.2  # items cropped by more than this share of their area are counted in the report
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
 
 def bucket_counts(scan: ScanResult) -> dict[Bucket, int]:
     """Samples per epoch in each bucket (each item counted ``repeats`` times), sorted by bucket."""
@@ -58,17 +64,26 @@ def format_report(scan: ScanResult, micro_batch_size: int, dp_world_size: int) -
         lines.append("buckets too small for even one micro-batch: " + ", ".join(map(str, empty)))
     lines.append("")
     if scan.skipped:
-        lines.append(f"Left out ({len(scan.skipped)} files):")
+        lines.append(f"Left out ({_n(len(scan.skipped), 'file')}):")
         lines += _table(
             ["file", "reason"],
             [[str(s.path), s.reason] for s in sorted(scan.skipped, key=lambda s: str(s.path))],
             right=set(),
         )
         lines.append("")
+    cropped = [item for item in scan.items if item.crop_fraction > CROP_WARN]
+    if cropped:
+        worst = max(cropped, key=lambda item: item.crop_fraction)
+        lines.append(
+            f"{_n(len(cropped), 'item')} cropped by more than {CROP_WARN:.0%} of the image to fit its bucket "
+            f"(most: {worst.id}, {worst.crop_fraction:.0%}); widen min_ar/max_ar or ar_buckets to keep more of "
+            "them, or set drop_outside_ar = true to leave out those outside min_ar..max_ar."
+        )
+        lines.append("")
     files = len({item.path for item in scan.items})
     by_cat = Counter(reason_category(s.reason) for s in scan.skipped)
-    summary = f"Summary: {files} files used, {len(scan.items)} items in {len(counts)} buckets, "
-    summary += f"{len(scan.skipped)} files left out"
+    summary = f"Summary: {_n(files, 'file')} used, {_n(len(scan.items), 'item')} in {_n(len(counts), 'bucket')}, "
+    summary += f"{_n(len(scan.skipped), 'file')} left out"
     if by_cat:
         summary += " (" + ", ".join(f"{n} {cat}" for cat, n in by_cat.most_common()) + ")"
     lines.append(summary + ".")

@@ -13,10 +13,7 @@ import logging
 import os
 import random
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-from tqdm.auto import tqdm
 
 from diffpipe_core.data.buckets import (
     clip_starts,
@@ -26,10 +23,10 @@ from diffpipe_core.data.buckets import (
     spatial_buckets,
     video_frame_bucket,
 )
-from diffpipe_core.data.cache_keys import file_content_key
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
-from diffpipe_core.data.decode import MediaError, probe_image, probe_video
+from diffpipe_core.data.decode import MediaError
 from diffpipe_core.data.items import Bucket, MediaItem, ScanResult, SkippedFile
+from diffpipe_core.data.scan_index import IMAGE, TEXT, VIDEO, ScanIndex, gc_paused, index_path
 from diffpipe_core.schema import ConfigError
 from diffpipe_core.types import ModelSpec
 
@@ -44,14 +41,21 @@ CAPTIONS_JSON = "captions.json"
 # What each skip category means and how to fix it, for the empty-dataset error.
 CATEGORY_HINTS = {
     "no caption": "add name.txt beside each file or a captions.json, or set allow_empty_captions = true",
-    "aspect ratio": "widen min_ar/max_ar (or ar_buckets)",
+    "aspect ratio": "widen min_ar/max_ar (or ar_buckets), or set drop_outside_ar = false to crop them",
     "too short": "add a smaller frame bucket to frame_buckets",
     "video": "use a video model, or remove the videos",
 }
 
 
 class DatasetError(Exception):
-    """The dataset cannot be used as a whole (for example, nothing is left after filtering)."""
+    """The dataset cannot be used as a whole (for example, nothing is left after filtering).
+
+    ``result`` is the scan (every file left out, with why) and ``summary`` the message without the closing
+    pointer to ``diffpipe data``, for that command itself."""
+
+    def __init__(self, summary: str, result: ScanResult | None = None, hint: str = "") -> None:
+        super().__init__(summary + (f"\n{hint}" if hint else ""))
+        self.summary, self.result = summary, result
 
 
 def reason_category(reason: str) -> str:
@@ -98,8 +102,9 @@ class _Captions:
     """Finds the caption of a media file: ``name.txt`` beside it, else a ``captions.json`` in its folder
     (keyed by file name) or in the directory root (keyed by relative path)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, index: ScanIndex) -> None:
         self.root = root
+        self.index = index
         self._json: dict[Path, dict[str, str]] = {}
 
     def _load_json(self, folder: Path) -> dict[str, str]:
@@ -117,21 +122,23 @@ class _Captions:
             self._json[folder] = table
         return self._json[folder]
 
-    def find(self, media: Path) -> tuple[str | None, str]:
-        """(caption or None, where it was looked for). Raises _CaptionError for an unreadable file."""
-        txt = media.with_suffix(".txt")
-        if txt.is_file():
-            try:
-                return read_caption(txt), str(txt.name)
-            except (ValueError, OSError) as exc:
-                raise _CaptionError(str(exc)) from None
+    def find(self, media: Path, txt: str | None = None) -> tuple[str | None, str]:
+        """(caption or None, where it was looked for); ``txt`` is ``media.with_suffix(".txt")`` as a string.
+        Raises _CaptionError for an unreadable file."""
+        txt = txt or str(media.with_suffix(".txt"))
+        try:
+            text = self.index.caption(txt)  # read only if new or changed since the last scan
+        except (ValueError, OSError) as exc:
+            raise _CaptionError(str(exc)) from None
+        if text is not None:
+            return text, txt
         local = self._load_json(media.parent)
         if media.name in local:
             return local[media.name], CAPTIONS_JSON
         rel = media.relative_to(self.root).as_posix()
         if media.parent != self.root and rel in self._load_json(self.root):
             return self._json[self.root][rel], CAPTIONS_JSON
-        return None, f"{txt.name} or an entry in {CAPTIONS_JSON}"
+        return None, f"{os.path.basename(txt)} or an entry in {CAPTIONS_JSON}"
 
 
 def shuffled_variants(
@@ -155,14 +162,15 @@ def shuffled_variants(
 # ---------------------------------------------------------------------------------------------- discovery
 
 
-def _walk(root: Path, exclude: set[Path]) -> list[Path]:
-    """Every non-hidden file under ``root``, sorted, skipping excluded folders (masks, cache, other
-    [[directory]] roots)."""
+def _walk(root: Path, exclude: set[Path]) -> list[tuple[Path, list[str]]]:
+    """Every folder under ``root`` with its non-hidden file names, sorted, skipping excluded folders (masks,
+    cache, other [[directory]] roots). Names stay strings: a Path per file costs more than the scan index's
+    ``stat`` of it."""
     found = []
     for folder, dirs, files in os.walk(root):
         here = Path(folder)
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (here / d).resolve() not in exclude)
-        found.extend(here / f for f in sorted(files) if not f.startswith("."))
+        found.append((here, sorted(f for f in files if not f.startswith("."))))
     return found
 
 
@@ -179,6 +187,22 @@ class _Skip(Exception):
     pass
 
 
+class _Buckets:
+    """``closest_bucket`` over ``spatial_buckets``, remembered per directory, resolution and size: a dataset has
+    few distinct sizes, and computing the buckets anew for each of 100,000 files would dominate a re-scan."""
+
+    def __init__(self, multiple: int) -> None:
+        self.multiple = multiple
+        self._memo: dict[tuple, Bucket] = {}
+
+    def closest(self, width: int, height: int, settings: DirectorySettings, res: object) -> Bucket:
+        key = (width, height, settings.index, tuple(res) if isinstance(res, list) else res)
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = closest_bucket(width, height, spatial_buckets(res, settings, self.multiple))
+        return found
+
+
 def _without_path(exc: Exception, path: Path) -> str:
     """A probe error's message without the leading file name (the report shows it in its own column)."""
     text = str(exc)
@@ -192,9 +216,14 @@ def _scan_file(
     strict: bool,
     captions: _Captions,
     id_base: str,
+    index: ScanIndex,
+    key: str,
+    ext: str,
+    buckets: _Buckets,
+    txt: str,
 ) -> list[MediaItem]:
-    """The items of one file, or raise _Skip(reason)."""
-    ext = path.suffix.lower()
+    """The items of one file (``key``: its path as a string, ``ext``: its suffix, lower case), or raise
+    _Skip(reason)."""
     is_video = ext in VIDEO_EXTS
     if ext not in IMAGE_EXTS and not is_video:
         raise _Skip(
@@ -204,24 +233,22 @@ def _scan_file(
     if is_video and spec.modality != "video":
         raise _Skip(f"video: model {spec.name!r} trains on images only")
     try:
-        size = path.stat().st_size
+        size, facts = index.media(key, VIDEO if is_video else IMAGE)  # probed only if new or changed
     except OSError as exc:
         raise _Skip(f"unreadable: {exc}") from None
-    if size == 0:
-        raise _Skip("empty file: 0 bytes")
-
-    try:
-        if is_video:
-            info = probe_video(path)
-            width, height = info.width, info.height
-        else:
-            width, height = probe_image(path)
     except MediaError as exc:
         kind = getattr(exc, "kind", "unreadable")
         raise _Skip(f"{kind}: {_without_path(exc, path)}") from None
+    if size == 0 or facts is None:
+        raise _Skip("empty file: 0 bytes")
+    if is_video:
+        info = facts
+        width, height = info.width, info.height
+    else:
+        width, height = facts
 
     try:
-        caption, looked = captions.find(path)
+        caption, looked = captions.find(path, txt)
     except _CaptionError as exc:
         raise _Skip(f"caption encoding: {exc}") from None
     if not caption and not settings.allow_empty_captions:
@@ -229,12 +256,12 @@ def _scan_file(
         raise _Skip(f"no caption: {what}, and allow_empty_captions is false")
     body = caption or ""
 
-    if settings.enable_ar_bucket:
+    if settings.enable_ar_bucket and settings.drop_outside_ar:  # else the nearest bucket takes it, cropped
         ar = width / height
         if not (settings.min_ar * (1 - 1e-6) <= ar <= settings.max_ar * (1 + 1e-6)):
             raise _Skip(
                 f"aspect ratio: {width}x{height} (width/height {ar:.3f}) is outside min_ar..max_ar = "
-                f"{settings.min_ar:g}..{settings.max_ar:g}"
+                f"{settings.min_ar:g}..{settings.max_ar:g} and drop_outside_ar is true"
             )
 
     mask = None
@@ -242,9 +269,12 @@ def _scan_file(
         mask = _find_mask(settings.mask_path, path.relative_to(settings.path))
         if mask is not None:
             try:
-                mw, mh = probe_image(mask)
-            except MediaError as exc:
+                _, mask_size = index.media(mask, IMAGE)
+            except (MediaError, OSError) as exc:
                 raise _Skip(f"unreadable mask: {exc}") from None  # names the mask file
+            if mask_size is None:
+                raise _Skip(f"unreadable mask: {mask}: empty file (0 bytes)")
+            mw, mh = mask_size
             if (mw, mh) != (width, height):
                 raise _Skip(f"mask size: mask {mask} is {mw}x{mh} but the media is {width}x{height}")
 
@@ -259,15 +289,16 @@ def _scan_file(
             if not video_buckets:
                 raise _Skip("too short: frame_buckets has no count above 1, so no video fits; add e.g. 33")
             raise _Skip(
-                f"too short: {available} frames at {fps:g} fps ({info.duration:.2f}s); the smallest frame "
+                f"too short: {available} frame{'s' if available != 1 else ''} at {fps:g} fps "
+                f"({info.duration:.2f}s); the smallest frame "
                 f"bucket is {min(video_buckets)}"
             )
         frames = chosen
         starts = [s / fps for s in clip_starts(available, chosen, settings.video_clip_mode)]
 
-    key = file_content_key(path, strict)
+    content = index.content_key(key)
     if mask is not None:
-        key += "|mask:" + file_content_key(mask, strict)
+        content += "|mask:" + index.content_key(mask)
     prefix = settings.caption_prefix
     full_caption = prefix + body
     variants = (
@@ -278,8 +309,11 @@ def _scan_file(
     multi_res = len(settings.resolutions) > 1
     seen: set[Bucket] = set()
     for res in settings.resolutions:
-        spatial = closest_bucket(width, height, spatial_buckets(res, settings, spec.spatial_multiple))
+        spatial = buckets.closest(width, height, settings, res)
         bucket = Bucket(spatial.width, spatial.height, frames)
+        # the share of the image the center crop to the bucket's aspect ratio cuts away
+        crop = 1 - min(width * spatial.height, spatial.width * height) / max(width * spatial.height,
+                                                                             spatial.width * height)
         if bucket in seen:  # two resolutions that round to the same size
             continue
         seen.add(bucket)
@@ -295,12 +329,13 @@ def _scan_file(
                     path=path,
                     caption=full_caption,
                     bucket=bucket,
-                    content_key=key,
+                    content_key=content,
                     mask_path=mask,
                     clip_start=start,
                     repeats=settings.num_repeats,
                     directory=settings.index,
                     caption_variants=variants,
+                    crop_fraction=crop,
                 )
             )
     return items
@@ -316,13 +351,22 @@ def _id_base(path: Path, settings: DirectorySettings, anchor: Path | None) -> st
     return path.as_posix()
 
 
-def scan_dataset(cfg: DatasetConfig, spec: ModelSpec, strict: bool = False) -> ScanResult:
+def scan_dataset(
+    cfg: DatasetConfig, spec: ModelSpec, strict: bool = False, workers: int | None = None, progress: bool = True
+) -> ScanResult:
     """Find every usable item of the dataset for model ``spec``; list every file left out, with why.
 
-    ``strict`` keys media content by a SHA-256 of the bytes instead of size+mtime. Raises
-    :class:`DatasetError` when nothing is left, saying which filter removed how many files, and
-    ``ConfigError`` when frame_buckets do not fit the model.
+    ``strict`` keys media content by a SHA-256 of the bytes instead of size+mtime. What each file told the
+    last scan is kept in the scan index beside the cache (:mod:`diffpipe_core.data.scan_index`): an unchanged
+    file costs one ``stat``; new and changed files are read, on ``workers`` processes (default: every core)
+    when there are many. ``result.stats`` counts them. Raises :class:`DatasetError` when nothing is left,
+    saying which filter removed how many files, and ``ConfigError`` when frame_buckets do not fit the model.
     """
+    with gc_paused():  # a scan allocates millions of small objects and makes no reference cycles
+        return _scan(cfg, spec, strict, workers, progress)
+
+
+def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None, progress: bool) -> ScanResult:
     settings = [cfg.settings_for(i) for i in range(len(cfg.directory))]
     if spec.modality == "video":
         problems = []
@@ -338,56 +382,78 @@ def scan_dataset(cfg: DatasetConfig, spec: ModelSpec, strict: bool = False) -> S
     if cfg.cache_dir is not None:
         excluded.add(cfg.cache_dir.resolve())
 
-    jobs = []
+    index = ScanIndex(index_path(cfg.cache_dir, cfg.source, sorted(roots)), strict)
+    jobs: list[tuple] = []  # (path, key, ext, settings, captions, id_base, txt key, txt listed): see _prefetch
     for s in settings:
-        captions = _Captions(s.path)
+        captions = _Captions(s.path, index)
         exclude = excluded | (roots - {s.path.resolve()})
-        for path in _walk(s.path, exclude):
-            if path.name == CAPTIONS_JSON or path.suffix.lower() in SIDECAR_EXTS:
-                continue
-            jobs.append((path, s, captions))
+        for folder, names in _walk(s.path, exclude):
+            present = set(names)
+            where, rel = str(folder) + os.sep, _id_base(folder, s, anchor)
+            rel = "" if rel == "." else rel + "/"
+            for name in names:
+                dot = name.rfind(".")
+                ext = name[dot:].lower() if dot > 0 else ""  # os.path.splitext's suffix, cheaper
+                if name == CAPTIONS_JSON or ext in SIDECAR_EXTS:
+                    continue
+                txt = name[: len(name) - len(ext)] + ".txt"
+                jobs.append((folder / name, where + name, ext, s, captions, rel + name, where + txt, txt in present))
+    _prefetch(index, jobs, spec, workers, progress)
 
     result = ScanResult()
     seen_ids: set[str] = set()
+    buckets = _Buckets(spec.spatial_multiple)
 
-    def run(job: tuple[Path, DirectorySettings, _Captions]) -> list[MediaItem] | SkippedFile:
-        path, s, captions = job
+    def run(job: tuple) -> list[MediaItem] | SkippedFile:
+        path, key, ext, s, captions, id_base, txt, _ = job
         try:
-            return _scan_file(path, s, spec, strict, captions, _id_base(path, s, anchor))
+            return _scan_file(path, s, spec, strict, captions, id_base, index, key, ext, buckets, txt)
         except _Skip as exc:
             return SkippedFile(path, str(exc))
         except Exception as exc:  # anything unexpected still leaves the run going, named
             return SkippedFile(path, f"unreadable: {type(exc).__name__}: {exc}")
 
-    workers = min(8, (os.cpu_count() or 2) * 2)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        outcomes = pool.map(run, jobs)
-        for (_path, s, _), outcome in tqdm(
-            zip(jobs, outcomes),
-            total=len(jobs),
-            desc="scanning dataset",
-            unit="file",
-            leave=False,
-            disable=len(jobs) < 200,
-        ):
-            if isinstance(outcome, SkippedFile):
-                result.skipped.append(outcome)
-                log.warning("left out %s: %s", outcome.path, outcome.reason)
-                continue
-            for item in outcome:
-                if item.id in seen_ids:  # the same file listed by two [[directory]] entries
-                    item = _with_id(item, f"{item.id}@dir{s.index}")
-                seen_ids.add(item.id)
-                result.items.append(item)
+    for (_path, _key, _ext, s, *_), outcome in zip(jobs, map(run, jobs)):
+        if isinstance(outcome, SkippedFile):
+            result.skipped.append(outcome)
+            log.warning("left out %s: %s", outcome.path, outcome.reason)
+            continue
+        for item in outcome:
+            if item.id in seen_ids:  # the same file listed by two [[directory]] entries
+                item = _with_id(item, f"{item.id}@dir{s.index}")
+            seen_ids.add(item.id)
+            result.items.append(item)
 
+    index.save()
+    result.stats = {"files": len(jobs), **index.stats}
     counts = Counter(reason_category(s.reason) for s in result.skipped)
     summary = f"dataset: {len(result.items)} items from {len(jobs) - len(result.skipped)} files"
     if result.skipped:
         summary += "; left out " + ", ".join(f"{n} {cat}" for cat, n in counts.most_common())
     log.info(summary)
     if not result.items:
-        raise DatasetError(_empty_message(cfg, settings, jobs, counts))
+        raise DatasetError(_empty_message(cfg, settings, jobs, counts), result,
+                           "run `diffpipe data` to list every file and its reason" if jobs else "")
     return result
+
+
+def _prefetch(index: ScanIndex, jobs: list[tuple], spec: ModelSpec, workers: int | None, progress: bool) -> None:
+    """Stat every candidate media file and its caption file; read the new and changed ones (in parallel).
+
+    A job is ``(path, key, ext, settings, captions, id_base, txt, txt_listed)``: the file as a Path and as a
+    string (the scan index's key), its lower-case suffix, its ``[[directory]]`` settings and caption finder,
+    its item id, ``name.txt`` beside it as a string and whether the folder listing has that file."""
+    files: list[tuple[str, str]] = []
+    absent: list[str] = []
+    videos = spec.modality == "video"
+    for _, key, ext, _, _, _, txt, listed in jobs:
+        if ext in IMAGE_EXTS or (videos and ext in VIDEO_EXTS):
+            files.append((key, VIDEO if ext in VIDEO_EXTS else IMAGE))
+            if listed:
+                files.append((txt, TEXT))
+            else:
+                absent.append(txt)
+    index.prefetch(files, absent, workers, progress)
 
 
 def _with_id(item: MediaItem, new_id: str) -> MediaItem:
@@ -405,5 +471,4 @@ def _empty_message(cfg: DatasetConfig, settings: list[DirectorySettings], jobs: 
     for category, n in counts.most_common():
         hint = CATEGORY_HINTS.get(category)
         lines.append(f"  {n} x {category}" + (f" ({hint})" if hint else ""))
-    lines.append("run `diffpipe data` to list every file and its reason")
     return "\n".join(lines)

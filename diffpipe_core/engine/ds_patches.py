@@ -9,9 +9,18 @@
    embedders of a LoRA run) its outputs carry no autograd graph and that backward fails. Wrapping the
    last layer of each stage but the final one marks such outputs as leaves that require grad, so the
    backward is a no-op there. (Making the first layer's inputs require grad would also work, but it
-   computes input gradients nobody needs.)
-3. ``non_reentrant_checkpoint``: DeepSpeed's default activation checkpoint function breaks when the
-   first layer returns several float tensors; torch's non-reentrant checkpoint does not.
+   computes input gradients nobody needs.) It also makes them contiguous: gloo sends only contiguous
+   tensors, and a transposed patch embedding is not.
+3. ``name_gradless_boundary_tensors``: a float tensor that crosses a stage boundary but that the next
+   stages never use gets no gradient, and DeepSpeed then stops the first step with a bare
+   ``assert buffer.grad is not None`` in ``_exec_send_grads``. We check first and raise
+   :class:`StageBoundaryError` naming the layer that produced the tensor and its index.
+4. ``forward_outputs``: ``PipelineEngine.eval_batch(compute_loss=False)`` adds each micro-batch's outputs
+   to ``total_loss``, which still holds the last ``train_batch``'s scalar loss, and fails indexing it. We
+   clear it for the call and put it back (used by diffpipe_core.sampling.pipeline).
+
+Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
+first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 
@@ -39,11 +49,6 @@ class ExplicitPartitionPipelineModule(PipelineModule):
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
 
-def non_reentrant_checkpoint(function: Any, *args: Any) -> Any:
-    """Activation checkpoint function for PipelineModule (``activation_checkpoint_func``)."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-
-
 class OutputsRequireGrad(nn.Module):
     """Wraps the last layer of a non-final stage so every float output can receive a gradient."""
 
@@ -59,7 +64,10 @@ class OutputsRequireGrad(nn.Module):
 
 
 def _require_grad(x: Any) -> Any:
-    if torch.is_tensor(x) and x.is_floating_point() and not x.requires_grad:
+    if not torch.is_tensor(x):
+        return x
+    x = x.contiguous()  # gloo sends only contiguous tensors
+    if x.is_floating_point() and not x.requires_grad:
         return x.requires_grad_(True)
     return x
 
@@ -70,3 +78,40 @@ def wrap_stage_boundaries(layers: list[nn.Module], parts: list[int]) -> list[nn.
     for stop in parts[1:-1]:
         out[stop - 1] = OutputsRequireGrad(out[stop - 1])
     return out
+
+
+class StageBoundaryError(RuntimeError):
+    """A float tensor crossing a pipeline stage boundary is not used by the stages after it."""
+
+
+def name_gradless_boundary_tensors(engine: PipelineEngine, producer: str) -> None:
+    """Check, before DeepSpeed sends gradients back to the previous stage, that every float tensor this stage
+    received got one; otherwise raise :class:`StageBoundaryError` naming ``producer`` (the previous stage's
+    last layer, e.g. ``"layer 3 (EmbedLayer)"``) and the tensor's index. Applies to this engine only."""
+
+    def send_grads(self: PipelineEngine, buffer_id: int) -> None:
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        received = inputs if isinstance(inputs, tuple) else (inputs,)
+        for index, tensor in enumerate(received):
+            if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.grad is None:
+                raise StageBoundaryError(
+                    f"pipeline stage {self.stage_id}: output {index} of {producer} (shape {tuple(tensor.shape)}, "
+                    f"{tensor.dtype}) got no gradient: no later layer uses it. Every float tensor a layer returns "
+                    "must be used downstream (pass integer tensors for sizes, or stop returning it)"
+                )
+        PipelineEngine._exec_send_grads(self, buffer_id)
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, schedule.SendGrad: send_grads}
+
+
+def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: int) -> list[Any] | None:
+    """A forward-only pass of ``num_micro_batches`` through the pipeline (no loss): on the last stage each
+    micro-batch's outputs (a list of tensors), elsewhere None."""
+    saved = engine.total_loss
+    engine.total_loss = None
+    try:
+        return engine.eval_batch(
+            data_iter, compute_loss=False, reduce_output=None, bcast_loss=False, num_micro_batches=num_micro_batches
+        )
+    finally:
+        engine.total_loss = saved

@@ -7,6 +7,7 @@ host RAM per rank falls with the number of stages. Otherwise the plugin loads th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,47 +47,97 @@ def _names_by_tensor_id(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    old = getattr(module, attr)
-    if isinstance(old, nn.Parameter):
-        setattr(module, attr, nn.Parameter(value, requires_grad=old.requires_grad))
-    else:
-        module._buffers[attr] = value
+def _fill_in_place(holder: torch.Tensor, value: torch.Tensor) -> None:
+    """Give the existing tensor object ``holder`` the loaded data. Every module that holds it (a layer that
+    re-uses a model's top-level parameter, say) then sees the loaded tensor, not a stale meta copy."""
+    if isinstance(holder, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=holder.requires_grad)
+    torch.utils.swap_tensors(holder, value)
+
+
+def keeps_float32(model: nn.Module, name: str) -> bool:
+    """Whether diffusers' ``from_pretrained`` keeps tensor ``name`` in float32 (``_keep_in_fp32_modules``)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    return any(part in keep for part in name.split("."))
+
+
+def cast_skeleton(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast a freshly built model's float tensors to ``dtype`` the way ``from_pretrained(torch_dtype=dtype)``
+    does: modules in the model's ``_keep_in_fp32_modules`` stay float32. Use it on meta skeletons, so per-stage
+    loading (which keeps each skeleton tensor's dtype) matches a whole ``from_pretrained`` load."""
+    for module_name, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for attr, tensor in list(store.items()):
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                full = f"{module_name}.{attr}" if module_name else attr
+                target = torch.float32 if keeps_float32(model, full) else dtype
+                if tensor.dtype != target:
+                    cast = tensor.detach().to(target)
+                    store[attr] = nn.Parameter(cast, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cast
+    return model
+
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+KeyTargets = str | None | Sequence[tuple[str, Transform | None]]
+
+
+def key_targets(mapped: KeyTargets) -> list[tuple[str, Transform | None]]:
+    """What a ``diffusion_model_weights`` key map returned, as ``[(model tensor name, transform or None)]``.
+
+    A key map returns the model's name for a file key (1:1), None to skip the key, or a list of
+    ``(model_name, transform)`` pairs when one file tensor makes several model tensors (a fused qkv split into
+    q, k and v) or needs reshaping: ``transform`` turns the file tensor into that model tensor (None: as is).
+    """
+    if mapped is None:
+        return []
+    if isinstance(mapped, str):
+        return [(mapped, None)]
+    return list(mapped)
 
 
 def materialise_layers(
     plugin: ModelPlugin,
     model_config: ModelConfigBase,
     stage: StageModel,
-    layer_indices: range,
+    layer_indices: Iterable[int],
     device: torch.device,
-    dtype: torch.dtype,
 ) -> None:
-    """Read from the weight files exactly the tensors of ``layers[layer_indices]``."""
+    """Read from the weight files exactly the tensors of ``layers[layer_indices]``.
+
+    Each tensor is filled in place and keeps the dtype of the skeleton's tensor: the plugin built the
+    skeleton in the run's dtype (with :func:`cast_skeleton`, float32-kept modules stay float32).
+    """
     names = _names_by_tensor_id(stage.model)
     wanted: dict[str, torch.Tensor] = {}
     for i in layer_indices:
         layer = stage.layers[i]
-        for t in list(layer.parameters()) + list(layer.buffers()):
+        for own_name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
             name = names.get(id(t))
             if name is None:
                 raise PluginError(
-                    f"model plugin {plugin.name!r}: layer {i} holds a tensor that is not part of the model "
-                    "(split_into_layers must wrap the model's own submodules)"
+                    f"model plugin {plugin.name!r}: layer {i} ({type(layer).__name__}) holds {own_name!r}, "
+                    "which is not the model's (split_into_layers must wrap the model's own submodules and "
+                    "parameters, not copies)"
                 )
             wanted[name] = t
     found: set[str] = set()
     for file, key_map in plugin.require("diffusion_model_weights", model_config=model_config):
         with safe_open(str(file), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                name = key_map(key)
-                if name in wanted and name not in found:
-                    current = wanted[name]
-                    tensor = f.get_tensor(key)
-                    target_dtype = dtype if current.is_floating_point() else current.dtype
-                    _set_tensor(stage.model, name, tensor.to(target_dtype))
+                todo = [(n, fn) for n, fn in key_targets(key_map(key)) if n in wanted and n not in found]
+                if not todo:
+                    continue
+                tensor = f.get_tensor(key)  # read once, only when this stage needs a tensor made from it
+                for name, transform in todo:
+                    current, value = wanted[name], transform(tensor) if transform else tensor
+                    if tuple(value.shape) != tuple(current.shape):
+                        made = f"the part of tensor {key!r} for {name!r}" if transform else f"tensor {key!r}"
+                        raise PluginError(
+                            f"{file}: {made} has shape {tuple(value.shape)}, but the model's {name!r} "
+                            f"needs {tuple(current.shape)}"
+                        )
+                    _fill_in_place(current, value.to(current.dtype))
                     found.add(name)
     missing = [n for n, t in wanted.items() if n not in found and t.device.type == "meta"]
     if missing:

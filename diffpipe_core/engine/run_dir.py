@@ -46,6 +46,24 @@ def write_run_info(
     atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2))
 
 
+def start_run(cfg: Any, num_procs: int) -> Path:
+    """A new run folder for the validated config ``cfg`` (a ResolvedConfig), with its run info written."""
+    from diffpipe_core.registry import get_registry
+
+    run_dir = new_run_dir(cfg.run.output_dir)
+    plugins = {
+        p.name: f"{p.distribution or 'in-process'} {p.version or ''}".strip() for p in get_registry().plugins.values()
+    }
+    write_run_info(
+        run_dir,
+        cfg.path.read_text(),
+        {"run": cfg.run.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json")},
+        plugins,
+        {"model": cfg.model_name, "num_procs": num_procs, "pipeline_stages": cfg.run.pipeline_stages},
+    )
+    return run_dir
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     marker = run_dir / CHECKPOINTS / LATEST
     if not marker.is_file():
@@ -85,11 +103,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    """The training loss of each step; a resumed run logs the steps after its checkpoint again, and the
-    last record of a step wins."""
+    """The training loss of each step. A resume drops the records after its checkpoint before logging those
+    steps again; should a step still appear twice, its last record wins."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def step_seconds(run_dir: Path) -> list[float]:
-    """Seconds per optimizer step (``train_batch`` only: no checkpoint, save or eval time), in step order."""
-    return [r["step_seconds"] for r in read_metrics(run_dir) if "loss" in r]
+    """Seconds per optimizer step (``train_batch`` only: no checkpoint, save or eval time), in step order,
+    one per step (the last record of a step)."""
+    per_step = {r["step"]: r["step_seconds"] for r in read_metrics(run_dir) if "loss" in r}
+    return [per_step[s] for s in sorted(per_step)]

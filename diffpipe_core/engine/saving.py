@@ -41,23 +41,37 @@ def write_adapter(
     config: LoraConfig,
     formats: list[str],
     dtype: torch.dtype,
-) -> None:
-    """Rank 0: write the adapter folder atomically in every requested format."""
+) -> list[str]:
+    """Rank 0: write the adapter folder atomically in every requested format.
+
+    A format whose export fails is left out and named in the returned list of problems; the others, and
+    always the diffusers file, are still written, so a late export bug never costs the trained adapter.
+    """
     alpha, rank = float(config.lora_alpha), int(config.r)
     prefix = plugin.call("adapter_key_prefix") or "transformer"
     files: dict[str, dict[str, torch.Tensor]] = {}
-    for fmt in formats:
-        exported = plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
+    problems: list[str] = []
+    for fmt in dict.fromkeys(["diffusers", *formats]):
+        try:
+            exported = plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
+            if exported is None and fmt != "diffusers":
+                raise ValueError(f"model {plugin.name!r} cannot export format {fmt!r}")
+        except Exception as exc:
+            problems.append(f"adapter format {fmt!r} not written: {type(exc).__name__}: {exc}")
+            exported = None
         if exported is None and fmt == "diffusers":
             exported = diffusers_format(state, prefix)
-        if exported is None:
-            raise ValueError(f"adapter.save_formats: model {plugin.name!r} cannot export format {fmt!r}")
-        files[ADAPTER_FILE if fmt == "diffusers" else f"adapter_model.{fmt}.safetensors"] = exported
+        if exported is not None:
+            files[ADAPTER_FILE if fmt == "diffusers" else f"adapter_model.{fmt}.safetensors"] = exported
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
     save_adapter(tmp, files, config, dtype, prefix)
     replace_dir(tmp, out_dir)
+    return problems
+
+
+SAVED_INDEX = "model.safetensors.index.json"  # the index write_model_shards writes next to its shards
 
 
 def write_model_shards(
@@ -93,20 +107,48 @@ def write_model_shards(
                 weight_map[key] = f"model-{s + 1:05d}-of-{num_stages:05d}.safetensors"
             keys_file.unlink()
         atomic_write_text(
-            tmp / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+            tmp / SAVED_INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
         )
         replace_dir(tmp, out_dir)
     barrier()
 
 
-def export_model_formats(saved_dir: Path, plugin: ModelPlugin, model_config: Any, formats: list[str]) -> None:
+def read_saved_model(saved_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a full fine-tune saved by :func:`write_model_shards`: the
+    ``model-0000k-of-0000n.safetensors`` shards that ``model.safetensors.index.json`` names, on the CPU."""
+    from safetensors.torch import load_file
+
+    index = Path(saved_dir) / SAVED_INDEX
+    if not index.is_file():
+        raise FileNotFoundError(f"{index}: not found; expected a full fine-tune saved by diffpipe")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        file = Path(saved_dir) / shard
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: not found; {index} names it as a shard of the saved model")
+        state.update(load_file(str(file)))
+    return state
+
+
+def export_model_formats(saved_dir: Path, plugin: ModelPlugin, model_config: Any, formats: list[str]) -> list[str]:
     """Rank 0: the plugin's ecosystem formats of a saved full fine-tune, each in ``saved_dir/<format>``
-    (written to a temporary folder first)."""
+    (written to a temporary folder first). A format that fails is named in the returned problems; the
+    shards and the other formats stay."""
+    problems: list[str] = []
     for fmt in formats:
         out = saved_dir / fmt
         tmp = saved_dir / f".tmp-{fmt}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        if not plugin.call("export_model", saved_dir=saved_dir, model_config=model_config, out_dir=tmp, format=fmt):
-            raise ValueError(f"save_model_formats: model {plugin.name!r} cannot export format {fmt!r}")
+        try:
+            written = plugin.call(
+                "export_model", saved_dir=saved_dir, model_config=model_config, out_dir=tmp, format=fmt
+            )
+            if not written:
+                raise ValueError(f"model {plugin.name!r} cannot export format {fmt!r}")
+        except Exception as exc:
+            problems.append(f"model format {fmt!r} not written: {type(exc).__name__}: {exc}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            continue
         replace_dir(tmp, out)
+    return problems

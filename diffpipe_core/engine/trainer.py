@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,17 @@ from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import checkpoint as ckpt_io
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
-    non_reentrant_checkpoint,
+    name_gradless_boundary_tensors,
     wrap_stage_boundaries,
 )
+from diffpipe_core.engine.grad_norm import clip_grads_, global_grad_norm
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.engine.saving import export_model_formats, gather_to_rank0, write_adapter, write_model_shards
+from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda
+from diffpipe_core.quantize import quantize_stage
+from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
 
@@ -92,10 +97,57 @@ class TrainSummary:
     skipped_steps: list[int] = field(default_factory=list)
     seconds: float = 0.0
     samples: int = 0
+    first_quarter_loss: float | None = None  # mean training loss of the run's first quarter of steps
+    last_quarter_loss: float | None = None
+
+
+def quarter_means(run_dir: Path) -> tuple[float | None, float | None]:
+    """Mean finite training loss of the first and of the last quarter of the run's steps (from metrics.jsonl,
+    so a resumed run counts its steps before the resume too). Single steps are too noisy to show learning."""
+    from diffpipe_core.engine.run_dir import train_losses
+
+    losses = [v for _, v in sorted(train_losses(run_dir).items()) if v is not None and math.isfinite(v)]
+    if not losses:
+        return None, None
+    q = max(1, len(losses) // 4)
+    return sum(losses[:q]) / q, sum(losses[-q:]) / q
+
+
+def format_summary(summary: TrainSummary) -> str:
+    """The end-of-run line: steps, time, how the loss moved, skipped steps."""
+    line = f"trained {summary.steps} steps ({summary.samples} samples) in {summary.seconds:.1f} s"
+    first, last = summary.first_quarter_loss, summary.last_quarter_loss
+    if first is not None and last is not None:
+        change = f" ({(last - first) / first:+.0%})" if first > 0 else ""
+        line += f"; mean loss {first:.4f} in the first quarter of steps -> {last:.4f} in the last{change}"
+    if summary.skipped_steps:
+        line += f"; skipped steps (non-finite loss): {summary.skipped_steps}"
+    return line
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop the records of steps after ``step`` from ``metrics.jsonl`` (atomically): a resumed run logs
+    them again, and each step must appear once."""
+    from diffpipe_core.atomic import atomic_write_text
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
 
 
 class Trainer:
     """Builds the pipeline engine for this rank and runs the loop."""
+
+    samples: Any = None  # a diffpipe_core.sampling.runner.TrainingSamples, attached by the worker for [sample]
 
     def __init__(
         self,
@@ -137,9 +189,15 @@ class Trainer:
         stage = load_for_stages(plugin, self.cfg.model, self.device, self.dtype)
         self.parts = stage_parts(stage.layers, self.stages, run.partition_method, run.partition_split)
         own = range(self.parts[self.stage_id], self.parts[self.stage_id + 1])
-        if stage.per_stage_loading:
-            materialise_layers(plugin, self.cfg.model, stage, own, self.device, self.dtype)
+        swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
+        if stage.per_stage_loading:  # swapped blocks are read straight into host memory
+            resident = [i for i in own if i not in swapped]
+            materialise_layers(plugin, self.cfg.model, stage, resident, self.device)
+            materialise_layers(plugin, self.cfg.model, stage, swapped, torch.device("cpu"))
+        label = f"stage {self.stage_id}" if self.dp_rank == 0 else None  # quantize_stage prints one line
+        quantize_stage(self.cfg.model, stage, own, plugin.spec.block_layers, label)
         self.model = stage.model
+        self.layer_names = [type(layer).__name__ for layer in stage.layers]
         torch.manual_seed(run.seed)
         if run.adapter is not None:
             targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=self.cfg.model)
@@ -151,15 +209,18 @@ class Trainer:
             self.lora = None
             for p in self.model.parameters():
                 p.requires_grad_(p.is_floating_point())
-        self.module = ExplicitPartitionPipelineModule(
-            layers=wrap_stage_boundaries(stage.layers, self.parts),
-            parts=self.parts,
-            num_stages=self.stages,
-            loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
-            activation_checkpoint_interval=1 if run.activation_checkpointing else 0,
-            activation_checkpoint_func=non_reentrant_checkpoint,
-            dynamic_shape=True,
+        layers, n_swapped = wrap_stage_layers(
+            stage.layers, own, plugin.spec.block_layers, run.activation_checkpointing, run.blocks_to_swap, self.device
         )
+        self._explain_memory_savers(n_swapped)
+        with library_prints():  # DeepSpeed prints SEED_LAYERS=... and "Using topology: ..." here
+            self.module = ExplicitPartitionPipelineModule(
+                layers=wrap_stage_boundaries(layers, self.parts),
+                parts=self.parts,
+                num_stages=self.stages,
+                loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
+                dynamic_shape=True,
+            )
         self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad and p.device.type != "meta"}
         if not self.trainable:
             raise ValueError(
@@ -183,6 +244,24 @@ class Trainer:
             config=ds_config,
             model_parameters=list(self.trainable.values()),
         )
+        if self.stage_id > 0:
+            producer = self.parts[self.stage_id] - 1
+            name_gradless_boundary_tensors(self.engine, f"layer {producer} ({self.layer_names[producer]})")
+
+    def _explain_memory_savers(self, n_swapped: int) -> None:
+        run, spec = self.run, self.plugin.spec
+        if self.rank != 0 or not run.blocks_to_swap:
+            return
+        if not spec.block_layers:
+            print(f"diffpipe: blocks_to_swap ignored: model {spec.name!r} names no block layers", flush=True)
+        elif self.device.type != "cuda":
+            print("diffpipe: blocks_to_swap has no effect without a GPU (weights live in host memory)", flush=True)
+        elif self.lora is None:
+            print("diffpipe: blocks_to_swap moves frozen weights only; a full fine-tune trains them all", flush=True)
+        elif getattr(self.cfg.model, "quantize", None):
+            print("diffpipe: blocks_to_swap moves unquantized weights only; quantized ones stay on the GPU", flush=True)
+        else:
+            print(f"diffpipe: swapping {n_swapped} blocks per stage with host memory", flush=True)
 
     def _init_adapter_from(self, path: Path) -> None:
         state, _ = read_adapter(path)
@@ -208,22 +287,13 @@ class Trainer:
         params = list(self.trainable.values())
 
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            # One all-reduce carries both the non-finite flag and this rank's squared gradient norm;
-            # data-parallel replicas hold the same gradients, so the sum is divided by their count.
             grads = [p.grad for p in params if p.grad is not None]
-            sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=self.device))
-            bad = 0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0
-            packed = torch.stack([torch.tensor(bad, device=self.device), sq.reshape(())])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-            self.grad_norm = math.sqrt(max(packed[1].item(), 0.0) / self.dp) if packed[0].item() == 0 else float("nan")
-            if packed[0].item() > 0:
+            self.grad_norm = global_grad_norm(grads, self.dp, self.device)
+            if not math.isfinite(self.grad_norm):
                 self._nonfinite = True
                 self.optimizer.zero_grad(set_to_none=True)
                 return None
-            clip = self.run.gradient_clipping
-            if clip and self.grad_norm > clip:
-                for g in grads:
-                    g.mul_(clip / (self.grad_norm + 1e-6))
+            clip_grads_(grads, self.run.gradient_clipping, self.grad_norm)
             return original(*args, **kwargs)
 
         self.optimizer.step = guarded_step  # type: ignore[method-assign]
@@ -277,7 +347,8 @@ class Trainer:
             merged = gather_to_rank0(lora_state_dict(self.model), include=self.dp_rank == 0)
             if self.rank == 0:
                 assert merged is not None
-                write_adapter(out, merged, self.plugin, self.lora, self.run.adapter.save_formats, save_dtype)
+                problems = write_adapter(out, merged, self.plugin, self.lora, self.run.adapter.save_formats, save_dtype)
+                self._report_save_problems(out, problems)
             dist.barrier()
         else:
             local = {n: p for n, p in self.model.state_dict().items() if p.device.type != "meta"}
@@ -292,9 +363,14 @@ class Trainer:
                 barrier=dist.barrier,
             )
             if self.rank == 0 and self.run.save_model_formats:
-                export_model_formats(out, self.plugin, self.cfg.model, self.run.save_model_formats)
+                problems = export_model_formats(out, self.plugin, self.cfg.model, self.run.save_model_formats)
+                self._report_save_problems(out, problems)
             dist.barrier()
         return out
+
+    def _report_save_problems(self, out: Path, problems: list[str]) -> None:
+        for problem in problems:
+            print(f"diffpipe: ERROR saving {out}: {problem}", file=sys.stderr, flush=True)
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:
         """Held-out loss of every eval dataset at fixed timestep quantiles (no dropout, no update).
@@ -337,6 +413,8 @@ class Trainer:
         batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
         summary = TrainSummary()
         writer = self._writer() if self.rank == 0 else None
+        if self.rank == 0 and resume_from is not None:
+            truncate_metrics(self.run_dir, start_step)  # the steps after the checkpoint are logged again
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
         bar = tqdm(
             total=self.total_steps,
@@ -352,6 +430,8 @@ class Trainer:
                 "they are carried into later epochs by the reshuffle",
                 flush=True,
             )
+        if self.samples is not None:
+            self.samples.before_training(start_step, writer)
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
         consecutive_bad = 0
@@ -362,11 +442,11 @@ class Trainer:
             batches.step_ids = []
             context.step = step
             self._nonfinite = False
+            lr = self.scheduler.get_last_lr()[0]  # the lr this step uses (train_batch steps the scheduler)
             t0 = time.perf_counter()
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
             step += 1
-            lr = self.scheduler.get_last_lr()[0]
             grad_norm = self.grad_norm
             if self._nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
@@ -421,6 +501,8 @@ class Trainer:
                 if metrics_file is not None and evals:
                     metrics_file.write(json.dumps({"step": step, "eval": evals}) + "\n")
                     metrics_file.flush()
+            if self.samples is not None:
+                self.samples.after_step(step, epoch_done, self._epoch(step), writer)
             if step < self.total_steps and self._checkpoint_due(step, last_ckpt_time):
                 self._checkpoint(step, batches.micro_index)
                 last_ckpt_time = time.monotonic()
@@ -431,13 +513,9 @@ class Trainer:
         if self.rank == 0:
             writer.close()
             metrics_file.close()
+            summary.first_quarter_loss, summary.last_quarter_loss = quarter_means(self.run_dir)
             self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
-            print(
-                f"diffpipe: trained {summary.steps} steps ({summary.samples} samples) in {summary.seconds:.1f}s; "
-                f"loss {summary.first_loss} -> {summary.last_loss}; skipped steps: {summary.skipped_steps or 'none'}; "
-                f"saved to {final}",
-                flush=True,
-            )
+            print(f"diffpipe: {format_summary(summary)}; saved to {final}", flush=True)
         return summary
 
     def _epoch(self, step: int) -> int:

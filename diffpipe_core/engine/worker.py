@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from diffpipe_core.engine.launcher import PEER_FAILED, is_peer_failure, report_error
+
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
@@ -23,26 +25,53 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _backend() -> str:
+    """Our launcher says which; under another launcher NCCL on GPUs, gloo on CPUs."""
+    return os.environ.get("DIFFPIPE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _shared_new_run(cfg: object, rank: int, world: int) -> str:
+    """Rank 0 creates the run folder (on storage every node sees) and tells the other ranks its path."""
+    import torch.distributed as dist
+
+    from diffpipe_core.engine.run_dir import start_run
+
+    path = [str(start_run(cfg, world)) if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if rank == 0:
+        print(f"diffpipe: run folder {path[0]}", flush=True)
+    return str(path[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffpipe-worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--model")
     parser.add_argument("--run-dir")
+    parser.add_argument("--new-run", action="store_true", help="rank 0 creates the run folder (external launcher)")
     parser.add_argument("--resume-from")
     parser.add_argument("--cache-only", action="store_true")
     parser.add_argument("--regenerate", action="store_true")
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--trust-cache", action="store_true")
+    parser.add_argument("--prune", action="store_true")
+    parser.add_argument("--sample-request", help="diffpipe sample: a JSON file with the prompts and output")
     args = parser.parse_args(argv)
 
+    from diffpipe_core.quiet import library_prints, quiet_libraries
+
+    quiet_libraries(cuda=torch.cuda.is_available())
     import deepspeed
     import torch.distributed as dist
+
+    quiet_libraries()  # again: importing DeepSpeed set its logger's level
 
     from diffpipe_core.config import load_config
     from diffpipe_core.data import prepare_cache
     from diffpipe_core.registry import get_registry
 
-    deepspeed.init_distributed(dist_backend=os.environ.get("DIFFPIPE_BACKEND", "gloo"), verbose=False)
+    with library_prints():  # "DeepSpeed ... shm_comm_op built successfully"
+        deepspeed.init_distributed(dist_backend=_backend(), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     code = 0
     try:
@@ -65,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 strict=args.strict,
                 trust_cache=args.trust_cache,
                 progress=rank == 0,
+                prune=args.prune,
             )
 
         dataset = cache(cfg.run.dataset)
@@ -75,14 +105,36 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cache_only:
             from diffpipe_core.engine.trainer import Trainer
 
-            trainer = Trainer(cfg, plugin, dataset, Path(args.run_dir), device, eval_datasets)
-            trainer.train(Path(args.resume_from) if args.resume_from else None)
-    except Exception as exc:  # report once per rank, then fail the launch
-        print(f"diffpipe: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        expected = isinstance(exc, (ValueError, FileNotFoundError, FloatingPointError))
-        if os.environ.get("DIFFPIPE_DEBUG") or not expected:
-            traceback.print_exc()
-        code = 1
+            if args.new_run:
+                args.run_dir = _shared_new_run(cfg, rank, world)
+            from diffpipe_core.sampling.worker import prepare_sampling
+
+            cfg, sampling = prepare_sampling(cfg, plugin, device, args.sample_request)  # prompts encoded now, once
+            run_dir = Path(args.run_dir) if args.run_dir else Path.cwd()
+            trainer = Trainer(cfg, plugin, dataset, run_dir, device, eval_datasets)
+            if args.sample_request:
+                sampling.sample_once(trainer)
+            else:
+                if sampling is not None:
+                    sampling.attach(trainer)
+                trainer.train(Path(args.resume_from) if args.resume_from else None)
+    except Exception as exc:  # the launcher prints the first failing rank's error, once, after all stopped
+        debug = bool(os.environ.get("DIFFPIPE_DEBUG"))
+        if is_peer_failure(exc):
+            code = PEER_FAILED  # another rank died first; its error is the one that matters
+            if debug:
+                traceback.print_exc()
+        else:
+            from diffpipe_core.data.cache import CacheError
+            from diffpipe_core.data.scan import DatasetError
+            from diffpipe_core.schema import ConfigError
+
+            # what the user's files and settings cause: the message is enough (--debug adds the traceback)
+            user_errors = (ValueError, OSError, KeyError, FloatingPointError, CacheError, DatasetError, ConfigError)
+            expected = isinstance(exc, user_errors)
+            detail = "" if expected and not debug else traceback.format_exc()
+            report_error(rank, f"{type(exc).__name__}: {exc}", detail)
+            code = 1
     if code == 0:
         dist.barrier()
     dist.destroy_process_group()

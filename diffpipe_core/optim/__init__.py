@@ -19,10 +19,17 @@ def _adamw8bit(params: Iterable[torch.nn.Parameter], **kw: Any) -> torch.optim.O
     return bnb.optim.AdamW8bit(params, **kw)
 
 
+def _adamw8bit_kahan(params: Iterable[torch.nn.Parameter], **kw: Any) -> torch.optim.Optimizer:
+    from diffpipe_core.optim.kahan import AdamW8bitKahan
+
+    return AdamW8bitKahan(params, **kw)
+
+
 def builtin_optimizers() -> dict[str, OptimizerFactory]:
     return {
         "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
         "adamw8bit": _adamw8bit,
+        "adamw8bit_kahan": _adamw8bit_kahan,
         "sgd": lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
     }
 
@@ -38,7 +45,29 @@ def build_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], pm: 
     table = available_optimizers(pm)
     if cfg.type not in table:
         raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
+    _warn_low_precision_adamw(cfg.type, params)
     return table[cfg.type](params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter]) -> None:
+    """Plain AdamW on bf16/fp16 weights (a full fine-tune of a bf16 model) rounds away every update below the
+    weights' resolution; say so once, on rank 0, and name the optimizer that keeps them."""
+    if name not in ("adamw", "adamw8bit") or not any(p.dtype in LOW_PRECISION for p in params):
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    dtype = next(p.dtype for p in params if p.dtype in LOW_PRECISION)
+    print(
+        f"diffpipe: warning: optimizer {name!r} updates {str(dtype).removeprefix('torch.')} weights in place, so "
+        "updates smaller than the weights' resolution (about |w|/256 in bf16) are lost and training can stall; "
+        "use [optimizer] type = 'adamw8bit_kahan' (Kahan-compensated updates) for a low-precision full fine-tune",
+        flush=True,
+    )
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -4,6 +4,15 @@
     check_model_plugin(my_plugin_module, "mymodel", {"type": "mymodel", "path": str(tiny_model_dir)},
                        pixels=torch.rand(2, 3, 64, 64) * 2 - 1, captions=["a cat", "a dog"])
 
+A video model gets ``pixels`` of shape ``(B, 3, F, H, W)``; the kit also runs its first frame as an image
+batch. What is checked: that the entry module, ``model_spec`` and the schema import no torch, diffusers or
+transformers (in a fresh interpreter); the spec and ``[model]`` schema; ``validate_model_files`` on the tiny
+model; ``encode_batch`` on media (with masks) and on
+captions (deterministic, batch-first, finite); per-stage loading against a whole load in float32 and
+bfloat16 (same tensors, same dtypes); layers that share the model's parameters; ``prepare_inputs`` drawing
+all randomness from its generator; the stage-boundary rule at every possible boundary; a finite loss whose
+gradient reaches every LoRA weight.
+
 Each check raises AssertionError naming the hook and what is wrong.
 """
 
@@ -18,6 +27,7 @@ from diffpipe_core.adapters import apply_lora, lora_config
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.imports import check_light_imports
 from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, TrainingContext
 
 
@@ -41,6 +51,72 @@ def _run_layers(layers: list[nn.Module], inputs: tuple[torch.Tensor, ...]) -> tu
     return x
 
 
+def _check_per_stage_loading(plugin: Any, cfg: ModelConfigBase, dtype: torch.dtype) -> Any:
+    """Per-stage loading gives the same tensors, with the same dtypes, as loading the model whole."""
+    device = torch.device("cpu")
+    stage = load_for_stages(plugin, cfg, device, dtype)
+    if not stage.per_stage_loading:
+        return stage
+    materialise_layers(plugin, cfg, stage, range(len(stage.layers)), device)
+    full = plugin.require("load_diffusion_model", model_config=cfg, device=device, dtype=dtype)
+    mine, theirs = stage.model.state_dict(), full.state_dict()
+    assert mine.keys() == theirs.keys(), f"per-stage loading ({dtype}): keys differ from a full load"
+    for key in mine:
+        assert mine[key].dtype == theirs[key].dtype, (
+            f"per-stage loading ({dtype}): {key!r} is {mine[key].dtype}, a full load gives {theirs[key].dtype}"
+        )
+        assert torch.equal(mine[key], theirs[key]), f"per-stage loading ({dtype}): {key!r} differs from a full load"
+    return stage
+
+
+def _check_layers_share_the_model(model: nn.Module, layers: list[nn.Module]) -> None:
+    owned = {id(p) for p in model.parameters()}
+    for i, layer in enumerate(layers):
+        assert isinstance(layer, nn.Module), f"split_into_layers: layer {i} is not an nn.Module"
+        for pname, p in layer.named_parameters():
+            assert id(p) in owned, (
+                f"split_into_layers: layer {i} ({type(layer).__name__}) holds {pname!r}, which is not the model's "
+                "(wrap the model's own submodules and parameters, not copies)"
+            )
+
+
+def _check_stage_boundaries(layers: list[nn.Module], inputs: tuple[torch.Tensor, ...], loss_of: Any) -> None:
+    """At every place a stage boundary could fall, each float tensor crossing it must get a gradient from
+    the layers after it, as DeepSpeed's pipeline requires (whatever ``partition_split`` the user picks)."""
+    crossing = []
+    with torch.no_grad():
+        x = tuple(t.clone() for t in inputs)
+        for layer in layers[:-1]:
+            x = layer(x)
+            crossing.append(x)
+    for k, outputs in enumerate(crossing):
+        leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in outputs)
+        floats = [i for i, t in enumerate(leaves) if t.is_floating_point()]
+        if not floats:
+            continue
+        loss = loss_of(_run_layers(layers[k + 1 :], leaves))
+        grads = torch.autograd.grad(loss, [leaves[i] for i in floats], allow_unused=True)
+        for i, grad in zip(floats, grads):
+            assert grad is not None, (
+                f"split_into_layers: output {i} of layer {k} ({type(layers[k]).__name__}), shape "
+                f"{tuple(leaves[i].shape)}, is a float tensor no later layer uses; a pipeline stage boundary after "
+                f"layer {k} would fail. Return only tensors later layers use (sizes as integer tensors)"
+            )
+
+
+def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Generator) -> list[EncodeBatch]:
+    """What the core hands ``encode_batch``: images (B, 3, H, W) and, for a video model, also videos
+    (B, 3, F, H, W); masks are (B, 1, H, W) for both."""
+    if spec.modality == "video":
+        assert pixels.dim() == 5, "for a video model give pixels as (B, 3, F, H, W); the kit also tries frame 0"
+        media = [pixels[:, :, 0], pixels]
+    else:
+        assert pixels.dim() == 4, "for an image model give pixels as (B, 3, H, W)"
+        media = [pixels]
+    b, h, w = pixels.shape[0], pixels.shape[-2], pixels.shape[-1]
+    return [EncodeBatch(pixels=p, masks=torch.rand(b, 1, h, w, generator=generator)) for p in media]
+
+
 def check_model_plugin(
     plugin_obj: Any,
     name: str,
@@ -49,10 +125,15 @@ def check_model_plugin(
     captions: list[str],
     seed: int = 0,
 ) -> None:
-    """Run every contract check on one model plugin with a tiny model; see the module docstring."""
+    """Run every contract check on one model plugin with a tiny model; see the module docstring.
+
+    ``pixels`` in [-1, 1]: ``(B, 3, H, W)`` for an image model, ``(B, 3, F, H, W)`` for a video model (its
+    first frame is tried as an image batch too). Every media batch carries a ``(B, 1, H, W)`` mask.
+    """
     registry = Registry()
     info = registry.register_model(name, plugin_obj)
     assert info.ok, f"model_spec failed: {info.error}"
+    check_light_imports(plugin_obj, name)  # fast start: entry module, model_spec, schema import no torch
     plugin = registry.model(name)
     spec = plugin.spec
     assert isinstance(spec, ModelSpec) and spec.modality in ("image", "video")
@@ -61,14 +142,19 @@ def check_model_plugin(
     for key in spec.encoder_settings:
         assert key in spec.config_schema.model_fields, f"encoder_settings names unknown [model] key {key!r}"
     cfg = validate(spec.config_schema, model_table, f"[model] of {name}")
+    if plugin.has("validate_model_files"):
+        problems = plugin.call("validate_model_files", model_config=cfg)
+        assert problems == [], f"validate_model_files finds problems in the plugin's own tiny model: {problems}"
 
     device = torch.device("cpu")
     encoders = plugin.require("load_encoders", model_config=cfg, device=device)
     n = pixels.shape[0]
     assert len(captions) == n, "give one caption per pixel sample"
-    media = _check_encoded(
-        plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(pixels=pixels)), n, "encode_batch(pixels)"
-    )
+    generator = torch.Generator().manual_seed(seed)
+    medias = []
+    for batch in _media_batches(spec, pixels, generator):
+        kind = f"encode_batch(pixels {tuple(batch.pixels.shape)}, masks)"
+        medias.append(_check_encoded(plugin.require("encode_batch", encoders=encoders, batch=batch), n, kind))
     text = _check_encoded(
         plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions)),
         n,
@@ -77,35 +163,34 @@ def check_model_plugin(
     again = plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions))
     for key, value in text.items():
         assert torch.equal(value, again[key]), f"encode_batch: the same caption gave a different {key!r}"
-    assert not set(media) & set(text), f"media and caption keys overlap: {set(media) & set(text)}"
+    for media in medias:
+        assert not set(media) & set(text), f"media and caption keys overlap: {set(media) & set(text)}"
     del encoders
 
-    dtype = torch.float32
-    stage = load_for_stages(plugin, cfg, device, dtype)
-    if stage.per_stage_loading:
-        materialise_layers(plugin, cfg, stage, range(len(stage.layers)), device, dtype)
-        full = plugin.require("load_diffusion_model", model_config=cfg, device=device, dtype=dtype)
-        mine, theirs = stage.model.state_dict(), full.state_dict()
-        assert mine.keys() == theirs.keys(), "per-stage loading: keys differ from a full load"
-        for key in mine:
-            assert torch.equal(mine[key], theirs[key]), f"per-stage loading: {key!r} differs from a full load"
+    _check_per_stage_loading(plugin, cfg, torch.bfloat16)
+    stage = _check_per_stage_loading(plugin, cfg, torch.float32)
     model, layers = stage.model, stage.layers
-    owned = {id(p) for p in model.parameters()}
-    for i, layer in enumerate(layers):
-        assert isinstance(layer, nn.Module), f"split_into_layers: layer {i} is not an nn.Module"
-        for p in layer.parameters():
-            assert id(p) in owned, f"split_into_layers: layer {i} holds a parameter that is not the model's"
+    _check_layers_share_the_model(model, layers)
 
-    batch = {**media, **text}
     context = TrainingContext(model_config=cfg)
-    first = plugin.require(
-        "prepare_inputs", batch=batch, context=context, generator=torch.Generator().manual_seed(seed)
-    )
-    second = plugin.require(
-        "prepare_inputs", batch=batch, context=context, generator=torch.Generator().manual_seed(seed)
-    )
-    for a, b in zip(first[0] + first[1], second[0] + second[1]):
-        assert torch.equal(a, b), "prepare_inputs must draw all randomness from the generator it is given"
+    prepared = []
+    for media in medias:
+        batch = {**media, **text}
+        first = plugin.require(
+            "prepare_inputs", batch=batch, context=context, generator=torch.Generator().manual_seed(seed)
+        )
+        second = plugin.require(
+            "prepare_inputs", batch=batch, context=context, generator=torch.Generator().manual_seed(seed)
+        )
+        for a, b in zip(first[0] + first[1], second[0] + second[1]):
+            assert torch.equal(a, b), "prepare_inputs must draw all randomness from the generator it is given"
+        prepared.append(first)
+
+    def loss_of(targets: tuple[torch.Tensor, ...]) -> Any:
+        return lambda outputs: plugin.require("compute_loss", outputs=outputs, targets=targets)
+
+    inputs, loss_targets = prepared[0]
+    _check_stage_boundaries(layers, inputs, loss_of(loss_targets))
 
     targets = plugin.require("lora_targets", model_config=cfg)
     apply_lora(model, lora_config(4, 4, 0.0, list(targets)))
@@ -113,12 +198,13 @@ def check_model_plugin(
         for n_, p in model.named_parameters():
             if "lora_B" in n_:
                 p.normal_(std=0.01)
-    inputs, loss_targets = first
-    outputs = _run_layers(layers, tuple(t.clone() for t in inputs))
-    loss = plugin.require("compute_loss", outputs=outputs, targets=loss_targets)
-    assert torch.is_tensor(loss) and loss.dim() == 0 and torch.isfinite(loss), f"compute_loss returned {loss!r}"
-    loss.backward()
-    lora_params = [(n_, p) for n_, p in model.named_parameters() if "lora_" in n_]
-    assert lora_params, f"lora_targets {targets} matched no module"
-    without_grad = [n_ for n_, p in lora_params if p.grad is None or not p.grad.abs().sum() > 0]
-    assert not without_grad, f"LoRA weights get no gradient through the layers, e.g. {without_grad[:3]}"
+    for inputs, loss_targets in prepared:
+        outputs = _run_layers(layers, tuple(t.clone() for t in inputs))
+        loss = loss_of(loss_targets)(outputs)
+        assert torch.is_tensor(loss) and loss.dim() == 0 and torch.isfinite(loss), f"compute_loss returned {loss!r}"
+        model.zero_grad()
+        loss.backward()
+        lora_params = [(n_, p) for n_, p in model.named_parameters() if "lora_" in n_]
+        assert lora_params, f"lora_targets {targets} matched no module"
+        without_grad = [n_ for n_, p in lora_params if p.grad is None or not p.grad.abs().sum() > 0]
+        assert not without_grad, f"LoRA weights get no gradient through the layers, e.g. {without_grad[:3]}"

@@ -62,3 +62,22 @@ def write_dataset_toml(
     lines += [f"{k} = {fmt(v)}" for k, v in (directory_keys or {}).items()]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def write_video(path: Path, frames: int, fps: int = 16, size: tuple[int, int] = (64, 64), seed: int = 0) -> Path:
+    """An mp4 (``size`` = (width, height)) of ``frames`` smooth random RGB frames at ``fps``, written with PyAV."""
+    from fractions import Fraction
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for _ in range(frames):
+            coarse = rng.integers(0, 256, size=(max(2, size[1] // 8), max(2, size[0] // 8), 3), dtype=np.uint8)
+            frame = np.asarray(Image.fromarray(coarse).resize(size, Image.BILINEAR))
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path

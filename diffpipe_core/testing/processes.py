@@ -36,10 +36,14 @@ def cli_env(extra_paths: list[Path] | None = None, **env: str) -> dict[str, str]
     return out
 
 
-def start_diffpipe(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m diffpipe_core.cli *args`` in a new session (its own process group)."""
+def start_diffpipe(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, program: Path | None = None
+) -> subprocess.Popen:
+    """Start ``python -m diffpipe_core.cli *args`` (or ``program *args``, e.g. another environment's
+    ``bin/diffpipe``) in a new session (its own process group)."""
+    command = [str(program)] if program is not None else [sys.executable, "-m", "diffpipe_core.cli"]
     return subprocess.Popen(
-        [sys.executable, "-m", "diffpipe_core.cli", *args],
+        [*command, *args],
         cwd=cwd,
         env=env or cli_env(),
         stdout=subprocess.PIPE,
@@ -56,9 +60,11 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_diffpipe(args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None) -> CliResult:
+def run_diffpipe(
+    args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, program: Path | None = None
+) -> CliResult:
     """Run diffpipe to completion; on timeout kill its whole process group and raise."""
-    proc = start_diffpipe(args, cwd, env)
+    proc = start_diffpipe(args, cwd, env, program)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

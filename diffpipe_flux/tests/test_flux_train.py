@@ -95,10 +95,9 @@ def assert_loss_falls(seq: list[float]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2 pipeline stages x 1, diffusers folder layout (per-stage loading)."""
-    root = tmp_path_factory.mktemp("stages")
-    return train(root, make_project(root, stages=2, single_file=False))
+def two_stages(flux_two_stages: Path) -> Path:
+    """2 pipeline stages x 1, diffusers folder layout (per-stage loading); shared, see conftest.py."""
+    return flux_two_stages
 
 
 def test_two_pipeline_stages_loss_falls(two_stages: Path) -> None:

@@ -225,7 +225,6 @@ def test_sdxl_topology_layers_and_single_file_names(tmp_path: Path) -> None:
     back through diffusers' single-file converter."""
     from diffusers import UNet2DConditionModel
 
-    from diffpipe_sdxl.sgm_layout import UNetLayout, unet_to_sgm
     from diffpipe_sdxl.testing import TINY_UNET
 
     torch.manual_seed(0)
@@ -239,24 +238,51 @@ def test_sdxl_topology_layers_and_single_file_names(tmp_path: Path) -> None:
             "transformer_layers_per_block": (1, 1, 2),
         }
     ).eval()
-    layers = split_unet(unet)
-    assert len(layers) == 1 + 6 + 2 + 9 + 1
-    x, t = torch.randn(1, 4, 16, 8), torch.tensor([321])
+    assert len(split_unet(unet)) == 1 + 6 + 2 + 9 + 1
+    sgm = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 16, 8), tmp_path)
+    assert "model.diffusion_model.output_blocks.2.2.conv.weight" in sgm  # upsampler after an attention
+    assert "model.diffusion_model.input_blocks.6.0.op.weight" in sgm
+
+
+def assert_layers_and_sgm_names_round_trip(unet, x: torch.Tensor, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The pipeline layers reproduce the UNet's forward, and its original-layout (SGM) state dict loads back
+    through diffusers' single-file converter to the same weights. Returns that state dict."""
+    from diffusers import UNet2DConditionModel
+
+    from diffpipe_sdxl.sgm_layout import UNetLayout, unet_to_sgm
+
+    t = torch.tensor([321])
     text, pooled = torch.randn(1, 77, 64), torch.randn(1, 32)
-    mask, time_ids = torch.ones(1, 77, dtype=torch.bool), torch.tensor([[64.0, 128, 0, 0, 128, 64]])
+    h, w = x.shape[-2] * 8, x.shape[-1] * 8
+    mask, time_ids = torch.ones(1, 77, dtype=torch.bool), torch.tensor([[float(h), w, 0, 0, h, w]])
     state: tuple[torch.Tensor, ...] = (x, t, text, mask, pooled, time_ids)
     with torch.no_grad():
-        for layer in layers:
+        for layer in split_unet(unet):
             state = layer(state)
         expected = unet(x, t, text, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
     assert torch.allclose(state[0], expected, atol=1e-5)
 
     unet.save_pretrained(tmp_path / "cfg" / "unet")
     sgm = unet_to_sgm(unet.state_dict(), UNetLayout.from_config(unet.config))
-    assert "model.diffusion_model.output_blocks.2.2.conv.weight" in sgm  # upsampler after an attention
-    assert "model.diffusion_model.input_blocks.6.0.op.weight" in sgm
     save_file({k: v.contiguous() for k, v in sgm.items()}, str(tmp_path / "unet.safetensors"))
     loaded = UNet2DConditionModel.from_single_file(
         str(tmp_path / "unet.safetensors"), config=str(tmp_path / "cfg"), subfolder="unet", local_files_only=True
     )
     assert_same_state(loaded, unet, "unet")
+    return sgm
+
+
+@pytest.mark.parametrize("mid_block_type", ["UNetMidBlock2D", None])
+def test_sdxl_family_unets_without_a_cross_attention_mid_block(mid_block_type: str | None, tmp_path: Path) -> None:
+    """Issue 9.14: Segmind Vega and SSD-1B are SDXL UNets whose mid block is a lone resnet (``UNetMidBlock2D``)
+    or absent. The layers reproduce diffusers' forward, and the original-layout names load back."""
+    from diffusers import UNet2DConditionModel
+
+    from diffpipe_sdxl.testing import TINY_UNET
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**{**TINY_UNET, "mid_block_type": mid_block_type}).eval()
+    assert len(split_unet(unet)) == 1 + 2 * 2 + (1 if mid_block_type else 0) + 2 * 3 + 1
+    sgm = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 8, 8), tmp_path)
+    assert any(k.startswith("model.diffusion_model.middle_block.0.") for k in sgm) == (mid_block_type is not None)
+    assert not any(k.startswith("model.diffusion_model.middle_block.1.") for k in sgm)

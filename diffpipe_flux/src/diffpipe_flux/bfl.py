@@ -13,6 +13,7 @@ so tiny test models and full-size checkpoints convert alike.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -132,6 +133,47 @@ def strip_bfl_prefix(key: str) -> str:
     return key
 
 
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _piece(index: int, count: int, inner: int | None) -> Transform:
+    """Part ``index`` of ``count`` stacked along dim 0: equal parts, or (``inner`` given, a single block's
+    ``linear1``) q, k and v of ``inner`` rows each, then the MLP (the rest)."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        sizes = [inner] * 3 + [t.shape[0] - 3 * inner] if inner is not None else [t.shape[0] // count] * count
+        return torch.split(t, sizes, dim=0)[index].contiguous()
+
+    return take
+
+
+def bfl_key_targets(pairs: list[ModulePair], inner_dim: int) -> dict[str, list[tuple[str, Transform | None]]]:
+    """For every BFL key (no prefix) of a model made of ``pairs``: the diffusers keys made from it, each with
+    the transform that cuts it out of the BFL tensor (None: the tensor as is). ``inner_dim`` is the attention
+    width (heads x head dim), the size of q, k and v in a single block's fused ``linear1``."""
+    table: dict[str, list[tuple[str, Transform | None]]] = {}
+    for pair in pairs:
+        inner = inner_dim if pair.bfl.endswith("linear1") else None
+        for bfl_param, d_param in _params(pair.kind):
+            name = f"{pair.bfl}.{bfl_param}"
+            if len(pair.parts) == 1:
+                table[name] = [(f"{pair.parts[0]}.{d_param}", swap_halves if pair.kind == "swap" else None)]
+            else:
+                count = len(pair.parts)
+                table[name] = [(f"{p}.{d_param}", _piece(i, count, inner)) for i, p in enumerate(pair.parts)]
+    return table
+
+
+def bfl_key_map(
+    num_double: int, num_single: int, guidance: bool, inner_dim: int
+) -> Callable[[str], list[tuple[str, Transform | None]] | None]:
+    """The per-stage loading key map of a BFL single file (``diffusion_model_weights``): a file key (with or
+    without the ``model.diffusion_model.`` prefix) -> the diffusers tensors it makes, None for a key that is
+    not a Flux transformer's."""
+    table = bfl_key_targets(module_pairs(num_double, num_single, guidance), inner_dim)
+    return lambda key: table.get(strip_bfl_prefix(key))
+
+
 def bfl_to_diffusers(state: dict[str, torch.Tensor], source: str = "BFL checkpoint") -> dict[str, torch.Tensor]:
     """An original-layout Flux transformer state dict (keys optionally under ``model.diffusion_model.``)
     in diffusers' key layout. Unknown or missing keys raise a KeyError naming ``source`` and the key."""
@@ -142,28 +184,16 @@ def bfl_to_diffusers(state: dict[str, torch.Tensor], source: str = "BFL checkpoi
         _count(keys, r"single_blocks\.(\d+)\."),
         any(k.startswith("guidance_in.") for k in keys),
     )
-    out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for pair in pairs:
-        for bfl_param, d_param in _params(pair.kind):
-            name = f"{pair.bfl}.{bfl_param}"
-            if name not in state:
-                raise KeyError(f"{source}: missing key {name!r}; is this a Flux transformer in the BFL layout?")
-            value = state[name]
-            used.add(name)
-            if pair.kind == "swap":
-                value = swap_halves(value)
-            if len(pair.parts) == 1:
-                out[f"{pair.parts[0]}.{d_param}"] = value
-                continue
-            if pair.bfl.endswith("linear1"):  # q, k, v (inner dim each), then the MLP (the rest)
-                inner = state[f"{pair.bfl}.weight"].shape[1]
-                sizes = [inner, inner, inner, value.shape[0] - 3 * inner]
-            else:
-                sizes = [value.shape[0] // len(pair.parts)] * len(pair.parts)
-            for part, piece in zip(pair.parts, torch.split(value, sizes, dim=0)):
-                out[f"{part}.{d_param}"] = piece.contiguous()
-    extra = sorted(set(keys) - used)
+    inner = next((v.shape[1] for k, v in state.items() if re.fullmatch(r"single_blocks\.\d+\.linear1\.weight", k)), 0)
+    table = bfl_key_targets(pairs, inner)
+    for name in table:
+        if name not in state:
+            raise KeyError(f"{source}: missing key {name!r}; is this a Flux transformer in the BFL layout?")
+    extra = sorted(set(keys) - set(table))
     if extra:
         raise KeyError(f"{source}: {len(extra)} unexpected keys for a Flux transformer, e.g. {extra[:3]}")
-    return out
+    return {
+        d_name: transform(state[name]) if transform else state[name]
+        for name, targets in table.items()
+        for d_name, transform in targets
+    }

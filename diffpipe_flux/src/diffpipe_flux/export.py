@@ -16,16 +16,15 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from diffpipe_core.adapters import diffusers_format
+from diffpipe_core.adapters import FusedTarget, diffusers_format, fused_lora_format
 from diffpipe_core.atomic import atomic_save_safetensors
+from diffpipe_core.engine.saving import SAVED_INDEX, read_saved_model
 from diffpipe_flux.bfl import diffusers_to_bfl, module_pairs, swap_halves
 
 PREFIX = "transformer"
 COMFY_PREFIX = "diffusion_model"
 A, B = ".lora_A.weight", ".lora_B.weight"
-SAVED_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "flux1-transformer.safetensors"
 
 
@@ -35,47 +34,27 @@ def _count(modules: set[str], pattern: str) -> int:
 
 
 def comfyui_format(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
-    """peft LoRA keys of the diffusers transformer -> ComfyUI's BFL-native Flux LoRA keys (module docstring)."""
+    """peft LoRA keys of the diffusers transformer -> ComfyUI's BFL-native Flux LoRA keys (module docstring);
+    the fusing is the core's :func:`fused_lora_format`."""
     modules = {k[: -len(A)] for k in state if k.endswith(A)}
     pairs = module_pairs(
         _count(modules, r"transformer_blocks\.(\d+)\."), _count(modules, r"single_transformer_blocks\.(\d+)\."), True
     )
-    out: dict[str, torch.Tensor] = {}
-    done: set[str] = set()
+    targets = []
     for pair in pairs:
         present = [p for p in pair.parts if p in modules]
         if not present:
             continue
         if pair.kind == "norm":
             raise ValueError(f"cannot export a LoRA on norm module {present[0]!r} to ComfyUI's format")
-        done.update(present)
-        key = f"{COMFY_PREFIX}.{pair.bfl}"
-        if len(pair.parts) == 1:
-            lora_b = state[present[0] + B]
-            out[f"{key}.lora_A.weight"] = state[present[0] + A]
-            out[f"{key}.lora_B.weight"] = swap_halves(lora_b) if pair.kind == "swap" else lora_b
-            out[f"{key}.alpha"] = torch.tensor(float(alpha))
-            continue
         dim = state[present[0] + A].shape[1]  # fused parts all read the block's inner dim
-        sizes = [dim, dim, dim, 4 * dim] if pair.bfl.endswith("linear1") else [dim] * len(pair.parts)
-        downs = [state[p + A] for p in present]
-        ranks = [d.shape[0] for d in downs]
-        up = torch.zeros(sum(sizes), sum(ranks), dtype=downs[0].dtype)
-        row, col = 0, 0
-        for part, size in zip(pair.parts, sizes):
-            if part in modules:
-                lora_b = state[part + B]
-                if lora_b.shape[0] != size:
-                    raise ValueError(f"{part}{B} has {lora_b.shape[0]} rows; the fused {pair.bfl} expects {size}")
-                up[row : row + size, col : col + lora_b.shape[1]] = lora_b
-                col += lora_b.shape[1]
-            row += size
-        out[f"{key}.lora_A.weight"] = torch.cat(downs, dim=0)
-        out[f"{key}.lora_B.weight"] = up
-        out[f"{key}.alpha"] = torch.tensor(float(alpha) * len(present))
-    unknown = sorted(modules - done)
-    if unknown:
-        raise ValueError(f"LoRA modules with no ComfyUI (BFL) counterpart: {unknown[:3]}")
+        sizes = (dim, dim, dim, 4 * dim) if pair.bfl.endswith("linear1") else (dim,) * len(pair.parts)
+        targets.append(FusedTarget(pair.bfl, pair.parts, sizes if len(pair.parts) > 1 else ()))
+    out = fused_lora_format(state, alpha, targets, COMFY_PREFIX)
+    for pair in pairs:
+        key = f"{COMFY_PREFIX}.{pair.bfl}.lora_B.weight"
+        if pair.kind == "swap" and key in out:
+            out[key] = swap_halves(out[key])
     return out
 
 
@@ -87,17 +66,6 @@ def export_adapter(state: dict[str, torch.Tensor], alpha: float, format: str) ->
     if format == "comfyui":
         return comfyui_format(state, alpha)
     return None
-
-
-def read_saved_model(saved_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a full fine-tune the core saved (shards named by ``model.safetensors.index.json``)."""
-    index = Path(saved_dir) / SAVED_INDEX
-    if not index.is_file():
-        raise FileNotFoundError(f"{index}: not found; expected a full fine-tune saved by diffpipe")
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(load_file(str(Path(saved_dir) / shard)))
-    return state
 
 
 def export_model(saved_dir: Path, transformer_config: Path, out_dir: Path, format: str) -> bool | None:

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_flux.bfl import bfl_to_diffusers
+from diffpipe_core.engine.model_loading import cast_skeleton
+from diffpipe_core.model_files import diffusers_weight_files
+from diffpipe_flux.bfl import bfl_key_map, bfl_to_diffusers
 from diffpipe_flux.config import FluxConfig
 
 TRANSFORMER = "transformer"
@@ -32,22 +34,23 @@ def build_transformer(cfg: FluxConfig, device: torch.device | str, dtype: torch.
     config = {k: v for k, v in transformer_config(cfg).items() if not k.startswith("_")}
     with torch.device(device):
         model = FluxTransformer2DModel.from_config(config)
-    return model if dtype == torch.float32 else model.to(dtype)
+    return cast_skeleton(model, dtype)
 
 
 def folder_weight_files(cfg: FluxConfig) -> list[Path]:
     """The transformer's safetensors files in the diffusers folder (one file, or the shards of an index)."""
-    folder = cfg.path / TRANSFORMER
-    index = folder / "diffusion_pytorch_model.safetensors.index.json"
-    if index.is_file():
-        return sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
-    single = folder / "diffusion_pytorch_model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(
-            f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json); give transformer_file for a "
-            "BFL single-file checkpoint"
-        )
-    return [single]
+    return diffusers_weight_files(cfg.path / TRANSFORMER, "give transformer_file for a BFL single-file checkpoint")
+
+
+def single_file_key_map(cfg: FluxConfig):
+    """The key map of the BFL single file for per-stage loading, sized by the folder's transformer config."""
+    config = transformer_config(cfg)
+    return bfl_key_map(
+        int(config.get("num_layers", 19)),
+        int(config.get("num_single_layers", 38)),
+        bool(config.get("guidance_embeds", False)),
+        int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128)),
+    )
 
 
 def read_state_dict(cfg: FluxConfig) -> dict[str, torch.Tensor]:

@@ -41,24 +41,12 @@ class TinyFluxConfig:
 
 
 def _tokenizer(template: str, max_length: int):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    """A CLIP-like (``"<s> $A </s>"``) or T5-like (``"$A </s>"``) word-level tokenizer over WORDS."""
+    from diffpipe_core.testing.tokenizers import word_level_tokenizer
 
     specials = ["<pad>", "</s>", "<unk>", "<s>"]
-    vocab = {tok: i for i, tok in enumerate(specials + sorted(set(WORDS)))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single=template, special_tokens=[(s, vocab[s]) for s in specials if s in template]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        bos_token="<s>",
-        model_max_length=max_length,
+    return word_level_tokenizer(
+        WORDS, specials, template, max_length, pad_token="<pad>", eos_token="</s>", bos_token="<s>"
     )
 
 

@@ -133,7 +133,16 @@ class OutLayer(nn.Module):
         return (self.conv_out(self.conv_act(self.conv_norm_out(h))).float(),)
 
 
-SUPPORTED_BLOCKS = {"DownBlock2D", "CrossAttnDownBlock2D", "UNetMidBlock2DCrossAttn", "UpBlock2D", "CrossAttnUpBlock2D"}
+# UNetMidBlock2D (a mid block of one resnet, no attention) and no mid block at all are SDXL-family variants:
+# Segmind Vega and SSD-1B, which ComfyUI and diffusers load as SDXL.
+SUPPORTED_BLOCKS = {
+    "DownBlock2D",
+    "CrossAttnDownBlock2D",
+    "UNetMidBlock2DCrossAttn",
+    "UNetMidBlock2D",
+    "UpBlock2D",
+    "CrossAttnUpBlock2D",
+}
 
 
 def check_supported(unet: nn.Module) -> None:
@@ -147,7 +156,10 @@ def check_supported(unet: nn.Module) -> None:
             problems.append(f"{key}={getattr(cfg, key)!r} (need None)")
     if unet.conv_norm_out is None:
         problems.append("no conv_norm_out")
-    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+    mid = [unet.mid_block] if unet.mid_block is not None else []
+    for block in [*unet.down_blocks, *mid, *unet.up_blocks]:
+        if type(block).__name__ == "UNetMidBlock2D" and any(a is not None for a in block.attentions):
+            problems.append("UNetMidBlock2D with self-attention (diffusers' UNet2DConditionModel builds it without)")
         if type(block).__name__ not in SUPPORTED_BLOCKS:
             problems.append(f"block type {type(block).__name__} (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
         if getattr(block, "s1", None) is not None:
@@ -160,7 +172,7 @@ def _units(unet: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, nn.M
     """``(kind, resnet, attention, sampler)`` in execution order."""
     units = []
     for kind, blocks in (("down", unet.down_blocks), ("up", unet.up_blocks)):
-        if kind == "up":
+        if kind == "up" and unet.mid_block is not None:
             mid = unet.mid_block
             units.append(("mid", mid.resnets[0], None, None))
             units += [("mid", r, a, None) for a, r in zip(mid.attentions, mid.resnets[1:])]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from diffpipe_core.engine.model_loading import cast_skeleton
 from diffpipe_sdxl.config import SDXLConfig
 from diffpipe_sdxl.sgm_layout import (
     CLIP_G_PREFIX,
@@ -66,7 +67,7 @@ def build_unet(cfg: SDXLConfig, device: torch.device, dtype: torch.dtype) -> tor
     if device.type == "meta":
         with torch.device("meta"):
             unet = UNet2DConditionModel.from_config(unet_config(cfg))
-        return unet.to(dtype)
+        return cast_skeleton(unet, dtype)
     if cfg.path.is_file():
         names = list(build_unet(cfg, torch.device("meta"), dtype).state_dict())
         _check_single_file_unet(cfg.path, names, UNetLayout.from_config(unet_config(cfg)), config_folder(cfg))

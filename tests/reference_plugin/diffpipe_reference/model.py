@@ -134,6 +134,14 @@ class TinyVAE(nn.Module):
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.proj(F.avg_pool2d(pixels, self.factor))
 
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1]: the least-squares inverse of the projection, upsampled by ``factor`` (what the
+        average pooling removed does not come back)."""
+        weight = self.proj.weight[:, :, 0, 0].float()  # (in_channels, 3)
+        centred = latents.float() - self.proj.bias.float().view(1, -1, 1, 1)
+        pixels = torch.einsum("pc,bchw->bphw", torch.linalg.pinv(weight), centred)
+        return F.interpolate(pixels, scale_factor=self.factor, mode="nearest").clamp(-1, 1)
+
 
 class ByteTextEncoder(nn.Module):
     """UTF-8 bytes (truncated/padded to ``text_len``) -> embeddings -> one linear layer."""

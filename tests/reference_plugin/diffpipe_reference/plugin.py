@@ -1,19 +1,25 @@
-"""Hook implementations of the reference model (entry point ``reference``)."""
+"""Hook implementations of the reference model (entry point ``reference``).
+
+Like every model plugin, this module, ``model_spec`` and the config schema import no torch: the hooks import
+the model code when they are called.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import Field
-from torch import nn
 
-from diffpipe_core import EncodeBatch, ModelConfigBase, ModelSpec, TrainingContext, hookimpl
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_reference.model import ByteTextEncoder, TinyDiT, TinyVAE, load_module
+from diffpipe_core import ModelConfigBase, ModelSpec, hookimpl
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.types import SampleRequest
+    from diffpipe_reference.model import TinyDiT
 
 
 class ReferenceConfig(ModelConfigBase):
@@ -34,12 +40,44 @@ def model_spec() -> ModelSpec:
         config_schema=ReferenceConfig,
         spatial_multiple=16,
         encoder_settings=("path",),
+        block_layers=("BlockLayer",),
         description="Tiny pure-PyTorch DiT for tests and the demo",
     )
 
 
 @hookimpl
+def validate_model_files(model_config: ReferenceConfig) -> list[str]:
+    """config.json with the TinyDiT keys and the three safetensors files, without reading weights."""
+    from dataclasses import fields
+
+    from diffpipe_core.model_files import read_json, safetensors_keys
+    from diffpipe_reference.model import TinyDiTConfig
+
+    folder = model_config.path
+    if not folder.is_dir():
+        return [f"{folder}: not a folder; expected a reference model folder (config.json, transformer.safetensors, "
+                "vae.safetensors, text_encoder.safetensors)"]
+    problems = []
+    data, problem = read_json(folder / "config.json")
+    known = {f.name for f in fields(TinyDiTConfig)}
+    if problem:
+        problems.append(f"{problem}; expected the reference model's config")
+    elif set(data) - known:
+        problems.append(f"{folder / 'config.json'}: keys {sorted(set(data) - known)} are not reference model keys; "
+                        f"expected {sorted(known)}")
+    for name in ("transformer", "vae", "text_encoder"):
+        _, problem = safetensors_keys(folder / f"{name}.safetensors")
+        if problem:
+            problems.append(f"{problem}; expected the {name} weights")
+    return problems
+
+
+@hookimpl
 def load_encoders(model_config: ReferenceConfig, device: torch.device) -> Any:
+    import torch
+
+    from diffpipe_reference.model import ByteTextEncoder, TinyVAE, load_module
+
     vae = load_module(TinyVAE, model_config.path, "vae", device, torch.float32)
     text_encoder = load_module(ByteTextEncoder, model_config.path, "text_encoder", device, torch.float32)
     return vae.eval(), text_encoder.eval()
@@ -47,6 +85,8 @@ def load_encoders(model_config: ReferenceConfig, device: torch.device) -> Any:
 
 @hookimpl
 def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+    import torch
+
     vae, text_encoder = encoders
     out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -61,6 +101,8 @@ def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
 
 @hookimpl
 def load_diffusion_model(model_config: ReferenceConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    from diffpipe_reference.model import TinyDiT, load_module
+
     return load_module(TinyDiT, model_config.path, "transformer", device, dtype)
 
 
@@ -69,51 +111,19 @@ def diffusion_model_weights(model_config: ReferenceConfig):
     return [(model_config.path / "transformer.safetensors", lambda key: key)]
 
 
-class EmbedLayer(nn.Module):
-    def __init__(self, model: TinyDiT) -> None:
-        super().__init__()
-        self.x_embedder, self.t_embedder = model.x_embedder, model.t_embedder
-        self.text_proj, self.pooled_proj = model.text_proj, model.pooled_proj
-        self._embed = TinyDiT.embed.__get__(self)
-        self.config = model.config
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        x, t, text = inputs
-        dtype = self.x_embedder.weight.dtype
-        tokens, c = self._embed(x.to(dtype), t, text.to(dtype))
-        hw = torch.tensor(x.shape[2:], dtype=torch.long, device=x.device)
-        return tokens, c, hw
-
-
-class BlockLayer(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        tokens, c, hw = inputs
-        return self.block(tokens, c), c, hw
-
-
-class FinalLayer(nn.Module):
-    def __init__(self, model: TinyDiT) -> None:
-        super().__init__()
-        self.norm_out, self.final_modulation, self.proj_out = model.norm_out, model.final_modulation, model.proj_out
-        self._unembed = TinyDiT.unembed.__get__(self)
-        self.config = model.config
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        tokens, c, hw = inputs
-        return (self._unembed(tokens, c, int(hw[0]), int(hw[1])).float(),)
-
-
 @hookimpl
 def split_into_layers(model: TinyDiT, model_config: ReferenceConfig) -> list[nn.Module]:
-    return [EmbedLayer(model), *(BlockLayer(b) for b in model.blocks), FinalLayer(model)]
+    from diffpipe_reference.layers import split_into_layers
+
+    return split_into_layers(model)
 
 
 @hookimpl
 def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+    import torch
+
+    from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps
+
     cfg: ReferenceConfig = context.model_config  # type: ignore[assignment]
     latents = batch["latents"].float()
     noise = torch.randn(latents.shape, generator=generator)
@@ -132,8 +142,53 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
 
 @hookimpl
 def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    from diffpipe_core.diffusion import masked_mse
+
     mask = targets[1] if len(targets) > 1 else None
     return masked_mse(outputs[0], targets[0], mask)
+
+
+@hookimpl
+def denoise_init(request: SampleRequest, model_config: ReferenceConfig, generator: torch.Generator):
+    """Noise ``(1, C, H/8, W/8)`` and flow-matching sigmas 1 .. 0 shifted by ``[model] shift``."""
+    import torch
+
+    from diffpipe_core.sampling.schedules import flow_sigmas
+    from diffpipe_reference.model import read_config
+
+    config = read_config(model_config.path)
+    f = config.vae_factor
+    latents = torch.randn((1, config.in_channels, request.height // f, request.width // f), generator=generator)
+    return latents, flow_sigmas(request.steps, model_config.shift)
+
+
+@hookimpl
+def denoise_inputs(latents, schedule, index, text, request, model_config):
+    """``(x_t, t, text_embeds)``, the layout :func:`prepare_inputs` gives the first layer."""
+    t = schedule[index].float().expand(latents.shape[0])
+    return latents.float(), t, text["text_embeds"].float()
+
+
+@hookimpl
+def denoise_step(latents, prediction, schedule, index, model_config):
+    """Flow-matching Euler step (the model predicts the velocity ``noise - x``)."""
+    from diffpipe_core.sampling.schedules import flow_euler_step
+
+    return flow_euler_step(latents, prediction, schedule, index)
+
+
+@hookimpl
+def load_decoder(model_config: ReferenceConfig, device: torch.device) -> Any:
+    import torch
+
+    from diffpipe_reference.model import TinyVAE, load_module
+
+    return load_module(TinyVAE, model_config.path, "vae", device, torch.float32).eval()
+
+
+@hookimpl
+def decode_latents(decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+    return decoder.decode(latents.to(decoder.proj.weight.device))
 
 
 @hookimpl

@@ -1,0 +1,141 @@
+"""Checking a model's files before any work: the ``validate_model_files`` hook and helpers plugins share.
+
+The helpers read only what says what the files are (``model_index.json`` and ``config.json`` class names,
+which components and weight files exist, safetensors headers), never the weights, so a wrong folder (an SDXL
+folder given to Flux) is reported by ``diffpipe validate`` in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+TOKENIZER = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+
+
+def model_file_problems(plugin: Any, model_config: Any) -> list[str]:
+    """What the model plugin's ``validate_model_files`` finds wrong with the configured files (``[]`` when the
+    plugin does not implement the hook). A crash of the check itself is reported as a problem, not raised."""
+    try:
+        found = plugin.call("validate_model_files", model_config=model_config)
+    except Exception as exc:  # a plugin bug must not hide behind a traceback
+        return [f"model plugin {plugin.name!r}: validate_model_files failed: {type(exc).__name__}: {exc}"]
+    return list(found or [])
+
+
+def read_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(data, None)``, or ``(None, problem)`` naming the file when it is missing or not a JSON object."""
+    if not path.is_file():
+        return None, f"{path}: not found"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, f"{path}: not readable JSON ({exc})"
+    if not isinstance(data, dict):
+        return None, f"{path}: expected a JSON object, found {type(data).__name__}"
+    return data, None
+
+
+def config_class(folder: Path) -> str | None:
+    """The class a component folder's ``config.json`` names: diffusers' ``_class_name`` or the first of
+    transformers' ``architectures``; None when there is none."""
+    data, _ = read_json(folder / "config.json")
+    if data is None:
+        return None
+    if isinstance(data.get("_class_name"), str):
+        return data["_class_name"]
+    arch = data.get("architectures")
+    return arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else None
+
+
+def _names(expected: Iterable[str]) -> str:
+    return " or ".join(repr(e) for e in expected)
+
+
+def check_component(folder: Path, expected: tuple[str, ...], what: str) -> list[str]:
+    """One component folder (``vae/``, ``text_encoder/``): present, with a config naming an expected class.
+    ``expected == ("tokenizer",)`` checks for tokenizer files instead."""
+    if not folder.is_dir():
+        return [f"{folder}: missing; expected the {what} ({_names(expected)})"]
+    if expected == (TOKENIZER,):
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            return [f"{folder}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})"]
+        return []
+    if not (folder / "config.json").is_file():
+        return [f"{folder / 'config.json'}: not found; expected the {what}'s config ({_names(expected)})"]
+    found = config_class(folder)
+    if found not in expected:
+        return [f"{folder / 'config.json'}: the {what} is {found!r}; expected {_names(expected)}"]
+    return []
+
+
+def check_diffusers_folder(
+    folder: Path,
+    pipelines: tuple[str, ...],
+    components: Mapping[str, tuple[str, ...]],
+    model_name: str,
+) -> list[str]:
+    """A diffusers pipeline folder: ``model_index.json`` names one of ``pipelines`` and every component
+    folder exists with an expected class (``components``: folder name -> accepted class names, or
+    ``("tokenizer",)``). A wrong ``model_index.json`` is reported alone: the rest would only repeat it."""
+    if not folder.is_dir():
+        what = "a file" if folder.exists() else "not found"
+        return [f"{folder}: {what}; expected a diffusers {model_name} folder with model_index.json"]
+    index, problem = read_json(folder / "model_index.json")
+    if index is None:
+        return [f"{problem}; expected a diffusers {model_name} folder ({_names(pipelines)})"]
+    found = index.get("_class_name")
+    if found not in pipelines:
+        parts = ", ".join(k for k, v in index.items() if not k.startswith("_") and isinstance(v, list))
+        return [
+            f"{folder / 'model_index.json'}: the pipeline is {found!r} (components: {parts or 'none'}); "
+            f"model {model_name!r} expects {pipelines[0]!r}"
+            + (f" or a variant ({', '.join(pipelines[1:])})" if len(pipelines) > 1 else "")
+        ]
+    problems = []
+    for name, expected in components.items():
+        what = name.replace("_", " ")
+        problems += check_component(folder / name, expected, what)
+    return problems
+
+
+def safetensors_keys(path: Path) -> tuple[list[str] | None, str | None]:
+    """The tensor names in a safetensors file's header (no tensor is read), or ``(None, problem)``."""
+    if not path.is_file():
+        return None, f"{path}: not found"
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (size,) = struct.unpack("<Q", head)
+            if size > 100 * 2**20:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as exc:
+        return None, f"{path}: not a safetensors file ({exc})"
+    return [k for k in header if k != "__metadata__"], None
+
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def diffusers_weight_files(folder: Path, hint: str = "") -> list[Path]:
+    """The safetensors files of a diffusers component folder (``transformer/``): the shards that
+    ``diffusion_pytorch_model.safetensors.index.json`` names, sorted, or the single
+    ``diffusion_pytorch_model.safetensors``. Raises FileNotFoundError naming the folder when neither is there
+    (``hint`` is appended: what else the user could give), ValueError naming the index when it has no weight_map."""
+    index = folder / f"{DIFFUSERS_WEIGHTS}.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map (tensor name -> shard file); not a safetensors shard index")
+        return sorted({folder / name for name in weight_map.values()})
+    single = folder / DIFFUSERS_WEIGHTS
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no {DIFFUSERS_WEIGHTS} (or .index.json)" + (f"; {hint}" if hint else ""))
+    return [single]

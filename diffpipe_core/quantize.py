@@ -1,0 +1,139 @@
+"""Quantized base weights (``[model] quantize``), applied to one pipeline stage right after its layers are loaded.
+
+Each ``nn.Linear`` of the stage's block layers (``ModelSpec.block_layers``: the repeated transformer blocks,
+nearly all of a model's weights) is replaced by a quantized module holding the same (frozen) weights:
+
+- ``"nf4"``: bitsandbytes ``Linear4bit`` (NF4, blockwise scales), computing in the model's dtype;
+- ``"int8"``: bitsandbytes ``Linear8bitLt`` (row-wise int8, LLM.int8() matmul);
+- ``"float8"``: :class:`Float8Linear`, float8_e4m3fn storage with one float32 scale per tensor, computing in the
+  model's dtype (bf16 for a bf16 model).
+
+Left in the run's dtype: the layers outside the blocks (input embedders, final projection: a small share of the
+weights, the most sensitive to precision, and plugins read their weights' dtype), linears the model keeps in
+float32 (diffusers' ``_keep_in_fp32_modules``), linears with fewer than :data:`MIN_ELEMENTS` weights (nothing
+to gain in memory, precision to lose), and every parameter that is not a linear's weight (norms, biases).
+LoRA (peft) is applied on top afterwards; only LoRA tensors are trained and saved. With per-stage loading each
+rank loads and quantizes only its own stage, so the full-precision model is never in memory whole; a plugin
+without per-stage loading loads the whole model first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffpipe_core.engine.model_loading import keeps_float32
+
+if TYPE_CHECKING:
+    from diffpipe_core.engine.model_loading import StageModel
+    from diffpipe_core.types import ModelConfigBase
+
+MODES = ("nf4", "int8", "float8")
+MIN_ELEMENTS = 4096
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Float8Linear(nn.Linear):
+    """A frozen linear stored as float8_e4m3fn with a per-tensor scale (``weight * weight_scale`` is the
+    original weight), computed in ``compute_dtype``. peft wraps it like any ``nn.Linear``."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)  # no fresh full-precision weight: the float8 one below is the only copy
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype
+        weight = linear.weight.detach()
+        amax = weight.abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny)
+        scale = amax / torch.finfo(torch.float8_e4m3fn).max
+        # buffers, not parameters: never trained, and nothing (a data-parallel broadcast) treats them as weights
+        self.register_buffer("weight", (weight.float() / scale).to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", scale.reshape(()))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
+
+
+def _quantized(linear: nn.Linear, mode: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    if mode == "float8":
+        return Float8Linear(linear, compute_dtype)
+    import bitsandbytes as bnb
+
+    has_bias = linear.bias is not None
+    if mode == "nf4":
+        q = bnb.nn.Linear4bit(
+            linear.in_features, linear.out_features, bias=has_bias, compute_dtype=compute_dtype,
+            quant_type="nf4", device="meta",
+        )  # fmt: skip
+        q.weight = bnb.nn.Params4bit(linear.weight.detach(), requires_grad=False, quant_type="nf4")
+    else:
+        q = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
+        )
+        q.weight = bnb.nn.Int8Params(linear.weight.detach(), requires_grad=False, has_fp16_weights=False)
+    if has_bias:
+        q.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return q.to(device)  # bitsandbytes quantizes when the weight is moved to a device
+
+
+def quantize_stage(
+    model_config: ModelConfigBase,
+    stage: StageModel,
+    layer_indices: Iterable[int],
+    block_layers: Sequence[str],
+    label: str | None = None,
+) -> str | None:
+    """Replace the linears of the block layers (class names ``block_layers``) among ``stage.layers[layer_indices]``
+    (already loaded) by ``model_config.quantize`` modules, everywhere the model or a layer holds them; each is
+    quantized on the device its weight is on. Returns a one-line summary (printed as a diffpipe line when
+    ``label`` is given, e.g. ``"stage 0"``), or None when the run does not quantize."""
+    mode = getattr(model_config, "quantize", None)
+    if mode is None:
+        return None
+    layer_indices = [i for i in layer_indices if type(stage.layers[i]).__name__ in block_layers]
+    compute_dtype = DTYPES[model_config.dtype]
+    names = {id(m): n for n, m in stage.model.named_modules(remove_duplicate=False)}
+    targets: dict[int, nn.Linear] = {}
+    kept = 0
+    for i in layer_indices:
+        for module in stage.layers[i].modules():
+            if type(module) is not nn.Linear or id(module) in targets:
+                continue
+            name = names.get(id(module), "")
+            if module.weight.numel() < MIN_ELEMENTS or keeps_float32(stage.model, f"{name}.weight"):
+                kept += 1
+                continue
+            targets[id(module)] = module
+    replaced: dict[int, nn.Module] = {}
+    before = after = 0
+    parents = [stage.model, *(stage.layers[i] for i in layer_indices)]
+    for parent_root in parents:
+        for parent in parent_root.modules():
+            for child_name, child in list(parent.named_children()):
+                if id(child) not in targets:
+                    continue
+                if id(child) not in replaced:
+                    before += _bytes(child)
+                    replaced[id(child)] = _quantized(child, mode, compute_dtype, child.weight.device)
+                    after += _bytes(replaced[id(child)])
+                setattr(parent, child_name, replaced[id(child)])
+    summary = (
+        f"{len(replaced)} linear layers quantized to {mode} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB), "
+        f"{kept} small or float32-kept ones left as they were"
+    )
+    if label is not None:
+        print(f"diffpipe: {label}: {summary}", flush=True)
+    return summary
+
+
+def _bytes(module: nn.Module) -> int:
+    tensors = list(module.parameters()) + list(module.buffers())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    quant_state = getattr(getattr(module, "weight", None), "quant_state", None)  # nf4 block scales
+    absmax = getattr(quant_state, "absmax", None)
+    return total + (absmax.numel() * absmax.element_size() if torch.is_tensor(absmax) else 0)

@@ -1,0 +1,146 @@
+"""The ``[sample]`` table of ``run.toml`` (pydantic only: imported by every command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from diffpipe_core.types import ModelSpec
+
+if TYPE_CHECKING:
+    from diffpipe_core.registry import ModelPlugin, PluginInfo, Registry
+
+SAMPLING_HOOKS = ("denoise_init", "denoise_inputs", "denoise_step", "load_decoder", "decode_latents")
+"""The hooks a model plugin implements to sample; the rest (loop, guidance, prompts, writing) is the core's."""
+
+
+def missing_sampling_hooks(plugin: ModelPlugin) -> list[str]:
+    """The sampling hooks the model plugin does not implement ([] when it can sample)."""
+    return [hook for hook in SAMPLING_HOOKS if not plugin.has(hook)]
+
+
+def can_sample(info: PluginInfo, registry: Registry) -> bool:
+    """Whether a loaded model plugin implements every sampling hook."""
+    return info.ok and info.module is not None and not missing_sampling_hooks(registry.model(info.name))
+
+
+class SampleConfig(BaseModel):
+    """``[sample]``: generate samples while training (and the defaults of ``diffpipe sample``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompts: list[str] | Path = Field(
+        description="The prompts: a list of strings, or a text file with one prompt per line "
+        "(blank lines and lines starting with '#' are skipped)."
+    )
+    negative_prompt: str = Field("", description="Prompt of the unconditional branch when cfg > 1.")
+    every_n_steps: int | None = Field(None, ge=1, description="Sample every N optimizer steps.")
+    every_n_epochs: int | None = Field(None, ge=1, description="Sample at the end of every N epochs.")
+    before_first_step: bool = Field(False, description="Also sample before training starts (step 0).")
+    steps: int = Field(20, ge=1, le=1000, description="Denoising steps.")
+    guidance: float | None = Field(
+        None,
+        ge=0,
+        description="The model's embedded guidance value (guidance-distilled models, e.g. Flux dev). "
+        "Default: the model plugin's.",
+    )
+    cfg: float = Field(
+        1.0, ge=1.0, description="Classifier-free guidance scale; above 1 each step also runs negative_prompt."
+    )
+    seed: int = Field(0, description="Noise seed; prompt i uses the same noise at every sampling point.")
+    resolution: int | tuple[int, int] = Field(
+        512, description="Sample size in pixels: one number (square) or [width, height]."
+    )
+    frames: int | None = Field(
+        None,
+        ge=1,
+        description="Video models: frame count (frame_multiple * k + frame_offset of the model). "
+        "Default: the smallest valid count above 1.",
+    )
+
+    @field_validator("prompts")
+    @classmethod
+    def _some_prompts(cls, value: list[str] | Path) -> list[str] | Path:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one prompt (a list of strings, or a file)")
+        return value
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(width, height)`` in pixels."""
+        if isinstance(self.resolution, int):
+            return self.resolution, self.resolution
+        return self.resolution
+
+    def prompt_list(self) -> list[str]:
+        """The prompts, read from the file when ``prompts`` names one."""
+        if isinstance(self.prompts, list):
+            return list(self.prompts)
+        return read_prompt_file(self.prompts)
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and ``#`` comments are skipped."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    prompts = [line for line in lines if line and not line.startswith("#")]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (one per line; blank lines and '#' lines are skipped)")
+    return prompts
+
+
+def default_frames(spec: ModelSpec) -> int:
+    """Images: 1. Videos: the smallest ``frame_multiple * k + frame_offset`` above 1."""
+    if spec.modality == "image":
+        return 1
+    k = 0
+    while spec.frame_multiple * k + spec.frame_offset <= 1:
+        k += 1
+    return spec.frame_multiple * k + spec.frame_offset
+
+
+def sample_problems(sample: SampleConfig, plugin: ModelPlugin, source: str) -> list[str]:
+    """What in ``[sample]`` does not fit the model (sizes, frame counts, a plugin that cannot sample) or cannot
+    be read (the prompt file)."""
+    spec = plugin.spec
+    problems = []
+    missing = missing_sampling_hooks(plugin)
+    if missing:
+        problems.append(
+            f"{source}: sample: model plugin {spec.name!r} cannot sample (it does not implement "
+            f"{', '.join(missing)}); remove [sample] (`diffpipe models` shows which plugins can sample)"
+        )
+    if not (sample.every_n_steps or sample.every_n_epochs or sample.before_first_step):
+        problems.append(
+            f"{source}: sample: say when to sample: every_n_steps, every_n_epochs and/or before_first_step = true"
+        )
+    m = spec.spatial_multiple
+    for key, value in zip(("width", "height"), sample.size, strict=True):
+        if value < m or value % m:
+            lower, upper = max(m, value // m * m), (value // m + 1) * m
+            problems.append(
+                f"{source}: sample.resolution: {key} {value} is not a multiple of {m} (model {spec.name!r}); "
+                f"use e.g. {lower} or {upper}"
+            )
+    if sample.frames is not None:
+        if spec.modality == "image" and sample.frames != 1:
+            problems.append(
+                f"{source}: sample.frames: {sample.frames}, but model {spec.name!r} makes images; leave it out"
+            )
+        elif spec.modality == "video" and (sample.frames - spec.frame_offset) % spec.frame_multiple:
+            k = max(0, (sample.frames - spec.frame_offset) // spec.frame_multiple)
+            near = [spec.frame_multiple * j + spec.frame_offset for j in (k, k + 1)]
+            problems.append(
+                f"{source}: sample.frames: {sample.frames} does not fit model {spec.name!r} "
+                f"({spec.frame_multiple} * k + {spec.frame_offset}); use e.g. {near[0]} or {near[1]}"
+            )
+    if isinstance(sample.prompts, Path):
+        if not sample.prompts.is_file():
+            problems.append(f"{source}: sample.prompts: file not found: {sample.prompts}")
+        else:
+            try:
+                read_prompt_file(sample.prompts)
+            except (ValueError, UnicodeDecodeError) as exc:
+                problems.append(f"{source}: sample.prompts: {exc}")
+    return problems

@@ -1,0 +1,96 @@
+"""The denoising loop: the plugin's step hooks around a forward function, with classifier-free guidance.
+
+The loop is the same whether the forward is the training ``PipelineEngine`` (:mod:`.pipeline`) or a plain
+chain of the plugin's layers, so a sample made during training can be checked against the model run
+directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import ModelConfigBase, SampleRequest
+
+Tensors = tuple[torch.Tensor, ...]
+Forward = Callable[[list[Tensors]], list[torch.Tensor]]
+"""Runs a list of first-layer input tuples (one micro-batch each) and returns each one's prediction: the
+first tensor the last layer returns."""
+
+
+@dataclass
+class PromptText:
+    """One prompt's text-encoder outputs (batch dimension 1), and those of the negative prompt for CFG."""
+
+    cond: dict[str, torch.Tensor]
+    uncond: dict[str, torch.Tensor] | None = None
+
+
+def noise_generator(seed: int, index: int) -> torch.Generator:
+    """Prompt ``index``'s noise generator: the same at every sampling point and in ``diffpipe sample``."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def generate(
+    plugin: ModelPlugin,
+    model_config: ModelConfigBase,
+    request: SampleRequest,
+    texts: Sequence[PromptText],
+    generators: Sequence[torch.Generator],
+    forward: Forward,
+    cfg: float = 1.0,
+) -> list[torch.Tensor]:
+    """Denoise one sample per entry of ``texts`` and return their final latents (float32, on the CPU).
+
+    Each step sends every sample as its own micro-batch through ``forward``; with ``cfg > 1`` a micro-batch
+    holds the negative and the positive prompt (batch 2) and the predictions are combined as
+    ``uncond + cfg * (cond - uncond)`` before the plugin's ``denoise_step``.
+    """
+    if len(texts) != len(generators):
+        raise ValueError(f"{len(texts)} prompts but {len(generators)} noise generators")
+    guided = cfg > 1.0
+    states = []
+    for text, gen in zip(texts, generators, strict=True):
+        latents, schedule = plugin.require("denoise_init", request=request, model_config=model_config, generator=gen)
+        if guided and text.uncond is None:
+            raise ValueError("cfg > 1 needs the negative prompt's text encoding")
+        batch_text = _cat(text.uncond, text.cond) if guided else text.cond
+        states.append([latents, schedule, batch_text])
+    steps = len(states[0][1]) - 1 if states else 0
+    for index in range(steps):
+        inputs = []
+        for latents, schedule, batch_text in states:
+            model_latents = torch.cat([latents, latents]) if guided else latents
+            inputs.append(
+                plugin.require(
+                    "denoise_inputs",
+                    latents=model_latents,
+                    schedule=schedule,
+                    index=index,
+                    text=batch_text,
+                    request=request,
+                    model_config=model_config,
+                )
+            )
+        predictions = forward(inputs)
+        for state, prediction in zip(states, predictions, strict=True):
+            if guided:
+                uncond, cond = prediction.float().chunk(2)
+                prediction = uncond + cfg * (cond - uncond)
+            state[0] = plugin.require(
+                "denoise_step",
+                latents=state[0],
+                prediction=prediction,
+                schedule=state[1],
+                index=index,
+                model_config=model_config,
+            )
+    return [state[0].float().cpu() for state in states]
+
+
+def _cat(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    assert a is not None
+    return {key: torch.cat([a[key], b[key]]) for key in b}

@@ -1,0 +1,170 @@
+"""Benchmarks that compare two sides (diffpipe and a plain loop) on a machine whose load drifts.
+
+Timing all of one side and then all of the other lets a change in load look like a difference between
+them. :func:`alternate` measures the two sides in pairs, swapping which goes first in every other pair, and
+:func:`ratio_report` summarises the per-pair ratios by their median and spread.
+
+The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``bench/step_time.py``) also share
+:func:`bench_parser`, :func:`write_run_toml`, :func:`diffpipe_step_times`, :func:`plain_step_times`,
+:func:`compare` and :func:`pair_line`; each bench supplies only its model, ``[model]`` table and loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def alternate(measure_a: Callable[[], float], measure_b: Callable[[], float], pairs: int,
+              report: Callable[[int, float, float], None] | None = None) -> list[tuple[float, float]]:
+    """``pairs`` (at least 3) measurements ``(a, b)`` taken back to back, A first in even pairs and B first in
+    odd ones. ``report(i, a, b)`` is called after each pair."""
+    if pairs < 3:
+        raise ValueError(f"pairs={pairs}: at least 3 pairs are needed for a median and a spread")
+    out = []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a = measure_a()
+            b = measure_b()
+        else:
+            b = measure_b()
+            a = measure_a()
+        out.append((a, b))
+        if report is not None:
+            report(i, a, b)
+    return out
+
+
+def ratio_report(pairs: list[tuple[float, float]], what: str = "ratio") -> str:
+    """``"<what>: median 1.043 over 5 alternating pairs (spread 0.998-1.101, IQR 1.012-1.067)"``: the median of
+    the per-pair ratios a / b, their range and interquartile range."""
+    ratios = sorted(a / b for a, b in pairs)
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return (f"{what}: median {statistics.median(ratios):.3f} over {len(ratios)} alternating pairs "
+            f"(spread {ratios[0]:.3f}-{ratios[-1]:.3f}, IQR {q1:.3f}-{q3:.3f})")
+
+LORA_RANK = 16
+
+
+def write_run_toml(root: Path, model_table: str, steps: int, batch: int) -> Path:
+    """``root/run.toml`` for a 1-worker overhead run: ``dataset.toml`` in ``root``, output in ``root/out``, LoRA
+    rank 16, lr 1e-4. ``model_table`` is the body of the ``[model]`` table (TOML lines)."""
+    path = root / "run.toml"
+    path.write_text(
+        f"""
+output_dir = "out"
+dataset = "dataset.toml"
+max_steps = {steps}
+micro_batch_size_per_gpu = {batch}
+gradient_accumulation_steps = 1
+seed = 1
+[model]
+{model_table.strip()}
+[adapter]
+rank = {LORA_RANK}
+[optimizer]
+lr = 1e-4
+"""
+    )
+    return path
+
+
+def diffpipe_step_times(root: Path, timeout: float = 1800) -> list[float]:
+    """Run `diffpipe train --config run.toml --num-procs 1` in ``root`` (HF_HOME in ``root``, so the text
+    encoders' cache is the run's own) and return the newest run's step seconds from its metrics.jsonl. Exits with
+    the end of diffpipe's output if the run fails."""
+    from diffpipe_core.engine.run_dir import step_seconds
+    from diffpipe_core.testing.processes import cli_env, run_diffpipe
+
+    env = cli_env(HF_HOME=str(root / "hf_home"))
+    result = run_diffpipe(["train", "--config", "run.toml", "--num-procs", "1"], cwd=root, timeout=timeout, env=env)
+    if result.returncode != 0:
+        sys.exit(result.output[-3000:])
+    return step_seconds(sorted((root / "out").iterdir())[-1])
+
+
+def plain_step_times(
+    model: torch.nn.Module, lora_targets: list[str], loss: Callable[[torch.Generator], torch.Tensor], steps: int
+) -> list[float]:
+    """Seconds of each of ``steps`` plain PyTorch training steps: ``loss(generator)`` (the model's forward and
+    objective), backward, gradient clipping at 1.0 and an AdamW step (diffpipe's defaults) on the trainable
+    parameters of ``model`` after a peft LoRA of rank 16 on ``lora_targets``."""
+    import torch
+
+    from diffpipe_core.adapters import apply_lora, lora_config
+
+    apply_lora(model, lora_config(LORA_RANK, LORA_RANK, 0.0, lora_targets))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss(gen).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def after_warmup(times: list[float], warmup: int) -> float:
+    """The median of ``times`` after the first ``warmup``; exits naming both if no step is left."""
+    if len(times) <= warmup:
+        sys.exit(f"{len(times)} steps measured but --warmup {warmup}: use --steps above --warmup")
+    return statistics.median(times[warmup:])
+
+
+def pair_line(i: int, ours: float, plain: float, label: str = "pair", plain_name: str = "plain PyTorch") -> str:
+    """``"pair 1: diffpipe 123.4 ms, plain PyTorch 120.1 ms, ratio 1.027"`` for pair index ``i``."""
+    return (f"{label} {i + 1}: diffpipe {ours * 1000:.1f} ms, {plain_name} {plain * 1000:.1f} ms, "
+            f"ratio {ours / plain:.3f}")
+
+
+def compare(measure_ours: Callable[[], float], measure_plain: Callable[[], float], pairs: int,
+            report: Callable[[int, float, float], None], smoke: bool = False) -> list[tuple[float, float]]:
+    """:func:`alternate` the two sides for ``pairs`` pairs; with ``smoke``, one pair only (a check that the bench
+    runs end to end, not a measurement: :func:`ratio_report` needs more than one pair)."""
+    if not smoke:
+        return alternate(measure_ours, measure_plain, pairs, report)
+    ours, plain = measure_ours(), measure_plain()
+    report(0, ours, plain)
+    return [(ours, plain)]
+
+
+SMOKE_HELP = "one pair only, to check the bench runs end to end (not a measurement: no spread)"
+
+
+def bench_parser(steps: int = 20, warmup: int = 4, batch: int = 1, pairs: str = "--pairs",
+                 threads: bool = False) -> argparse.ArgumentParser:
+    """The options every overhead bench has: ``--steps``, ``--warmup``, ``--batch``, the pair count (``pairs``,
+    e.g. ``--pairs`` or ``--rounds``, default 3), ``--smoke`` and, with ``threads``, ``--threads`` (see
+    :func:`use_threads`)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument(pairs, type=int, default=3, help="alternating diffpipe / plain pairs (at least 3)")
+    if threads:
+        parser.add_argument(
+            "--threads", type=int, default=1, help="CPU threads of both sides (more than the free cores stalls either)"
+        )
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    return parser
+
+
+def use_threads(threads: int) -> None:
+    """``threads`` CPU threads for the plain side (torch) and the diffpipe worker (OMP_NUM_THREADS)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -1,0 +1,141 @@
+"""Framework overhead on Cosmos: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA,
+for both entry points.
+
+    python diffpipe_cosmos/bench/step_time.py [--entry cosmos cosmos-predict2] [--steps 20] [--rounds 3] [--smoke]
+
+A tiny-but-not-trivial Cosmos transformer (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents, 64 T5
+tokens) is written to disk in the diffusers layout: ``cosmos-predict2`` trains on 256x256 images (32x32 latents,
+256 tokens), ``cosmos`` on 9-frame 256x256 clips (2 x 32x32 latents, 512 tokens). diffpipe trains it with
+`diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); the median step time comes from
+metrics.jsonl (step_seconds) after warm-up. The plain loop runs the same objective (the core's EDM or flow-matching
+maths), diffusers' ``CosmosTransformer3DModel.forward``, backward, gradient clipping and an AdamW step with the same
+peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate in pairs (which goes first swaps every
+pair); the median ratio and its spread are printed. Target: ratio <= 1.10. The shared skeleton is in
+``diffpipe_core.testing.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core import edm
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
+from diffpipe_cosmos import cosmos1_plugin, predict2_plugin, resize
+from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
+
+T5_LEN, LATENT = 64, 32
+ENTRIES = {
+    "cosmos": {"hooks": cosmos1_plugin.hooks, "variant": "1.0", "frames": 9, "pixels": 256},
+    "cosmos-predict2": {"hooks": predict2_plugin.hooks, "variant": "predict2", "frames": 1, "pixels": 256},
+}
+
+
+def model_config(variant: str) -> TinyCosmosConfig:
+    return TinyCosmosConfig(
+        variant=variant, num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=16, text_dim=64
+    )
+
+
+def diffpipe_times(root: Path, entry: str, args: argparse.Namespace) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    e = ENTRIES[entry]
+    size = e["pixels"]
+    if e["frames"] == 1:
+        write_image_dataset(root / "media", 8, size=(size, size))
+    else:
+        for i in range(8):
+            write_video(root / "media" / f"clip_{i}.mp4", e["frames"], fps=30, size=(size, size), seed=i)
+            (root / "media" / f"clip_{i}.txt").write_text(f"a robot arm {i}")
+    write_dataset_toml(root / "dataset.toml", root / "media", resolutions=[size], frame_buckets=[e["frames"]])
+    table = f"""
+type = "{entry}"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+t5_max_length = {T5_LEN}
+"""
+    bench.write_run_toml(root, table, args.steps, args.batch)
+    return bench.diffpipe_step_times(root)
+
+
+def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[float]:
+    e = ENTRIES[entry]
+    hooks = e["hooks"]
+    cfg = validate(hooks.model_spec().config_schema, {"type": entry, "path": model_dir, "dtype": "float32"}, "bench")
+    torch.manual_seed(0)
+    resize.install()
+    model = hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    frames = 1 if e["frames"] == 1 else (e["frames"] - 1) // 8 + 1
+    latents = torch.randn(args.batch, 16, frames, LATENT, LATENT)
+    text = torch.randn(args.batch, T5_LEN, 64)
+    padding = torch.zeros(1, 1, e["pixels"], e["pixels"])
+    fps = hooks.gen.default_fps if frames > 1 else None
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        if e["variant"] == "1.0":
+            sigma = edm.sample_sigmas(args.batch, gen, 0.0, 1.0)
+            x = edm.noisy(latents, noise, sigma)
+            pre = edm.preconditioning(sigma, 0.5)
+            out = model(pre.c_in.view(-1, 1, 1, 1, 1) * x, pre.c_noise, text, fps=fps, padding_mask=padding).sample
+            return edm.edm_loss(out, x, latents, sigma, 0.5)
+        t = sample_timesteps(args.batch, gen)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(x_t, t, text, padding_mask=padding).sample
+        return masked_mse(out, target)
+
+    return bench.plain_step_times(model, hooks.lora_targets(cfg), loss, args.steps)
+
+
+def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, float]]:
+    """The (diffpipe, plain) median step seconds of each pair for one entry point."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"]))
+        runs = iter(range(args.rounds))
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{next(runs)}"
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return bench.after_warmup(diffpipe_times(root, entry, args), args.warmup)
+
+        return bench.compare(
+            ours,
+            lambda: bench.after_warmup(plain_times(model_dir, entry, args), args.warmup),
+            args.rounds,
+            lambda r, a, b: print(bench.pair_line(r, a, b, label=f"{entry} round"), flush=True),
+            args.smoke,
+        )
+
+
+def main() -> None:
+    parser = bench.bench_parser(pairs="--rounds")
+    parser.add_argument("--entry", nargs="+", choices=sorted(ENTRIES), default=sorted(ENTRIES))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for entry in args.entry:
+        pairs = measure_entry(entry, args)
+        ratios = [a / b for a, b in pairs]
+        print(
+            f"{entry}: inner dim 256, 4 blocks, LoRA r=16, float32, batch {args.batch}, CPU threads "
+            f"{torch.get_num_threads()}; medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
+        )
+        print(
+            f"{entry} overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} rounds, spread "
+            f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Framework overhead on HunyuanVideo: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and
+LoRA, 1 process.
+
+    python diffpipe_hunyuan/bench/step_time.py [--steps 20] [--warmup 4] [--pairs 3] [--smoke]
+
+A small HunyuanVideo (width 128 = 4 heads x 32, 2 double + 4 single blocks, 16-channel latents) is written to
+disk in the diffusers layout, with 4 clips of 17 frames at 128x128 (5 x 16 x 16 latents = 320 video tokens after
+2x2 patches, plus 32 text tokens). diffpipe trains it with `diffpipe train` (1 worker, the real cache, DeepSpeed's
+PipelineEngine); its step times come from metrics.jsonl. The plain loop runs the same forward
+(HunyuanVideoTransformer3DModel.forward), backward, gradient clipping and AdamW step on the same transformer with
+the same peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate in pairs (the core's
+``diffpipe_core.testing.bench``); the ratio of each pair's medians (after warm-up) is reported as median, range and
+IQR. Target: ratio <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml
+from diffpipe_hunyuan import plugin
+from diffpipe_hunyuan.config import HunyuanConfig
+from diffpipe_hunyuan.testing import (
+    TinyHunyuanConfig,
+    llama_tokenizer,
+    template_crop_start,
+    write_clip_dataset,
+    write_tiny_hunyuan,
+)
+
+MODEL = TinyHunyuanConfig(
+    num_layers=2,
+    num_single_layers=4,
+    num_attention_heads=4,
+    attention_head_dim=32,
+    rope_axes_dim=(8, 12, 12),
+    latent_channels=16,
+    text_dim=64,
+    clip_dim=64,
+)
+PIXELS, FRAMES, TEXT_LEN = 128, 17, 32
+LATENT = (MODEL.latent_channels, (FRAMES - 1) // 4 + 1, PIXELS // 8, PIXELS // 8)
+
+
+def model_table(model_dir: Path) -> dict:
+    """The ``[model]`` table both sides use."""
+    return {
+        "type": "hunyuan-video",
+        "path": model_dir,
+        "dtype": "float32",
+        "encoder_dtype": "float32",
+        "text_max_length": TEXT_LEN,
+        "text_crop_start": template_crop_start(llama_tokenizer()),
+    }
+
+
+def diffpipe_times(root: Path, model_dir: Path, args: argparse.Namespace) -> list[float]:
+    """Train with `diffpipe train` in ``root``; the step times from metrics.jsonl."""
+    write_clip_dataset(root / "clips", [FRAMES + 1] * 4, ["a red cat walks"] * 4, size=(PIXELS, PIXELS), fps=24)
+    write_dataset_toml(root / "dataset.toml", root / "clips", resolutions=[PIXELS], frame_buckets=[FRAMES])
+    table = model_table(model_dir)
+    toml = f"""
+type = "hunyuan-video"
+path = "{model_dir}"
+dtype = "float32"
+encoder_dtype = "float32"
+text_max_length = {TEXT_LEN}
+text_crop_start = {table["text_crop_start"]}
+"""
+    bench.write_run_toml(root, toml, args.steps, args.batch)
+    return bench.diffpipe_step_times(root, timeout=3600)
+
+
+def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
+    cfg = validate(HunyuanConfig, model_table(model_dir), "bench")
+    torch.manual_seed(0)
+    model = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    latents = torch.randn(args.batch, *LATENT)
+    text, pooled = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim), torch.randn(args.batch, MODEL.clip_dim)
+    text_mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.long)
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(args.batch, gen)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(
+            hidden_states=x_t,
+            timestep=t * 1000,
+            encoder_hidden_states=text,
+            encoder_attention_mask=text_mask,
+            pooled_projections=pooled,
+            guidance=torch.full((args.batch,), 1000.0),
+        ).sample
+        return masked_mse(out, target)
+
+    return bench.plain_step_times(model, plugin.lora_targets(cfg), loss, args.steps)
+
+
+def main() -> None:
+    args = bench.bench_parser().parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_hunyuan(Path(tmp) / "model", MODEL)
+        runs = iter(range(args.pairs))
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{next(runs)}"
+            root.mkdir()
+            return bench.after_warmup(diffpipe_times(root, model_dir, args), args.warmup)
+
+        pairs = bench.compare(
+            ours,
+            lambda: bench.after_warmup(plain_times(model_dir, args), args.warmup),
+            args.pairs,
+            lambda i, a, b: print(bench.pair_line(i, a, b, plain_name="plain"), flush=True),
+            args.smoke,
+        )
+    tokens = LATENT[1] * (LATENT[2] // 2) * (LATENT[3] // 2)
+    print(
+        f"model: HunyuanVideo width 128, 2 double + 4 single blocks, {tokens} video + {TEXT_LEN} text tokens, batch "
+        f"{args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
+        f"{args.steps - args.warmup} steps after {args.warmup} warm-up"
+    )
+    if not args.smoke:
+        print(bench.ratio_report(pairs, "diffpipe / plain step time") + "; target <= 1.10")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Framework overhead on LTX-Video: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA.
+
+    python diffpipe_ltx/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--rounds 3] [--smoke]
+
+A tiny-but-not-trivial LTX-Video (inner dim 256 = 4 heads x 64, 4 blocks, 8-channel latents; 25-frame clips at
+256x384 = 4 x 8 x 12 = 384 video tokens; 64 T5 tokens) is written to disk in the diffusers layout. diffpipe trains
+it with `diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); its median step time comes from
+metrics.jsonl (step_seconds) after warm-up. The plain loop runs the same forward (LTXVideoTransformer3DModel.forward
+with LTXPipeline's video coordinates), backward, gradient clipping and AdamW step on the same transformer with the
+same peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate for --rounds pairs (at least 3;
+which goes first swaps every pair); the median of the per-pair ratios is printed with its spread, and the same for
+each side's fastest step (the step least disturbed on a shared machine). Target: ratio <= 1.10.
+The shared skeleton is in ``diffpipe_core.testing.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml
+from diffpipe_ltx import plugin
+from diffpipe_ltx.config import LTXConfig
+from diffpipe_ltx.loading import rope_interpolation_scale
+from diffpipe_ltx.packing import pack
+from diffpipe_ltx.testing import TinyLTXConfig, write_clips, write_tiny_ltx
+
+MODEL = TinyLTXConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=8, text_dim=64)
+T5_LEN, FRAMES, WIDTH, HEIGHT = 64, 25, 384, 256
+LATENT = (FRAMES - 1) // 8 + 1, HEIGHT // 32, WIDTH // 32
+MODEL_TABLE = f"""
+type = "ltx-video"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+t5_max_length = {T5_LEN}
+"""
+
+
+def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    data = root / "clips"
+    write_clips(data, [f"a clip {i}" for i in range(4)], frames=FRAMES + 2, size=(WIDTH, HEIGHT))
+    write_dataset_toml(
+        root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
+    )
+    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
+    return bench.diffpipe_step_times(root)
+
+
+def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
+    cfg = validate(LTXConfig, {"type": "ltx-video", "path": model_dir, "dtype": "float32"}, "bench")
+    torch.manual_seed(0)
+    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    f, h, w = LATENT
+    latents = torch.randn(args.batch, MODEL.latent_channels, f, h, w)
+    text = torch.randn(args.batch, T5_LEN, MODEL.text_dim)
+    mask = torch.ones(args.batch, T5_LEN)
+    mask[:, T5_LEN // 4 :] = 0
+    scale = rope_interpolation_scale(cfg)
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(args.batch, gen)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(
+            hidden_states=pack(x_t),
+            encoder_hidden_states=text,
+            timestep=t * 1000,
+            encoder_attention_mask=mask,
+            num_frames=f,
+            height=h,
+            width=w,
+            rope_interpolation_scale=scale,
+        ).sample
+        return masked_mse(out, pack(target))
+
+    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+
+
+def main() -> None:
+    args = bench.bench_parser(pairs="--rounds").parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Each side's fastest step is printed too: it is the one least disturbed by other processes.
+    fastest: dict[str, list[float]] = {"ours": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_tiny_ltx(model_dir, MODEL)
+
+        def measure(side: str, times: list[float]) -> float:
+            fastest[side].append(min(times[args.warmup :], default=float("nan")))
+            return bench.after_warmup(times, args.warmup)
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{len(fastest['ours'])}"
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return measure("ours", diffpipe_times(root, args))
+
+        def show(r: int, a: float, b: float) -> None:
+            best_ours, best_plain = fastest["ours"][r], fastest["plain"][r]
+            print(
+                f"{bench.pair_line(r, a, b, label='round')} (fastest steps: {best_ours * 1000:.1f} / "
+                f"{best_plain * 1000:.1f} ms = {best_ours / best_plain:.3f})",
+                flush=True,
+            )
+
+        def plain() -> float:
+            return measure("plain", plain_times(model_dir, args))
+
+        pairs = bench.compare(ours, plain, args.rounds, show, args.smoke)
+    ratios = [a / b for a, b in pairs]
+    best_ratios = [a / b for a, b in zip(fastest["ours"], fastest["plain"], strict=True)]
+    f, h, w = LATENT
+    print(
+        f"model: LTX-Video inner dim 256, 4 blocks, {f}x{h}x{w} = {f * h * w}"
+        f" video + {T5_LEN} text tokens, batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()};"
+        f" medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
+    )
+    print(
+        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
+        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10); fastest-step ratio "
+        f"{statistics.median(best_ratios):.3f} (spread {min(best_ratios):.3f}-{max(best_ratios):.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

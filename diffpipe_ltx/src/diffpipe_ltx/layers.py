@@ -1,0 +1,95 @@
+"""LTX-Video cut into pipeline layers: embedders, each transformer block, output.
+
+What flows between layers (a tuple of tensors; every float tensor is used downstream):
+
+- into the first layer: ``(x_t, t, t5_embeds, t5_mask, grid)`` (see :mod:`diffpipe_ltx.inputs`);
+- between blocks: ``(hidden, text, temb, embedded_timestep, rope_cos, rope_sin, t5_mask)``;
+- the last block passes on only ``(hidden, embedded_timestep)``;
+- out of the output layer: ``(prediction,)`` in float32, packed like ``x_t``.
+
+The layers wrap the model's own submodules and call them exactly as ``LTXVideoTransformer3DModel.forward`` does
+when ``LTXPipeline`` calls it (``num_frames/height/width`` and ``rope_interpolation_scale`` = (VAE temporal
+compression / frame rate, VAE spatial compression x 2)), so a pipeline of these layers computes the diffusers model.
+The time embedding is computed once per latent frame and spread over that frame's tokens; when every frame of every
+sample has the same time it stays one row per sample (broadcast), as in LTXPipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+class EmbedLayer(nn.Module):
+    """Patch projection, rotary embedding, time embedding (adaLN-single) and caption projection."""
+
+    def __init__(self, model: nn.Module, rope_scale: tuple[float, float, float]) -> None:
+        super().__init__()
+        self.proj_in, self.time_embed = model.proj_in, model.time_embed
+        self.caption_projection, self.rope = model.caption_projection, model.rope
+        self.rope_scale = rope_scale
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        x, t, text, text_mask, grid = inputs
+        frames, height, width = (int(v) for v in grid.tolist())
+        b = x.shape[0]
+        hidden = self.proj_in(x.to(self.proj_in.weight.dtype))
+        dtype = hidden.dtype
+        cos, sin = self.rope(hidden, frames, height, width, self.rope_scale)
+        same_time = bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
+        per_frame = t[:, :1] if same_time else t
+        temb, embedded = self.time_embed(per_frame.flatten() * 1000, batch_size=b, hidden_dtype=dtype)
+        temb, embedded = temb.view(b, per_frame.shape[1], -1), embedded.view(b, per_frame.shape[1], -1)
+        if per_frame.shape[1] > 1:  # one time per frame -> one per token
+            temb = temb.repeat_interleave(height * width, dim=1)
+            embedded = embedded.repeat_interleave(height * width, dim=1)
+        text = self.caption_projection(text.to(dtype)).view(b, -1, hidden.shape[-1])
+        return hidden, text, temb, embedded, cos, sin, text_mask
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, block: nn.Module, last: bool) -> None:
+        super().__init__()
+        self.block, self.last = block, last
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        hidden, text, temb, embedded, cos, sin, text_mask = inputs
+        bias = ((1 - text_mask.to(hidden.dtype)) * -10000.0).unsqueeze(1)  # as the model's forward makes it
+        hidden = self.block(
+            hidden_states=hidden,
+            encoder_hidden_states=text,
+            temb=temb,
+            image_rotary_emb=(cos, sin),
+            encoder_attention_mask=bias,
+        )
+        return (hidden, embedded) if self.last else (hidden, text, temb, embedded, cos, sin, text_mask)
+
+
+class OutputLayer(nn.Module):
+    """Final norm modulated by the model's ``scale_shift_table`` and the embedded timestep, then ``proj_out``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        self.scale_shift_table = model.scale_shift_table  # the model's own Parameter, shared
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        hidden, embedded = inputs
+        values = self.scale_shift_table[None, None] + embedded[:, :, None]
+        shift, scale = values[:, :, 0], values[:, :, 1]
+        hidden = self.norm_out(hidden) * (1 + scale) + shift
+        return (self.proj_out(hidden).float(),)
+
+
+def split_into_layers(model: nn.Module, rope_scale: tuple[float, float, float]) -> list[nn.Module]:
+    """The ordered pipeline layers of a diffusers ``LTXVideoTransformer3DModel`` (sharing its parameters)."""
+    blocks = list(model.transformer_blocks)
+    if not blocks:
+        raise ValueError("an LTX-Video transformer without transformer_blocks cannot be split into layers")
+    return [
+        EmbedLayer(model, rope_scale),
+        *(BlockLayer(b, last=i == len(blocks) - 1) for i, b in enumerate(blocks)),
+        OutputLayer(model),
+    ]

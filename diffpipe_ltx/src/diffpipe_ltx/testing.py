@@ -1,0 +1,184 @@
+"""Write a tiny random-weight LTX-Video to disk in its real layouts, for tests, the demo and benchmarks.
+
+:func:`write_tiny_ltx` saves a complete diffusers ``LTXPipeline`` folder (``model_index.json``,
+``transformer/``, ``vae/``, ``text_encoder/`` (T5), ``tokenizer/``, ``scheduler/``) and, beside it, the
+same transformer as one safetensors file in the original Lightricks key layout
+(``model.diffusion_model.patchify_proj.weight``, ``...adaln_single...``, ``...attn1.q_norm.weight``), as
+LTX-Video checkpoints are downloaded. The VAE has the real compression (32x spatial, 8x temporal) and
+non-trivial per-channel latent statistics; the tokenizer is trained in-process (no hub access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from diffpipe_ltx.lightricks import to_original
+
+WORDS = (
+    "a photo of cat dog red blue green house tree sky with on in the caption image clip video small large "
+    "bright dark river mountain city car person walking running moving slowly camera pans 0 1 2 3 4 5 6 7 8 9"
+).split()
+
+
+@dataclass
+class TinyLTXConfig:
+    """Sizes of the tiny LTX-Video (inner dim = heads x head dim = the T5 width)."""
+
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    latent_channels: int = 8
+    text_dim: int = 32
+    vae_channels: int = 8
+    scaling_factor: float = 1.25  # the real VAE uses 1.0; != 1 here so tests see where it is applied
+    seed: int = 0
+
+
+def _tokenizer(max_length: int):
+    """A T5-like tokenizer (``words </s>``, pad id 0) trained in-process; loads back with AutoTokenizer."""
+    from diffpipe_core.testing.tokenizers import word_level_tokenizer
+
+    specials = ["<pad>", "</s>", "<unk>"]
+    return word_level_tokenizer(WORDS, specials, "$A </s>", max_length, pad_token="<pad>", eos_token="</s>")
+
+
+def tiny_transformer(cfg: TinyLTXConfig):
+    """The random-weight diffusers ``LTXVideoTransformer3DModel`` of ``cfg``."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    torch.manual_seed(cfg.seed)
+    inner = cfg.num_attention_heads * cfg.attention_head_dim
+    return LTXVideoTransformer3DModel(
+        in_channels=cfg.latent_channels,
+        out_channels=cfg.latent_channels,
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        cross_attention_dim=inner,
+        num_layers=cfg.num_layers,
+        qk_norm="rms_norm_across_heads",
+        caption_channels=cfg.text_dim,
+    )
+
+
+def tiny_vae(cfg: TinyLTXConfig):
+    """A random ``AutoencoderKLLTXVideo`` with LTX's geometry (patch 4 x 3 scalings: 32x spatial, 8x temporal)
+    and random per-channel ``latents_mean`` / ``latents_std``."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    torch.manual_seed(cfg.seed + 1)
+    ch = (cfg.vae_channels,) * 4
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=cfg.latent_channels,
+        block_out_channels=ch,
+        decoder_block_out_channels=ch,
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+        decoder_spatio_temporal_scaling=(True, True, True, False),
+        decoder_inject_noise=(False,) * 5,
+        upsample_residual=(False,) * 4,
+        upsample_factor=(1,) * 4,
+        patch_size=4,
+        patch_size_t=1,
+        scaling_factor=cfg.scaling_factor,
+    )
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.randn(cfg.latent_channels) * 0.1)
+        vae.latents_std.copy_(torch.rand(cfg.latent_channels) * 0.5 + 0.5)
+    return vae.eval()
+
+
+def tiny_pipeline(cfg: TinyLTXConfig):
+    """A complete random-weight ``LTXPipeline`` (not yet on disk)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+    from transformers import T5Config, T5EncoderModel
+
+    transformer = tiny_transformer(cfg)
+    vae = tiny_vae(cfg)
+    tokenizer = _tokenizer(128)
+    torch.manual_seed(cfg.seed + 2)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=cfg.text_dim,
+            d_kv=8,
+            d_ff=2 * cfg.text_dim,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    # LTX-Video's own scheduler settings (scheduler/scheduler_config.json of Lightricks/LTX-Video)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        base_shift=0.95,
+        max_shift=2.05,
+        shift_terminal=0.1,
+    )
+    return LTXPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=t5.eval(), tokenizer=tokenizer, transformer=transformer.eval()
+    )
+
+
+def single_file_path(folder: Path) -> Path:
+    """Where :func:`write_tiny_ltx` puts the original-layout single file by default."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".ltxv.safetensors")
+
+
+def write_tiny_ltx(folder: Path, cfg: TinyLTXConfig | None = None, single_file: Path | None = None) -> Path:
+    """Save a tiny LTX-Video pipeline folder at ``folder`` and its transformer in the original Lightricks layout
+    (keys under ``model.diffusion_model.``) at ``single_file`` (default ``<folder>.ltxv.safetensors``)."""
+    cfg = cfg or TinyLTXConfig()
+    folder = Path(folder)
+    pipe = tiny_pipeline(cfg)
+    pipe.save_pretrained(str(folder), safe_serialization=True)
+    state = {k: v.contiguous() for k, v in pipe.transformer.state_dict().items()}
+    original = {f"model.diffusion_model.{k}": v for k, v in to_original(state).items()}
+    save_file(original, str(single_file or single_file_path(folder)), metadata={"format": "pt"})
+    return folder
+
+
+def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int]) -> list[Path]:
+    """``clip_000.mp4``, ... at 25 fps (the model's rate), ``size`` = (width, height), each with its caption file
+    (the mp4s are the core's :func:`~diffpipe_core.testing.media.write_video`)."""
+    from diffpipe_core.testing.media import write_video
+
+    paths = []
+    for i, caption in enumerate(captions):
+        path = write_video(Path(folder) / f"clip_{i:03d}.mp4", frames, fps=25, size=size, seed=i)
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans over a mountain", "a dog running")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m diffpipe_ltx.testing FOLDER [--clips DIR]``: write a tiny LTX-Video (folder +
+    ``FOLDER.ltxv.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--clips", type=Path, help="also write 4 captioned 1 s mp4 clips (25 fps, 96x64) here")
+    args = parser.parse_args(argv)
+    folder = write_tiny_ltx(args.folder)
+    print(f"wrote {folder} and {single_file_path(folder)}")
+    if args.clips:
+        write_clips(args.clips, CLIP_CAPTIONS, frames=25, size=(96, 64))
+        print(f"wrote {len(CLIP_CAPTIONS)} clips to {args.clips}")
+
+
+if __name__ == "__main__":
+    main()

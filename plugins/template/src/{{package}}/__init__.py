@@ -1,0 +1,1 @@
+"""{{distribution}}: the {{name}} model plugin for diffpipe."""
