@@ -119,9 +119,10 @@ def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, flo
 
 
 def main() -> None:
-    parser = bench.bench_parser(pairs="--rounds")
+    parser = bench.bench_parser(pairs="--rounds", threads=True)
     parser.add_argument("--entry", nargs="+", choices=sorted(ENTRIES), default=sorted(ENTRIES))
     args = parser.parse_args()
+    bench.use_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for entry in args.entry:
         pairs = measure_entry(entry, args)

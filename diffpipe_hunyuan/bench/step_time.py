@@ -105,7 +105,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser().parse_args()
+    args = bench.bench_parser(threads=True).parse_args()
+    bench.use_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_hunyuan(Path(tmp) / "model", MODEL)

@@ -87,7 +87,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(pairs="--rounds").parse_args()
+    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
+    bench.use_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Each side's fastest step is printed too: it is the one least disturbed by other processes.
     fastest: dict[str, list[float]] = {"ours": [], "plain": []}
