@@ -45,6 +45,7 @@ def quiet_libraries(cuda: bool | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bars follow it
     if cuda is False:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for name in LIBRARY_LOGGERS:

@@ -81,6 +81,8 @@ def make_project(root: Path, stages: int, single_file: bool) -> Path:
 def train(root: Path, config: Path) -> Path:
     result = run_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=root, timeout=400)
     assert result.returncode == 0, result.output[-4000:]
+    # issue 9: transformers' "Loading weights" bars (the text encoders, while caching) stay behind --verbose
+    assert "Loading weights" not in result.output, result.output[-4000:]
     return next(p for p in (root / "out").iterdir() if p.is_dir())
 
 
