@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
+from diffpipe_core.cli_common import USER_ERRORS, fail, load_checked
 from diffpipe_core.plugin_cli import plugin as plugin_commands
 from diffpipe_core.quiet import VERBOSE_ENV, quiet_libraries
 from diffpipe_core.registry import PluginError, get_registry
 from diffpipe_core.sampling.command import sample as sample_command
-from diffpipe_core.schema import ConfigError
 
 if "--verbose" in sys.argv[1:]:  # plugins are imported below, before click parses the flag
     os.environ[VERBOSE_ENV] = "1"
@@ -22,69 +22,6 @@ CONFIG = click.option(
     "--config", "config_path", required=True, type=click.Path(path_type=Path), help="The run config (TOML)."
 )
 MODEL = click.option("--model", default=None, help="Model plugin name; defaults to [model] type in the config.")
-
-
-# What a user's input can cause (bad files, configs, folders): reported as a message, not a traceback.
-USER_ERRORS = (ConfigError, PluginError, OSError, ValueError, KeyError)
-
-
-def _fail(problems: list[str], note: str | None = None) -> None:
-    if len(problems) == 1 and "\n" not in problems[0]:
-        click.echo(f"diffpipe: error: {problems[0]}", err=True)
-    else:
-        click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:", err=True)
-        for p in problems:
-            click.echo(f"  - {p}", err=True)
-    if note:
-        click.echo(f"({note})", err=True)
-    sys.exit(1)
-
-
-def _load(config_path: Path, model: str | None, world_size: int | None = None, check_work: bool = False):
-    """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
-    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of
-    every dataset (an empty one fails)."""
-    from diffpipe_core.config import check_world_size, load_config
-    from diffpipe_core.data.dataset_config import load_dataset_config
-
-    problems: list[str] = []
-    cfg = None
-    try:
-        cfg = load_config(config_path, get_registry(), model_override=model)
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-    if cfg is not None:
-        datasets = []
-        try:
-            datasets.append(load_dataset_config(cfg.run.dataset))
-            for ev in cfg.run.eval_datasets:
-                datasets.append(load_dataset_config(ev.config))
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-        if world_size is not None:
-            try:
-                check_world_size(cfg.run, world_size, str(cfg.path))
-            except ConfigError as exc:
-                problems.extend(exc.problems)
-        if check_work and not problems:
-            problems.extend(_work_problems(cfg, datasets))
-    if problems:
-        _fail(problems)
-    return cfg
-
-
-def _work_problems(cfg, datasets: list) -> list[str]:
-    from diffpipe_core.data.scan import DatasetError, scan_dataset
-    from diffpipe_core.model_files import model_file_problems
-
-    plugin = get_registry().model(cfg.model_name)
-    problems = model_file_problems(plugin, cfg.model)
-    for dataset in datasets:
-        try:
-            scan_dataset(dataset, plugin.spec)
-        except (DatasetError, ConfigError) as exc:
-            problems.extend(getattr(exc, "problems", None) or [f"{dataset.source}: {exc}"])
-    return problems
 
 
 class _Main(click.Group):
@@ -97,7 +34,7 @@ class _Main(click.Group):
             if os.environ.get("DIFFPIPE_DEBUG"):
                 raise
             problems = getattr(exc, "problems", None)
-            _fail(problems if problems else [str(exc) or type(exc).__name__], "run with --debug for a traceback")
+            fail(problems if problems else [str(exc) or type(exc).__name__], "run with --debug for a traceback")
 
 
 @click.group(cls=_Main)
@@ -141,7 +78,7 @@ def models() -> None:
 @click.option("--num-procs", type=int, default=None, help="Also check pipeline_stages against this many processes.")
 def validate(config_path: Path, model: str | None, num_procs: int | None) -> None:
     """Check the run config and its dataset config without loading any model."""
-    cfg = _load(config_path, model, num_procs, check_work=True)
+    cfg = load_checked(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
     if num_procs is None:
         stages = cfg.run.pipeline_stages
@@ -203,7 +140,7 @@ def train(
         n = hostfile_slots(hostfile)
     else:
         n = default_num_procs(num_procs)
-    cfg = _load(config_path, model, n, check_work=True)
+    cfg = load_checked(config_path, model, n, check_work=True)
     args = ["--config", str(cfg.path), "--model", cfg.model_name]
     if resume:
         run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)  # a bad path: one line, see _Main
@@ -240,7 +177,7 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
     n = default_num_procs(num_procs)
-    cfg = _load(config_path, model, check_work=True)
+    cfg = load_checked(config_path, model, check_work=True)
     args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only"]
     args += ["--regenerate"] * regenerate + ["--strict"] * strict + ["--prune"] * prune
     sys.exit(launch_workers(args, n))
@@ -258,16 +195,16 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     from diffpipe_core.engine.launcher import default_num_procs
 
     n = default_num_procs(num_procs)
-    cfg = _load(config_path, model, n)
+    cfg = load_checked(config_path, model, n)
     spec = get_registry().model(cfg.model_name).spec
     try:
         scan = scan_dataset(load_dataset_config(cfg.run.dataset), spec)
     except DatasetError as exc:  # empty: the report still lists every file left out, and why
         if exc.result is not None and exc.result.skipped:
             click.echo(format_report(exc.result, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
-        _fail([f"{cfg.run.dataset}: {exc.summary}"])
+        fail([f"{cfg.run.dataset}: {exc.summary}"])
     except Exception as exc:
-        _fail([f"{cfg.run.dataset}: {exc}"])
+        fail([f"{cfg.run.dataset}: {exc}"])
     click.echo(format_report(scan, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
 
 

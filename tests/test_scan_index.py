@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffpipe_core.data import decode, scan_index
-from diffpipe_core.data import scan as scan_module
+from diffpipe_core.data import captions, decode, scan_index
 from diffpipe_core.data.dataset_config import DatasetConfig, load_dataset_config
 from diffpipe_core.data.items import ScanResult
 from diffpipe_core.data.scan import scan_dataset
@@ -50,7 +49,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
     monkeypatch.setattr(decode, "probe_image", counting(decode.probe_image))
     monkeypatch.setattr(decode, "probe_video", counting(decode.probe_video))
-    monkeypatch.setattr(scan_module, "read_caption", counting(scan_module.read_caption))
+    monkeypatch.setattr(captions, "read_caption", counting(captions.read_caption))
     return counts
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import load_adapter, read_adapter
 from diffpipe_core.engine.run_dir import read_metrics, step_seconds, train_losses
-from diffpipe_core.engine.trainer import quarter_means
+from diffpipe_core.engine.summary import quarter_means
 from diffpipe_core.optim import lr_lambda
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe, write_plugin_distribution

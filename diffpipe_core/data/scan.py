@@ -6,7 +6,6 @@ Every file that is left out becomes a :class:`SkippedFile` whose reason starts w
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import logging
@@ -15,6 +14,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+from diffpipe_core.data import captions
 from diffpipe_core.data.buckets import (
     clip_starts,
     closest_bucket,
@@ -70,34 +70,6 @@ class _CaptionError(Exception):
     pass
 
 
-_BOMS = (
-    (codecs.BOM_UTF32_LE, "utf-32"),
-    (codecs.BOM_UTF32_BE, "utf-32"),
-    (codecs.BOM_UTF8, "utf-8-sig"),
-    (codecs.BOM_UTF16_LE, "utf-16"),
-    (codecs.BOM_UTF16_BE, "utf-16"),
-)
-
-
-def read_caption(path: Path) -> str:
-    """A caption file's text: UTF-8, or UTF-8/16/32 with a byte-order mark. Other encodings raise
-    ``ValueError`` saying where the first bad byte is, rather than guessing and training on mojibake."""
-    data = path.read_bytes()
-    for bom, encoding in _BOMS:
-        if data.startswith(bom):
-            try:
-                return data.decode(encoding).strip()
-            except UnicodeDecodeError:
-                break
-    try:
-        return data.decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"caption file {path.name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
-            f"{exc.start}); save it as UTF-8"
-        ) from None
-
-
 class _Captions:
     """Finds the caption of a media file: ``name.txt`` beside it, else a ``captions.json`` in its folder
     (keyed by file name) or in the directory root (keyed by relative path)."""
@@ -113,7 +85,7 @@ class _Captions:
             path = folder / CAPTIONS_JSON
             if path.is_file():
                 try:
-                    raw = json.loads(read_caption(path))
+                    raw = json.loads(captions.read_caption(path))
                     if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
                         raise ValueError('expected an object {"file name": "caption", ...}')
                     table = {str(k): v.strip() for k, v in raw.items()}

@@ -35,7 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from diffpipe_core import __version__
-from diffpipe_core.data import decode
+from diffpipe_core.data import captions, decode
 from diffpipe_core.data.cache_keys import file_content_key
 
 log = logging.getLogger("diffpipe.data")
@@ -92,10 +92,8 @@ def read_file(path: str, kind: str, size: int | None = None, mtime_ns: int | Non
         size, mtime_ns = st.st_size, st.st_mtime_ns
     head: list[Any] = [size, mtime_ns, None]
     if kind == TEXT:
-        from diffpipe_core.data.scan import read_caption
-
         try:
-            return [*head, _TEXT_OK, read_caption(Path(path))]
+            return [*head, _TEXT_OK, captions.read_caption(Path(path))]
         except (ValueError, OSError) as exc:
             return [*head, _TEXT_ERROR, str(exc)]
     if size == 0:

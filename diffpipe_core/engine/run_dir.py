@@ -113,3 +113,20 @@ def step_seconds(run_dir: Path) -> list[float]:
     one per step (the last record of a step)."""
     per_step = {r["step"]: r["step_seconds"] for r in read_metrics(run_dir) if "loss" in r}
     return [per_step[s] for s in sorted(per_step)]
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop the records of steps after ``step`` from ``metrics.jsonl`` (atomically): a resumed run logs
+    them again, and each step must appear once."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by the kill
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))

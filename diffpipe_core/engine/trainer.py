@@ -1,147 +1,37 @@
 """The training loop: a plain loop around DeepSpeed's PipelineEngine.train_batch.
 
 Determinism: the noise, timesteps and caption dropout of micro-batch ``m`` come from a generator
-seeded by ``(seed, m, data-parallel rank)``, and torch's global RNG (LoRA dropout) is reseeded every
-step from ``(seed, step, rank)``. So a run resumed from a checkpoint repeats exactly the losses the
-uninterrupted run would have logged, and the first and last pipeline stages, which both draw the
-micro-batch, agree on it.
+seeded by ``(seed, m, data-parallel rank)`` (:mod:`diffpipe_core.engine.micro_batches`), and torch's global RNG
+(LoRA dropout) is reseeded every step from ``(seed, step, rank)``. So a run resumed from a checkpoint repeats
+exactly the losses the uninterrupted run would have logged.
+
+Building the stage, checkpoints and saves, evaluation and the guarded optimizer step each live in their own
+module; this one only runs the steps and decides when each of those happens.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict, read_adapter
 from diffpipe_core.config import ResolvedConfig
-from diffpipe_core.engine import checkpoint as ckpt_io
-from diffpipe_core.engine.ds_patches import (
-    ExplicitPartitionPipelineModule,
-    name_gradless_boundary_tensors,
-    wrap_stage_boundaries,
-)
-from diffpipe_core.engine.grad_norm import clip_grads_, global_grad_norm
-from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
-from diffpipe_core.engine.partition import stage_parts
-from diffpipe_core.engine.saving import export_model_formats, gather_to_rank0, write_adapter, write_model_shards
-from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
-from diffpipe_core.optim import build_optimizer, lr_lambda
-from diffpipe_core.quantize import quantize_stage
-from diffpipe_core.quiet import library_prints
+from diffpipe_core.engine.evaluation import evaluate
+from diffpipe_core.engine.micro_batches import MicroBatches, mix_seed
+from diffpipe_core.engine.run_dir import truncate_metrics
+from diffpipe_core.engine.run_state import restore_checkpoint, save_trained, write_checkpoint
+from diffpipe_core.engine.stage_build import Layout, build_stage
+from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_CONSECUTIVE_NONFINITE = 5
-EVAL_QUANTILES = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def mix_seed(*parts: int) -> int:
-    h = 1469598103934665603
-    for p in parts:
-        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
-
-
-class MicroBatches:
-    """The iterator DeepSpeed pulls micro-batches from: sampler -> collate -> prepare_inputs."""
-
-    def __init__(
-        self,
-        dataset: Any,
-        sampler: Any,
-        plugin: ModelPlugin,
-        context: TrainingContext,
-        seed: int,
-        dp_rank: int,
-        micro_index: int,
-    ) -> None:
-        self.dataset, self.sampler, self.plugin, self.context = dataset, sampler, plugin, context
-        self.seed, self.dp_rank, self.micro_index = seed, dp_rank, micro_index
-        self.step_ids: list[str] = []
-        self._it = iter(sampler)
-
-    def __iter__(self) -> MicroBatches:
-        return self
-
-    def __next__(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        try:
-            indices = next(self._it)
-        except StopIteration:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-            self._it = iter(self.sampler)
-            indices = next(self._it)
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.micro_index, self.dp_rank))
-        self.micro_index += 1
-        self.step_ids.extend(self.dataset.sample_ids(indices))
-        batch = self.dataset.collate(indices, generator)
-        return self.plugin.require("prepare_inputs", batch=batch, context=self.context, generator=generator)
-
-
-@dataclass
-class TrainSummary:
-    steps: int = 0
-    first_loss: float | None = None
-    last_loss: float | None = None
-    skipped_steps: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    samples: int = 0
-    first_quarter_loss: float | None = None  # mean training loss of the run's first quarter of steps
-    last_quarter_loss: float | None = None
-
-
-def quarter_means(run_dir: Path) -> tuple[float | None, float | None]:
-    """Mean finite training loss of the first and of the last quarter of the run's steps (from metrics.jsonl,
-    so a resumed run counts its steps before the resume too). Single steps are too noisy to show learning."""
-    from diffpipe_core.engine.run_dir import train_losses
-
-    losses = [v for _, v in sorted(train_losses(run_dir).items()) if v is not None and math.isfinite(v)]
-    if not losses:
-        return None, None
-    q = max(1, len(losses) // 4)
-    return sum(losses[:q]) / q, sum(losses[-q:]) / q
-
-
-def format_summary(summary: TrainSummary) -> str:
-    """The end-of-run line: steps, time, how the loss moved, skipped steps."""
-    line = f"trained {summary.steps} steps ({summary.samples} samples) in {summary.seconds:.1f} s"
-    first, last = summary.first_quarter_loss, summary.last_quarter_loss
-    if first is not None and last is not None:
-        change = f" ({(last - first) / first:+.0%})" if first > 0 else ""
-        line += f"; mean loss {first:.4f} in the first quarter of steps -> {last:.4f} in the last{change}"
-    if summary.skipped_steps:
-        line += f"; skipped steps (non-finite loss): {summary.skipped_steps}"
-    return line
-
-
-def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop the records of steps after ``step`` from ``metrics.jsonl`` (atomically): a resumed run logs
-    them again, and each step must appear once."""
-    from diffpipe_core.atomic import atomic_write_text
-
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line cut short by the kill
-            continue
-        if record.get("step", 0) <= step:
-            kept.append(line + "\n")
-    atomic_write_text(path, "".join(kept))
 
 
 class Trainer:
@@ -163,11 +53,9 @@ class Trainer:
         self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
         self.device = device
         self.eval_datasets = eval_datasets or {}
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.stages = self.run.pipeline_stages
-        self.dp = self.world // self.stages
-        self.stage_id, self.dp_rank = self.rank // self.dp, self.rank % self.dp
-        self.dtype = DTYPES[cfg.model.dtype]
+        self.layout = Layout(dist.get_rank(), dist.get_world_size(), self.run.pipeline_stages)
+        self.rank, self.world, self.stages = self.layout.rank, self.layout.world, self.layout.stages
+        self.dp, self.stage_id, self.dp_rank = self.layout.dp, self.layout.stage_id, self.layout.dp_rank
         self.sampler = BucketSampler(
             dataset.groups(), self.run.micro_batch_size_per_gpu, self.dp_rank, self.dp, self.run.seed
         )
@@ -179,235 +67,24 @@ class Trainer:
             )
         self.steps_per_epoch = len(self.sampler) // gas
         self.total_steps = self.run.max_steps or self.run.epochs * self.steps_per_epoch
-        self._build_model()
-        self._nonfinite = False
-        self.grad_norm: float | None = None
-
-    # ----------------------------------------------------------------------------- model
-    def _build_model(self) -> None:
-        run, plugin = self.run, self.plugin
-        stage = load_for_stages(plugin, self.cfg.model, self.device, self.dtype)
-        self.parts = stage_parts(stage.layers, self.stages, run.partition_method, run.partition_split)
-        own = range(self.parts[self.stage_id], self.parts[self.stage_id + 1])
-        swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
-        if stage.per_stage_loading:  # swapped blocks are read straight into host memory
-            resident = [i for i in own if i not in swapped]
-            materialise_layers(plugin, self.cfg.model, stage, resident, self.device)
-            materialise_layers(plugin, self.cfg.model, stage, swapped, torch.device("cpu"))
-        label = f"stage {self.stage_id}" if self.dp_rank == 0 else None  # quantize_stage prints one line
-        quantize_stage(self.cfg.model, stage, own, plugin.spec.block_layers, label)
-        self.model = stage.model
-        self.layer_names = [type(layer).__name__ for layer in stage.layers]
-        torch.manual_seed(run.seed)
-        if run.adapter is not None:
-            targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=self.cfg.model)
-            self.lora = lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets))
-            apply_lora(self.model, self.lora, DTYPES[run.adapter.dtype])
-            if run.adapter.init_from_existing:
-                self._init_adapter_from(run.adapter.init_from_existing)
-        else:
-            self.lora = None
-            for p in self.model.parameters():
-                p.requires_grad_(p.is_floating_point())
-        layers, n_swapped = wrap_stage_layers(
-            stage.layers, own, plugin.spec.block_layers, run.activation_checkpointing, run.blocks_to_swap, self.device
-        )
-        self._explain_memory_savers(n_swapped)
-        with library_prints():  # DeepSpeed prints SEED_LAYERS=... and "Using topology: ..." here
-            self.module = ExplicitPartitionPipelineModule(
-                layers=wrap_stage_boundaries(layers, self.parts),
-                parts=self.parts,
-                num_stages=self.stages,
-                loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
-                dynamic_shape=True,
-            )
-        self.trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad and p.device.type != "meta"}
-        if not self.trainable:
-            raise ValueError(
-                f"pipeline stage {self.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
-                "change partition_split or the adapter's target_modules"
-            )
-        self.optimizer = build_optimizer(run.optimizer, list(self.trainable.values()), plugin.registry.pm)
-        self.scheduler = LambdaLR(self.optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, self.total_steps))
-        self._guard_optimizer_step()
-        ds_config = {
-            "train_micro_batch_size_per_gpu": run.micro_batch_size_per_gpu,
-            "gradient_accumulation_steps": run.gradient_accumulation_steps,
-            "gradient_clipping": 0.0,  # done in _guard_optimizer_step
-            "steps_per_print": 1 << 30,
-            "wall_clock_breakdown": False,
-        }
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=self.module,
-            optimizer=self.optimizer,
-            lr_scheduler=self.scheduler,
-            config=ds_config,
-            model_parameters=list(self.trainable.values()),
-        )
-        if self.stage_id > 0:
-            producer = self.parts[self.stage_id] - 1
-            name_gradless_boundary_tensors(self.engine, f"layer {producer} ({self.layer_names[producer]})")
-
-    def _explain_memory_savers(self, n_swapped: int) -> None:
-        run, spec = self.run, self.plugin.spec
-        if self.rank != 0 or not run.blocks_to_swap:
-            return
-        if not spec.block_layers:
-            print(f"diffpipe: blocks_to_swap ignored: model {spec.name!r} names no block layers", flush=True)
-        elif self.device.type != "cuda":
-            print("diffpipe: blocks_to_swap has no effect without a GPU (weights live in host memory)", flush=True)
-        elif self.lora is None:
-            print("diffpipe: blocks_to_swap moves frozen weights only; a full fine-tune trains them all", flush=True)
-        elif getattr(self.cfg.model, "quantize", None):
-            print("diffpipe: blocks_to_swap moves unquantized weights only; quantized ones stay on the GPU", flush=True)
-        else:
-            print(f"diffpipe: swapping {n_swapped} blocks per stage with host memory", flush=True)
-
-    def _init_adapter_from(self, path: Path) -> None:
-        state, _ = read_adapter(path)
-        prefix = self.plugin.call("adapter_key_prefix") or "transformer"
-        named = dict(self.model.named_parameters())
-        loaded = 0
-        for key, value in state.items():
-            if key.endswith(".alpha"):
-                continue
-            bare = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else key
-            name = bare.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
-            if name in named and named[name].device.type != "meta":
-                named[name].data.copy_(value.to(named[name].dtype))
-                loaded += 1
-        if loaded == 0 and any(p.device.type != "meta" for n, p in named.items() if "lora_" in n):
-            raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's LoRA layers")
-
-    def _guard_optimizer_step(self) -> None:
-        """Clip by the global gradient norm over all stages, and skip the optimizer step on every rank when
-        any rank has a non-finite gradient, so a bad batch never reaches the weights or optimizer state.
-        (Clipping here rather than in DeepSpeed gives us the pre-clip norm to log.)"""
-        original = self.optimizer.step
-        params = list(self.trainable.values())
-
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            grads = [p.grad for p in params if p.grad is not None]
-            self.grad_norm = global_grad_norm(grads, self.dp, self.device)
-            if not math.isfinite(self.grad_norm):
-                self._nonfinite = True
-                self.optimizer.zero_grad(set_to_none=True)
-                return None
-            clip_grads_(grads, self.run.gradient_clipping, self.grad_norm)
-            return original(*args, **kwargs)
-
-        self.optimizer.step = guarded_step  # type: ignore[method-assign]
+        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps)
+        self.engine, self.model = self.stage.engine, self.stage.model
 
     # ----------------------------------------------------------------------------- state
     def _checkpoint(self, step: int, micro_index: int) -> None:
-        state = {
-            "step": step,
-            "micro_index": micro_index,
-            "sampler": self.sampler.state_dict(),
-            "world_size": self.world,
-            "pipeline_stages": self.stages,
-            "total_steps": self.total_steps,
-        }
-        optim_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        ckpt_io.write_checkpoint(
-            self.run_dir,
-            step,
-            rank=self.rank,
-            stage_id=self.stage_id,
-            dp_rank=self.dp_rank,
-            params=self.trainable,
-            optimizer_state=optim_state,
-            train_state=state,
-            keep=self.run.keep_checkpoints,
-            barrier=dist.barrier,
+        write_checkpoint(
+            self.run_dir, self.cfg, self.layout, self.stage, self.sampler, step, micro_index, self.total_steps
         )
 
-    def _restore(self, ckpt: Path) -> dict[str, Any]:
-        state = ckpt_io.read_train_state(ckpt)
-        params = ckpt_io.read_params(ckpt)
-        missing = [n for n in self.trainable if n not in params]
-        if missing:
-            raise ValueError(f"checkpoint {ckpt} lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, p in self.trainable.items():
-                p.copy_(params[name].to(p.dtype))
-        if state.get("pipeline_stages") == self.stages and state.get("world_size") == self.world:
-            optim = ckpt_io.read_optimizer_state(ckpt, self.stage_id)
-            self.optimizer.load_state_dict(optim["optimizer"])
-            self.scheduler.load_state_dict(optim["scheduler"])
-        elif self.rank == 0:
-            print(f"diffpipe: process layout changed since {ckpt.name}; optimizer state starts fresh", flush=True)
-        self.sampler.load_state_dict(state["sampler"])
-        return state
-
     def _save(self, name: str) -> Path:
-        out = self.run_dir / "saved" / name
-        save_dtype = DTYPES[self.run.save_dtype]
-        if self.lora is not None:
-            merged = gather_to_rank0(lora_state_dict(self.model), include=self.dp_rank == 0)
-            if self.rank == 0:
-                assert merged is not None
-                problems = write_adapter(out, merged, self.plugin, self.lora, self.run.adapter.save_formats, save_dtype)
-                self._report_save_problems(out, problems)
-            dist.barrier()
-        else:
-            local = {n: p for n, p in self.model.state_dict().items() if p.device.type != "meta"}
-            write_model_shards(
-                out,
-                local,
-                rank=self.rank,
-                stage_id=self.stage_id,
-                dp_rank=self.dp_rank,
-                num_stages=self.stages,
-                dtype=save_dtype,
-                barrier=dist.barrier,
-            )
-            if self.rank == 0 and self.run.save_model_formats:
-                problems = export_model_formats(out, self.plugin, self.cfg.model, self.run.save_model_formats)
-                self._report_save_problems(out, problems)
-            dist.barrier()
-        return out
-
-    def _report_save_problems(self, out: Path, problems: list[str]) -> None:
-        for problem in problems:
-            print(f"diffpipe: ERROR saving {out}: {problem}", file=sys.stderr, flush=True)
-
-    def evaluate(self, step: int, writer: Any) -> dict[str, float]:
-        """Held-out loss of every eval dataset at fixed timestep quantiles (no dropout, no update).
-
-        Every eval micro-batch of this rank's share goes through the pipeline once per quantile, with
-        noise seeded by its position, so eval losses are comparable across steps and runs.
-        """
-        from diffpipe_core.data import BucketSampler
-
-        results: dict[str, float] = {}
-        for name, dataset in self.eval_datasets.items():
-            per_quantile = []
-            for q in EVAL_QUANTILES:
-                sampler = BucketSampler(dataset.groups(), self.run.micro_batch_size_per_gpu, self.dp_rank, self.dp, 0)
-                if len(sampler) == 0:
-                    break
-                context = TrainingContext(model_config=self.cfg.model, step=step, eval_quantile=q)
-                batches = MicroBatches(dataset, sampler, self.plugin, context, self.run.seed + 1, self.dp_rank, 0)
-                loss = float(self.engine.eval_batch(iter(batches), num_micro_batches=len(sampler)))
-                per_quantile.append(loss)
-                results[f"{name}/t_q{q:.1f}"] = loss
-            if per_quantile:
-                results[f"{name}/loss"] = sum(per_quantile) / len(per_quantile)
-        if writer is not None:
-            for key, value in results.items():
-                writer.add_scalar(f"eval/{key}", value, step)
-        if self.rank == 0 and results:
-            means = ", ".join(f"{k.split('/')[0]} {v:.4f}" for k, v in results.items() if k.endswith("/loss"))
-            tqdm.write(f"diffpipe: step {step} eval loss: {means}")
-        return results
+        return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
 
     # ----------------------------------------------------------------------------- loop
     def train(self, resume_from: Path | None = None) -> TrainSummary:
         run = self.run
         start_step, micro_index = 0, 0
         if resume_from is not None:
-            state = self._restore(resume_from)
+            state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler)
             start_step, micro_index = state["step"], state["micro_index"]
         context = TrainingContext(model_config=self.cfg.model)
         batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
@@ -436,19 +113,20 @@ class Trainer:
         started = time.monotonic()
         consecutive_bad = 0
         samples_per_step = run.micro_batch_size_per_gpu * run.gradient_accumulation_steps * self.dp
+        guard, scheduler = self.stage.guard, self.stage.scheduler
         step = start_step
         while step < self.total_steps:
             torch.manual_seed(mix_seed(run.seed, step, self.rank))
             batches.step_ids = []
             context.step = step
-            self._nonfinite = False
-            lr = self.scheduler.get_last_lr()[0]  # the lr this step uses (train_batch steps the scheduler)
+            guard.start_step()
+            lr = scheduler.get_last_lr()[0]  # the lr this step uses (train_batch steps the scheduler)
             t0 = time.perf_counter()
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
             step += 1
-            grad_norm = self.grad_norm
-            if self._nonfinite or not math.isfinite(loss):
+            grad_norm = guard.grad_norm
+            if guard.nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
                 summary.skipped_steps.append(step)
                 ids = ", ".join(batches.step_ids) or "(held by the first stage)"
@@ -517,6 +195,9 @@ class Trainer:
             self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
             print(f"diffpipe: {format_summary(summary)}; saved to {final}", flush=True)
         return summary
+
+    def evaluate(self, step: int, writer: Any) -> dict[str, float]:
+        return evaluate(self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer)
 
     def _epoch(self, step: int) -> int:
         return step // self.steps_per_epoch

@@ -49,13 +49,13 @@ def sample(
     Settings not given here (resolution, guidance, cfg, negative prompt, frames) come from the config's
     [sample] table. Reads the run's dataset cache like train does (and builds it if missing).
     """
-    from diffpipe_core.cli import _fail, _load
+    from diffpipe_core.cli_common import fail, load_checked
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
     from diffpipe_core.registry import get_registry
     from diffpipe_core.sampling.config import missing_sampling_hooks
 
     n = default_num_procs(num_procs)
-    cfg = _load(config_path, model, n)
+    cfg = load_checked(config_path, model, n)
     problems = []
     missing = missing_sampling_hooks(get_registry().model(cfg.model_name))
     if missing:
@@ -70,7 +70,7 @@ def sample(
     if out.suffix.lower() in (".png", ".mp4") and len(prompts) > 1:
         problems.append(f"--out {out}: one file but {len(prompts)} prompts; give a folder")
     if problems:
-        _fail(problems)
+        fail(problems)
     request = {
         "prompts": list(prompts) or None,
         "adapter": str(adapter.resolve()) if adapter is not None else None,

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_cosmos import resize
@@ -96,6 +97,8 @@ def train(root: Path, config: Path, procs: int) -> Path:
     assert result.returncode == 0, result.output[-4000:]
     return next(p for p in (root / "out").iterdir() if p.is_dir())
 
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+
 
 @pytest.fixture(scope="session")
 def predict2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -129,6 +132,11 @@ def test_loss_falls_and_both_media_kinds_trained(run: tuple[str, Path]) -> None:
     # images (1 latent frame) and clips (2 latent frames) were both cached
     frames = {shape[1] for shape in cached_latent_shapes(path)}
     assert frames == {1, 2}, frames
+
+
+def test_saved_lora_files_are_the_golden_ones(run: tuple[str, Path]) -> None:
+    name, path = run
+    assert_matches(path / "saved" / "final", GOLDEN / f"{name}.json")
 
 
 def cached_latent_shapes(run_dir: Path) -> list[tuple[int, ...]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe_core.engine.trainer import quarter_means
+from diffpipe_core.engine.summary import quarter_means
 from diffpipe_core.testing.processes import run_diffpipe
 
 pytestmark = pytest.mark.slow

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_flux.bfl import bfl_to_diffusers
@@ -23,6 +24,8 @@ from diffpipe_flux.packing import image_ids, text_ids
 from diffpipe_flux.testing import TinyFluxConfig, bfl_path, write_tiny_flux
 
 pytestmark = pytest.mark.slow
+
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 RANK, ALPHA, STEPS = 4, 8.0, 24
 RUN_TOML = f"""
@@ -115,6 +118,11 @@ def test_two_data_parallel_replicas_from_bfl_file_loss_falls(tmp_path: Path) -> 
     run = train(tmp_path, make_project(tmp_path, stages=1, single_file=True))
     assert json.loads((run / "run_info.json").read_text())["num_procs"] == 2
     assert_loss_falls(losses(run))
+    assert_matches(run / "saved" / "final", GOLDEN / "data_parallel_bfl.json")
+
+
+def test_saved_lora_files_are_the_golden_ones(two_stages: Path) -> None:
+    assert_matches(two_stages / "saved" / "final", GOLDEN / "two_stages.json")
 
 
 def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, run_diffpipe
 from diffpipe_hunyuan.original import diffusers_to_original, original_to_diffusers
@@ -64,6 +65,8 @@ save_formats = ["diffusers", "comfyui"]
 lr = 4e-3
 """
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house"]
+
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
 def make_project(root: Path) -> Path:
@@ -145,6 +148,11 @@ def test_one_process_from_the_single_file_repeats_the_two_stage_losses(
     assert "media encoded 0, reused 12" in output, output[-2000:]
     # same data order, noise and weights: the pipeline split and the single-file conversion change nothing
     assert losses(run) == pytest.approx(losses(two_stages[0]), rel=1e-4)
+    assert_matches(run / "saved" / "final", GOLDEN / "one_process_single_file.json")
+
+
+def test_saved_lora_files_are_the_golden_ones(two_stages: tuple[Path, str]) -> None:
+    assert_matches(two_stages[0] / "saved" / "final", GOLDEN / "two_stages.json")
 
 
 def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_ltx.testing import single_file_path, write_clips, write_tiny_ltx
@@ -57,6 +58,8 @@ lr = 1e-2
 """
 CAPTIONS = ["a red car", "a blue river", "a green tree", "a dark city", "a cat", "a dog", "a house", "a sky"]
 TWO_STAGE_STEPS, ONE_PROC_STEPS = 20, 16
+
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
 def make_project(root: Path) -> Path:
@@ -125,6 +128,12 @@ def test_two_pipeline_stages_train_on_clips_and_images(runs: dict[str, Path]) ->
 
 def test_one_process_from_single_file_with_first_frame_conditioning(runs: dict[str, Path]) -> None:
     assert_loss_falls(runs["one_proc"], ONE_PROC_STEPS)
+
+
+@pytest.mark.parametrize("name", ["two_stages", "one_proc"])
+def test_saved_lora_files_are_the_golden_ones(runs: dict[str, Path], name: str) -> None:
+    golden = {"two_stages": "two_stages.json", "one_proc": "one_process_single_file.json"}[name]
+    assert_matches(runs[name] / "saved" / "final", GOLDEN / golden)
 
 
 def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):

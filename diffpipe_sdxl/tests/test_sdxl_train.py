@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_sdxl.plugin import LORA_TARGETS
@@ -68,6 +69,8 @@ def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_f
     return run
 
 
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+
 losses = train_losses
 
 
@@ -97,6 +100,10 @@ def test_loss_falls_and_two_stages_match_one(one_stage: Path, two_stages: Path) 
         trained = load_file(str(ckpt / f"params-stage{stage}.safetensors"))
         lora_b = [v for k, v in trained.items() if "lora_B" in k]
         assert lora_b and all(v.abs().max() > 0 for v in lora_b), f"stage {stage}"
+
+
+def test_saved_lora_files_are_the_golden_ones(two_stages: Path) -> None:
+    assert_matches(two_stages / "saved" / "final", GOLDEN / "two_stages.json")
 
 
 def _inputs() -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,77 @@
+"""What the ``diffpipe`` commands share: loading and checking a run config, and reporting problems.
+
+Its own module so that commands defined elsewhere (``diffpipe sample``) use it without importing ``cli.py``,
+which imports them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from diffpipe_core.registry import PluginError, get_registry
+from diffpipe_core.schema import ConfigError
+
+# What a user's input can cause (bad files, configs, folders): reported as a message, not a traceback.
+USER_ERRORS = (ConfigError, PluginError, OSError, ValueError, KeyError)
+
+
+def fail(problems: list[str], note: str | None = None) -> None:
+    if len(problems) == 1 and "\n" not in problems[0]:
+        click.echo(f"diffpipe: error: {problems[0]}", err=True)
+    else:
+        click.echo(f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:", err=True)
+        for p in problems:
+            click.echo(f"  - {p}", err=True)
+    if note:
+        click.echo(f"({note})", err=True)
+    sys.exit(1)
+
+
+def load_checked(config_path: Path, model: str | None, world_size: int | None = None, check_work: bool = False):
+    """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
+    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of
+    every dataset (an empty one fails)."""
+    from diffpipe_core.config import check_world_size, load_config
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    problems: list[str] = []
+    cfg = None
+    try:
+        cfg = load_config(config_path, get_registry(), model_override=model)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+    if cfg is not None:
+        datasets = []
+        try:
+            datasets.append(load_dataset_config(cfg.run.dataset))
+            for ev in cfg.run.eval_datasets:
+                datasets.append(load_dataset_config(ev.config))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        if world_size is not None:
+            try:
+                check_world_size(cfg.run, world_size, str(cfg.path))
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+        if check_work and not problems:
+            problems.extend(work_problems(cfg, datasets))
+    if problems:
+        fail(problems)
+    return cfg
+
+
+def work_problems(cfg, datasets: list) -> list[str]:
+    from diffpipe_core.data.scan import DatasetError, scan_dataset
+    from diffpipe_core.model_files import model_file_problems
+
+    plugin = get_registry().model(cfg.model_name)
+    problems = model_file_problems(plugin, cfg.model)
+    for dataset in datasets:
+        try:
+            scan_dataset(dataset, plugin.spec)
+        except (DatasetError, ConfigError) as exc:
+            problems.extend(getattr(exc, "problems", None) or [f"{dataset.source}: {exc}"])
+    return problems

@@ -1,0 +1,58 @@
+"""The micro-batches DeepSpeed pulls: sampler -> collate -> ``prepare_inputs``, each with its own seeded generator.
+
+The noise, timesteps and caption dropout of micro-batch ``m`` come from a generator seeded by
+``(seed, m, data-parallel rank)``, so a resumed run draws exactly what the uninterrupted run would have, and the
+first and last pipeline stages, which both draw each micro-batch, agree on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import TrainingContext
+
+
+def mix_seed(*parts: int) -> int:
+    """One 63-bit seed from several integers (FNV-style), stable across processes and runs."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+class MicroBatches:
+    """The iterator DeepSpeed pulls micro-batches from: sampler -> collate -> prepare_inputs."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: Any,
+        plugin: ModelPlugin,
+        context: TrainingContext,
+        seed: int,
+        dp_rank: int,
+        micro_index: int,
+    ) -> None:
+        self.dataset, self.sampler, self.plugin, self.context = dataset, sampler, plugin, context
+        self.seed, self.dp_rank, self.micro_index = seed, dp_rank, micro_index
+        self.step_ids: list[str] = []
+        self._it = iter(sampler)
+
+    def __iter__(self) -> MicroBatches:
+        return self
+
+    def __next__(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        try:
+            indices = next(self._it)
+        except StopIteration:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self._it = iter(self.sampler)
+            indices = next(self._it)
+        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.micro_index, self.dp_rank))
+        self.micro_index += 1
+        self.step_ids.extend(self.dataset.sample_ids(indices))
+        batch = self.dataset.collate(indices, generator)
+        return self.plugin.require("prepare_inputs", batch=batch, context=self.context, generator=generator)
