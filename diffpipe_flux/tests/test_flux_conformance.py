@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_flux.plugin as flux
 from diffpipe_core.testing.conformance import check_model_plugin
+from diffpipe_flux.plugin import plugin as flux
 from diffpipe_flux.testing import bfl_path
 
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import diffpipe_flux.plugin as flux
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
 from diffpipe_core.schema import validate
+from diffpipe_core.testing import runs
 from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
 from diffpipe_flux.config import FluxConfig
+from diffpipe_flux.plugin import plugin as flux
 from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer
 
 
@@ -30,23 +31,7 @@ def lora_model(targets: list[str], rank: int = 4):
 
 def merged_diffusers(model, alpha: float, rank: int) -> dict[str, torch.Tensor]:
     base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
-    for key, a in lora_state_dict(model).items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            b = lora_state_dict(model)[f"{module}.lora_B.weight"]
-            base[f"{module}.weight"] = base[f"{module}.weight"] + alpha / rank * b @ a
-    return base
-
-
-def apply_comfy(base_bfl: dict[str, torch.Tensor], comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = dict(base_bfl)
-    for key in comfy:
-        if key.endswith(".lora_A.weight"):
-            module = key[len("diffusion_model.") : -len(".lora_A.weight")]
-            a, b = comfy[key], comfy[f"diffusion_model.{module}.lora_B.weight"]
-            scale = float(comfy[f"diffusion_model.{module}.alpha"]) / a.shape[0]
-            out[f"{module}.weight"] = out[f"{module}.weight"] + scale * b @ a
-    return out
+    return runs.merge_peft(base, lora_state_dict(model), alpha / rank)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +47,7 @@ def test_comfyui_lora_applies_like_the_separate_loras(targets: list[str]) -> Non
     comfy = flux.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
     assert all(k.startswith("diffusion_model.") for k in comfy)
     base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
-    got = bfl_to_diffusers(apply_comfy(diffusers_to_bfl(base), comfy))
+    got = bfl_to_diffusers(runs.apply_comfyui(diffusers_to_bfl(base), comfy))
     expected = merged_diffusers(model, 6.0, 4)
     for key in expected:
         assert torch.allclose(got[key], expected[key], atol=1e-6), key

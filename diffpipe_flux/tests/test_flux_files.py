@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import diffpipe_flux.plugin as flux_plugin
 from diffpipe_core.registry import Registry
+from diffpipe_flux.plugin import plugin as flux_plugin
 from diffpipe_flux.testing import bfl_path
 
 
@@ -28,9 +28,15 @@ def test_flux_folder_passes_and_other_architectures_are_named(tiny_flux: Path, t
 
     sdxl = tmp_path / "sdxl"  # an SDXL folder's structure (its JSON files are all the check reads)
     (sdxl / "unet").mkdir(parents=True)
-    (sdxl / "model_index.json").write_text(json.dumps(
-        {"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
-         "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}))
+    (sdxl / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "StableDiffusionXLPipeline",
+                "unet": ["diffusers", "UNet2DConditionModel"],
+                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+            }
+        )
+    )
     (problem,) = _check(path=sdxl)
     assert str(sdxl / "model_index.json") in problem
     assert "'StableDiffusionXLPipeline'" in problem and "'FluxPipeline'" in problem

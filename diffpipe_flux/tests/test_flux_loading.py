@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import diffpipe_flux.plugin as flux
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.schema import validate
 from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
 from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.packing import image_ids, pack, unpack
+from diffpipe_flux.plugin import plugin as flux
 from diffpipe_flux.testing import bfl_path
 
 

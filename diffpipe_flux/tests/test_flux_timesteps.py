@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_flux.plugin as flux
 from diffpipe_core import TrainingContext
 from diffpipe_core.schema import validate
 from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.packing import pack
+from diffpipe_flux.plugin import plugin as flux
 
 N = 20000
 KS_1PCT = 1.63 / math.sqrt(N)  # Kolmogorov-Smirnov critical distance at the 1% level

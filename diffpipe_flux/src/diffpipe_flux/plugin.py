@@ -1,16 +1,17 @@
-"""Hook implementations of the Flux model plugin (entry point ``flux``).
+"""The Flux model plugin (entry point ``flux``): Flux.1 dev and schnell on the core's shared plugin parts.
 
-This module and ``model_spec`` import no torch, diffusers or transformers: ``diffpipe --help``, ``models`` and
-``validate`` load every plugin, so each hook imports the modules that do the work when it is called.
+This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
+every plugin); each hook imports what does the work when it is called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
+from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_flux.config import FluxConfig
 
 if TYPE_CHECKING:
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
-    from diffpipe_flux import encoding
 
 ATTENTION_AND_MLP = [
     "attn.to_q",
@@ -36,12 +37,22 @@ ATTENTION_AND_MLP = [
     "ff_context.net.2",
     "proj_mlp",
 ]
+PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline", "FluxControlPipeline")
+COMPONENTS = {
+    "transformer": "FluxTransformer2DModel",
+    "vae": "AutoencoderKL",
+    "text_encoder": "CLIPTextModel",
+    "text_encoder_2": "T5EncoderModel",
+    "tokenizer": TOKENIZER,
+    "tokenizer_2": TOKENIZER,
+}
+DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default
 
 
-@hookimpl
-def model_spec() -> ModelSpec:
-    """Flux: image model, VAE factor 8 x 2x2 packing = multiples of 16 pixels."""
-    return ModelSpec(
+class Flux(DiffusersModel, FlowSampling):
+    """Flux.1: an image model; VAE factor 8 x 2x2 packing = sizes in multiples of 16 pixels."""
+
+    spec = ModelSpec(
         name="flux",
         modality="image",
         config_schema=FluxConfig,
@@ -52,158 +63,138 @@ def model_spec() -> ModelSpec:
         model_formats=("diffusers", "single_file"),
         description="Flux.1 dev/schnell (diffusers folder or BFL single-file transformer)",
     )
+    folder = DiffusersFolder(
+        "flux", (*PIPELINES, "FluxKontextPipeline"), COMPONENTS, single_file_example="flux1-dev.safetensors"
+    )
+    model_class = "FluxTransformer2DModel"
+    single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
+    single_file_name = "flux1-transformer.safetensors"
+
+    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
+        from diffpipe_flux.bfl import layout_for_config
+
+        return layout_for_config(transformer_config)
+
+    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
+        from diffpipe_flux.bfl import lora_layout
+
+        return lora_layout(state_dict)
+
+    def default_lora_targets(self, model_config: FluxConfig) -> list[str]:
+        """Attention and MLP linears of the double and single blocks. A single block's output linear is named
+        ``proj_out`` like the model's final projection, so those are listed by full name."""
+        n_single = int(self.model_folder_config(model_config).get("num_single_layers", 0))
+        return ATTENTION_AND_MLP + [f"single_transformer_blocks.{i}.proj_out" for i in range(n_single)]
+
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def load_encoders(self, model_config: FluxConfig, device: torch.device) -> Any:
+        """VAE, CLIP-L (pooled vector) and T5 (sequence) with their tokenizers, from the diffusers folder."""
+        from diffpipe_core.parts.encoders import load_components
+
+        return load_components(
+            self.folder, model_config, device, "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"
+        )
+
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, C, H/8, W/8) as ``(mode - shift_factor) * scaling_factor``, ``mask`` on the latent
+        grid. Captions: ``t5_embeds`` (B, t5_max_length, d) and ``clip_pooled`` (B, d), as
+        ``FluxPipeline.encode_prompt`` makes them."""
+        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
+        from diffpipe_core.parts.text import TextEncoding, encode_text
+
+        out: dict[str, torch.Tensor] = {}
+        if batch.pixels is not None:
+            out["latents"] = shift_and_scale(vae_mode(encoders.vae, batch.pixels), encoders.vae.config).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+        if batch.captions is not None:
+            clip_len = min(encoders.tokenizer.model_max_length, encoders.text_encoder.config.max_position_embeddings)
+            clip = encode_text(
+                encoders.text_encoder,
+                encoders.tokenizer,
+                batch.captions,
+                TextEncoding(clip_len, pooled="pooler_output"),
+            )
+            t5 = encode_text(
+                encoders.text_encoder_2,
+                encoders.tokenizer_2,
+                batch.captions,
+                TextEncoding(encoders.config.t5_max_length),
+            )
+            out.update(t5_embeds=t5.embeds, clip_pooled=clip.pooled)
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: FluxConfig) -> list[nn.Module]:
+        """Embedders, each double block, each single block, final norm/projection."""
+        from diffpipe_flux import layers
+
+        return layers.split_into_layers(model)
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x_t, t, t5_embeds, clip_pooled, guidance, img_ids, txt_ids), (target[, mask]))``, packed 2x2; rectified
+        flow (:func:`diffpipe_core.parts.flow.flow_sample`) with ``shift`` or Flux's resolution shift."""
+        import torch
+
+        from diffpipe_core.diffusion import flux_resolution_shift
+        from diffpipe_core.parts.flow import flow_sample, with_mask
+        from diffpipe_flux.packing import image_ids, pack, text_ids
+
+        cfg: FluxConfig = context.model_config  # type: ignore[assignment]
+        b, c, h, w = batch["latents"].shape
+        shift = flux_resolution_shift((h // 2) * (w // 2)) if cfg.flux_shift else cfg.shift
+        f = flow_sample(batch["latents"], cfg, context, generator, shift)
+        text = batch["t5_embeds"].float()
+        guidance = torch.full((b,), float(cfg.guidance))
+        inputs = (
+            pack(f.x_t),
+            f.t,
+            text,
+            batch["clip_pooled"].float(),
+            guidance,
+            image_ids(h, w),
+            text_ids(text.shape[1]),
+        )
+        return inputs, with_mask((pack(f.target),), batch, lambda m: pack(m.expand(b, c, h, w).contiguous()))
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: FluxConfig, generator: torch.Generator):
+        """Noise ``(1, C, H/8, W/8)`` and ``FluxPipeline``'s resolution-shifted flow-matching sigmas."""
+        from diffpipe_flux import sampling
+
+        return sampling.denoise_init(self.folder, request, model_config, generator)
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """Packed latents, t, T5 and CLIP embeddings, guidance (``[sample] guidance``, default 3.5), position ids."""
+        import torch
+
+        from diffpipe_flux.packing import image_ids, pack, text_ids
+
+        b, _, h, w = latents.shape
+        guidance = DEFAULT_GUIDANCE if request.guidance is None else request.guidance
+        t5 = text["t5_embeds"].float()
+        t = schedule[index].float().expand(b)
+        pooled = text["clip_pooled"].float()
+        return (
+            pack(latents.float()),
+            t,
+            t5,
+            pooled,
+            torch.full((b,), float(guidance)),
+            image_ids(h, w),
+            text_ids(t5.shape[1]),
+        )
+
+    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        from diffpipe_flux.packing import unpack
+
+        return unpack(prediction, latents.shape[-2], latents.shape[-1])
 
 
-@hookimpl
-def validate_model_files(model_config: FluxConfig) -> list[str]:
-    """The diffusers Flux folder (pipeline and component classes, tokenizers, transformer weights) and the
-    BFL transformer file's keys, without reading weights."""
-    from diffpipe_flux import files
-
-    return files.problems(model_config)
-
-
-@hookimpl
-def load_encoders(model_config: FluxConfig, device: torch.device) -> Any:
-    """VAE, CLIP-L and T5 with their tokenizers, from the diffusers folder."""
-    from diffpipe_flux import encoding
-
-    return encoding.load_encoders(model_config, device)
-
-
-@hookimpl
-def encode_batch(encoders: encoding.FluxEncoders, batch: EncodeBatch) -> dict[str, torch.Tensor]:
-    """Media: ``latents`` (B, C, H/8, W/8) shifted and scaled, ``mask`` on the latent grid when given.
-    Captions: ``t5_embeds`` (B, t5_max_length, d) and ``clip_pooled`` (B, d)."""
-    from diffpipe_flux import encoding
-
-    out: dict[str, torch.Tensor] = {}
-    if batch.pixels is not None:
-        out["latents"] = encoding.encode_pixels(encoders, batch.pixels)
-        if batch.masks is not None:
-            out["mask"] = encoding.downsample_mask(batch.masks, tuple(out["latents"].shape[-2:]))
-    if batch.captions is not None:
-        out.update(encoding.encode_captions(encoders, batch.captions))
-    return out
-
-
-@hookimpl
-def load_diffusion_model(model_config: FluxConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The diffusers ``FluxTransformer2DModel``. On ``meta``: a skeleton whose weights
-    :func:`diffusion_model_weights` locates, in the diffusers folder or the BFL single file."""
-    import torch
-
-    from diffpipe_flux import loading
-
-    if torch.device(device).type == "meta":
-        return loading.build_transformer(model_config, "meta", dtype)
-    return loading.load_transformer(model_config, device, dtype)
-
-
-@hookimpl
-def diffusion_model_weights(model_config: FluxConfig) -> list[tuple[Path, Callable[[str], str | None]]]:
-    """Per-stage loading from the diffusers folder (keys are the model's own) or from the BFL single file, whose
-    key map splits a fused tensor (``img_attn.qkv``, ``linear1``) only for a stage that holds its block."""
-    from diffpipe_flux import loading
-
-    if model_config.transformer_file is not None:
-        return [(model_config.transformer_file, loading.single_file_key_map(model_config))]
-    return [(file, lambda key: key) for file in loading.folder_weight_files(model_config)]
-
-
-@hookimpl
-def split_into_layers(model: nn.Module, model_config: FluxConfig) -> list[nn.Module]:
-    """Embedders, each double block, each single block, final norm/projection."""
-    from diffpipe_flux import layers
-
-    return layers.split_into_layers(model)
-
-
-@hookimpl
-def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-    """Rectified flow on packed latents; see :func:`diffpipe_flux.inputs.flux_inputs`."""
-    from diffpipe_flux.inputs import flux_inputs
-
-    return flux_inputs(batch, context, generator)
-
-
-@hookimpl
-def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE to the velocity ``noise - latents`` (mask-weighted when the dataset gives masks)."""
-    from diffpipe_flux.inputs import flux_loss
-
-    return flux_loss(outputs, targets)
-
-
-@hookimpl
-def lora_targets(model_config: FluxConfig) -> list[str]:
-    """Attention and MLP linears of the double and single blocks. A single block's output linear is named
-    ``proj_out`` like the model's final projection, so those are listed by full name."""
-    from diffpipe_flux import loading
-
-    n_single = int(loading.transformer_config(model_config).get("num_single_layers", 0))
-    return ATTENTION_AND_MLP + [f"single_transformer_blocks.{i}.proj_out" for i in range(n_single)]
-
-
-@hookimpl
-def adapter_key_prefix() -> str:
-    from diffpipe_flux import export
-
-    return export.PREFIX
-
-
-@hookimpl
-def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str):
-    """``diffusers`` (peft keys under ``transformer.``) and ``comfyui`` (BFL-native keys, fused q/k/v, ``.alpha``)."""
-    from diffpipe_flux import export
-
-    return export.export_adapter(state_dict, alpha, format)
-
-
-@hookimpl
-def export_model(saved_dir: Path, model_config: FluxConfig, out_dir: Path, format: str) -> bool | None:
-    """``diffusers`` (a transformer folder) or ``single_file`` (one original BFL-layout safetensors file),
-    converted from the core's saved shards."""
-    from diffpipe_flux import export, loading
-
-    config = model_config.path / loading.TRANSFORMER / "config.json"
-    return export.export_model(saved_dir, config, out_dir, format)
-
-
-@hookimpl
-def denoise_init(request: SampleRequest, model_config: FluxConfig, generator: torch.Generator):
-    """Noise ``(1, C, H/8, W/8)`` and FluxPipeline's resolution-shifted flow-matching sigmas."""
-    from diffpipe_flux import sampling
-
-    return sampling.denoise_init(request, model_config, generator)
-
-
-@hookimpl
-def denoise_inputs(latents, schedule, index, text, request, model_config):
-    """Packed latents, t, T5 and CLIP embeddings, guidance (``[sample] guidance``, default 3.5), position ids."""
-    from diffpipe_flux import sampling
-
-    return sampling.denoise_inputs(latents, schedule, index, text, request)
-
-
-@hookimpl
-def denoise_step(latents, prediction, schedule, index, model_config):
-    """Flow-matching Euler step."""
-    from diffpipe_flux import sampling
-
-    return sampling.denoise_step(latents, prediction, schedule, index)
-
-
-@hookimpl
-def load_decoder(model_config: FluxConfig, device: torch.device) -> Any:
-    """The VAE alone (``encoder_dtype``)."""
-    from diffpipe_flux import sampling
-
-    return sampling.load_decoder(model_config, device)
-
-
-@hookimpl
-def decode_latents(decoder: Any, latents: torch.Tensor) -> torch.Tensor:
-    from diffpipe_flux import sampling
-
-    return sampling.decode_latents(decoder, latents)
+plugin = Flux()

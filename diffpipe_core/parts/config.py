@@ -1,0 +1,60 @@
+"""``[model]`` keys every diffusers-backed model shares, declared once so each plugin's schema lists only its own.
+
+    class FluxConfig(DiffusersModelConfig, FlowMatchingConfig):
+        t5_max_length: int = Field(512, ge=1, le=512, description="T5 token count.")
+
+Field order in ``diffpipe config-reference`` follows the classes: shared keys first, then the model's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from diffpipe_core.types import ModelConfigBase
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class DiffusersModelConfig(ModelConfigBase):
+    """A model read from a diffusers folder, optionally with its diffusion model from an original single file."""
+
+    path: Path = Field(
+        description="The model's diffusers folder (model_index.json and its component folders, as "
+        "`save_pretrained` writes them; the components are listed by `diffpipe validate`). With transformer_file, "
+        "the transformer folder needs only its config.json."
+    )
+    transformer_file: Path | None = Field(
+        None,
+        description="Optional single-file transformer in the model's original key layout (as the model's authors "
+        "and ComfyUI ship it); replaces the weights in path/transformer. Its sizes must match "
+        "path/transformer/config.json.",
+    )
+    dtype: Dtype = Field("bfloat16", description="dtype of the diffusion model's base weights while training.")
+    encoder_dtype: Dtype = Field("bfloat16", description="dtype of the VAE and text encoders while caching.")
+
+
+class FlowMatchingConfig(ModelConfigBase):
+    """Rectified-flow training times: how ``t`` is drawn, shifted and limited (:mod:`diffpipe_core.parts.flow`)."""
+
+    timestep_sample_method: Literal["logit_normal", "uniform"] = Field(
+        "logit_normal", description="How training times t in (0, 1) are drawn."
+    )
+    sigmoid_scale: float = Field(1.0, gt=0, description="logit_normal: t = sigmoid(sigmoid_scale * N(0, 1)).")
+    shift: float = Field(1.0, gt=0, description="Time shift t' = shift*t / (1 + (shift-1)*t).")
+    min_t: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Train only times t >= min_t (after the shift, t = 1 is pure noise): the drawn times are mapped "
+        "linearly onto [min_t, max_t]. For a model that hands denoising to a second expert (Wan 2.2 A14B).",
+    )
+    max_t: float = Field(1.0, gt=0.0, le=1.0, description="Train only times t <= max_t (see min_t).")
+
+    @model_validator(mode="after")
+    def _range(self) -> FlowMatchingConfig:
+        if self.min_t >= self.max_t:
+            raise ValueError(f"min_t ({self.min_t}) must be below max_t ({self.max_t})")
+        return self

@@ -1,0 +1,44 @@
+"""Caching-time latents: the VAE posterior's mode with the model's own normalisation, and loss masks on the latent
+grid. The mode (not a sample) is cached, so a cache is deterministic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def vae_mode(vae: Any, pixels: torch.Tensor, video: bool = False) -> torch.Tensor:
+    """The posterior mode of ``pixels`` in float32, on the VAE's device. ``video``: a video VAE, which takes
+    ``(B, 3, F, H, W)``; images ``(B, 3, H, W)`` are given one frame."""
+    if video and pixels.dim() == 4:
+        pixels = pixels.unsqueeze(2)
+    param = next(vae.parameters())
+    return vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode().float()
+
+
+def shift_and_scale(z: torch.Tensor, vae_config: Any) -> torch.Tensor:
+    """``(z - shift_factor) * scaling_factor`` (``shift_factor`` None counts as 0), as Flux and SD pipelines
+    invert it before decoding."""
+    shift = getattr(vae_config, "shift_factor", None) or 0.0
+    return (z - shift) * vae_config.scaling_factor
+
+
+def per_channel(values: Any, like: torch.Tensor) -> torch.Tensor:
+    """Per-channel statistics shaped to broadcast over ``like`` (channels at dim 1)."""
+    stats = torch.as_tensor(values, dtype=like.dtype, device=like.device)
+    return stats.view(1, -1, *([1] * (like.dim() - 2)))
+
+
+def normalize(z: torch.Tensor, mean: Any, std: Any, scale: float = 1.0) -> torch.Tensor:
+    """``(z - mean) * scale / std`` per channel: the inverse of the pipelines' ``latents * std / scale + mean``."""
+    return (z - per_channel(mean, z)) * scale / per_channel(std, z)
+
+
+def latent_mask(masks: torch.Tensor, latent_hw: tuple[int, ...], video: bool = False) -> torch.Tensor:
+    """``(B, 1, H, W)`` pixel loss masks averaged down to the latent grid: ``(B, 1, h, w)``, or for a video model
+    ``(B, 1, 1, h, w)`` (one mask for every latent frame)."""
+    mask = F.adaptive_avg_pool2d(masks.float(), tuple(latent_hw[-2:]))
+    return mask.unsqueeze(2) if video else mask

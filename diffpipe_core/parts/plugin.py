@@ -1,0 +1,237 @@
+"""The base class of a model plugin on a diffusers model: declare what differs, implement only the model's own hooks.
+
+    class Flux(DiffusersModel):
+        spec = ModelSpec(name="flux", modality="image", config_schema=FluxConfig, ...)
+        folder = DiffusersFolder(model_name="flux", pipelines=("FluxPipeline",), components={...})
+        model_class = "FluxTransformer2DModel"
+        single_file_name = "flux1-transformer.safetensors"
+
+        def original_layout(self, transformer_config):   # the original single-file layout, or leave it out
+            from diffpipe_flux.bfl import layout
+            return layout(transformer_config)
+
+        @hookimpl
+        def encode_batch(self, encoders, batch, model_config): ...
+        ...
+
+    plugin = Flux()        # the entry point names this object: flux = "diffpipe_flux.plugin:plugin"
+
+pluggy registers an instance's marked methods like a module's functions, so the base class's hooks
+(``model_spec``, ``validate_model_files``, ``load_diffusion_model``, ``diffusion_model_weights``, ``lora_targets``,
+``adapter_key_prefix``, ``export_adapter``, ``export_model``, ``compute_loss``) come from the declarations, and a
+subclass writes ``load_encoders``, ``encode_batch``, ``split_into_layers``, ``prepare_inputs`` (and the sampling hooks,
+if it samples). A method named like a hook must carry ``@hookimpl`` (the class refuses one that does not: pluggy
+would silently skip it). This module imports no torch: the work happens inside the hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from diffpipe_core import hookimpl, hookspecs
+from diffpipe_core.types import ModelConfigBase, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diffpipe_core.parts.folder import DiffusersFolder
+    from diffpipe_core.parts.layout import KeyTable
+
+_HOOKS = frozenset(name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), "diffpipe_spec"))
+
+
+class DiffusersModel:
+    """Hooks of a diffusers-backed model plugin, from its declarations (class attributes and small methods).
+
+    Declare:
+        spec: the :class:`~diffpipe_core.types.ModelSpec`.
+        folder: the :class:`~diffpipe_core.parts.folder.DiffusersFolder` (components, pipeline classes).
+        model_class: the diffusers class of the diffusion model (``"FluxTransformer2DModel"``).
+        single_file_key: the ``[model]`` key of an original-layout single file (None: the model has none).
+        single_file_markers: original keys (without a file prefix) every such file holds; ``validate`` checks them.
+        single_file_name: the file name of a ``single_file`` export.
+        lora_target_names: the default ``lora_targets`` (exact module names or dotted suffixes, peft's rule).
+
+    and override :meth:`original_layout` when the model has an original single-file layout, and
+    :meth:`default_lora_targets` when the default targets depend on the config.
+    """
+
+    spec: ClassVar[ModelSpec]
+    folder: ClassVar[DiffusersFolder]
+    model_class: ClassVar[str]
+    single_file_key: ClassVar[str | None] = "transformer_file"
+    single_file_markers: ClassVar[tuple[str, ...]] = ()
+    single_file_name: ClassVar[str] = "transformer.safetensors"
+    lora_target_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        unmarked = [
+            name
+            for name, value in vars(cls).items()
+            if name in _HOOKS and callable(value) and not hasattr(value, "diffpipe_impl")
+        ]
+        if unmarked:
+            raise TypeError(
+                f"{cls.__name__}.{unmarked[0]} is named like a diffpipe hook but lacks @hookimpl (pluggy would "
+                "skip it); mark it, or rename it"
+            )
+
+    # ------------------------------------------------------------------------------------------ declarations
+    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable | None:
+        """The model's original single-file key layout, sized from the diffusion model's config; None: none."""
+        return None
+
+    def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
+        """The default LoRA targets; :attr:`lora_target_names` unless overridden."""
+        return list(self.lora_target_names)
+
+    def single_file(self, model_config: ModelConfigBase) -> Path | None:
+        """The configured original-layout single file, if any."""
+        return getattr(model_config, self.single_file_key, None) if self.single_file_key else None
+
+    def model_folder_config(self, model_config: ModelConfigBase) -> dict[str, Any]:
+        """The diffusion model's ``config.json`` (diffusers' private keys left out)."""
+        return self.folder.model_config(model_config.path)  # type: ignore[attr-defined]
+
+    def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
+        layout = self.original_layout(self.model_folder_config(model_config))
+        if layout is None:
+            raise ValueError(f"model {self.spec.name!r} has no original single-file layout")
+        return layout
+
+    # ------------------------------------------------------------------------------------------ hooks
+    @hookimpl
+    def model_spec(self) -> ModelSpec:
+        """The declared :attr:`spec`."""
+        return self.spec
+
+    @hookimpl
+    def validate_model_files(self, model_config: ModelConfigBase) -> list[str]:
+        """The folder's structure from :attr:`folder`, and the single file's keys, without reading weights."""
+        single = self.single_file(model_config)
+        layout = None
+        if single is not None:
+            try:
+                layout = self.layout_for(model_config)
+            except (OSError, ValueError) as exc:
+                return [str(exc)]
+        return self.folder.problems(model_config.path, single, layout, self.single_file_markers)  # type: ignore[attr-defined]
+
+    def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
+        """The diffusion model from its config with uninitialised (or meta) weights, cast the way
+        ``from_pretrained(torch_dtype=dtype)`` casts (float32-kept modules stay float32)."""
+        import torch
+
+        from diffpipe_core.engine.model_loading import cast_skeleton
+        from diffpipe_core.parts.folder import _find_class
+
+        cls = _find_class(self.model_class)
+        with torch.device(device):
+            model = cls.from_config(self.model_folder_config(model_config))
+        return cast_skeleton(model, dtype)
+
+    @hookimpl
+    def load_diffusion_model(
+        self, model_config: ModelConfigBase, device: torch.device, dtype: torch.dtype
+    ) -> nn.Module:
+        """On ``meta``, the skeleton (:meth:`build_skeleton`) whose weights :meth:`diffusion_model_weights` locates;
+        otherwise the whole model with its weights, from the folder or converted from the single file. Missing,
+        unexpected or misshapen tensors raise, naming the file and the keys."""
+        import torch
+        from safetensors.torch import load_file
+
+        if torch.device(device).type == "meta":
+            return self.build_skeleton(model_config, "meta", dtype)
+        model = self.build_skeleton(model_config, "meta", dtype)
+        skeleton = model.state_dict()
+        shapes = {k: tuple(v.shape) for k, v in skeleton.items()}
+        single = self.single_file(model_config)
+        if single is not None:
+            state = self.layout_for(model_config).to_model(load_file(str(single)), str(single), shapes)
+        else:
+            state = {}
+            for file in self.folder.weight_files(model_config.path):  # type: ignore[attr-defined]
+                state.update(load_file(str(file)))
+            folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+            missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+            if missing or unexpected:
+                raise KeyError(
+                    f"{folder}: weights do not fit its config: {len(missing)} missing (e.g. {missing[:3]}), "
+                    f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+                )
+            for key, value in state.items():
+                if tuple(value.shape) != shapes[key]:
+                    raise ValueError(
+                        f"{folder}: {key!r} has shape {tuple(value.shape)}, the config needs {shapes[key]}"
+                    )
+        model.load_state_dict({k: v.to(device, skeleton[k].dtype) for k, v in state.items()}, assign=True)
+        return model
+
+    @hookimpl
+    def diffusion_model_weights(self, model_config: ModelConfigBase) -> list[tuple[Path, Callable[[str], Any]]]:
+        """Per-stage loading from the folder's weight files (keys are the model's own) or from the single file
+        through :meth:`original_layout`'s key map (a fused tensor is cut only for a stage that holds its block)."""
+        single = self.single_file(model_config)
+        if single is not None:
+            from diffpipe_core.model_files import safetensors_keys
+
+            keys, problem = safetensors_keys(Path(single))
+            if problem:
+                raise FileNotFoundError(problem)
+            return [(Path(single), self.layout_for(model_config).key_map(keys))]
+        return [(file, _same_key) for file in self.folder.weight_files(model_config.path)]  # type: ignore[attr-defined]
+
+    @hookimpl
+    def lora_targets(self, model_config: ModelConfigBase) -> list[str]:
+        """:meth:`default_lora_targets`."""
+        return self.default_lora_targets(model_config)
+
+    @hookimpl
+    def adapter_key_prefix(self) -> str:
+        """The diffusion model's component name in its pipeline (``transformer``, ``unet``)."""
+        return self.folder.model
+
+    @hookimpl
+    def export_adapter(self, state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str) -> Any:
+        """``diffusers`` (peft keys under the pipeline prefix) and, for a model with an original layout,
+        ``comfyui`` (native module names under ``diffusion_model.``, fused where the native model fuses, with
+        ``.alpha``). The layout is sized from the exported LoRA itself, so no model files are read."""
+        from diffpipe_core.parts.export import export_lora
+
+        layout = self.lora_layout(state_dict) if format == "comfyui" else None
+        return export_lora(state_dict, alpha, format, self.folder.model, layout)
+
+    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable | None:
+        """The original layout for a ComfyUI LoRA export of ``state_dict``; override when the table needs sizes
+        only the model config has (the default reads none and returns None: no ComfyUI format)."""
+        return None
+
+    @hookimpl
+    def export_model(self, saved_dir: Path, model_config: ModelConfigBase, out_dir: Path, format: str) -> bool | None:
+        """``diffusers`` (a model folder: the config and the saved shards) or, for a model with an original layout,
+        ``single_file`` (one safetensors file in that layout, :attr:`single_file_name`)."""
+        from diffpipe_core.parts.export import export_diffusers_folder, export_single_file
+
+        folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+        if format == "diffusers":
+            export_diffusers_folder(saved_dir, folder / "config.json", out_dir)
+            return True
+        if format == "single_file" and self.original_layout(self.model_folder_config(model_config)) is not None:
+            export_single_file(saved_dir, self.layout_for(model_config), Path(out_dir) / self.single_file_name)
+            return True
+        return None
+
+    @hookimpl
+    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """MSE of the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
+        from diffpipe_core.parts.flow import flow_loss
+
+        return flow_loss(outputs, targets)
+
+
+def _same_key(key: str) -> str:
+    return key

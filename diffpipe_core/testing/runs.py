@@ -1,0 +1,160 @@
+"""Training runs in plugin tests: one call trains a tiny project through the real CLI, and the checks every plugin's
+run tests share (the loss fell, each stage saved its share, the saved LoRA reproduces the trained model in the
+model's diffusers pipeline, the ComfyUI file applies like the separate LoRAs).
+
+A plugin's ``conftest.py`` builds its project once per session and trains it with :func:`train`; its tests take
+that run folder and call these checks, so every plugin asserts the same things the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing.processes import cli_env, run_diffpipe
+
+
+def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> Path:
+    """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``; asserts it succeeded without library chatter
+    (transformers' "Loading weights" bars stay behind --verbose) and returns the run folder it made."""
+    output_dirs = {p for p in Path(root).rglob("*") if p.is_dir()}
+    result = run_diffpipe(
+        ["train", "--config", str(config), "--num-procs", str(procs)], cwd=root, timeout=timeout, env=cli_env(**env)
+    )
+    assert result.returncode == 0, result.output[-4000:]
+    assert "Loading weights" not in result.output, result.output[-4000:]
+    made = [p for p in Path(root).rglob("run_info.json") if p.parent not in output_dirs]
+    assert len(made) == 1, f"expected one new run folder, found {made}"
+    return made[0].parent
+
+
+def losses(run: Path) -> list[float]:
+    """The run's training losses in step order."""
+    return [loss for _, loss in sorted(train_losses(run).items())]
+
+
+def assert_loss_falls(run: Path, steps: int, window: int, factor: float = 0.85) -> list[float]:
+    """The run logged ``steps`` finite losses, and the mean of the last ``window`` is below ``factor`` times the mean
+    of the first ``window``. Returns the losses."""
+    seq = losses(run)
+    assert len(seq) == steps and all(math.isfinite(v) for v in seq), seq
+    first, last = sum(seq[:window]) / window, sum(seq[-window:]) / window
+    assert last < factor * first, f"loss did not fall: first {window} steps {first:.4f}, last {window} {last:.4f}"
+    return seq
+
+
+def checkpoint_params(run: Path) -> dict[str, torch.Tensor]:
+    """The trainable tensors of the run's last checkpoint, all stages together (peft names, ``.default.``)."""
+    ckpt = sorted((Path(run) / "checkpoints").glob("step-*"))[-1]
+    params: dict[str, torch.Tensor] = {}
+    for file in sorted(ckpt.glob("params-stage*.safetensors")):
+        params.update(load_file(str(file)))
+    return params
+
+
+def stage_files(run: Path) -> list[str]:
+    """The per-stage parameter files of the run's last checkpoint (one per pipeline stage)."""
+    ckpt = sorted((Path(run) / "checkpoints").glob("step-*"))[-1]
+    return sorted(p.name for p in ckpt.glob("params-stage*.safetensors"))
+
+
+def with_trained_lora(model: torch.nn.Module, run: Path, rank: int, alpha: float, targets: list[str]) -> Any:
+    """``model`` (the untrained diffusion model) with peft LoRA on ``targets`` holding the trained tensors of the run's
+    last checkpoint: the reference a saved adapter must reproduce."""
+    apply_lora(model, lora_config(rank, alpha, 0.0, targets))
+    missing, unexpected = model.load_state_dict(checkpoint_params(run), strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k], (unexpected[:3], missing[:3])
+    return model.eval()
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def library_warnings(name: str = "diffusers") -> Iterator[list[str]]:
+    """The warnings logger ``name`` logs inside the block (diffusers says "unexpected keys" when a LoRA misses)."""
+    handler = _Collect()
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
+def load_lora_into(pipe: Any, lora_file: Path, adapter_name: str = "trained") -> list[str]:
+    """``pipe.load_lora_weights(folder, weight_name=file)``; asserts every LoRA tensor of the file landed in the
+    pipeline's diffusion model unchanged and nothing was left over. Returns diffusers' warnings."""
+    from safetensors.torch import load_file as read
+
+    with library_warnings() as warnings:
+        pipe.load_lora_weights(str(lora_file.parent), weight_name=lora_file.name, adapter_name=adapter_name)
+    assert not [m for m in warnings if "unexpected keys" in m or "missing keys" in m], warnings
+    state = read(str(lora_file))
+    prefix = next(iter(state)).split(".", 1)[0]
+    model = getattr(pipe, prefix)
+    loaded = {n.replace(f".{adapter_name}", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    file_keys = {k[len(prefix) + 1 :] for k in state if not k.endswith(".alpha")}
+    assert set(loaded) == file_keys, sorted(set(loaded) ^ file_keys)[:5]
+    for key in file_keys:
+        assert torch.equal(loaded[key].detach(), state[f"{prefix}.{key}"].float()), key
+    return warnings
+
+
+def assert_reproduces(got: torch.Tensor, expected: torch.Tensor, untrained: torch.Tensor, atol: float = 1e-5) -> None:
+    """``got`` (a LoRA applied by another tool) equals ``expected`` (the trained model), and training visibly moved the
+    output away from ``untrained`` (so a LoRA applied at the wrong strength or not at all cannot pass)."""
+    err = (got - expected).abs().max()
+    assert torch.allclose(got, expected, atol=atol), err
+    assert (expected - untrained).abs().max() > 100 * max(float(err), 1e-7), "training did not change the output"
+
+
+def merge_peft(base: dict[str, torch.Tensor], params: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """``base`` (the model's weights) with the peft LoRA ``params`` (checkpoint names) merged:
+    ``W += scale * B @ A``."""
+    merged = dict(base)
+    for name, lora_a in params.items():
+        if ".lora_A." in name:
+            module = name.split(".lora_A.")[0]
+            lora_b = params[name.replace(".lora_A.", ".lora_B.")]
+            merged[f"{module}.weight"] = merged[f"{module}.weight"] + scale * lora_b @ lora_a
+    return merged
+
+
+def apply_comfyui(base: dict[str, torch.Tensor], comfy: dict[str, torch.Tensor], prefix: str = "diffusion_model"):
+    """A ComfyUI-layout LoRA applied to original-layout weights as ComfyUI applies it:
+    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` per module (its ``.alpha`` is the only strength ComfyUI reads)."""
+    out = dict(base)
+    for key in comfy:
+        if key.endswith(".lora_A.weight"):
+            module = key[len(prefix) + 1 : -len(".lora_A.weight")]
+            down, up = comfy[key], comfy[f"{prefix}.{module}.lora_B.weight"]
+            scale = float(comfy[f"{prefix}.{module}.alpha"]) / down.shape[0]
+            out[f"{module}.weight"] = out[f"{module}.weight"] + scale * up @ down
+    return out
+
+
+def assert_state_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))[:5]
+    for key in expected:
+        assert torch.allclose(got[key], expected[key], atol=atol), key
+
+
+def outputs(model: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``model(**inputs).sample`` without gradients."""
+    with torch.no_grad():
+        return model(**inputs).sample

@@ -1,0 +1,212 @@
+"""Tiny random-weight components for tests, demos and benchmarks, and writing a pipeline folder from a table of them.
+
+A plugin's ``testing.py`` names its pipeline's components and how to build each one, in order, with the seed to
+set before it (None: go on with the generator's state), and :func:`write_pipeline` builds and saves them::
+
+    folder = write_pipeline("FluxPipeline", {
+        "transformer": Part(lambda: FluxTransformer2DModel(...), seed=0),
+        "vae": Part(lambda: autoencoder_kl(latent_channels=4), seed=1),
+        "tokenizer": Part(lambda: clip_tok),
+        "text_encoder": Part(lambda: clip_text(clip_tok, dim=32)),
+        ...
+    }, path)
+
+Everything is built in-process (tokenizers are trained on a word list: no hub access) and saved in the real
+on-disk formats, so the plugin's real loading code is what the tests run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffpipe_core.testing.tokenizers import word_level_tokenizer
+
+#: words every tiny tokenizer knows (captions in tests and demos use them)
+WORDS = (
+    "a photo of cat dog red blue green house tree sky with on in the caption image small large "
+    "bright dark river mountain city car person painting style 0 1 2 3 4 5 6 7 8 9"
+).split()
+
+
+@dataclass(frozen=True)
+class Part:
+    """One pipeline component: ``build()`` makes it, after ``torch.manual_seed(seed)`` when ``seed`` is given."""
+
+    build: Callable[[], Any]
+    seed: int | None = None
+
+
+def build_components(parts: dict[str, Part]) -> dict[str, Any]:
+    """The components, built in the table's order (which, with the seeds, fixes every random weight)."""
+    out = {}
+    for name, part in parts.items():
+        if part.seed is not None:
+            torch.manual_seed(part.seed)
+        component = part.build()
+        out[name] = component.eval() if isinstance(component, torch.nn.Module) else component
+    return out
+
+
+def pipeline(pipeline_class: str, parts: dict[str, Part]) -> Any:
+    """A diffusers pipeline of ``pipeline_class`` from the built components (not yet on disk)."""
+    import diffusers
+
+    return getattr(diffusers, pipeline_class)(**build_components(parts))
+
+
+def write_pipeline(pipeline_class: str, parts: dict[str, Part], folder: Path) -> Any:
+    """Build the pipeline and ``save_pretrained`` it (safetensors) to ``folder``; returns the pipeline."""
+    pipe = pipeline(pipeline_class, parts)
+    pipe.save_pretrained(str(folder), safe_serialization=True)
+    return pipe
+
+
+def save_single_file(state: dict[str, torch.Tensor], file: Path) -> Path:
+    """``state`` (e.g. a key table's ``to_original`` of the transformer) as one safetensors file."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
+    return file
+
+
+# ---------------------------------------------------------------------------------------------- tokenizers
+def clip_tokenizer(words: Sequence[str] = WORDS, specials: Sequence[str] = ("<pad>", "</s>", "<unk>", "<s>")) -> Any:
+    """A CLIP-like tokenizer (``<s> caption </s>``, 77 tokens)."""
+    return word_level_tokenizer(
+        words, specials, "<s> $A </s>", 77, pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
+
+
+def t5_tokenizer(
+    words: Sequence[str] = WORDS, max_length: int = 512, specials: Sequence[str] = ("<pad>", "</s>", "<unk>", "<s>")
+) -> Any:
+    """A T5-like tokenizer (``caption </s>``)."""
+    names = {"pad_token": "<pad>", "eos_token": "</s>"}
+    if "<s>" in specials:
+        names["bos_token"] = "<s>"
+    return word_level_tokenizer(words, specials, "$A </s>", max_length, **names)
+
+
+def bpe_tokenizer(texts: Sequence[str], specials: Sequence[str], template: str, max_length: int, **names: str) -> Any:
+    """A tiny byte-level BPE tokenizer (the kind Qwen, Llama-3 and GPT-style encoders use) trained on ``texts``, so a
+    prompt template's prefix tokenizes the way a real BPE tokenizer cuts it. ``template`` is the post-processor
+    (``"$A"`` for none); ``names`` are the special-token roles."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    if template != "$A":
+        specials_in = [s for s in specials if s in template]
+        tok.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[(s, tok.token_to_id(s)) for s in specials_in]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **names)
+
+
+# ---------------------------------------------------------------------------------------------- encoders
+def clip_text(tokenizer: Any, dim: int = 32, layers: int = 2, projection: bool = False, max_positions: int = 77) -> Any:
+    """A CLIP text encoder (``CLIPTextModel``, or ``CLIPTextModelWithProjection`` with ``projection``)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=dim,
+        intermediate_size=2 * dim,
+        num_attention_heads=2,
+        num_hidden_layers=layers,
+        max_position_embeddings=max_positions,
+        projection_dim=dim,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+
+
+def t5_encoder(
+    tokenizer: Any, dim: int = 32, layers: int = 2, heads: int = 4, d_kv: int = 8, umt5: bool = False
+) -> Any:
+    """A T5 encoder (``T5EncoderModel``, or ``UMT5EncoderModel`` with ``umt5``)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        d_model=dim,
+        d_kv=d_kv,
+        d_ff=2 * dim,
+        num_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs))
+
+
+def llama(tokenizer: Any, dim: int = 32, layers: int = 2, positions: int = 1024) -> Any:
+    """A ``LlamaModel`` (decoder-only text encoder)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    return LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=dim,
+            intermediate_size=2 * dim,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=positions,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------- VAEs
+def autoencoder_kl(
+    latent_channels: int = 4,
+    channels: tuple[int, ...] = (8, 8, 8, 8),
+    scaling_factor: float = 0.18215,
+    shift_factor: float | None = None,
+    quant_conv: bool = False,
+    sample_size: int = 64,
+) -> Any:
+    """An image ``AutoencoderKL`` (``len(channels)`` levels: factor ``2 ** (levels - 1)``)."""
+    from diffusers import AutoencoderKL
+
+    n = len(channels)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=channels,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(channels),
+        sample_size=sample_size,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=quant_conv,
+        use_post_quant_conv=quant_conv,
+    )
+
+
+def flow_scheduler(**config: Any) -> Any:
+    """A ``FlowMatchEulerDiscreteScheduler`` with ``config``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**config)
