@@ -23,6 +23,7 @@ from torch import nn
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     forward_outputs,
+    init_distributed,
     name_gradless_boundary_tensors,
     wrap_stage_boundaries,
 )
@@ -184,7 +185,7 @@ SCENARIOS = {
 
 def main() -> None:
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed("gloo")
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     for scenario in scenarios:

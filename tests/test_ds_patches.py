@@ -147,3 +147,45 @@ def test_forward_outputs_after_a_training_step(working_run: Path) -> None:
     stage0, stage1 = scenario(working_run, "forward")
     assert stage0["outputs"] is None
     assert stage1["count"] == 2 and stage1["max_error"] < 1e-6, stage1
+
+
+OP_START = """
+import importlib, time
+import deepspeed
+from diffpipe_core.engine import ds_patches
+
+ds_patches.guard_op_builds(timeout=2, notice_after=0.5)
+try:
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)  # DeepSpeed's own start builds the op
+    print("UNPATCHED: no build")
+except ds_patches.OpBuildLockTimeout as e:
+    print("UNPATCHED:", e)
+start = time.monotonic()
+ds_patches.init_distributed("gloo")
+print("PATCHED:", importlib.import_module("deepspeed.comm.comm").cdb.shm_comm_op, round(time.monotonic() - start, 1))
+"""
+
+
+def test_start_builds_no_op_and_a_needed_build_names_its_stale_lock(tmp_path: Path) -> None:
+    """A killed build's lock in the extensions folder: DeepSpeed's own start waits on it (here the guard gives up
+    after 2 s and names it; unguarded it waits forever), ours starts without building anything."""
+    ext = tmp_path / "ext"
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    env = cli_env(
+        [REPO], TORCH_EXTENSIONS_DIR=str(ext), DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", OP_START], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    unpatched = next(line for line in proc.stdout.splitlines() if line.startswith("UNPATCHED"))
+    assert f"deepspeed_shm_comm op build waits for the lock {lock}" in unpatched, unpatched
+    assert "no process holds it, so it is stale" in unpatched and "gave up after 2s" in unpatched
+    assert f"diffpipe: DeepSpeed's deepspeed_shm_comm op build waits for the lock {lock}" in proc.stderr  # the notice
+    patched = next(line for line in proc.stdout.splitlines() if line.startswith("PATCHED"))
+    assert patched.split()[1] == "None", patched
+    built = sorted(p.relative_to(ext).as_posix() for p in ext.rglob("*"))
+    assert built == ["deepspeed_shm_comm", "deepspeed_shm_comm/lock"], built

@@ -18,6 +18,17 @@
 4. ``forward_outputs``: ``PipelineEngine.eval_batch(compute_loss=False)`` adds each micro-batch's outputs
    to ``total_loss``, which still holds the last ``train_batch``'s scalar loss, and fails indexing it. We
    clear it for the call and put it back (used by diffpipe_core.sampling.pipeline).
+5. ``init_distributed``: on a CPU machine ``deepspeed.init_distributed`` JIT-compiles DeepSpeed's
+   ``deepspeed_shm_comm`` op with g++ (``TorchBackend.__init__`` calls ``deepspeed.comm.torch.build_shm_op``;
+   about 80 s, under a lock in the per-user ``~/.cache/torch_extensions`` that every environment shares and a
+   killed build leaves behind). The op serves only ``inference_all_reduce`` (tensor-parallel inference), which
+   diffpipe never calls; without it DeepSpeed falls back to the process group. We build the backend with
+   ``build_shm_op`` answering None.
+6. ``guard_op_builds``: any DeepSpeed op that is still JIT-built (a plugin's DeepSpeed optimizer, say) waits on
+   torch's ``<extensions dir>/<op>/lock`` forever and silently when a killed build left it. We wait for it
+   ourselves first: after a few seconds we say which lock we wait for and whether a process holds it (so when it
+   is safe to delete), and give up with :class:`OpBuildLockTimeout` after a timeout. The extensions folder is
+   one per Python environment unless ``TORCH_EXTENSIONS_DIR`` is set, so two environments never share a build.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -25,6 +36,13 @@ first layer with several float outputs): diffpipe_core.memory wraps the block la
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,3 +133,130 @@ def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: i
         )
     finally:
         engine.total_loss = saved
+
+
+@contextlib.contextmanager
+def _no_shm_op() -> Iterator[None]:
+    import importlib
+
+    # not ``import deepspeed.comm.torch as``: the package's ``torch`` attribute is torch itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    original = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
+
+
+def init_distributed(backend: str) -> None:
+    """``deepspeed.init_distributed(dist_backend=backend)`` without building the CPU shared-memory comm op."""
+    import deepspeed
+
+    with _no_shm_op():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+BUILD_LOCK_TIMEOUT_ENV = "DIFFPIPE_OP_BUILD_TIMEOUT"
+
+
+class OpBuildLockTimeout(RuntimeError):
+    """A DeepSpeed op build waited on another build's lock file for longer than the timeout."""
+
+
+def environment_extensions_dir() -> Path:
+    """The torch extensions folder of this Python environment: ``$XDG_CACHE_HOME`` (or ``~/.cache``)
+    ``/diffpipe/torch_extensions/<env>``, ``<env>`` a hash of the environment's prefix and torch's version."""
+    key = hashlib.sha256(f"{sys.prefix}\0{torch.__version__}".encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "diffpipe" / "torch_extensions" / f"{Path(sys.prefix).name}-{key}"
+
+
+def use_environment_extensions_dir() -> None:
+    """Make op builds of this process and its children use :func:`environment_extensions_dir` unless the user
+    chose a folder with ``TORCH_EXTENSIONS_DIR``."""
+    os.environ.setdefault(EXTENSIONS_ENV, str(environment_extensions_dir()))
+
+
+def lock_holders(lock: Path) -> tuple[list[str], bool]:
+    """Processes that have ``lock`` open (torch's build lock stays open while its build runs), as
+    ``"pid N (command)"``, and whether every process could be checked (another user's cannot)."""
+    holders: list[str] = []
+    complete = True
+    target = str(lock.resolve())
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fds = list((proc / "fd").iterdir())
+        except PermissionError:
+            complete = False
+            continue
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    holders.append(f"pid {proc.name} ({cmd[:120]})")
+                    break
+            except OSError:
+                continue
+    return holders, complete
+
+
+def _lock_notice(name: str, lock: Path) -> str:
+    holders, complete = lock_holders(lock)
+    if holders:
+        who = f"held by {', '.join(holders)}; it is removed when that build ends"
+    elif complete:
+        who = "no process holds it, so it is stale (a build was killed): it is safe to delete"
+    else:
+        who = "no process of yours holds it; safe to delete once no other user's build of it runs"
+    return f"DeepSpeed's {name} op build waits for the lock {lock}: {who}"
+
+
+def wait_for_build_lock(
+    name: str,
+    lock: Path,
+    timeout: float,
+    notice_after: float = 5.0,
+    say: Callable[[str], None] = lambda line: print(f"diffpipe: {line}", file=sys.stderr, flush=True),
+) -> None:
+    """Return once ``lock`` is gone; say what it waits for after ``notice_after`` s, raise
+    :class:`OpBuildLockTimeout` after ``timeout`` s."""
+    start = time.monotonic()
+    noticed = False
+    while lock.exists():
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise OpBuildLockTimeout(
+                f"{_lock_notice(name, lock)}; gave up after {timeout:g}s (set {BUILD_LOCK_TIMEOUT_ENV} to wait longer)"
+            )
+        if waited >= notice_after and not noticed:
+            say(f"{_lock_notice(name, lock)} (giving up after {timeout:g}s)")
+            noticed = True
+        time.sleep(0.2)
+
+
+_guarded = False
+
+
+def guard_op_builds(timeout: float | None = None, notice_after: float = 5.0) -> None:
+    """Make every DeepSpeed JIT op build of this process wait for a held build lock through
+    :func:`wait_for_build_lock` (timeout: ``timeout``, else ``DIFFPIPE_OP_BUILD_TIMEOUT``, else 600 s)."""
+    global _guarded
+    if _guarded:
+        return
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+
+    original = OpBuilder.jit_load
+
+    def jit_load(self: OpBuilder, verbose: bool = True) -> Any:
+        limit = timeout if timeout is not None else float(os.environ.get(BUILD_LOCK_TIMEOUT_ENV) or 600)
+        lock = Path(_get_build_directory(self.name, verbose=False)) / "lock"
+        wait_for_build_lock(self.name, lock, limit, notice_after)
+        return original(self, verbose)
+
+    OpBuilder.jit_load = jit_load
+    _guarded = True

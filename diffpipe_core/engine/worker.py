@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     from diffpipe_core.quiet import library_prints, quiet_libraries
 
     quiet_libraries(cuda=torch.cuda.is_available())
-    import deepspeed
     import torch.distributed as dist
+
+    from diffpipe_core.engine import ds_patches
 
     quiet_libraries()  # again: importing DeepSpeed set its logger's level
 
@@ -70,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     from diffpipe_core.data import prepare_cache
     from diffpipe_core.registry import get_registry
 
-    with library_prints():  # "DeepSpeed ... shm_comm_op built successfully"
-        deepspeed.init_distributed(dist_backend=_backend(), verbose=False)
+    ds_patches.use_environment_extensions_dir()
+    ds_patches.guard_op_builds()
+    with library_prints():
+        ds_patches.init_distributed(_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     code = 0
     try:

@@ -1,0 +1,52 @@
+"""The wait for another process's DeepSpeed op build (diffpipe_core.engine.ds_patches, patch 6), in-process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from diffpipe_core.engine import ds_patches
+
+
+def test_a_released_lock_ends_the_wait_after_one_notice(tmp_path: Path) -> None:
+    lock = tmp_path / "op" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    threading.Timer(0.8, lock.unlink).start()
+    said: list[str] = []
+    start = time.monotonic()
+    ds_patches.wait_for_build_lock("some_op", lock, timeout=30, notice_after=0.2, say=said.append)
+    assert 0.7 < time.monotonic() - start < 5
+    assert len(said) == 1 and f"some_op op build waits for the lock {lock}" in said[0], said
+
+
+def test_a_held_lock_names_its_holder_and_times_out(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL)  # what torch's FileBaton does while it builds
+    try:
+        with pytest.raises(ds_patches.OpBuildLockTimeout) as info:
+            ds_patches.wait_for_build_lock("some_op", lock, timeout=0.5, notice_after=10, say=lambda _: None)
+    finally:
+        os.close(fd)
+    message = str(info.value)
+    assert f"held by pid {os.getpid()} (" in message and "removed when that build ends" in message, message
+    assert "gave up after 0.5s" in message and ds_patches.BUILD_LOCK_TIMEOUT_ENV in message
+
+
+def test_each_environment_has_its_own_extensions_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(ds_patches.EXTENSIONS_ENV, raising=False)
+    ours = ds_patches.environment_extensions_dir()
+    monkeypatch.setattr(sys, "prefix", "/opt/another-venv")
+    other = ds_patches.environment_extensions_dir()
+    assert ours != other and ours.parent == other.parent == tmp_path / "diffpipe" / "torch_extensions"
+    ds_patches.use_environment_extensions_dir()
+    assert os.environ[ds_patches.EXTENSIONS_ENV] == str(other)
+    monkeypatch.setenv(ds_patches.EXTENSIONS_ENV, "/mine")  # the user's choice stands
+    ds_patches.use_environment_extensions_dir()
+    assert os.environ[ds_patches.EXTENSIONS_ENV] == "/mine"
