@@ -26,6 +26,11 @@ from diffpipe_core.testing.processes import cli_env, run_diffpipe
 def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> Path:
     """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``; asserts it succeeded without library chatter
     (transformers' "Loading weights" bars stay behind --verbose) and returns the run folder it made."""
+    return train_with_output(root, config, procs, timeout, **env)[0]
+
+
+def train_with_output(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> tuple[Path, str]:
+    """:func:`train`, also returning what the command printed."""
     output_dirs = {p for p in Path(root).rglob("*") if p.is_dir()}
     result = run_diffpipe(
         ["train", "--config", str(config), "--num-procs", str(procs)], cwd=root, timeout=timeout, env=cli_env(**env)
@@ -34,7 +39,7 @@ def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **en
     assert "Loading weights" not in result.output, result.output[-4000:]
     made = [p for p in Path(root).rglob("run_info.json") if p.parent not in output_dirs]
     assert len(made) == 1, f"expected one new run folder, found {made}"
-    return made[0].parent
+    return made[0].parent, result.output
 
 
 def losses(run: Path) -> list[float]:
@@ -103,7 +108,7 @@ def load_lora_into(pipe: Any, lora_file: Path, adapter_name: str = "trained") ->
 
     with library_warnings() as warnings:
         pipe.load_lora_weights(str(lora_file.parent), weight_name=lora_file.name, adapter_name=adapter_name)
-    assert not [m for m in warnings if "unexpected keys" in m or "missing keys" in m], warnings
+    assert not [m for m in warnings if "unexpected" in m or "missing" in m], warnings
     state = read(str(lora_file))
     prefix = next(iter(state)).split(".", 1)[0]
     model = getattr(pipe, prefix)
@@ -135,15 +140,22 @@ def merge_peft(base: dict[str, torch.Tensor], params: dict[str, torch.Tensor], s
     return merged
 
 
-def apply_comfyui(base: dict[str, torch.Tensor], comfy: dict[str, torch.Tensor], prefix: str = "diffusion_model"):
+def apply_comfyui(
+    base: dict[str, torch.Tensor],
+    comfy: dict[str, torch.Tensor],
+    prefix: str = "diffusion_model",
+    names: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """A ComfyUI-layout LoRA applied to original-layout weights as ComfyUI applies it:
-    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` per module (its ``.alpha`` is the only strength ComfyUI reads)."""
+    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` per module (its ``.alpha`` is the only strength ComfyUI reads).
+    ``names`` maps ComfyUI module names to the original ones where they differ."""
     out = dict(base)
     for key in comfy:
         if key.endswith(".lora_A.weight"):
-            module = key[len(prefix) + 1 : -len(".lora_A.weight")]
-            down, up = comfy[key], comfy[f"{prefix}.{module}.lora_B.weight"]
-            scale = float(comfy[f"{prefix}.{module}.alpha"]) / down.shape[0]
+            comfy_module = key[len(prefix) + 1 : -len(".lora_A.weight")]
+            module = (names or {}).get(comfy_module, comfy_module)
+            down, up = comfy[key], comfy[f"{prefix}.{comfy_module}.lora_B.weight"]
+            scale = float(comfy[f"{prefix}.{comfy_module}.alpha"]) / down.shape[0]
             out[f"{module}.weight"] = out[f"{module}.weight"] + scale * up @ down
     return out
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_ltx.plugin as ltx
 from diffpipe_core import TrainingContext
 from diffpipe_core.schema import validate
 from diffpipe_ltx.config import LTXConfig
 from diffpipe_ltx.packing import pack, unpack
+from diffpipe_ltx.plugin import plugin as ltx
 
 B, C, H, W = 64, 8, 2, 3
 
