@@ -112,7 +112,9 @@ class FusedTarget:
     sizes: tuple[int, ...] = ()
 
 
-def fuse_lora(state: dict[str, torch.Tensor], target: FusedTarget, alpha: float) -> dict[str, torch.Tensor] | None:
+def fuse_lora(
+    state: dict[str, torch.Tensor], target: FusedTarget, alpha: float
+) -> dict[str, torch.Tensor] | None:
     """The one LoRA of ``target`` that applies exactly what its parts' peft LoRAs in ``state`` apply.
 
     ``lora_A`` stacks the adapted parts' ``lora_A`` rows; ``lora_B`` is block-diagonal (zero rows for a part

@@ -171,9 +171,8 @@ def train(
 @click.option(
     "--prune", is_flag=True, help="Then delete (and list) cached encodings of other encoder settings or model files."
 )
-def cache(
-    config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool, prune: bool
-) -> None:
+def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool,
+          prune: bool) -> None:
     """Encode the dataset into the latent/text cache (what train does first)."""
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 

@@ -88,42 +88,30 @@ class CachedDataset:
     indices per bucket for :class:`~diffpipe_core.data.sampler.BucketSampler`. Tensors are memory-mapped.
     """
 
-    def __init__(
-        self,
-        entries: list[CacheEntry],
-        fp_dir: Path,
-        uncond_fraction: float,
-        empty_caption_key: str | None,
-        summary: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, entries: list[CacheEntry], fp_dir: Path, uncond_fraction: float,
+                 empty_caption_key: str | None, summary: dict[str, Any] | None = None) -> None:
         self.entries = entries
         self.uncond_fraction = float(uncond_fraction)
         self.summary: dict[str, Any] = summary or {}
         self._media_shards = list_shards(fp_dir / "media")
         self._caption_shards = list_shards(fp_dir / "captions")
         media_loc = _locate(self._media_shards, {e.media_key for e in entries})
-        caption_loc = _locate(
-            self._caption_shards, {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None})
-        )
-        missing = [
-            e.id for e in entries if e.media_key not in media_loc or any(k not in caption_loc for k in e.caption_keys)
-        ]
+        caption_loc = _locate(self._caption_shards,
+                              {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None}))
+        missing = [e.id for e in entries if e.media_key not in media_loc
+                   or any(k not in caption_loc for k in e.caption_keys)]
         if missing:
             raise CacheError(
                 f"the cache in {fp_dir} lacks entries for {len(missing)} item(s), e.g. {', '.join(missing[:5])}; "
                 "run caching again (without trust_cache), or with regenerate to rebuild it"
             )
         if self.uncond_fraction > 0 and (empty_caption_key is None or empty_caption_key not in caption_loc):
-            raise CacheError(
-                f"the cache in {fp_dir} has no empty-prompt embedding for uncond_fraction="
-                f"{self.uncond_fraction}; run caching again without trust_cache"
-            )
+            raise CacheError(f"the cache in {fp_dir} has no empty-prompt embedding for uncond_fraction="
+                             f"{self.uncond_fraction}; run caching again without trust_cache")
         clash = _columns(self._media_shards) & _columns(self._caption_shards)
         if clash:
-            raise CacheError(
-                f"encode_batch returned the same key(s) {sorted(clash)} for media and captions; "
-                "a plugin must name them differently"
-            )
+            raise CacheError(f"encode_batch returned the same key(s) {sorted(clash)} for media and captions; "
+                             "a plugin must name them differently")
         self._media = np.array([media_loc[e.media_key] for e in entries], dtype=np.int64).reshape(-1, 2)
         self._captions = [tuple(caption_loc[k] for k in e.caption_keys) for e in entries]
         self._empty = caption_loc.get(empty_caption_key) if empty_caption_key is not None else None
@@ -162,10 +150,8 @@ class CachedDataset:
         items = [int(self._item_of[i]) for i in indices]
         buckets = {self.entries[i].bucket for i in items}
         if len(buckets) > 1:
-            raise ValueError(
-                f"collate: samples from {len(buckets)} buckets ({', '.join(map(str, sorted(buckets)))}) "
-                f"cannot be stacked: {', '.join(self.sample_ids(indices))}"
-            )
+            raise ValueError(f"collate: samples from {len(buckets)} buckets ({', '.join(map(str, sorted(buckets)))}) "
+                             f"cannot be stacked: {', '.join(self.sample_ids(indices))}")
         media = [tuple(self._media[i]) for i in items]
         captions = []
         for j, i in enumerate(items):
@@ -269,9 +255,8 @@ def prepare_cache(
     wrong = model_file_problems(plugin, model_config)
     if wrong:  # before anything is encoded with encoders built from the wrong files
         raise CacheError("the model files do not fit model " + repr(plugin.name) + ":\n  " + "\n  ".join(wrong))
-    fingerprint = encoder_fingerprint(
-        plugin.name, plugin.version, model_config, tuple(spec.encoder_settings), strict=strict
-    )
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings),
+                                      strict=strict)
     root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
     fp_dir = root / fingerprint[:16]
     index_path = root / "index.json"
@@ -284,15 +269,8 @@ def prepare_cache(
         index = _read_index(index_path, fingerprint)
         if index is not None:
             entries = index["entries"]
-            summary = _summary(
-                entries,
-                0,
-                0,
-                len({e.media_key for e in entries}),
-                len({k for e in entries for k in e.caption_keys}),
-                index["skipped"],
-                start,
-            )
+            summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                               len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
             try:
                 dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
             except CacheError as exc:
@@ -315,10 +293,8 @@ def prepare_cache(
                     take_lease(fp_dir)
         barrier()
         if busy:
-            raise CacheError(
-                f"{fp_dir} is in use by another process ({', '.join(busy)}); regenerating would "
-                "delete its cache. Wait for it to finish, or run without regenerate"
-            )
+            raise CacheError(f"{fp_dir} is in use by another process ({', '.join(busy)}); regenerating would "
+                             "delete its cache. Wait for it to finish, or run without regenerate")
 
     # -- plan: the same on every rank, made before any rank writes
     from diffpipe_core.data.scan import scan_dataset
@@ -329,11 +305,8 @@ def prepare_cache(
     if rank == 0:
         barrier()
     plan = plan_digest(scan, fingerprint, strict, empty_key)
-    fresh = (
-        None
-        if regenerate or prune
-        else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction, empty_key, start)
-    )
+    fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
+                                                             empty_key, start)
     if fresh is not None:  # nothing changed since the index was written (the same on every rank)
         for _ in range(3):  # as many barriers as the caching path below, so that ranks stay in step regardless
             barrier()
@@ -367,20 +340,8 @@ def prepare_cache(
     encoded_media, new_failures = 0, []
     if my_media or my_captions:
         encoded_media, new_failures = _encode_share(
-            plugin,
-            model_config,
-            spec,
-            fp_dir,
-            rank,
-            my_media,
-            my_captions,
-            texts,
-            use_masks,
-            device,
-            batch_size,
-            shard_batches,
-            _workers(decode_workers),
-            show,
+            plugin, model_config, spec, fp_dir, rank, my_media, my_captions, texts, use_masks, device,
+            batch_size, shard_batches, _workers(decode_workers), show,
         )
     barrier()
 
@@ -418,59 +379,30 @@ def _workers(requested: int | None) -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
-def _encode_share(
-    plugin: Any,
-    model_config: ModelConfigBase,
-    spec: Any,
-    fp_dir: Path,
-    rank: int,
-    my_media: list[MediaWork],
-    my_captions: list[str],
-    texts: dict[str, str],
-    use_masks: bool,
-    device: torch.device,
-    batch_size: int,
-    shard_batches: int,
-    workers: int,
-    show: bool,
-) -> tuple[int, list[tuple[MediaWork, str]]]:
+def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir: Path, rank: int,
+                  my_media: list[MediaWork], my_captions: list[str], texts: dict[str, str], use_masks: bool,
+                  device: torch.device, batch_size: int, shard_batches: int, workers: int,
+                  show: bool) -> tuple[int, list[tuple[MediaWork, str]]]:
     """Load the encoders, encode captions then media, write failures; always free the encoders."""
     from diffpipe_core.data.decode import MediaError, load_media
 
     # Held in a dict so that clearing it drops the only reference, whatever closures exist.
     held = {"encoders": plugin.require("load_encoders", model_config=model_config, device=device)}
-    bar = tqdm(
-        total=len(my_media) + len(my_captions), unit="item", desc="caching", disable=not show, dynamic_ncols=True
-    )
+    bar = tqdm(total=len(my_media) + len(my_captions), unit="item", desc="caching", disable=not show,
+               dynamic_ncols=True)
     prefix = f"r{rank:03d}-{time.time_ns()}"
     stream = None
     try:
-
         def encode(batch: Any) -> Any:
             return plugin.require("encode_batch", encoders=held["encoders"], batch=batch)
 
         # Decoding workers start now and run ahead while the captions are encoded.
-        stream = decoded_batches(
-            my_media, spec, batch_size, use_masks, workers, load_media, MediaError, device.type == "cuda"
-        )
-        encode_captions(
-            encode,
-            plugin.name,
-            [texts[k] for k in my_captions],
-            my_captions,
-            batch_size,
-            ShardBuffer(fp_dir / "captions", prefix, shard_batches),
-            bar.update,
-        )
-        encoded, failures = encode_media(
-            encode,
-            plugin.name,
-            my_media,
-            stream,
-            device,
-            ShardBuffer(fp_dir / "media", prefix, shard_batches),
-            bar.update,
-        )
+        stream = decoded_batches(my_media, spec, batch_size, use_masks, workers, load_media, MediaError,
+                                 device.type == "cuda")
+        encode_captions(encode, plugin.name, [texts[k] for k in my_captions], my_captions, batch_size,
+                        ShardBuffer(fp_dir / "captions", prefix, shard_batches), bar.update)
+        encoded, failures = encode_media(encode, plugin.name, my_media, stream, device,
+                                         ShardBuffer(fp_dir / "media", prefix, shard_batches), bar.update)
         if failures:
             _write_failures(fp_dir / "failed", prefix, {w.key: reason for w, reason in failures})
         return encoded, failures
@@ -484,15 +416,8 @@ def _encode_share(
 
 
 # ------------------------------------------------------------------------------------------ records
-def _summary(
-    entries: list[CacheEntry],
-    encoded_media: int,
-    encoded_captions: int,
-    reused_media: int,
-    reused_captions: int,
-    skipped: list[tuple[str, str]],
-    start: float,
-) -> dict[str, Any]:
+def _summary(entries: list[CacheEntry], encoded_media: int, encoded_captions: int, reused_media: int,
+             reused_captions: int, skipped: list[tuple[str, str]], start: float) -> dict[str, Any]:
     return {
         "items": len(entries),
         "samples": sum(e.repeats for e in entries),
@@ -510,12 +435,10 @@ def _report(summary: dict[str, Any], show: bool) -> None:
     # totals over all ranks where known, so the line rank 0 prints describes the whole cache
     media = summary.get("encoded_media_all_ranks", summary["encoded_media"])
     captions = summary.get("encoded_captions_all_ranks", summary["encoded_captions"])
-    line = (
-        f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
-        f"{media}, reused {summary['reused_media']} | captions encoded "
-        f"{captions}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
-        f"{summary['seconds']:.1f} s"
-    )
+    line = (f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
+            f"{media}, reused {summary['reused_media']} | captions encoded "
+            f"{captions}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
+            f"{summary['seconds']:.1f} s")
     pruned = summary.get("pruned")
     if pruned is not None and summary.get("prune"):
         line += "".join(f"\ncache --prune: {p}" for p in pruned) or "\ncache --prune: no other encoder fingerprints"
@@ -545,23 +468,12 @@ def _read_failures(folder: Path) -> dict[str, str]:
     return out
 
 
-def _write_index(
-    path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]], plan: str | None = None
-) -> None:
-    rows = [
-        [e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
-        for e in entries
-    ]
-    _atomic_write_json(
-        path,
-        {
-            "format": INDEX_FORMAT,
-            "fingerprint": fingerprint,
-            "plan": plan,
-            "entries": rows,
-            "skipped": [list(s) for s in skipped],
-        },
-    )
+def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]],
+                 plan: str | None = None) -> None:
+    rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
+            for e in entries]
+    _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
+                              "skipped": [list(s) for s in skipped]})
 
 
 def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
@@ -575,15 +487,8 @@ def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
     return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]], "plan": data.get("plan")}
 
 
-def _open_if_fresh(
-    index_path: Path,
-    fingerprint: str,
-    plan: str,
-    fp_dir: Path,
-    uncond_fraction: float,
-    empty_key: str | None,
-    start: float,
-) -> CachedDataset | None:
+def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,
+                   empty_key: str | None, start: float) -> CachedDataset | None:
     """The cache as its index lists it, if the index was written for this very plan (same scan, same
     encoders: :mod:`diffpipe_core.data.cache_fresh`) and every entry is in the shards; else None."""
     try:
@@ -595,15 +500,8 @@ def _open_if_fresh(
     if index is None or index["plan"] != plan:
         return None
     entries = index["entries"]
-    summary = _summary(
-        entries,
-        0,
-        0,
-        len({e.media_key for e in entries}),
-        len({k for e in entries for k in e.caption_keys}),
-        index["skipped"],
-        start,
-    )
+    summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                       len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
     try:
         with gc_paused():
             dataset = CachedDataset(entries, fp_dir, uncond_fraction, empty_key, summary)
@@ -614,7 +512,8 @@ def _open_if_fresh(
     return dataset
 
 
-def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str], prune: bool) -> list[str]:
+def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str],
+                     prune: bool) -> list[str]:
     """Delete shards without a live entry, stale failure records and temp folders, unless another process
     uses this fingerprint's folder; with ``prune`` also the folders of other fingerprints that no process
     uses. Runs on rank 0 between barriers. Returns one line per pruned or kept folder."""

@@ -64,33 +64,22 @@ class ShardBuffer:
 def check_outputs(outputs: Any, batch_size: int, what: str, plugin_name: str) -> dict[str, torch.Tensor]:
     """The plugin's ``encode_batch`` result, checked against the contract."""
     if not isinstance(outputs, dict) or not outputs:
-        raise TypeError(
-            f"model plugin {plugin_name!r}: encode_batch returned {type(outputs).__name__} for a "
-            f"{what} batch; expected a non-empty dict of tensors"
-        )
+        raise TypeError(f"model plugin {plugin_name!r}: encode_batch returned {type(outputs).__name__} for a "
+                        f"{what} batch; expected a non-empty dict of tensors")
     for name, tensor in outputs.items():
         if not isinstance(name, str) or name.startswith("_") or name == "key":
-            raise ValueError(
-                f"model plugin {plugin_name!r}: encode_batch key {name!r} is not allowed "
-                "(keys are strings not starting with '_', and not 'key')"
-            )
+            raise ValueError(f"model plugin {plugin_name!r}: encode_batch key {name!r} is not allowed "
+                             "(keys are strings not starting with '_', and not 'key')")
         if not isinstance(tensor, torch.Tensor) or tensor.ndim == 0 or tensor.shape[0] != batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(
-                f"model plugin {plugin_name!r}: encode_batch returned {name!r} with shape {shape} "
-                f"for a {what} batch of {batch_size}; every tensor needs the batch as dim 0"
-            )
+            raise ValueError(f"model plugin {plugin_name!r}: encode_batch returned {name!r} with shape {shape} "
+                             f"for a {what} batch of {batch_size}; every tensor needs the batch as dim 0")
     return outputs
 
 
 def encode_captions(
-    encode: Callable[[EncodeBatch], Any],
-    plugin_name: str,
-    texts: list[str],
-    keys: list[str],
-    batch_size: int,
-    buffer: ShardBuffer,
-    advance: Callable[[int], None],
+    encode: Callable[[EncodeBatch], Any], plugin_name: str, texts: list[str], keys: list[str], batch_size: int,
+    buffer: ShardBuffer, advance: Callable[[int], None],
 ) -> int:
     """Encode ``texts`` in batches into ``buffer``; returns how many were encoded."""
     for start in range(0, len(texts), batch_size):
@@ -103,13 +92,8 @@ def encode_captions(
 
 
 class _DecodeSet(TorchDataset):
-    def __init__(
-        self,
-        work: list[MediaWork],
-        spec: ModelSpec,
-        load: Callable[[MediaItem, ModelSpec], Any],
-        error_type: type[Exception],
-    ) -> None:
+    def __init__(self, work: list[MediaWork], spec: ModelSpec, load: Callable[[MediaItem, ModelSpec], Any],
+                 error_type: type[Exception]) -> None:
         self.work, self.spec, self.load, self.error_type = work, spec, load, error_type
 
     def __len__(self) -> int:
@@ -139,9 +123,9 @@ class _Collate:
         if ok:
             out["pixels"] = torch.stack([d.pixels for _, d in ok])
             if self.use_masks:  # an item without a mask file trains on every pixel
-                out["masks"] = torch.stack(
-                    [d.mask if d.mask is not None else torch.ones((1, *d.pixels.shape[-2:])) for _, d in ok]
-                )
+                out["masks"] = torch.stack([
+                    d.mask if d.mask is not None else torch.ones((1, *d.pixels.shape[-2:])) for _, d in ok
+                ])
             out["original_sizes"] = [tuple(d.original_size) for _, d in ok]
             out["crop_coords"] = [tuple(d.crop_coords) for _, d in ok]
         return out
@@ -156,14 +140,8 @@ def media_batches(work: list[MediaWork], batch_size: int) -> list[list[int]]:
 
 
 def decoded_batches(
-    work: list[MediaWork],
-    spec: ModelSpec,
-    batch_size: int,
-    use_masks: bool,
-    num_workers: int,
-    load: Callable[[MediaItem, ModelSpec], Any],
-    error_type: type[Exception],
-    pin_memory: bool,
+    work: list[MediaWork], spec: ModelSpec, batch_size: int, use_masks: bool, num_workers: int,
+    load: Callable[[MediaItem, ModelSpec], Any], error_type: type[Exception], pin_memory: bool,
 ) -> Iterator[dict[str, Any]]:
     """Decoded, stacked batches of ``work`` in order (see :func:`media_batches`). With ``num_workers`` > 0
     the workers start decoding at once, ahead of the encoder (and of caption encoding)."""
@@ -181,13 +159,8 @@ def decoded_batches(
 
 
 def encode_media(
-    encode: Callable[[EncodeBatch], Any],
-    plugin_name: str,
-    work: list[MediaWork],
-    stream: Iterator[dict[str, Any]],
-    device: torch.device,
-    buffer: ShardBuffer,
-    advance: Callable[[int], None],
+    encode: Callable[[EncodeBatch], Any], plugin_name: str, work: list[MediaWork],
+    stream: Iterator[dict[str, Any]], device: torch.device, buffer: ShardBuffer, advance: Callable[[int], None],
 ) -> tuple[int, list[tuple[MediaWork, str]]]:
     """Encode the decoded batches of ``work`` into ``buffer``; returns (encoded count, items that failed
     to decode)."""

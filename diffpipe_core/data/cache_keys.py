@@ -94,9 +94,8 @@ def encoder_path_identity(path: Path, strict: bool = False) -> dict[str, str] | 
     return out
 
 
-def encoder_identity(
-    model_config: ModelConfigBase, encoder_settings: tuple[str, ...], strict: bool = False
-) -> dict[str, Any]:
+def encoder_identity(model_config: ModelConfigBase, encoder_settings: tuple[str, ...],
+                     strict: bool = False) -> dict[str, Any]:
     """What the encoders are, for the cache key: each ``encoder_settings`` value, with every path-valued one
     (a model folder or file) replaced by the identity of its files (:func:`encoder_path_identity`).
 
@@ -119,13 +118,8 @@ def encoder_identity(
     return settings
 
 
-def encoder_fingerprint(
-    plugin_name: str,
-    plugin_version: str,
-    model_config: ModelConfigBase,
-    encoder_settings: tuple[str, ...],
-    strict: bool = False,
-) -> str:
+def encoder_fingerprint(plugin_name: str, plugin_version: str, model_config: ModelConfigBase,
+                        encoder_settings: tuple[str, ...], strict: bool = False) -> str:
     """Hash of everything about the encoders that changes their outputs: the plugin's name and version and
     :func:`encoder_identity` (which reads the encoder files' stats and headers, or hashes them with ``strict``)."""
     try:
@@ -164,15 +158,8 @@ def media_key(item: MediaItem, mask_key: str, fingerprint: str) -> str:
     b = item.bucket
     # The path is part of the key: two files may share size and mtime (the non-strict content key).
     return _digest(
-        [
-            "media",
-            fingerprint,
-            str(item.path),
-            item.content_key,
-            [b.width, b.height, b.frames],
-            item.clip_start,
-            mask_key,
-        ]
+        ["media", fingerprint, str(item.path), item.content_key, [b.width, b.height, b.frames], item.clip_start,
+         mask_key]
     )
 
 

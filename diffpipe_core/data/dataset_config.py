@@ -123,11 +123,14 @@ class _Overridable(_Strict):
         None,
         description="Treat captions as tag lists and cache shuffled orders of them (the prefix stays first).",
     )
-    tag_delimiter: str | None = Field(None, description="What separates tags when shuffle_tags is on. Default ', '.")
+    tag_delimiter: str | None = Field(
+        None, description="What separates tags when shuffle_tags is on. Default ', '."
+    )
     cache_shuffle_num: int | None = Field(
         None,
         ge=1,
-        description="How many shuffled caption variants are cached per item when shuffle_tags is on. Default 4.",
+        description="How many shuffled caption variants are cached per item when shuffle_tags is on. "
+        "Default 4.",
     )
     allow_empty_captions: bool | None = Field(
         None,
@@ -143,8 +146,12 @@ class _Overridable(_Strict):
 class DirectoryConfig(_Overridable):
     """One ``[[directory]]`` entry: a folder of media and captions."""
 
-    path: Path = Field(description="Folder of images/videos (searched recursively) with captions beside them.")
-    num_repeats: int = Field(1, ge=1, description="How many times each item of this folder is seen per epoch.")
+    path: Path = Field(
+        description="Folder of images/videos (searched recursively) with captions beside them."
+    )
+    num_repeats: int = Field(
+        1, ge=1, description="How many times each item of this folder is seen per epoch."
+    )
     mask_path: Path | None = Field(
         None,
         description="Folder of grayscale loss masks named like the media (any image extension, same relative "

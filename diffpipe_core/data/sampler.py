@@ -28,9 +28,8 @@ class BucketSampler:
     its end the sampler moves to the next epoch.
     """
 
-    def __init__(
-        self, groups: list[list[int]], micro_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
-    ) -> None:
+    def __init__(self, groups: list[list[int]], micro_batch_size: int, dp_rank: int, dp_world_size: int,
+                 seed: int) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
         if not 0 <= dp_rank < dp_world_size:
@@ -82,28 +81,17 @@ class BucketSampler:
             self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "micro_batches": self._per_rank,
-            "dp_world_size": self.dp_world_size,
-        }
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "micro_batches": self._per_rank, "dp_world_size": self.dp_world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore epoch and position; a changed dataset or world size restarts the saved epoch."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
-        same = (
-            state.get("seed", self.seed) == self.seed
-            and state.get("micro_batches", self._per_rank) == self._per_rank
-            and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size
-        )
+        same = (state.get("seed", self.seed) == self.seed
+                and state.get("micro_batches", self._per_rank) == self._per_rank
+                and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size)
         if not same:
-            log.warning(
-                "sampler state was saved for another dataset, seed or data-parallel size "
-                "(%s); restarting epoch %d from its beginning",
-                state,
-                self.epoch,
-            )
+            log.warning("sampler state was saved for another dataset, seed or data-parallel size "
+                        "(%s); restarting epoch %d from its beginning", state, self.epoch)
             self.position = 0

@@ -113,7 +113,9 @@ class _Captions:
         return None, f"{os.path.basename(txt)} or an entry in {CAPTIONS_JSON}"
 
 
-def shuffled_variants(caption: str, prefix: str, settings: DirectorySettings, seed_text: str) -> tuple[str, ...]:
+def shuffled_variants(
+    caption: str, prefix: str, settings: DirectorySettings, seed_text: str
+) -> tuple[str, ...]:
     """``cache_shuffle_num`` tag orders of ``caption`` (prefix kept first), deterministic per item so that
     a re-scan yields the same texts and the text-embedding cache stays valid."""
     tags = [t.strip() for t in caption.split(settings.tag_delimiter.strip() or settings.tag_delimiter)]
@@ -271,7 +273,9 @@ def _scan_file(
         content += "|mask:" + index.content_key(mask)
     prefix = settings.caption_prefix
     full_caption = prefix + body
-    variants = shuffled_variants(body, prefix, settings, id_base + "\0" + body) if settings.shuffle_tags else ()
+    variants = (
+        shuffled_variants(body, prefix, settings, id_base + "\0" + body) if settings.shuffle_tags else ()
+    )
 
     items = []
     multi_res = len(settings.resolutions) > 1
@@ -280,9 +284,8 @@ def _scan_file(
         spatial = buckets.closest(width, height, settings, res)
         bucket = Bucket(spatial.width, spatial.height, frames)
         # the share of the image the center crop to the bucket's aspect ratio cuts away
-        crop = 1 - min(width * spatial.height, spatial.width * height) / max(
-            width * spatial.height, spatial.width * height
-        )
+        crop = 1 - min(width * spatial.height, spatial.width * height) / max(width * spatial.height,
+                                                                             spatial.width * height)
         if bucket in seen:  # two resolutions that round to the same size
             continue
         seen.add(bucket)
@@ -401,11 +404,8 @@ def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None
         summary += "; left out " + ", ".join(f"{n} {cat}" for cat, n in counts.most_common())
     log.info(summary)
     if not result.items:
-        raise DatasetError(
-            _empty_message(cfg, settings, jobs, counts),
-            result,
-            "run `diffpipe data` to list every file and its reason" if jobs else "",
-        )
+        raise DatasetError(_empty_message(cfg, settings, jobs, counts), result,
+                           "run `diffpipe data` to list every file and its reason" if jobs else "")
     return result
 
 

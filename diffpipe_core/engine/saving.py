@@ -106,7 +106,9 @@ def write_model_shards(
             for key in json.loads(keys_file.read_text()):
                 weight_map[key] = f"model-{s + 1:05d}-of-{num_stages:05d}.safetensors"
             keys_file.unlink()
-        atomic_write_text(tmp / SAVED_INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        atomic_write_text(
+            tmp / SAVED_INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )
         replace_dir(tmp, out_dir)
     barrier()
 
