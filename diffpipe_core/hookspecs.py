@@ -68,6 +68,13 @@ def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
     (e.g. ``"latents"``, ``"time_ids"``); a caption batch (``batch.captions`` set) returns text
     tensors (e.g. ``"text_embeds"``, ``"pooled"``, ``"text_mask"``). Every tensor has the batch as
     its first dimension; the core stores each sample's slice. Keys must not start with ``_``.
+
+    Conditioned models (see ``ModelSpec``) get three more kinds of input, each cached by content like the rest:
+    a batch of control images of edit pairs (``batch.control_index`` set: encode them as the target's latents
+    are, e.g. ``{"latents": vae(pixels)}``; they reach :func:`prepare_inputs` as ``control_<k>_latents``); the
+    first frames of video clips (``batch.first_frames`` beside ``batch.pixels``: return e.g.
+    ``"first_frame_latents"`` and image-encoder ``"image_embeds"`` with the clip's ``"latents"``); and, for a
+    vision-language text encoder, each caption's control images (``batch.control_pixels``).
     """
 
 
@@ -115,6 +122,14 @@ def prepare_inputs(
     micro-batch so that the first and last pipeline stages, which both call this hook, agree.
     ``model_inputs`` feed the first layer; ``loss_targets`` reach :func:`compute_loss`.
     Timestep sampling and flow-matching targets are in :mod:`diffpipe_core.diffusion`.
+
+    ``batch`` holds, stacked, every key :func:`encode_batch` returned for the samples' media and captions
+    (what it returned for a clip's first frame included). Edit pairs add the tensors of each control image
+    ``k`` as ``control_<k>_<key>`` (``diffpipe_core.types.control_key(k, key)``, e.g. ``control_0_latents``
+    ``(B, C, h, w)``); a micro-batch holds them for every sample or for none (items without control images are
+    batched apart), and all of one micro-batch's control images ``k`` have one size. First-frame conditioning on
+    the clip's own latents (LTX-Video's ``first_frame_conditioning_p``) is
+    :func:`diffpipe_core.diffusion.first_frame_conditioning`.
     """
 
 

@@ -53,6 +53,23 @@ class ModelSpec:
             is always written. ``diffpipe validate`` and the start of ``train`` refuse any other name.
         model_formats: full fine-tune formats ``save_model_formats`` may name (what ``export_model`` writes).
         description: one line shown by ``diffpipe models``.
+        control_images: whether the model trains on edit pairs (a target image plus control images, from
+            ``[[directory]] control_path``): ``"none"`` (a dataset with ``control_path`` is an error),
+            ``"optional"`` (items with and without control images train side by side, in separate micro-batches)
+            or ``"required"`` (every ``[[directory]]`` needs a ``control_path``). Control images are encoded by
+            ``encode_batch`` (``EncodeBatch.control_index`` set) and reach ``prepare_inputs`` as
+            ``control_<k>_<key>`` beside the target's keys.
+        max_control_images: how many control images (``control_path`` folders) an item may have.
+        control_size: the pixel size a control image is decoded at: ``"target"`` (resized and center-cropped to the
+            target's bucket, as diffusion-pipe does; Flux Kontext) or ``"own"`` (its own aspect-ratio bucket at the
+            target's resolution, by the directory's bucketing keys; Qwen-Image-Edit, Flux 2 reference images).
+        control_in_captions: the model's text encoder looks at the control images (a vision-language encoder:
+            Qwen-Image-Edit). Caption batches of items with control images then carry them
+            (``EncodeBatch.control_pixels``) and are cached per caption and control images.
+        first_frame: image-to-video conditioning on each clip's first frame: ``"none"``; ``"optional"`` (video
+            batches carry ``EncodeBatch.first_frames``, image items train as before); ``"required"`` (an
+            image-to-video-only model: an image in its dataset is an error naming the file). What ``encode_batch``
+            returns for the first frame (image latents, image-encoder embeddings, or both) is cached with the clip.
     """
 
     name: str
@@ -69,6 +86,24 @@ class ModelSpec:
     adapter_formats: tuple[str, ...] = ("diffusers",)
     model_formats: tuple[str, ...] = ()
     description: str = ""
+    control_images: Literal["none", "optional", "required"] = "none"
+    max_control_images: int = 1
+    control_size: Literal["target", "own"] = "target"
+    control_in_captions: bool = False
+    first_frame: Literal["none", "optional", "required"] = "none"
+
+    def __post_init__(self) -> None:
+        choices = {"control_images": ("none", "optional", "required"), "control_size": ("target", "own"),
+                   "first_frame": ("none", "optional", "required")}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ValueError(f"ModelSpec {self.name!r}: {key} is {getattr(self, key)!r}; valid: "
+                                 + ", ".join(map(repr, valid)))
+        if self.max_control_images < 1:
+            raise ValueError(f"ModelSpec {self.name!r}: max_control_images must be at least 1")
+        if self.first_frame != "none" and self.modality != "video":
+            raise ValueError(f"ModelSpec {self.name!r}: first_frame conditioning is for video models "
+                             f"(modality is {self.modality!r})")
 
 
 @dataclass
@@ -77,6 +112,7 @@ class EncodeBatch:
 
     The core encodes media and captions in separate calls so that each is cached (and invalidated)
     on its own: a media batch has ``pixels`` set and ``captions`` None, a caption batch the reverse.
+    Control images of edit pairs come in media batches of their own, marked by ``control_index``.
 
     A batch is bucket-homogeneous: every sample has the same shape, so the batch is all images or all
     videos of one frame count. A video model gets both kinds and must encode both.
@@ -91,6 +127,19 @@ class EncodeBatch:
             dataset has no ``mask_path``. Always 4-D, also for videos: one mask for every frame.
         original_sizes / crop_coords: per-sample ``(h, w)`` before resizing and the crop's top-left,
             for models with micro-conditioning (SDXL's time_ids).
+        control_index: set (0, 1, ...) for a batch of control images: ``pixels`` ``(B, 3, H, W)`` are the
+            ``control_index``-th control image of their targets (``control_path`` folder number
+            ``control_index``), at the size ``ModelSpec.control_size`` gives; ``masks`` is None. Return the tensors
+            ``prepare_inputs`` needs of a control image (usually the same VAE latents, normalised as the target's:
+            ``{"latents": ...}``); each key ``name`` reaches ``prepare_inputs`` as ``control_<k>_<name>``
+            (:func:`control_key`). None for target media and caption batches.
+        first_frames: ``(B, 3, H, W)`` in [-1, 1], each clip's first frame at the clip's size, in a video batch of
+            a model with ``ModelSpec.first_frame`` set (None for image batches and other models). Return what the
+            model is conditioned on (e.g. ``"first_frame_latents"``, ``"image_embeds"`` from an image encoder)
+            beside the clip's ``"latents"``: it is cached with the clip.
+        control_pixels: in a caption batch of a model with ``ModelSpec.control_in_captions``: per caption the
+            tuple of its item's control images, each ``(3, H, W)`` in [-1, 1] at its control size (an empty tuple
+            for a caption without control images, such as the empty prompt of caption dropout). None otherwise.
     """
 
     pixels: torch.Tensor | None = None
@@ -98,6 +147,16 @@ class EncodeBatch:
     masks: torch.Tensor | None = None
     original_sizes: list[tuple[int, int]] | None = None
     crop_coords: list[tuple[int, int]] | None = None
+    control_index: int | None = None
+    first_frames: torch.Tensor | None = None
+    control_pixels: list[tuple[torch.Tensor, ...]] | None = None
+
+
+def control_key(index: int, name: str) -> str:
+    """The batch key under which ``prepare_inputs`` finds tensor ``name`` of an item's ``index``-th control image:
+    ``control_key(0, "latents") == "control_0_latents"``. A micro-batch holds either every item's control tensors
+    or none (items without control images are batched apart)."""
+    return f"control_{index}_{name}"
 
 
 @dataclass

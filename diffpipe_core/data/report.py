@@ -22,6 +22,14 @@ def bucket_counts(scan: ScanResult) -> dict[Bucket, int]:
     return dict(sorted(counts.items()))
 
 
+def group_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], int]:
+    """Samples per epoch in each micro-batch group: bucket and control image sizes (edit pairs batch apart)."""
+    counts: dict[tuple[Bucket, tuple[Bucket, ...]], int] = defaultdict(int)
+    for item in scan.items:
+        counts[(item.bucket, tuple(c.bucket for c in item.controls))] += item.repeats
+    return dict(sorted(counts.items()))
+
+
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -38,30 +46,40 @@ def format_report(scan: ScanResult, micro_batch_size: int, dp_world_size: int) -
     micro-batches per epoch on each data-parallel rank, and the remainder that cannot fill a global
     micro-batch of ``micro_batch_size * dp_world_size``), then every skipped file and a summary."""
     per_step = micro_batch_size * dp_world_size
+    groups = group_counts(scan)
     counts = bucket_counts(scan)
+    edits = any(controls for _, controls in groups)
     rows = []
     total_batches = total_rest = 0
-    for bucket, n in counts.items():
+    for (bucket, controls), n in groups.items():
         batches, rest = divmod(n, per_step)
         total_batches += batches
         total_rest += rest
-        rows.append([f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), str(batches), str(rest)])
+        row = [f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), str(batches), str(rest)]
+        if edits:
+            row.insert(2, " + ".join(f"{c.width}x{c.height}" for c in controls) or "-")
+        rows.append(row)
+    header = ["resolution", "frames", "items", "micro-batches/rank", "remainder"]
+    total = ["total", "", str(sum(groups.values())), str(total_batches), str(total_rest)]
+    if edits:
+        header.insert(2, "control images")
+        total.insert(2, "")
     lines = [
         f"Buckets (micro_batch_size={micro_batch_size}, data-parallel ranks={dp_world_size}):",
-        *_table(
-            ["resolution", "frames", "items", "micro-batches/rank", "remainder"],
-            [*rows, ["total", "", str(sum(counts.values())), str(total_batches), str(total_rest)]],
-            right={1, 2, 3, 4},
-        ),
+        *_table(header, [*rows, total], right={1, 3, 4, 5} if edits else {1, 2, 3, 4}),
     ]
     if total_rest:
         lines.append(
             f"{total_rest} samples per epoch are a remainder that cannot fill a micro-batch on every "
             "data-parallel rank in their bucket."
         )
-    empty = [b for b, n in counts.items() if n < per_step]
+    empty = [str(b) + "".join(f" + control {c}" for c in cs) for (b, cs), n in groups.items() if n < per_step]
     if empty:
-        lines.append("buckets too small for even one micro-batch: " + ", ".join(map(str, empty)))
+        lines.append("buckets too small for even one micro-batch: " + ", ".join(empty))
+    paired = sum(1 for item in scan.items if item.controls)
+    if paired:
+        lines.append(f"Edit pairs: {_n(paired, 'item')} with control images, {_n(len(scan.items) - paired, 'item')} "
+                     "without.")
     lines.append("")
     if scan.skipped:
         lines.append(f"Left out ({_n(len(scan.skipped), 'file')}):")
