@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_hunyuan.config import HunyuanConfig
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.parts.layout import KeyTable
+    from diffpipe_core.types import SampleRequest
 
 DOUBLE_BLOCK_LINEARS = (
     "attn.to_q",
@@ -37,6 +39,7 @@ DOUBLE_BLOCK_LINEARS = (
     "norm1_context.linear",
 )
 SINGLE_BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out", "norm.linear")
+DEFAULT_GUIDANCE = 6.0  # HunyuanVideoPipeline's guidance_scale default (the distilled guidance embedding)
 COMPONENTS = {
     "transformer": "HunyuanVideoTransformer3DModel",
     "vae": "AutoencoderKLHunyuanVideo",
@@ -47,7 +50,7 @@ COMPONENTS = {
 }
 
 
-class HunyuanVideo(DiffusersModel):
+class HunyuanVideo(DiffusersModel, FlowSampling):
     """HunyuanVideo: a video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of 16
     pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
 
@@ -171,6 +174,35 @@ class HunyuanVideo(DiffusersModel):
         guidance = torch.full((f.t.shape[0],), float(cfg.guidance))
         text = batch["text_embeds"].float(), batch["text_mask"].long(), batch["clip_pooled"].float()
         return (f.x_t, f.t, *text, guidance), with_mask((f.target,), batch)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: HunyuanConfig, generator: torch.Generator):
+        """Noise ``(1, C, (F - 1) / 4 + 1, H / 8, W / 8)`` and the folder's scheduler sigmas of
+        ``linspace(1, 0, steps + 1)[:-1]``, as ``HunyuanVideoPipeline`` makes them."""
+        import numpy as np
+        import torch
+
+        from diffpipe_core.sampling.schedules import scheduler_flow_sigmas
+
+        vae = self.folder.config(model_config.path, "vae")
+        spatial, temporal = int(vae.get("spatial_compression_ratio", 8)), int(vae.get("temporal_compression_ratio", 4))
+        channels = int(self.model_folder_config(model_config)["in_channels"])
+        shape = (1, channels, (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial)
+        sigmas = np.linspace(1.0, 0.0, request.steps + 1)[:-1]
+        return torch.randn(shape, generator=generator), scheduler_flow_sigmas(model_config.path, sigmas)
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's ``(x_t, t, text_embeds, text_mask, clip_pooled, guidance)`` (``[sample] guidance``,
+        default 6.0, fed to the guidance embedding)."""
+        import torch
+
+        b = latents.shape[0]
+        guidance = DEFAULT_GUIDANCE if request.guidance is None else request.guidance
+        t = schedule[index].float().expand(b)
+        embeds, mask, pooled = text["text_embeds"].float(), text["text_mask"].long(), text["clip_pooled"].float()
+        return latents.float(), t, embeds, mask, pooled, torch.full((b,), float(guidance))
 
 
 plugin = HunyuanVideo()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_ltx.config import LTXConfig
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.parts.layout import KeyTable
+    from diffpipe_core.types import SampleRequest
 
 COMPONENTS = {
     "transformer": "LTXVideoTransformer3DModel",
@@ -35,7 +37,7 @@ SIZES = (
 )
 
 
-class LTXVideo(DiffusersModel):
+class LTXVideo(DiffusersModel, FlowSampling):
     """LTX-Video: a video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
 
     spec = ModelSpec(
@@ -155,6 +157,61 @@ class LTXVideo(DiffusersModel):
         grid = torch.tensor([f, h, w], dtype=torch.long)
         inputs = (pack(s.x_t), frame_t, batch["t5_embeds"].float(), batch["t5_mask"].bool(), grid)
         return inputs, (pack(s.target), pack(weight))
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: LTXConfig, generator: torch.Generator):
+        """Noise ``(1, C, (F - 1) / 8 + 1, H / 32, W / 32)`` and the folder's scheduler sigmas of
+        ``linspace(1, 1/steps, steps)`` with ``LTXPipeline``'s sequence-length shift (``shift_terminal`` too)."""
+        import numpy as np
+        import torch
+
+        from diffpipe_core.sampling.schedules import scheduler_flow_sigmas
+        from diffpipe_ltx.geometry import vae_compression
+
+        temporal, spatial = vae_compression(self.folder.config(model_config.path, "vae"))
+        channels = int(self.model_folder_config(model_config)["in_channels"])
+        f, h, w = (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        schedule = scheduler_flow_sigmas(model_config.path, sigmas, f * h * w)
+        return torch.randn((1, channels, f, h, w), generator=generator), schedule
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's ``(packed x_t, t per latent frame, t5_embeds, t5_mask, grid)``."""
+        import torch
+
+        from diffpipe_ltx.packing import pack
+
+        b, _, f, h, w = latents.shape
+        t = schedule[index].float().expand(b, f)
+        grid = torch.tensor([f, h, w], dtype=torch.long)
+        return pack(latents.float()), t, text["t5_embeds"].float(), text["t5_mask"].bool(), grid
+
+    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        from diffpipe_ltx.packing import unpack
+
+        return unpack(prediction, *latents.shape[2:])
+
+    def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
+        """``latents * latents_std / scaling_factor + latents_mean`` (``LTXPipeline._denormalize_latents``)."""
+        from diffpipe_core.parts.latents import per_channel
+
+        z = latents.float()
+        return z * per_channel(vae.latents_std, z) / vae.config.scaling_factor + per_channel(vae.latents_mean, z)
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`denormalize`, then the VAE (at decode timestep 0, ``LTXPipeline``'s default, when the VAE is
+        timestep-conditioned); float RGB in [-1, 1], ``(B, 3, F, H, W)``."""
+        import torch
+
+        with torch.no_grad():
+            z = self.denormalize(latents, decoder)
+            param = next(decoder.parameters())
+            temb = torch.zeros(z.shape[0], device=param.device, dtype=param.dtype)
+            timestep = temb if decoder.config.timestep_conditioning else None
+            return decoder.decode(z.to(param.device, param.dtype), timestep).sample.float().clamp(-1, 1)
 
 
 plugin = LTXVideo()
