@@ -1,7 +1,7 @@
 """What one sampling point costs against the denoising itself: the same number of plain forward passes.
 
     python bench/sample_point.py [--pairs 3] [--prompts 4] [--steps 10] [--cfg 2.0] [--dim 256] [--depth 6]
-                                 [--size 256] [--threads 1] [--smoke]
+                                 [--size 256] [--threads 1] [--cpu-time] [--smoke]
 
 In one process (a gloo group of 1), builds the reference model's pipeline engine with a LoRA (rank 16) as a run
 does, then alternates, in pairs (``--pairs``, at least 3; which side goes first swaps every pair):
@@ -15,7 +15,8 @@ does, then alternates, in pairs (``--pairs``, at least 3; which side goes first 
 
 Prints each pair and the median ratio with its spread. Target: ratio <= 1.10 (a sampling point costs no more than
 its denoising, give or take the decoding and writing of the samples). The first (warm-up) point's time is printed
-too: it includes loading the decoder, which later points reuse.
+too: it includes loading the decoder, which later points reuse. ``--cpu-time`` measures this process's CPU seconds
+instead of wall-clock ones (steadier on a shared machine; with one thread it is the compute both sides do).
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (more than the free cores stalls it)")
+    parser.add_argument("--cpu-time", action="store_true", help="CPU seconds of this process, not wall-clock ones")
     parser.add_argument("--smoke", action="store_true", help=bench.SMOKE_HELP)
     args = parser.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     _join_group()
 
@@ -96,8 +99,8 @@ def main() -> None:
     latent = args.size // cfg_model.vae_factor
     tokens = (latent // cfg_model.patch_size) ** 2
     print(f"model: TinyDiT dim={args.dim} depth={args.depth}, {tokens} image tokens, LoRA r=16, {args.prompts} "
-          f"prompts x {args.steps} steps, cfg {args.cfg} (batch {batch}), {args.size} px, CPU threads {args.threads}",
-          flush=True)
+          f"prompts x {args.steps} steps, cfg {args.cfg} (batch {batch}), {args.size} px, CPU threads {args.threads}, "
+          f"{'CPU' if args.cpu_time else 'wall-clock'} time", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_tiny_model(root / "model", cfg_model)
@@ -132,9 +135,10 @@ def main() -> None:
         points = iter(range(1, 1 << 20))
 
         def one_point() -> float:
-            t0 = time.perf_counter()
-            sampler.sample(root / "samples" / f"step-{next(points):07d}", next(points), writer)
-            return time.perf_counter() - t0
+            t0 = clock()
+            step = next(points)
+            sampler.sample(root / "samples" / f"step-{step:07d}", step, writer)
+            return clock() - t0
 
         torch.manual_seed(0)
         plain_model = TinyDiT(cfg_model)  # random weights: only the time counts
@@ -144,11 +148,11 @@ def main() -> None:
         text = torch.cat([work.texts[0].cond["text_embeds"]] * batch).float()
 
         def plain() -> float:
-            t0 = time.perf_counter()
+            t0 = clock()
             with torch.no_grad():
                 for _ in range(args.prompts * args.steps):
                     plain_model(x, torch.full((batch,), 0.5), text)
-            return time.perf_counter() - t0
+            return clock() - t0
 
         print(f"warm-up point (loads the decoder): {one_point() * 1000:.1f} ms", flush=True)
         plain()
