@@ -77,8 +77,16 @@ class EvalDatasetRef(Strict):
 class RunConfig(Strict):
     """Top-level keys of ``run.toml``."""
 
-    output_dir: Path = Field(description="Each run writes one timestamped folder under this directory.")
-    dataset: Path = Field(description="Path of the dataset TOML.")
+    output_dir: Path | None = Field(
+        None,
+        description="Each run writes one timestamped folder under this directory. Required to train "
+        "(`diffpipe sample` writes to --out).",
+    )
+    dataset: Path | None = Field(
+        None,
+        description="Path of the dataset TOML. Required to train and cache; `diffpipe sample` reads only its first "
+        "resolution and frame bucket (as the default sample size) when the file is there, and no media or cache.",
+    )
     eval_datasets: list[EvalDatasetRef] = Field([], description="Held-out datasets for eval loss.")
     epochs: int = Field(1, ge=1, description="Passes over the dataset (training stops at max_steps if set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
@@ -178,10 +186,17 @@ def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...]) -> N
             data[key] = str((base / Path(data[key]).expanduser()).resolve())
 
 
-def load_config(path: Path | str, registry: Registry, model_override: str | None = None) -> ResolvedConfig:
+Purpose = Literal["train", "sample"]
+
+
+def load_config(
+    path: Path | str, registry: Registry, model_override: str | None = None, purpose: Purpose = "train"
+) -> ResolvedConfig:
     """Read and validate ``run.toml`` and its ``[model]`` table; raise ConfigError listing every problem.
 
-    Checks paths (dataset file, eval datasets, adapter init) exist, without loading any model.
+    Checks paths (dataset file, eval datasets, adapter init) exist, without loading any model. With
+    ``purpose="sample"`` (``diffpipe sample``) the keys only training needs may be absent: ``output_dir``,
+    ``dataset`` (or its file), the eval datasets and ``[sample]``'s when-to-sample keys.
     """
     path = Path(path).resolve()
     raw = read_toml(path)
@@ -226,11 +241,8 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
         model_cfg = _validate_model(data["model"], registry, source, base, problems)
 
     if run is not None:
-        if not run.dataset.is_file():
-            problems.append(f"{source}: dataset: file not found: {run.dataset}")
-        for i, ev in enumerate(run.eval_datasets):
-            if not ev.config.is_file():
-                problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
+        if purpose == "train":
+            problems.extend(_training_paths(run, source))
         if run.adapter and run.adapter.init_from_existing and not run.adapter.init_from_existing.exists():
             problems.append(f"{source}: adapter.init_from_existing: not found: {run.adapter.init_from_existing}")
         if model_cfg is not None:
@@ -251,11 +263,26 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
                 )
             problems.extend(_unknown_formats(run, spec, source))
             if run.sample is not None:
-                problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source))
+                when = purpose == "train"
+                problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
     if problems:
         raise ConfigError(problems)
     assert run is not None and model_cfg is not None
     return ResolvedConfig(path=path, run=run, model=model_cfg, raw=raw)
+
+
+def _training_paths(run: RunConfig, source: str) -> list[str]:
+    """What training needs that sampling does not: an output folder and the dataset files."""
+    problems = []
+    for key in ("output_dir", "dataset"):
+        if getattr(run, key) is None:
+            problems.append(f"{source}: {key}: required key is missing (training needs it)")
+    if run.dataset is not None and not run.dataset.is_file():
+        problems.append(f"{source}: dataset: file not found: {run.dataset}")
+    for i, ev in enumerate(run.eval_datasets):
+        if not ev.config.is_file():
+            problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
+    return problems
 
 
 def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:

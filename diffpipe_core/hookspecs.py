@@ -221,9 +221,33 @@ def denoise_step(
     """*model, optional (sampling)* One step of the sampler: from ``schedule[index]`` to ``schedule[index + 1]``.
 
     ``prediction`` is the first tensor the last pipeline layer returned (float32, already combined by the core's
-    classifier-free guidance), for ``latents`` of batch size 1. Returns the next latents in the same layout.
+    classifier-free guidance or by :func:`combine_guidance`), for ``latents`` of batch size 1. Returns the next
+    latents in the same layout.
     Flow-matching models take an Euler step (:func:`diffpipe_core.sampling.schedules.flow_euler_step`); others
     follow their reference pipeline's scheduler.
+    """
+
+
+@hookspec(firstresult=True)
+def combine_guidance(
+    uncond: torch.Tensor,
+    cond: torch.Tensor,
+    scale: float,
+    schedule: torch.Tensor,
+    index: int,
+    model_config: ModelConfigBase,
+) -> torch.Tensor:
+    """*model, optional (sampling)* Combine the negative and the positive prediction of classifier-free guidance.
+
+    For a model whose pipeline does more than the plain combination under ``[sample] cfg > 1``. ``uncond`` and
+    ``cond`` are the two halves (batch 1 each, float32) of the first tensor the last pipeline layer returned, in
+    that layer's layout (packed tokens for a transformer that packs them); ``scale`` is ``cfg`` and
+    ``schedule[index]`` the current step. Returns the prediction :func:`denoise_step` gets. Without an
+    implementation the core computes ``uncond + scale * (cond - uncond)``. Qwen-Image's ``true_cfg_scale``, for
+    example, rescales that to the norm of ``cond`` over the last dimension:
+
+        combined = uncond + scale * (cond - uncond)
+        return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
     """
 
 
@@ -231,8 +255,12 @@ def denoise_step(
 def load_decoder(model_config: ModelConfigBase, device: torch.device) -> Any:
     """*model, optional (sampling)* Load only what turns latents into pixels (the VAE) onto ``device``.
 
-    Called on one rank at each sampling point; the core drops the object (and empties the device cache) right
-    after :func:`decode_latents`, so it is never resident while training.
+    Called once per run, on the rank that decodes (rank 0), with ``device`` the host (``cpu``) when the run has
+    an accelerator: the core keeps the object in host memory and moves the ``nn.Module`` s it finds in it (the
+    object itself, or inside a tuple, list, dict or its attributes) onto the accelerator only while
+    :func:`decode_latents` runs, so it is never on the accelerator while training. Tensors outside those modules
+    stay in host memory: move them in :func:`decode_latents`. An object holding no module is loaded onto the
+    accelerator at each sampling point and dropped right after decoding.
     """
 
 

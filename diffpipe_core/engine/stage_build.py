@@ -68,9 +68,24 @@ class Stage:
     engine: Any
 
 
-def build_stage(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
-) -> Stage:
+@dataclass
+class StageModule:
+    """This rank's stage before DeepSpeed: the (adapted) model, its pipeline layers and the PipelineModule."""
+
+    model: nn.Module
+    layer_names: list[str]
+    parts: list[int]
+    own: range
+    lora: LoraConfig | None
+    module: ExplicitPartitionPipelineModule
+
+
+def build_stage_module(
+    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, trainable: bool = True
+) -> StageModule:
+    """Load and partition the model, fill in this stage's weights, quantize, apply the adapter (or start it from
+    a saved one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only)
+    every parameter is frozen and activation checkpointing is left out."""
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
@@ -93,11 +108,14 @@ def build_stage(
         apply_lora(model, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
             init_adapter_from(model, plugin, run.adapter.init_from_existing)
-    else:
+    if not trainable:
+        model.requires_grad_(False)
+    elif run.adapter is None:
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
+    checkpointing = run.activation_checkpointing if trainable else False
     layers, n_swapped = wrap_stage_layers(
-        stage.layers, own, plugin.spec.block_layers, run.activation_checkpointing, run.blocks_to_swap, device
+        stage.layers, own, plugin.spec.block_layers, checkpointing, run.blocks_to_swap, device
     )
     if layout.rank == 0:
         explain_memory_savers(cfg, plugin, device, lora is not None, n_swapped)
@@ -109,6 +127,16 @@ def build_stage(
             loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
             dynamic_shape=True,
         )
+    return StageModule(model, layer_names, parts, own, lora, module)
+
+
+def build_stage(
+    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
+) -> Stage:
+    """The training stage: :func:`build_stage_module`, then the optimizer, LR schedule and DeepSpeed engine."""
+    run = cfg.run
+    built = build_stage_module(cfg, plugin, layout, device)
+    model, own = built.model, built.own
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and p.device.type != "meta"}
     if not trainable:
         raise ValueError(
@@ -126,16 +154,31 @@ def build_stage(
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(
-        model=module,
+        model=built.module,
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=ds_config,
         model_parameters=list(trainable.values()),
     )
     if layout.stage_id > 0:
-        producer = parts[layout.stage_id] - 1
-        name_gradless_boundary_tensors(engine, f"layer {producer} ({layer_names[producer]})")
-    return Stage(model, layer_names, parts, lora, trainable, optimizer, scheduler, guard, engine)
+        producer = built.parts[layout.stage_id] - 1
+        name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
+    return Stage(model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine)
+
+
+def build_inference_engine(cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device) -> Any:
+    """A forward-only pipeline engine (``diffpipe sample``): the same stage as training builds, every parameter
+    frozen, no optimizer, no dataset."""
+    built = build_stage_module(cfg, plugin, layout, device, trainable=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    with library_prints():
+        engine, _, _, _ = deepspeed.initialize(model=built.module, config=ds_config)
+    return engine
 
 
 def explain_memory_savers(

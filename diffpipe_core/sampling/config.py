@@ -36,9 +36,11 @@ class SampleConfig(BaseModel):
         "(blank lines and lines starting with '#' are skipped)."
     )
     negative_prompt: str = Field("", description="Prompt of the unconditional branch when cfg > 1.")
-    every_n_steps: int | None = Field(None, ge=1, description="Sample every N optimizer steps.")
-    every_n_epochs: int | None = Field(None, ge=1, description="Sample at the end of every N epochs.")
-    before_first_step: bool = Field(False, description="Also sample before training starts (step 0).")
+    every_n_steps: int | None = Field(
+        None, ge=1, description="Sample every N optimizer steps (training; `diffpipe sample` ignores it)."
+    )
+    every_n_epochs: int | None = Field(None, ge=1, description="Sample at the end of every N epochs (training).")
+    before_first_step: bool = Field(False, description="Also sample before training starts (step 0; training).")
     steps: int = Field(20, ge=1, le=1000, description="Denoising steps.")
     guidance: float | None = Field(
         None,
@@ -50,14 +52,16 @@ class SampleConfig(BaseModel):
         1.0, ge=1.0, description="Classifier-free guidance scale; above 1 each step also runs negative_prompt."
     )
     seed: int = Field(0, description="Noise seed; prompt i uses the same noise at every sampling point.")
-    resolution: int | tuple[int, int] = Field(
-        512, description="Sample size in pixels: one number (square) or [width, height]."
+    resolution: int | tuple[int, int] | None = Field(
+        None,
+        description="Sample size in pixels: one number (square) or [width, height]. Default: the dataset's first "
+        "resolution (a side length gives its square; rounded down to the model's multiple), or 512 without a dataset.",
     )
     frames: int | None = Field(
         None,
         ge=1,
-        description="Video models: frame count (frame_multiple * k + frame_offset of the model). "
-        "Default: the smallest valid count above 1.",
+        description="Video models: frame count (frame_multiple * k + frame_offset of the model). Default: the "
+        "dataset's first frame bucket above 1 that fits the model, else the smallest valid count above 1.",
     )
 
     @field_validator("prompts")
@@ -68,8 +72,8 @@ class SampleConfig(BaseModel):
         return value
 
     @property
-    def size(self) -> tuple[int, int]:
-        """``(width, height)`` in pixels."""
+    def size(self) -> tuple[int, int] | None:
+        """``(width, height)`` in pixels, or None for the dataset's (see :func:`sample_shape`)."""
         if isinstance(self.resolution, int):
             return self.resolution, self.resolution
         return self.resolution
@@ -100,9 +104,53 @@ def default_frames(spec: ModelSpec) -> int:
     return spec.frame_multiple * k + spec.frame_offset
 
 
-def sample_problems(sample: SampleConfig, plugin: ModelPlugin, source: str) -> list[str]:
+DEFAULT_SIZE = 512
+"""Sample width and height when neither ``[sample] resolution`` nor a dataset says."""
+
+
+def dataset_shape(dataset_toml: Path | None, spec: ModelSpec) -> tuple[int, int, int] | None:
+    """``(width, height, frames)`` of the dataset's first resolution and frame bucket (its first
+    ``[[directory]]``'s effective settings), rounded to what the model takes; None when there is no dataset file.
+
+    A side length ``r`` gives the ``r x r`` square, a ``[w, h]`` pair that size, each rounded down to the model's
+    ``spatial_multiple``. Frames: 1 for an image model; for a video model the first frame bucket above 1 that fits
+    ``frame_multiple * k + frame_offset``, else :func:`default_frames`. Reads the TOML only: its folders need
+    not exist (``diffpipe sample`` builds no dataset). Raises ConfigError for a TOML that does not validate."""
+    if dataset_toml is None or not dataset_toml.is_file():
+        return None
+    from diffpipe_core.data.buckets import round_size, valid_frame_count
+    from diffpipe_core.data.dataset_config import DatasetConfig
+    from diffpipe_core.schema import read_toml, validate
+
+    dataset = validate(DatasetConfig, read_toml(dataset_toml), str(dataset_toml))
+    settings = dataset.settings_for(0)
+    m = spec.spatial_multiple
+    res = settings.resolutions[0]
+    if isinstance(res, tuple):
+        width, height = (max(m, side // m * m) for side in res)
+    else:
+        width, height = round_size(float(res * res), 1.0, m)
+    frames = 1
+    if spec.modality == "video":
+        fitting = [f for f in settings.frame_buckets if f > 1 and valid_frame_count(f, spec)]
+        frames = fitting[0] if fitting else default_frames(spec)
+    return width, height, frames
+
+
+def sample_shape(
+    sample: SampleConfig, spec: ModelSpec, dataset: tuple[int, int, int] | None
+) -> tuple[int, int, int]:
+    """``(width, height, frames)`` to sample: ``[sample]``'s when given, else the dataset's (:func:`dataset_shape`),
+    else 512 px and :func:`default_frames`."""
+    base = dataset or (DEFAULT_SIZE, DEFAULT_SIZE, default_frames(spec))
+    width, height = sample.size or base[:2]
+    frames = sample.frames if sample.frames is not None else base[2]
+    return width, height, frames
+
+
+def sample_problems(sample: SampleConfig, plugin: ModelPlugin, source: str, when: bool = True) -> list[str]:
     """What in ``[sample]`` does not fit the model (sizes, frame counts, a plugin that cannot sample) or cannot
-    be read (the prompt file)."""
+    be read (the prompt file). With ``when`` (training), also a table that never says when to sample."""
     spec = plugin.spec
     problems = []
     missing = missing_sampling_hooks(plugin)
@@ -111,12 +159,12 @@ def sample_problems(sample: SampleConfig, plugin: ModelPlugin, source: str) -> l
             f"{source}: sample: model plugin {spec.name!r} cannot sample (it does not implement "
             f"{', '.join(missing)}); remove [sample] (`diffpipe models` shows which plugins can sample)"
         )
-    if not (sample.every_n_steps or sample.every_n_epochs or sample.before_first_step):
+    if when and not (sample.every_n_steps or sample.every_n_epochs or sample.before_first_step):
         problems.append(
             f"{source}: sample: say when to sample: every_n_steps, every_n_epochs and/or before_first_step = true"
         )
     m = spec.spatial_multiple
-    for key, value in zip(("width", "height"), sample.size, strict=True):
+    for key, value in zip(("width", "height"), sample.size or (m, m), strict=True):
         if value < m or value % m:
             lower, upper = max(m, value // m * m), (value // m + 1) * m
             problems.append(
