@@ -58,6 +58,23 @@ def comfyui_format(state: dict[str, torch.Tensor], alpha: float) -> dict[str, to
     return out
 
 
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """Key stems of a LoKr/LoHa: ``comfyui`` keeps the diffusers names under ``transformer.``, which ComfyUI's Flux
+    key map sends into the BFL weights (into their slice of a fused ``qkv``/``linear1``; the final adaLN with its
+    halves swapped), because a Kronecker or Hadamard update cannot be fused like a LoRA. Other formats: None."""
+    if format != "comfyui":
+        return None
+    names = set(modules)
+    pairs = module_pairs(
+        _count(names, r"transformer_blocks\.(\d+)\."), _count(names, r"single_transformer_blocks\.(\d+)\."), True
+    )
+    known = {part for pair in pairs if pair.kind != "norm" for part in pair.parts}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ValueError(f"modules with no ComfyUI (BFL-layout) counterpart: {unknown[:3]}")
+    return {m: f"{PREFIX}.{m}" for m in modules}
+
+
 def export_adapter(state: dict[str, torch.Tensor], alpha: float, format: str) -> dict[str, torch.Tensor] | None:
     """``diffusers``: the core's :func:`diffusers_format` (peft keys under ``transformer.``; the core puts the
     LoRA config in the file's metadata); ``comfyui``: :func:`comfyui_format`; anything else: None."""

@@ -161,6 +161,14 @@ def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int,
 
 
 @hookimpl
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """LoKr/LoHa keys: ``comfyui`` (diffusers names under ``transformer.``, which ComfyUI maps into BFL weights)."""
+    from diffpipe_flux import export
+
+    return export.adapter_key_names(modules, format)
+
+
+@hookimpl
 def export_model(saved_dir: Path, model_config: FluxConfig, out_dir: Path, format: str) -> bool | None:
     """``diffusers`` (a transformer folder) or ``single_file`` (one original BFL-layout safetensors file),
     converted from the core's saved shards."""
