@@ -369,6 +369,12 @@ def _component_problems(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase,
                     f"its groups: {', '.join(repr(g) for g in groups)}"
                 )
     adapter = run.adapter
+    if adapter is not None and adapter.type != "lora" and model_cfg.quantize == "nf4":
+        # peft reshapes a LoKr/LoHa update to the base weight's shape, which nf4 packs
+        problems.append(
+            f"{source}: model.quantize: 'nf4' works with type = 'lora' only; a {adapter.type!r} adapter trains on "
+            "'int8' or 'float8' base weights"
+        )
     if adapter is not None and adapter.type != "lora":
         other = [f for f in adapter.save_formats if f != "diffusers"]
         if other and not plugin.has("adapter_key_names"):

@@ -40,8 +40,8 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def problems(project: Path, tables: str) -> list[str]:
-    (project / "run.toml").write_text(RUN + tables)
+def problems(project: Path, tables: str, model: str = "") -> list[str]:
+    (project / "run.toml").write_text(RUN + model + tables)
     with pytest.raises(ConfigError) as err:
         load_config(project / "run.toml", get_registry())
     return err.value.problems
@@ -67,6 +67,8 @@ def test_adapter_and_optimizer_keys_are_checked(project: Path) -> None:
     assert "its groups: 'mlp', 'attention'" in p
     [p] = problems(project, "[adapter]\n[optimizer]\ngroup_lr = { mlp = -1.0 }\n")
     assert "must be >= 0" in p
+    [p] = problems(project, '[adapter]\ntype = "loha"\n', model='quantize = "nf4"\n')
+    assert "model.quantize: 'nf4' works with type = 'lora' only" in p
 
 
 def test_lokr_in_a_layout_the_plugin_names_no_keys_for_is_refused(project: Path, monkeypatch) -> None:

@@ -66,9 +66,12 @@ def parameter_groups(
     return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[dict[str, Any]], pm: Any) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.type`` names over ``groups`` (:func:`parameter_groups`). One group is passed as a plain
-    parameter list, so its state is laid out as before groups existed."""
+def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.type`` names over ``groups`` (:func:`parameter_groups`; or a plain list of parameters:
+    one group at ``cfg.lr``). One group is passed as a plain parameter list, so its state is laid out as before
+    groups existed."""
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"name": DEFAULT_GROUP, "params": list(groups), "lr": cfg.lr}]
     table = available_optimizers(pm)
     if cfg.type not in table:
         raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")

@@ -154,3 +154,13 @@ def test_a_module_comfyui_has_no_name_for_is_reported(tmp_path: Path) -> None:
     problems = write_adapter(tmp_path / "s", state, get_registry().model("flux"), config, ["comfyui"], torch.float32)
     assert len(problems) == 1 and "pos_embed.proj" in problems[0] and "'comfyui' not written" in problems[0]
     assert (tmp_path / "s" / "adapter_model.safetensors").is_file()
+
+
+def test_key_names_hook() -> None:
+    import diffpipe_flux.plugin as flux
+
+    modules = ["transformer_blocks.0.attn.to_q", "single_transformer_blocks.1.proj_mlp", "norm_out.linear"]
+    assert flux.adapter_key_names(modules=modules, format="comfyui") == {m: f"transformer.{m}" for m in modules}
+    assert flux.adapter_key_names(modules=modules, format="diffusers") is None
+    with pytest.raises(ValueError, match="transformer_blocks.0.attn.norm_q"):
+        flux.adapter_key_names(modules=["transformer_blocks.0.attn.norm_q"], format="comfyui")

@@ -17,6 +17,7 @@ from diffpipe_core.adapter_kinds import config_from_saved
 from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.comfy import apply_file, merged_weights
+from diffpipe_core.testing.golden import folder_manifest
 from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
 
@@ -52,23 +53,27 @@ def lokr_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
     _train(root)
     [run] = [p for p in (root / "out").iterdir() if p.is_dir()]
     first = train_losses(run)
-    files = {p.name: p.read_bytes() for p in (run / "saved" / "final").iterdir()}
+    files = saved_files(run / "saved" / "final")
     shutil.copytree(run / "checkpoints" / "step-0000004", root / "uninterrupted-step-4")
     out = _train(root, "--resume", str(run / "checkpoints" / "step-0000002"))
     assert "resuming" in out
     return run, first, files
 
 
+def saved_files(folder: Path) -> dict[str, object]:
+    """What a saved folder holds, comparable across processes: every safetensors file's metadata and tensor
+    bytes (safetensors orders the header's metadata differently in each process), the other files' bytes."""
+    other = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix != ".safetensors"}
+    return {"safetensors": folder_manifest(folder), "other": other}
+
+
 def test_resumed_lokr_repeats_the_losses_and_files(lokr_run) -> None:
     run, first, files = lokr_run
     assert sorted(first) == [1, 2, 3, 4]
     assert train_losses(run) == first  # exactly: float equality of every step's loss
-    again = {p.name: p.read_bytes() for p in (run / "saved" / "final").iterdir()}
-    assert again.keys() == files.keys() == {
-        "adapter_model.safetensors", "adapter_model.comfyui.safetensors", "adapter_config.json"
-    }
-    for name in files:
-        assert again[name] == files[name], name
+    assert set(files["safetensors"]) == {"adapter_model.safetensors", "adapter_model.comfyui.safetensors"}
+    assert set(files["other"]) == {"adapter_config.json"}
+    assert saved_files(run / "saved" / "final") == files
     params = load_file(str(run / "checkpoints" / "step-0000004" / "params-stage0.safetensors"))
     before = load_file(str(run.parent.parent / "uninterrupted-step-4" / "params-stage0.safetensors"))
     assert params.keys() == before.keys() and all(torch.equal(params[k], before[k]) for k in params)
