@@ -110,9 +110,8 @@ class Trainer:
                 "they are carried into later epochs by the reshuffle",
                 flush=True,
             )
-        if self.samples is not None:
-            with evaluation_weights(self.stage.optimizer):
-                self.samples.before_training(start_step, writer)
+        if self.samples is not None:  # before any step the evaluation weights are the training ones
+            self.samples.before_training(start_step, writer)
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
         consecutive_bad = 0
