@@ -26,17 +26,41 @@ class Strict(BaseModel):
 class AdapterConfig(Strict):
     """``[adapter]``: present means adapter training; absent means full fine-tuning."""
 
-    type: Literal["lora"] = Field("lora", description="Adapter kind. Only peft LoRA for now.")
-    rank: int = Field(16, ge=1, description="LoRA rank r.")
-    alpha: float | None = Field(
-        None, gt=0, description="LoRA alpha; the update is scaled by alpha / rank. Default: equal to rank."
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora",
+        description="Adapter kind, all through peft on the model's lora_targets: 'lora'; 'lokr' (Kronecker product "
+        "of two factors, LyCORIS' LoKr); 'loha' (Hadamard product of two low-rank products, LyCORIS' LoHa).",
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout probability.")
+    rank: int = Field(
+        16,
+        ge=1,
+        description="LoRA rank r; for 'lokr' the rank of the decomposed (second) factor, which is kept whole when "
+        "rank >= half its size; for 'loha' the rank of each of the two products.",
+    )
+    alpha: float | None = Field(
+        None, gt=0, description="Alpha; the update is scaled by alpha / rank. Default: equal to rank."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout probability ('lora' only).")
+    factor: int = Field(
+        -1,
+        ge=-1,
+        description="'lokr' only: the Kronecker factor each dimension is split by (LyCORIS' factor; e.g. 8 splits "
+        "3072 into 8 x 384); -1 splits it as evenly as possible.",
+    )
+    decompose_both: bool = Field(
+        False, description="'lokr' only: also write the first (small) factor as a rank-r product."
+    )
+    rank_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="'lokr'/'loha' only: probability of dropping each output row of the update."
+    )
+    module_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="'lokr'/'loha' only: probability of skipping a module's update in a step."
+    )
     target_modules: list[str] | None = Field(
         None, description="Module names or regexes to adapt; overrides the model plugin's lora_targets."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of the LoRA weights while training."
+        "float32", description="dtype of the adapter weights while training."
     )
     init_from_existing: Path | None = Field(
         None, description="A saved diffpipe adapter folder (or its adapter_model.safetensors) to start from."
@@ -51,6 +75,19 @@ class AdapterConfig(Strict):
     def effective_alpha(self) -> float:
         return float(self.alpha if self.alpha is not None else self.rank)
 
+    @model_validator(mode="after")
+    def _kind_keys(self) -> AdapterConfig:
+        only = {"dropout": ("lora",), "factor": ("lokr",), "decompose_both": ("lokr",)}
+        only |= {"rank_dropout": ("lokr", "loha"), "module_dropout": ("lokr", "loha")}
+        for key, kinds in only.items():
+            if key in self.model_fields_set and self.type not in kinds and getattr(self, key):
+                raise ValueError(
+                    f"adapter.{key} applies to type = {' or '.join(repr(k) for k in kinds)} only, not {self.type!r}"
+                )
+        if self.factor == 0:
+            raise ValueError("adapter.factor: 0 is not a factor; use a positive number or -1")
+        return self
+
 
 class OptimizerConfig(Strict):
     """``[optimizer]``."""
@@ -59,12 +96,53 @@ class OptimizerConfig(Strict):
         "adamw",
         description="'adamw' (torch), 'adamw8bit' (bitsandbytes 8-bit states), 'adamw8bit_kahan' (8-bit states plus "
         "Kahan-compensated bf16/fp16 weights: updates below bf16 resolution still count; use it for full fine-tunes "
-        "of bf16 models), 'sgd', or a name a plugin registers.",
+        "of bf16 models), 'sgd', or a name a plugin registers (diffpipe-optimizers: 'prodigy', "
+        "'adamw_schedulefree').",
     )
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate (of every parameter group group_lr leaves out).")
+    group_lr: dict[str, float] = Field(
+        {},
+        description="Peak learning rate per parameter group the model plugin names (its parameter_groups hook; "
+        "`diffpipe validate` lists them for a wrong name), e.g. { text_encoder_1 = 1e-5 }; 0 freezes a group. "
+        "Groups left out train at lr.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.99), description="Adam betas.")
     weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    kwargs: dict[str, Any] = Field(
+        {}, description="Further keyword arguments of the optimizer, e.g. { d_coef = 0.5 } for 'prodigy'."
+    )
+
+    @model_validator(mode="after")
+    def _group_lrs(self) -> OptimizerConfig:
+        bad = {k: v for k, v in self.group_lr.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"optimizer.group_lr: learning rates must be >= 0, got {bad}")
+        return self
+
+
+class WandbConfig(Strict):
+    """``[logging] wandb``: Weights & Biases, beside TensorBoard (needs ``pip install diffpipe-core[wandb]``)."""
+
+    project: str = Field(description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); default: yours.")
+    name: str | None = Field(None, description="Run name; default: the run folder's name.")
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field([], description="W&B tags.")
+    notes: str | None = Field(None, description="W&B notes.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode; default: the WANDB_MODE environment variable, else 'online'."
+    )
+
+
+class LoggingConfig(Strict):
+    """``[logging]``: where metrics go besides ``metrics.jsonl`` and TensorBoard (``<run>/tensorboard``)."""
+
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Also log scalars, samples and the resolved config to Weights & Biases (rank 0 only), e.g. "
+        "{ project = \"my-loras\" }.",
+    )
 
 
 class EvalDatasetRef(Strict):
@@ -149,6 +227,7 @@ class RunConfig(Strict):
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
     sample: SampleConfig | None = Field(None, description="Samples during training; leave out for none.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="Logging table.")
 
     @model_validator(mode="after")
     def _check_split(self) -> RunConfig:
@@ -262,6 +341,7 @@ def load_config(
                     "whose linears are what gets quantized; remove quantize"
                 )
             problems.extend(_unknown_formats(run, spec, source))
+            problems.extend(_component_problems(run, registry.model(model_cfg.type), model_cfg, source))
             if run.sample is not None:
                 when = purpose == "train"
                 problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
@@ -300,6 +380,35 @@ def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:
                 problems.append(
                     f"{source}: {key}: model {spec.name!r} cannot export format {fmt!r}; it exports: {offer}"
                 )
+    return problems
+
+
+def _component_problems(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase, source: str) -> list[str]:
+    """``[optimizer] group_lr`` names groups the plugin has; a LoKr/LoHa is saved only in layouts the plugin
+    names keys for."""
+    problems = []
+    if run.optimizer.group_lr:
+        groups = list(plugin.call("parameter_groups", model_config=model_cfg) or {"model": []})
+        for name in run.optimizer.group_lr:
+            if name not in groups:
+                problems.append(
+                    f"{source}: optimizer.group_lr: model {plugin.name!r} has no parameter group {name!r}; "
+                    f"its groups: {', '.join(repr(g) for g in groups)}"
+                )
+    adapter = run.adapter
+    if adapter is not None and adapter.type != "lora" and model_cfg.quantize == "nf4":
+        # peft reshapes a LoKr/LoHa update to the base weight's shape, which nf4 packs
+        problems.append(
+            f"{source}: model.quantize: 'nf4' works with type = 'lora' only; a {adapter.type!r} adapter trains on "
+            "'int8' or 'float8' base weights"
+        )
+    if adapter is not None and adapter.type != "lora":
+        other = [f for f in adapter.save_formats if f != "diffusers"]
+        if other and not plugin.has("adapter_key_names"):
+            problems.append(
+                f"{source}: adapter.save_formats: model {plugin.name!r} saves a {adapter.type!r} adapter in the "
+                f"'diffusers' layout only (its plugin names no {other[0]!r} keys for LoKr/LoHa); remove {other}"
+            )
     return problems
 
 

@@ -159,6 +159,33 @@ def export_adapter(
     ``format`` is ``"diffusers"``, ``"comfyui"``, ``"kohya"`` or a plugin-specific name from
     ``[adapter] save_formats``. Return None for a format the plugin does not know. Without an
     implementation the core writes diffusers/peft keys (``<prefix>.<key>``) with ``.alpha`` tensors.
+    Called for LoRA only; a LoKr or LoHa is laid out by the core from :func:`adapter_key_names`.
+    """
+
+
+@hookspec(firstresult=True)
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """*model, optional* Where a LoKr or LoHa goes in the ``format`` layout (``[adapter] type = "lokr"``/``"loha"``).
+
+    ``modules`` are the adapted modules' paths in the diffusion model (``transformer_blocks.0.attn.to_q``). Return
+    each one's key stem in ``format``, the name ComfyUI (or the format's tool) patches that module's weight under,
+    e.g. ``"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"`` (SDXL, kohya) or
+    ``"transformer.transformer_blocks.0.attn.to_q"`` (Flux: ComfyUI maps diffusers names into its fused ``qkv``).
+    The core writes ``<stem>.lokr_w1`` ... and ``<stem>.alpha`` (:mod:`diffpipe_core.adapter_kinds`); a LoKr or
+    LoHa cannot be fused, so a module with no stem of its own in the layout must raise a ValueError naming it.
+    Return None for a format the plugin does not write such adapters in. Without an implementation a LoKr/LoHa is
+    saved in the ``diffusers`` layout only (the core's, for every model).
+    """
+
+
+@hookspec(firstresult=True)
+def parameter_groups(model_config: ModelConfigBase) -> dict[str, list[str]]:
+    """*model, optional* Named parameter groups, for per-component learning rates (``[optimizer] group_lr``).
+
+    Maps each group name to regexes matched (``re.match``) against trainable parameter names of the diffusion
+    model as ``named_parameters`` gives them (``text_encoder_1\\.``); a parameter matching none joins the first
+    group. Called before anything is loaded (``diffpipe validate`` checks ``group_lr`` against it). Default: one
+    group, ``"model"``.
     """
 
 

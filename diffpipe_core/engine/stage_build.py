@@ -9,11 +9,12 @@ from typing import Any
 
 import deepspeed
 import torch
-from peft import LoraConfig
+from peft import PeftConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param, kind_of
+from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
@@ -24,7 +25,7 @@ from diffpipe_core.engine.model_loading import load_for_stages, materialise_laye
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
-from diffpipe_core.optim import build_optimizer, lr_lambda
+from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
@@ -60,7 +61,7 @@ class Stage:
     model: nn.Module
     layer_names: list[str]
     parts: list[int]
-    lora: LoraConfig | None
+    lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     trainable: dict[str, torch.Tensor]
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
@@ -76,7 +77,7 @@ class StageModule:
     layer_names: list[str]
     parts: list[int]
     own: range
-    lora: LoraConfig | None
+    lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     module: ExplicitPartitionPipelineModule
 
 
@@ -104,10 +105,10 @@ def build_stage_module(
     lora = None
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
-        lora = lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets))
-        apply_lora(model, lora, DTYPES[run.adapter.dtype])
+        lora = from_adapter_table(run.adapter, list(targets))
+        apply_adapter(model, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
-            init_adapter_from(model, plugin, run.adapter.init_from_existing)
+            init_adapter_from(model, plugin, run.adapter.init_from_existing, lora)
     if not trainable:
         model.requires_grad_(False)
     elif run.adapter is None:
@@ -143,7 +144,8 @@ def build_stage(
             f"pipeline stage {layout.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
             "change partition_split or the adapter's target_modules"
         )
-    optimizer = build_optimizer(run.optimizer, list(trainable.values()), plugin.registry.pm)
+    groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
+    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     ds_config = {
@@ -200,19 +202,30 @@ def explain_memory_savers(
         print(f"diffpipe: swapping {n_swapped} blocks per stage with host memory", flush=True)
 
 
-def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path) -> None:
-    """Start the adapter from a saved one (``[adapter] init_from_existing``): this stage's LoRA tensors only."""
-    state, _ = read_adapter(path)
+def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config: PeftConfig) -> None:
+    """Start the adapter from a saved one (``[adapter] init_from_existing``): this stage's adapter tensors only."""
+    state, saved = read_adapter(path)
+    kind = kind_of(config)
+    if saved.get("peft_type", "LORA") != kind.peft_type:
+        raise ValueError(
+            f"adapter.init_from_existing: {path} holds a {saved.get('peft_type', 'LORA')} adapter; this run trains "
+            f"type = {kind.name!r}"
+        )
     prefix = plugin.call("adapter_key_prefix") or "transformer"
-    named = dict(model.named_parameters())
+    named = {n.replace(".default", ""): p for n, p in model.named_parameters() if is_adapter_param(n)}
     loaded = 0
     for key, value in state.items():
         if key.endswith(".alpha"):
             continue
         bare = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else key
-        name = bare.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
-        if name in named and named[name].device.type != "meta":
-            named[name].data.copy_(value.to(named[name].dtype))
+        param = named.get(bare)
+        if param is not None and param.device.type != "meta":
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"adapter.init_from_existing: {path}: {key} has shape {tuple(value.shape)}, this run's adapter "
+                    f"{tuple(param.shape)}; the rank, factor or target modules differ"
+                )
+            param.data.copy_(value.to(param.dtype))
             loaded += 1
-    if loaded == 0 and any(p.device.type != "meta" for n, p in named.items() if "lora_" in n):
-        raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's LoRA layers")
+    if loaded == 0 and any(p.device.type != "meta" for p in named.values()):
+        raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")

@@ -23,11 +23,13 @@ from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.evaluation import evaluate
+from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, mix_seed
 from diffpipe_core.engine.run_dir import truncate_metrics
 from diffpipe_core.engine.run_state import restore_checkpoint, save_trained, write_checkpoint
 from diffpipe_core.engine.stage_build import Layout, build_stage
 from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
+from diffpipe_core.optim import evaluation_weights
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
 
@@ -77,7 +79,8 @@ class Trainer:
         )
 
     def _save(self, name: str) -> Path:
-        return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
+        with evaluation_weights(self.stage.optimizer):
+            return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
 
     # ----------------------------------------------------------------------------- loop
     def train(self, resume_from: Path | None = None) -> TrainSummary:
@@ -107,7 +110,7 @@ class Trainer:
                 "they are carried into later epochs by the reshuffle",
                 flush=True,
             )
-        if self.samples is not None:
+        if self.samples is not None:  # before any step the evaluation weights are the training ones
             self.samples.before_training(start_step, writer)
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
@@ -120,7 +123,8 @@ class Trainer:
             batches.step_ids = []
             context.step = step
             guard.start_step()
-            lr = scheduler.get_last_lr()[0]  # the lr this step uses (train_batch steps the scheduler)
+            step_lrs = list(scheduler.get_last_lr())  # the lrs this step uses (train_batch steps the scheduler)
+            lr = step_lrs[0]
             t0 = time.perf_counter()
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
@@ -162,6 +166,10 @@ class Trainer:
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                         if record[key] is not None and math.isfinite(record[key]):
                             writer.add_scalar(f"train/{key}", record[key], step)
+                    groups = self.stage.optimizer.param_groups
+                    if len(groups) > 1:  # per-component learning rates: one curve each
+                        for group, group_lr in zip(groups, step_lrs, strict=True):
+                            writer.add_scalar(f"train/lr_{group.get('name', 'model')}", group_lr, step)
                     self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
                 bar.update(1)
@@ -179,8 +187,9 @@ class Trainer:
                 if metrics_file is not None and evals:
                     metrics_file.write(json.dumps({"step": step, "eval": evals}) + "\n")
                     metrics_file.flush()
-            if self.samples is not None:
-                self.samples.after_step(step, epoch_done, self._epoch(step), writer)
+            if self.samples is not None and self.samples.sampler.due(step, epoch_done, self._epoch(step)):
+                with evaluation_weights(self.stage.optimizer):
+                    self.samples.after_step(step, epoch_done, self._epoch(step), writer)
             if step < self.total_steps and self._checkpoint_due(step, last_ckpt_time):
                 self._checkpoint(step, batches.micro_index)
                 last_ckpt_time = time.monotonic()
@@ -197,7 +206,8 @@ class Trainer:
         return summary
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:
-        return evaluate(self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer)
+        with evaluation_weights(self.stage.optimizer):
+            return evaluate(self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer)
 
     def _epoch(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -213,9 +223,7 @@ class Trainer:
         return False
 
     def _writer(self) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        return open_writer(self.run_dir, self.run.logging.wandb)
 
 
 def _num(value: Any) -> float | None:

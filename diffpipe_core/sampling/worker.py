@@ -98,18 +98,13 @@ def run_sample_request(cfg: ResolvedConfig, plugin: ModelPlugin, device: torch.d
 
 
 def _with_adapter(cfg: ResolvedConfig, adapter: str | None) -> ResolvedConfig:
-    """The run config with ``[adapter]`` replaced: the saved adapter's settings (loaded as ``init_from_existing``),
-    or none (the base model alone)."""
+    """The run config with ``[adapter]`` replaced: the saved adapter's settings, any kind (loaded as
+    ``init_from_existing``), or none (the base model alone)."""
     table = None
     if adapter is not None:
+        from diffpipe_core.adapter_kinds import adapter_table
         from diffpipe_core.adapters import read_adapter
 
         _, adapter_cfg = read_adapter(Path(adapter))
-        targets = adapter_cfg.get("target_modules")
-        table = AdapterConfig(
-            rank=int(adapter_cfg["r"]),
-            alpha=float(adapter_cfg.get("lora_alpha") or adapter_cfg["r"]),
-            target_modules=[targets] if isinstance(targets, str) else sorted(targets) if targets else None,
-            init_from_existing=Path(adapter),
-        )
+        table = AdapterConfig(**adapter_table(adapter_cfg, Path(adapter)))
     return dataclasses.replace(cfg, run=cfg.run.model_copy(update={"adapter": table}))

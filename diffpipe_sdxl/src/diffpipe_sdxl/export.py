@@ -42,6 +42,14 @@ def export_adapter(state: dict[str, torch.Tensor], alpha: float, format: str) ->
     return None
 
 
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """Key stems of a LoKr/LoHa: ``kohya`` names each module as :func:`export_adapter`'s kohya LoRA does
+    (``lora_unet_<SGM module>``); other formats: None."""
+    if format != "kohya":
+        return None
+    return {m: f"lora_unet_{unet_name_to_sgm(m).replace('.', '_')}" for m in modules}
+
+
 def export_model(model: nn.Module, cfg: SDXLConfig, out_dir: Path, format: str) -> bool | None:
     """``diffusers``: ``out_dir/unet`` (``save_pretrained``). ``single_file``: ``out_dir/sdxl.safetensors`` in the
     original layout, the trained UNet plus the VAE and text encoders of the base checkpoint."""

@@ -122,6 +122,14 @@ def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int,
 
 
 @hookimpl
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """LoKr/LoHa keys: ``kohya`` (the kohya LoRA's SGM module names)."""
+    from diffpipe_sdxl import export
+
+    return export.adapter_key_names(modules, format)
+
+
+@hookimpl
 def export_model(saved_dir: Path, model_config: SDXLConfig, out_dir: Path, format: str) -> bool | None:
     """``diffusers`` (a UNet folder) or ``single_file`` (an original-layout checkpoint with the base VAE and
     text encoders)."""

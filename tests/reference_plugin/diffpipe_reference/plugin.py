@@ -199,3 +199,9 @@ def lora_targets(model_config: ReferenceConfig) -> list[str]:
 @hookimpl
 def adapter_key_prefix() -> str:
     return "transformer"
+
+
+@hookimpl
+def parameter_groups(model_config: ReferenceConfig) -> dict[str, list[str]]:
+    """Per-component learning rates: ``attention`` (the blocks' q/k/v/out) and ``mlp`` (everything else)."""
+    return {"mlp": [], "attention": [r"blocks\.\d+\.attn\."]}
