@@ -294,6 +294,14 @@ def load_config(
     if isinstance(data.get("sample"), dict):
         data["sample"] = dict(data["sample"])
         _resolve_paths(data["sample"], base, ("prompts",))
+        controls = data["sample"].get("control_images")
+        if isinstance(controls, list):
+            data["sample"]["control_images"] = [
+                [str((base / Path(c).expanduser()).resolve()) if isinstance(c, str) else c for c in entry]
+                if isinstance(entry, list)
+                else str((base / Path(entry).expanduser()).resolve()) if isinstance(entry, str) else entry
+                for entry in controls
+            ]
 
     problems: list[str] = []
     model_table = data.get("model")
