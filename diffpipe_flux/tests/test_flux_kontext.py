@@ -42,6 +42,7 @@ timestep_sample_method = "uniform"
 [adapter]
 rank = {RANK}
 alpha = {ALPHA}
+save_formats = ["diffusers", "comfyui"]
 
 [optimizer]
 lr = 4e-3
@@ -172,6 +173,14 @@ def test_kontext_lora_loads_in_the_kontext_pipeline_and_reproduces(kontext_runs:
         "img_ids": torch.cat([image_ids(8, 8), image_ids(4, 8) + torch.tensor([1, 0, 0])]).float(),
         "txt_ids": text_ids(8).float(),
     }
+    # the ComfyUI file is Flux's (BFL names, fused q/k/v with alpha scaled): ComfyUI loads Kontext LoRAs as Flux ones
+    from safetensors.torch import load_file
+
+    comfy = load_file(str(saved / "adapter_model.comfyui.safetensors"))
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
+    assert all(
+        k.startswith("diffusion_model.double_blocks.") or k.startswith("diffusion_model.single_blocks.") for k in comfy
+    )
     pipe = FluxKontextPipeline.from_pretrained(str(model_dir), local_files_only=True)
     untrained = runs.outputs(pipe.transformer, inputs)
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
