@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import reason_category
@@ -33,33 +34,41 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
 
 
-def format_report(scan: ScanResult, micro_batch_size: int, dp_world_size: int) -> str:
-    """A plain-text report: one row per bucket (size, frames, samples per epoch including repeats,
-    micro-batches per epoch on each data-parallel rank, and the remainder that cannot fill a global
-    micro-batch of ``micro_batch_size * dp_world_size``), then every skipped file and a summary."""
-    per_step = micro_batch_size * dp_world_size
+def format_report(
+    scan: ScanResult, micro_batch_size: int | Callable[[Bucket], int], dp_world_size: int
+) -> str:
+    """A plain-text report: one row per bucket (size, frames, samples per epoch including repeats, its micro-batch
+    size, micro-batches per epoch on each data-parallel rank, and the remainder that cannot fill a global
+    micro-batch of ``micro_batch_size * dp_world_size``), then every skipped file and a summary.
+    ``micro_batch_size`` is one size or a function of the bucket (per-resolution sizes)."""
+    size_of = micro_batch_size if callable(micro_batch_size) else (lambda bucket: micro_batch_size)
     counts = bucket_counts(scan)
     rows = []
     total_batches = total_rest = 0
+    empty = []
     for bucket, n in counts.items():
-        batches, rest = divmod(n, per_step)
+        size = size_of(bucket)
+        batches, rest = divmod(n, size * dp_world_size)
         total_batches += batches
         total_rest += rest
-        rows.append([f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), str(batches), str(rest)])
+        if batches == 0:
+            empty.append(bucket)
+        size_column = [str(size)] if callable(micro_batch_size) else []  # a column only when sizes may differ
+        rows.append([f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), *size_column, str(batches),
+                     str(rest)])
+    per_bucket = callable(micro_batch_size)
+    shown = "" if per_bucket else f"micro_batch_size={micro_batch_size}, "
+    header = ["resolution", "frames", "items", *(["micro-batch"] if per_bucket else []), "micro-batches/rank"]
+    total = ["total", "", str(sum(counts.values())), *([""] if per_bucket else []), str(total_batches)]
     lines = [
-        f"Buckets (micro_batch_size={micro_batch_size}, data-parallel ranks={dp_world_size}):",
-        *_table(
-            ["resolution", "frames", "items", "micro-batches/rank", "remainder"],
-            [*rows, ["total", "", str(sum(counts.values())), str(total_batches), str(total_rest)]],
-            right={1, 2, 3, 4},
-        ),
+        f"Buckets ({shown}data-parallel ranks={dp_world_size}):",
+        *_table([*header, "remainder"], [*rows, [*total, str(total_rest)]], right=set(range(1, len(header) + 1))),
     ]
     if total_rest:
         lines.append(
             f"{total_rest} samples per epoch are a remainder that cannot fill a micro-batch on every "
             "data-parallel rank in their bucket."
         )
-    empty = [b for b, n in counts.items() if n < per_step]
     if empty:
         lines.append("buckets too small for even one micro-batch: " + ", ".join(map(str, empty)))
     lines.append("")

@@ -18,6 +18,11 @@
 4. ``forward_outputs``: ``PipelineEngine.eval_batch(compute_loss=False)`` adds each micro-batch's outputs
    to ``total_loss``, which still holds the last ``train_batch``'s scalar loss, and fails indexing it. We
    clear it for the call and put it back (used by diffpipe_core.sampling.pipeline).
+5. ``keep_compiled_backward_buffers``: a stage that is not the last runs backward one output tensor at a time,
+   with ``retain_graph=True`` for all but the last (``PipelineEngine._exec_backward_pass``). The backward of a
+   ``torch.compile``'d layer donates its saved buffers and refuses a retained graph ("compiled with non-empty
+   donated buffers"), so ``compile`` broke every run of more than one stage. With ``compile`` on we turn buffer
+   donation off: the compiled backward keeps its saved tensors, as eager autograd does.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -115,3 +120,11 @@ def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: i
         )
     finally:
         engine.total_loss = saved
+
+
+def keep_compiled_backward_buffers() -> None:
+    """Let compiled layers' backward run under DeepSpeed's per-output ``retain_graph=True`` backward (patch 5).
+    Process-wide torch setting; called before the blocks are compiled."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False
