@@ -95,7 +95,8 @@ ANCHOR_OPTIONS = {
     "blocks_to_swap = 20\npseudo_huber_c = 0.5\neval_every_n_examples = 1000\nsave_every_n_examples = 1000\n"
     "checkpoint_every_n_epochs = 1\npartition_split = [10]\n"
     "map_num_proc = 32\ncompile = true\nx_axis_examples = true",
-    "activation_checkpointing = true": "activation_checkpointing = 'unsloth'\nreentrant_activation_checkpointing = true",
+    "activation_checkpointing = true": "activation_checkpointing = 'unsloth'\n"
+    "reentrant_activation_checkpointing = true",
     "partition_method = 'parameters'": "partition_method = 'manual'",
     "pipeline_stages = 1": "pipeline_stages = 2",
     "enable_wandb = false\nwandb_api_key = ''": "enable_wandb = true\nwandb_api_key = 'sekrit-api-key'",

@@ -84,6 +84,20 @@ def test_sampler_cuts_each_bucket_at_its_own_size() -> None:
     assert one.epoch_batches(0) == BucketSampler(groups, [2, 2], 0, 1, seed=0).epoch_batches(0)
 
 
+def test_data_report_shows_each_buckets_micro_batch_size() -> None:
+    from diffpipe_core.data.items import Bucket, MediaItem, ScanResult
+    from diffpipe_core.data.report import format_report
+
+    small, large = Bucket(32, 32), Bucket(64, 64)
+    items = [MediaItem(f"{i}.png", Path(f"/d/{i}.png"), "c", small if i < 9 else large, "k") for i in range(14)]
+    run = _base(micro_batch_size_per_gpu=[[32, 4], [64, 2]])
+    text = format_report(ScanResult(items), lambda b: run.micro_batch_size_for(b.width, b.height, b.frames), 1)
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line[:1].isdigit()}
+    assert rows["32x32"] == ["1", "9", "4", "2", "1"]  # 9 samples in micro-batches of 4: 2, one left
+    assert rows["64x64"] == ["1", "5", "2", "2", "1"]
+    assert text.splitlines()[1].split()[:4] == ["resolution", "frames", "items", "micro-batch"]
+
+
 def test_training_loss_applies_the_runs_loss() -> None:
     gen = torch.Generator().manual_seed(0)
     pred, target = torch.randn(2, 3, 4, 4, generator=gen), torch.randn(2, 3, 4, 4, generator=gen)

@@ -309,6 +309,8 @@ ADAPTER_RULES: dict[str, Rule] = {
     "dropout": _same("adapter"),
     "dtype": _same("adapter"),
     "init_from_existing": _init_from_existing,
+    "decompose_factor": _same("adapter"),  # LoKr's
+    "rank_dropout": _same("adapter"),
     "fuse_adapters": _none("diffpipe does not merge other LoRAs into the base before training"),
 }
 
