@@ -250,8 +250,8 @@ def import_config(anchor_config: Path, out_dir: Path | None, anchor_dir: Path | 
     c = imported.counts
     click.echo(f"diffpipe: wrote {', '.join(str(p) for p in written)}")
     click.echo(
-        f"{c['as is']} keys as they were, {c['changed']} changed, {c['moved']} moved, {c['not carried']} not "
-        "carried (each has a comment saying why)"
+        f"{c['as is']} key{'s' * (c['as is'] != 1)} as {'they were' if c['as is'] != 1 else 'it was'}, "
+        f"{c['changed']} changed, {c['moved']} moved, {c['not carried']} not carried (each has a comment saying why)"
     )
     run_toml = written[0]
     if imported.todo:

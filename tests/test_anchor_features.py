@@ -207,7 +207,7 @@ def features_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     write_image_dataset(root / "images", 8, size=(64, 64))
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[32, 64])
     (root / "run.toml").write_text(RUN)
-    result = run_diffpipe(["train", "--config", str(root / "run.toml"), "--num-procs", "2"], cwd=root, timeout=500)
+    result = run_diffpipe(["train", "--config", str(root / "run.toml"), "--num-procs", "2"], cwd=root, timeout=900)
     assert result.returncode == 0, result.output[-4000:]
     return next(p for p in (root / "out").iterdir() if p.is_dir()), result.output
 

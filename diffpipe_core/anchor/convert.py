@@ -171,8 +171,10 @@ class _Converter:
                 self.counts["changed"] += 1
         self._required_model_keys(model_name, run["model"])
         if DATASET_FILE not in self.datasets:
-            run["run"].note("TODO: dataset = ... (diffusion-pipe's config names no dataset)")
-            self.todo.append("dataset: diffusion-pipe's config names no dataset")
+            note = "TODO: diffusion-pipe's config names no dataset; fill this one in"
+            run["run"].put("dataset", DATASET_FILE, [note])
+            self.todo.append(f"{DATASET_FILE}: diffusion-pipe's config names no dataset; add [[directory]] entries")
+            self.counts["needs input"] += 1
             self.datasets[DATASET_FILE] = (data, [], None)
         files = {RUN_FILE: self._render_run(run)}
         files.update({name: self._render_dataset(*parts) for name, parts in self.datasets.items()})
