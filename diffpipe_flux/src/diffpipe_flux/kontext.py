@@ -56,11 +56,11 @@ class FluxKontext(Flux):
         return (x, t, text, pooled, guidance, torch.cat([ids, control_ids]), txt_ids), targets
 
     @hookimpl
-    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """MSE on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
+    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context=None):
+        """The loss on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
         from diffpipe_core.parts.flow import flow_loss
 
-        return flow_loss((outputs[0][:, : targets[0].shape[1]],), targets)
+        return flow_loss((outputs[0][:, : targets[0].shape[1]],), targets, context)
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
