@@ -262,7 +262,7 @@ class DiffusersModel:
         self,
         outputs: tuple[torch.Tensor, ...],
         targets: tuple[torch.Tensor, ...],
-        context: TrainingContext | None = None,
+        context: TrainingContext,
     ) -> torch.Tensor:
         """The run's loss (squared error, or run.toml's ``pseudo_huber_c``/``huber_delta``/``smooth_l1_beta``) of
         the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
