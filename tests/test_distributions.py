@@ -13,7 +13,6 @@ that one, and a model appearing in it mid-run would change what their ``diffpipe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -226,15 +225,6 @@ def write_mixed_dataset(root: Path) -> Path:
     )
 
 
-def load_rendered_module(path: Path, name: str):
-    """A rendered module by file path (the package is installed in the clean venv, not in this process)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanVenv, tmp_path: Path) -> None:
     pkgs = {
         "image": render_plugin("tplimage", tmp_path / "pkgs"),
@@ -266,8 +256,7 @@ def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanV
     ping = run_diffpipe(["observer-ping"], tmp_path, timeout=120, env=env, program=venv.diffpipe)
     assert ping.returncode == 0 and "observer: pong" in ping.stdout, ping.output  # register_commands
 
-    model = load_rendered_module(pkgs["video"] / "src" / "diffpipe_tplvideo" / "model.py", "tplvideo_model")
-    model.write_tiny_model(tmp_path / "model")
+    run([str(venv.python), "-m", "diffpipe_tplvideo.testing", str(tmp_path / "model")], env=env, cwd=tmp_path)
     write_mixed_dataset(tmp_path)
     (tmp_path / "run.toml").write_text(
         'output_dir = "out"\ndataset = "dataset.toml"\nmax_steps = 4\nmicro_batch_size_per_gpu = 1\n'
