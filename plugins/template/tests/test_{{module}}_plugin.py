@@ -1,5 +1,6 @@
-"""The {{name}} plugin against diffpipe's conformance kit and its own checks, on a tiny random-weight model
-written to disk in its real diffusers layout (:mod:`{{package}}.testing`)."""
+"""The {{name}} plugin
+against diffpipe's conformance kit and its own checks, on a tiny random-weight model written to disk in its real
+diffusers layout (``testing.py``)."""
 
 from __future__ import annotations
 

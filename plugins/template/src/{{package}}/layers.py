@@ -1,4 +1,5 @@
-""":class:`~{{package}}.model.TinyDiT` cut into pipeline layers (what ``split_into_layers`` returns).
+""":class:`~{{package}}.model.TinyDiT` cut into pipeline layers
+(what ``split_into_layers`` returns).
 
 Each layer wraps the model's own submodules (so LoRA, per-stage loading and exports see one model) and maps one
 tuple of tensors to the next. Every float tensor a layer returns is used by the next one (a pipeline stage may end

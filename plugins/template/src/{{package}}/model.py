@@ -1,6 +1,7 @@
-"""The diffusion model of {{name}}: a tiny MMDiT built from diffusers' parts (SD3's joint blocks), as a diffusers
-``ModelMixin`` + ``ConfigMixin``, so ``save_pretrained`` / ``from_config`` / ``from_pretrained`` work on it and its
-folder (``transformer/config.json``, ``diffusion_pytorch_model.safetensors``) is a diffusers one.
+"""The diffusion model of {{name}}:
+a tiny MMDiT built from diffusers' parts (SD3's joint blocks), as a diffusers ``ModelMixin`` + ``ConfigMixin``, so
+``save_pretrained`` / ``from_config`` / ``from_pretrained`` work on it and its folder (``transformer/config.json``,
+``diffusion_pytorch_model.safetensors``) is a diffusers one.
 
 Replace it with your model's code; when diffusers has the architecture, delete this module and name the class in
 ``plugin.py`` instead (``"transformer": "QwenImageTransformer2DModel"``).

@@ -1,4 +1,4 @@
-"""The {{name}} model plugin (entry point ``{{name}}``): what differs from diffpipe's shared diffusers parts.
+"""The {{name}} model plugin: what differs from diffpipe's shared diffusers parts.
 
 Declared: the diffusers folder's components, the diffusion model's class, the LoRA targets. Written: loading and
 running the encoders, the pipeline layers, the first layer's inputs, the sampler's noise and inputs. The rest comes
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from diffpipe_core.types import SampleRequest
     from torch import nn
 
+PIPELINES = ("{{class_name}}Pipeline",)  # model_index.json's _class_name
 VIDEO = {{video}}  # a video VAE: (B, 3, F, H, W) -> (B, C, 1 + (F - 1) / 4, H / 8, W / 8); images are one frame
 COMPONENTS = {  # model_index.json's components -> class name ("module:Class" for a class of your own)
     "transformer": "{{package}}.model:TinyDiT",
@@ -34,7 +35,7 @@ COMPONENTS = {  # model_index.json's components -> class name ("module:Class" fo
 
 
 class {{class_name}}(DiffusersModel, FlowSampling):
-    """{{name}}: a {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
+    """A {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
     spec = ModelSpec(
         name="{{name}}",
@@ -51,7 +52,7 @@ class {{class_name}}(DiffusersModel, FlowSampling):
         description="{{description}}",
         contract={{contract}},  # the plugin contract this is written against (diffpipe_core.CONTRACT_VERSION)
     )
-    folder = DiffusersFolder("{{name}}", ("{{class_name}}Pipeline",), COMPONENTS)
+    folder = DiffusersFolder("{{name}}", PIPELINES, COMPONENTS)
     model_class = COMPONENTS["transformer"]
     lora_target_names = (  # the joint blocks' attention and MLP linears (exact names or dotted suffixes)
         *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"),  # image side
@@ -90,7 +91,7 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
     def split_into_layers(self, model: nn.Module, model_config: ModelConfig) -> list[nn.Module]:
-        """The embedders, each joint block, the output head (:mod:`{{package}}.layers`)."""
+        """The embedders, each joint block, the output head (``layers.py``)."""
         from {{package}}.layers import split_into_layers
 
         return split_into_layers(model)
@@ -122,4 +123,4 @@ class {{class_name}}(DiffusersModel, FlowSampling):
         return latents.float(), t, text["text_embeds"].float()
 
 
-plugin = {{class_name}}()  # the entry point names this object: {{name}} = "{{package}}.plugin:plugin"
+plugin = {{class_name}}()  # what the entry point in pyproject.toml names

@@ -1,6 +1,7 @@
-"""A tiny random-weight {{name}} on disk in its real layout, for tests and demos: a diffusers folder
-(``model_index.json``, ``transformer/``, ``vae/``, ``text_encoder/``, ``tokenizer/``), each component built from a
-config in-process (no download) by :mod:`diffpipe_core.testing.tiny`.
+"""A tiny random-weight {{name}}
+on disk in its real layout, for tests and demos: a diffusers folder (``model_index.json``, ``transformer/``,
+``vae/``, ``text_encoder/``, ``tokenizer/``), each component built from a config in-process (no download) by
+:mod:`diffpipe_core.testing.tiny`.
 
     python -m {{package}}.testing FOLDER
 """
