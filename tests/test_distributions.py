@@ -13,6 +13,7 @@ that one, and a model appearing in it mid-run would change what their ``diffpipe
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -225,6 +226,16 @@ def write_mixed_dataset(root: Path) -> Path:
     )
 
 
+def rendered_module(pkg: Path, name: str):
+    """A rendered package's module, imported in this process from its sources (it is installed only in the clean
+    venv); its uniquely named package stays importable, no entry point of it is seen here."""
+    sys.path.insert(0, str(pkg / "src"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(pkg / "src"))
+
+
 def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanVenv, tmp_path: Path) -> None:
     pkgs = {
         "image": render_plugin("tplimage", tmp_path / "pkgs"),
@@ -256,11 +267,12 @@ def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanV
     ping = run_diffpipe(["observer-ping"], tmp_path, timeout=120, env=env, program=venv.diffpipe)
     assert ping.returncode == 0 and "observer: pong" in ping.stdout, ping.output  # register_commands
 
-    run([str(venv.python), "-m", "diffpipe_tplvideo.testing", str(tmp_path / "model")], env=env, cwd=tmp_path)
+    rendered_module(pkgs["video"], "diffpipe_tplvideo.testing").write_tiny_model(tmp_path / "model")
     write_mixed_dataset(tmp_path)
     (tmp_path / "run.toml").write_text(
         'output_dir = "out"\ndataset = "dataset.toml"\nmax_steps = 4\nmicro_batch_size_per_gpu = 1\n'
-        'gradient_accumulation_steps = 2\npipeline_stages = 2\n\n[model]\ntype = "tplvideo"\npath = "model"\n\n'
+        'gradient_accumulation_steps = 2\npipeline_stages = 2\n\n[model]\ntype = "tplvideo"\npath = "model"\n'
+        'dtype = "float32"\nencoder_dtype = "float32"\n\n'
         "[adapter]\nrank = 4\nalpha = 4\n\n[optimizer]\nlr = 1e-3\n"
     )
     result = run_diffpipe(
