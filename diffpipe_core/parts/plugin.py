@@ -11,7 +11,7 @@
             return layout(transformer_config)
 
         @hookimpl
-        def encode_batch(self, encoders, batch, model_config): ...
+        def encode_batch(self, encoders, batch): ...      # settings: encoders.config (load_components)
         ...
 
     plugin = Flux()        # the entry point names this object: flux = "diffpipe_flux.plugin:plugin"
