@@ -131,7 +131,8 @@ def train(
         launch_workers,
         launched_externally,
     )
-    from diffpipe_core.engine.run_dir import resolve_resume, start_run
+    from diffpipe_core.engine.resume import prepare_resume
+    from diffpipe_core.engine.run_dir import start_run
 
     external = launched_externally()
     if external is not None:
@@ -143,9 +144,11 @@ def train(
     cfg = load_checked(config_path, model, n, check_work=True)
     args = ["--config", str(cfg.path), "--model", cfg.model_name]
     if resume:
-        run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)  # a bad path: one line, see _Main
-        click.echo(f"diffpipe: resuming {run_dir} from {resume_from.name}")
-        args += ["--run-dir", str(run_dir), "--resume-from", str(resume_from)]
+        primary = external is None or os.environ.get("RANK") == "0"
+        chosen = prepare_resume(cfg, resume, n, click.echo, primary)  # a bad path or edit: one message, see _Main
+        if chosen is None:
+            return  # finished: nothing to do
+        args += ["--run-dir", str(chosen.run_dir), "--resume-from", str(chosen.checkpoint)]
     elif external is not None:
         args += ["--new-run"]  # rank 0 creates the run folder and tells the others
     else:

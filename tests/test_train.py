@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import signal
 import time
 from pathlib import Path
 
@@ -198,6 +200,43 @@ def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) ->
     # issue 9.10: the resume dropped the records after its checkpoint, so each step is logged once
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))
     assert len(step_seconds(run)) == 12
+
+
+def test_sigterm_checkpoints_the_step_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
+    """Issue 20.1: SIGTERM (a scheduler's notice) to a 2-stage run mid-epoch: the step in progress finishes, is
+    checkpointed, one line gives the resume command, the exit code is 143; resuming repeats the uninterrupted
+    run's losses (``two_stages``, the same config)."""
+    config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3)
+    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = next((tmp_path / "out").glob("*/metrics.jsonl"), None) if (tmp_path / "out").exists() else None
+            if metrics and len(metrics.read_text().splitlines()) >= 4:
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        else:
+            pytest.fail("training did not reach step 4 in time")
+        proc.send_signal(signal.SIGTERM)  # to the launcher only, as Kubernetes does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, (out + err)[-3000:]
+    run = run_dirs(tmp_path)[0]
+    done = [r["step"] for r in read_metrics(run) if "loss" in r]
+    stop_step = done[-1]
+    assert done == list(range(1, stop_step + 1)) and 4 <= stop_step < 12
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stop_step:07d}"  # nothing lost
+    lines = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1 and f"after step {stop_step} of 12" in lines[0], out + err
+    command = shlex.split(lines[0].split("Resume with: ", 1)[1])
+    assert command[:2] == ["diffpipe", "train"] and "--resume" in command
+    train(tmp_path, Path(command[command.index("--config") + 1]), *command[command.index("--config") + 2 :])
+    expected, got = losses(two_stages), losses(run)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
 
 
 def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:

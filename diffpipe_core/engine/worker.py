@@ -44,6 +44,17 @@ def _shared_new_run(cfg: object, rank: int, world: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one worker; its exit code (128 + the signal when SIGTERM or Ctrl-C stopped it)."""
+    from diffpipe_core.engine import stopping
+
+    stopping.install()  # SIGTERM / Ctrl-C: stop quietly now, or after the step while training
+    try:
+        return _main(argv)
+    except stopping.Stopped as stop:  # before training (or after it): nothing to save
+        return stop.code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="diffpipe-worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--model")
@@ -58,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-request", help="diffpipe sample: a JSON file with the prompts and output")
     args = parser.parse_args(argv)
 
+    from diffpipe_core.engine import stopping
     from diffpipe_core.quiet import library_prints, quiet_libraries
 
     quiet_libraries(cuda=torch.cuda.is_available())
@@ -76,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     with library_prints():
         ds_patches.init_distributed(_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    code = 0
+    code, agreed = 0, False
     try:
         registry = get_registry()
         cfg = load_config(args.config, registry, model_override=args.model)
@@ -121,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 if sampling is not None:
                     sampling.attach(trainer)
                 trainer.train(Path(args.resume_from) if args.resume_from else None)
+    except stopping.Stopped as stop:  # while training, every rank checkpointed the same step (agreed)
+        code, agreed = stop.code, stop.agreed
     except Exception as exc:  # the launcher prints the first failing rank's error, once, after all stopped
         debug = bool(os.environ.get("DIFFPIPE_DEBUG"))
         if is_peer_failure(exc):
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             detail = "" if expected and not debug else traceback.format_exc()
             report_error(rank, f"{type(exc).__name__}: {exc}", detail)
             code = 1
-    if code == 0:
+    stopping.uninstall()
+    if code == 0 or agreed:
         dist.barrier()
     dist.destroy_process_group()
     return code
