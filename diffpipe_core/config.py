@@ -7,6 +7,7 @@ against the directory of the file that names them. Every key is documented in do
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -250,12 +251,24 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
                     "whose linears are what gets quantized; remove quantize"
                 )
             problems.extend(_unknown_formats(run, spec, source))
+            problems.extend(_unknown_optimizer(run, registry, source))
             if run.sample is not None:
                 problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source))
     if problems:
         raise ConfigError(problems)
     assert run is not None and model_cfg is not None
     return ResolvedConfig(path=path, run=run, model=model_cfg, raw=raw)
+
+
+def _unknown_optimizer(run: RunConfig, registry: Registry, source: str) -> list[str]:
+    from diffpipe_core.optimizer_names import optimizer_names
+
+    names = optimizer_names(registry.pm)
+    if run.optimizer.type in names:
+        return []
+    close = difflib.get_close_matches(run.optimizer.type, names, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return [f"{source}: optimizer.type: unknown optimizer {run.optimizer.type!r}.{hint} Available: {', '.join(names)}"]
 
 
 def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:

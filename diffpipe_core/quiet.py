@@ -64,3 +64,25 @@ def library_prints() -> Iterator[None]:
     with contextlib.redirect_stdout(io.StringIO()):
         yield
     sys.stdout.flush()
+
+
+class _BarSafeHandler(logging.Handler):
+    """Writes log records with ``tqdm.write``: a warning printed while a progress bar is drawn (a model plugin's,
+    during caching) gets its own line instead of landing inside the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def log_through_bars() -> None:
+    """Route warnings (what Python's last-resort handler would print) through :class:`_BarSafeHandler`, once."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _BarSafeHandler) for h in root.handlers):
+        handler = _BarSafeHandler(logging.WARNING)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)

@@ -220,6 +220,7 @@ def prepare_cache(
     decode_workers: int | None = None,
     shard_batches: int = DEFAULT_SHARD_BATCHES,
     prune: bool = False,
+    report_skipped: bool = True,
 ) -> CachedDataset:
     """Scan the dataset, encode what the cache lacks (this rank's share), and open the whole cache.
 
@@ -243,6 +244,8 @@ def prepare_cache(
         shard_batches: batches per shard file; an interrupted run keeps every finished shard.
         prune: after caching, delete (and list) the folders of other encoder fingerprints that no live
             process is using; ``summary["pruned"]`` lists them.
+        report_skipped: warn (on rank 0) about each file the scan leaves out; False when the command's own
+            scan already did.
     """
     from diffpipe_core.data.dataset_config import load_dataset_config
     from diffpipe_core.model_files import model_file_problems
@@ -301,7 +304,7 @@ def prepare_cache(
 
     if rank != 0:
         barrier()  # rank 0 scans first and updates the scan index; the other ranks then only stat the files
-    scan = scan_dataset(cfg, spec, strict=strict, progress=show)
+    scan = scan_dataset(cfg, spec, strict=strict, progress=show, report_skipped=report_skipped and rank == 0)
     if rank == 0:
         barrier()
     plan = plan_digest(scan, fingerprint, strict, empty_key)
@@ -388,7 +391,9 @@ def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir:
 
     # Held in a dict so that clearing it drops the only reference, whatever closures exist.
     held = {"encoders": plugin.require("load_encoders", model_config=model_config, device=device)}
-    bar = tqdm(total=len(my_media) + len(my_captions), unit="item", desc="caching", disable=not show,
+    # the bar counts encodings: each item's media and caption are encoded apart (rank 0's share of them)
+    bar = tqdm(total=len(my_media) + len(my_captions), unit="encoding",
+               desc=f"caching {len(my_media)} media + {len(my_captions)} captions", disable=not show,
                dynamic_ncols=True)
     prefix = f"r{rank:03d}-{time.time_ns()}"
     stream = None

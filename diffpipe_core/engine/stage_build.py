@@ -13,8 +13,9 @@ from peft import LoraConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapters import lora_config, read_adapter
 from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     name_gradless_boundary_tensors,
@@ -90,7 +91,7 @@ def build_stage(
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
         lora = lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets))
-        apply_lora(model, lora, DTYPES[run.adapter.dtype])
+        adapt_layers(model, stage.layers, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
             init_adapter_from(model, plugin, run.adapter.init_from_existing)
     else:
@@ -118,6 +119,8 @@ def build_stage(
     optimizer = build_optimizer(run.optimizer, list(trainable.values()), plugin.registry.pm)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
+    if lora is not None:
+        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)
     ds_config = {
         "train_micro_batch_size_per_gpu": run.micro_batch_size_per_gpu,
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
@@ -173,3 +176,15 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path) -> None
             loaded += 1
     if loaded == 0 and any(p.device.type != "meta" for n, p in named.items() if "lora_" in n):
         raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's LoRA layers")
+
+
+def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int) -> None:
+    """After the first step's backward: a LoRA tensor without a gradient is not in the forward path."""
+    unused = lora_without_gradient(trainable)
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ValueError(
+            f"pipeline stage {stage_id}: the LoRA tensors {shown} got no gradient in the first step: their modules "
+            "are not in the model's forward path (the plugin's layers never call them), so they would never train; "
+            "leave them out of [adapter] target_modules"
+        )

@@ -66,11 +66,12 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--trust-cache", action="store_true")
     parser.add_argument("--prune", action="store_true")
+    parser.add_argument("--scanned", action="store_true", help="the command's scan already warned about left-out files")
     parser.add_argument("--sample-request", help="diffpipe sample: a JSON file with the prompts and output")
     args = parser.parse_args(argv)
 
     from diffpipe_core.engine import stopping
-    from diffpipe_core.quiet import library_prints, quiet_libraries
+    from diffpipe_core.quiet import library_prints, log_through_bars, quiet_libraries
 
     quiet_libraries(cuda=torch.cuda.is_available())
     import torch.distributed as dist
@@ -78,6 +79,7 @@ def _main(argv: list[str] | None) -> int:
     from diffpipe_core.engine import ds_patches
 
     quiet_libraries()  # again: importing DeepSpeed set its logger's level
+    log_through_bars()
 
     from diffpipe_core.config import load_config
     from diffpipe_core.data import prepare_cache
@@ -110,6 +112,7 @@ def _main(argv: list[str] | None) -> int:
                 trust_cache=args.trust_cache,
                 progress=rank == 0,
                 prune=args.prune,
+                report_skipped=not args.scanned,
             )
 
         dataset = cache(cfg.run.dataset)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from diffpipe_core.config import OptimizerConfig
+from diffpipe_core.optimizer_names import BUILTIN_OPTIMIZERS
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -26,12 +27,14 @@ def _adamw8bit_kahan(params: Iterable[torch.nn.Parameter], **kw: Any) -> torch.o
 
 
 def builtin_optimizers() -> dict[str, OptimizerFactory]:
-    return {
+    table: dict[str, OptimizerFactory] = {
         "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
         "adamw8bit": _adamw8bit,
         "adamw8bit_kahan": _adamw8bit_kahan,
         "sgd": lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
     }
+    assert tuple(table) == BUILTIN_OPTIMIZERS  # the names validate checks, kept torch-free in optimizer_names
+    return table
 
 
 def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:

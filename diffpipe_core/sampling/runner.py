@@ -192,4 +192,9 @@ class TrainingSamples:
             self._sample(step, writer)
 
     def _sample(self, step: int, writer: Any) -> None:
-        self.sampler.sample(self.run_dir / "samples" / f"step-{step:07d}", step, writer)
+        out = self.run_dir / "samples" / f"step-{step:07d}"
+        written = self.sampler.sample(out, step, writer)
+        if written:  # rank 0: one console line per sampling point
+            from tqdm import tqdm
+
+            tqdm.write(f"diffpipe: step {step}: {len(written)} samples in {out}")

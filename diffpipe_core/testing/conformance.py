@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.adapters import lora_config
+from diffpipe_core.engine.adapter_layers import adapt_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
@@ -193,7 +194,7 @@ def check_model_plugin(
     _check_stage_boundaries(layers, inputs, loss_of(loss_targets))
 
     targets = plugin.require("lora_targets", model_config=cfg)
-    apply_lora(model, lora_config(4, 4, 0.0, list(targets)))
+    adapt_layers(model, layers, lora_config(4, 4, 0.0, list(targets)), torch.float32)
     with torch.no_grad():
         for n_, p in model.named_parameters():
             if "lora_B" in n_:
