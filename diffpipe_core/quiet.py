@@ -54,6 +54,15 @@ def quiet_libraries(cuda: bool | None = None) -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def quiet_script() -> None:
+    """What the ``diffpipe`` commands do about library chatter, for a script that imports the libraries itself
+    (the tiny-model writers of the demo and tests, the benches): call it first, before diffusers, transformers,
+    DeepSpeed or bitsandbytes are imported. A no-op with ``DIFFPIPE_VERBOSE=1``."""
+    import torch
+
+    quiet_libraries(cuda=torch.cuda.is_available())
+
+
 @contextlib.contextmanager
 def library_prints() -> Iterator[None]:
     """Swallow what a library ``print``s to stdout inside the block (DeepSpeed's ``SEED_LAYERS=...`` and

@@ -43,7 +43,7 @@ from diffpipe_core.data.cache_encode import (
 )
 from diffpipe_core.data.cache_fresh import plan_digest
 from diffpipe_core.data.cache_keys import caption_key, encoder_fingerprint, mask_content_key, media_key
-from diffpipe_core.data.cache_lock import gate, in_use, other_users, take_lease
+from diffpipe_core.data.cache_lock import encoding_turn, end_encoding_turn, gate, in_use, other_users, take_lease
 from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
 from diffpipe_core.data.items import Bucket, MediaItem
 from diffpipe_core.data.scan_index import gc_paused
@@ -311,7 +311,7 @@ def prepare_cache(
     fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
                                                              empty_key, start)
     if fresh is not None:  # nothing changed since the index was written (the same on every rank)
-        for _ in range(3):  # as many barriers as the caching path below, so that ranks stay in step regardless
+        for _ in range(4):  # as many barriers as the caching path below, so that ranks stay in step regardless
             barrier()
         _report(fresh.summary, show)
         return fresh
@@ -329,6 +329,9 @@ def prepare_cache(
     if empty_key is not None:
         texts[empty_key] = ""
 
+    if rank == 0:  # another run encoding into this folder goes first; what it encodes is then reused
+        encoding_turn(fp_dir, lambda line: log.warning("%s", line))
+    barrier()
     cached_media = {k for shard in list_shards(fp_dir / "media") for k in shard.keys}
     cached_captions = {k for shard in list_shards(fp_dir / "captions") for k in shard.keys}
     failed = _read_failures(fp_dir / "failed")
@@ -357,6 +360,7 @@ def prepare_cache(
     if rank == 0:
         pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune)
         _write_index(index_path, fingerprint, entries, skipped, plan)
+        end_encoding_turn(fp_dir)
     barrier()
     if not entries:
         raise CacheError(f"{dataset_toml}: every item failed to decode; see the warnings above")

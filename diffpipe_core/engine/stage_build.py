@@ -116,7 +116,7 @@ def build_stage(
             f"pipeline stage {layout.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
             "change partition_split or the adapter's target_modules"
         )
-    optimizer = build_optimizer(run.optimizer, list(trainable.values()), plugin.registry.pm)
+    optimizer = build_optimizer(run.optimizer, list(trainable.values()), plugin.registry.pm, lora is not None)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     if lora is not None:

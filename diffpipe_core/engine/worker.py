@@ -17,6 +17,24 @@ import torch
 from diffpipe_core.engine.launcher import PEER_FAILED, is_peer_failure, report_error
 
 
+def describe_failure(exc: BaseException, debug: bool) -> tuple[str, str]:
+    """``(one-line message, detail)`` of a worker's error: what the user's files and settings cause, or the
+    machine does to a decode worker, needs no traceback (``--debug`` adds it); a bug keeps its traceback."""
+    from diffpipe_core.data.cache import CacheError
+    from diffpipe_core.data.scan import DatasetError
+    from diffpipe_core.schema import ConfigError
+
+    user_errors = (ValueError, OSError, KeyError, FloatingPointError, CacheError, DatasetError, ConfigError)
+    message = f"{type(exc).__name__}: {exc}"
+    expected = isinstance(exc, user_errors)
+    if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
+        expected = True  # killed (or out of memory) while decoding; torch adds a long chained traceback
+        first = str(exc).strip().splitlines()[0]
+        message = (f"a decode worker died: {first} It was killed or ran out of memory (fewer decode workers: "
+                   "DIFFPIPE_DECODE_WORKERS=N); caching resumes where it stopped")
+    return message, "" if expected and not debug else "".join(traceback.format_exception(exc))
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -145,15 +163,7 @@ def _main(argv: list[str] | None) -> int:
             if debug:
                 traceback.print_exc()
         else:
-            from diffpipe_core.data.cache import CacheError
-            from diffpipe_core.data.scan import DatasetError
-            from diffpipe_core.schema import ConfigError
-
-            # what the user's files and settings cause: the message is enough (--debug adds the traceback)
-            user_errors = (ValueError, OSError, KeyError, FloatingPointError, CacheError, DatasetError, ConfigError)
-            expected = isinstance(exc, user_errors)
-            detail = "" if expected and not debug else traceback.format_exc()
-            report_error(rank, f"{type(exc).__name__}: {exc}", detail)
+            report_error(rank, *describe_failure(exc, debug))
             code = 1
     stopping.uninstall()
     if code == 0 or agreed:

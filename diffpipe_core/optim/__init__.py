@@ -44,31 +44,40 @@ def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
     return table
 
 
-def build_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], pm: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, params: list[torch.nn.Parameter], pm: Any, lora: bool = False
+) -> torch.optim.Optimizer:
+    """The configured optimizer over ``params`` (``lora``: they are an adapter's, for the low-precision warning)."""
     table = available_optimizers(pm)
     if cfg.type not in table:
         raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
-    _warn_low_precision_adamw(cfg.type, params)
+    _warn_low_precision_adamw(cfg.type, params, lora)
     return table[cfg.type](params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter]) -> None:
-    """Plain AdamW on bf16/fp16 weights (a full fine-tune of a bf16 model) rounds away every update below the
-    weights' resolution; say so once, on rank 0, and name the optimizer that keeps them."""
+def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter], lora: bool = False) -> None:
+    """Plain AdamW on bf16/fp16 weights (LoRA weights in ``[adapter] dtype = 'bfloat16'``, or a full fine-tune of a
+    bf16 model) rounds away every update below the weights' resolution; say so once, on rank 0, with the fix."""
     if name not in ("adamw", "adamw8bit") or not any(p.dtype in LOW_PRECISION for p in params):
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    dtype = next(p.dtype for p in params if p.dtype in LOW_PRECISION)
+    dtype = str(next(p.dtype for p in params if p.dtype in LOW_PRECISION)).removeprefix("torch.")
+    if lora:
+        what = f"the {dtype} LoRA weights ([adapter] dtype = {dtype!r})"
+        fix = ("leave [adapter] dtype out (its default 'float32' costs little memory: LoRA weights are small), or "
+               "use [optimizer] type = 'adamw8bit_kahan'")
+    else:
+        what = f"{dtype} weights (a full fine-tune of a {dtype} model)"
+        fix = "use [optimizer] type = 'adamw8bit_kahan' (Kahan-compensated updates) for a low-precision full fine-tune"
     print(
-        f"diffpipe: warning: optimizer {name!r} updates {str(dtype).removeprefix('torch.')} weights in place, so "
-        "updates smaller than the weights' resolution (about |w|/256 in bf16) are lost and training can stall; "
-        "use [optimizer] type = 'adamw8bit_kahan' (Kahan-compensated updates) for a low-precision full fine-tune",
+        f"diffpipe: warning: optimizer {name!r} updates {what} in place, so updates smaller than the weights' "
+        f"resolution (about |w|/256 in bf16) are lost and training can stall; {fix}",
         flush=True,
     )
 
