@@ -181,7 +181,7 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
     n = default_num_procs(num_procs)
-    cfg = load_checked(config_path, model, check_work=True, check_layers=False)
+    cfg = load_checked(config_path, model, check_work=True, training=False)
     args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only", "--scanned"]
     args += ["--regenerate"] * regenerate_cache + ["--strict"] * strict + ["--prune"] * prune
     sys.exit(launch_workers(args, n))

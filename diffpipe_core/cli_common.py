@@ -39,12 +39,13 @@ def primary() -> bool:
 
 def load_checked(
     config_path: Path, model: str | None, world_size: int | None = None, check_work: bool = False,
-    check_layers: bool = True,
+    training: bool = True,
 ):
     """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
-    before any is done: the model files' structure (the plugin's ``validate_model_files``), a scan of every
-    dataset (an empty one fails), enough micro-batches for ``gradient_accumulation_steps`` and (``check_layers``)
-    enough model layers for ``pipeline_stages``; it says how the model rounds the resolutions."""
+    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of every
+    dataset (an empty one fails), and for ``training`` (not ``diffpipe cache``) enough micro-batches for
+    ``gradient_accumulation_steps`` and enough model layers for ``pipeline_stages``; it says how the model rounds
+    the resolutions."""
     from diffpipe_core.config import check_world_size, load_config
     from diffpipe_core.data.dataset_config import load_dataset_config
 
@@ -68,13 +69,13 @@ def load_checked(
             except ConfigError as exc:
                 problems.extend(exc.problems)
         if check_work and not problems:
-            problems.extend(work_problems(cfg, datasets, world_size, check_layers))
+            problems.extend(work_problems(cfg, datasets, world_size, training))
     if problems:
         fail(problems)
     return cfg
 
 
-def work_problems(cfg, datasets: list, world_size: int | None = None, check_layers: bool = True) -> list[str]:
+def work_problems(cfg, datasets: list, world_size: int | None = None, training: bool = True) -> list[str]:
     from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.model_files import model_file_problems
     from diffpipe_core.preflight import layer_problems, micro_batch_problems, resolution_notes
@@ -88,11 +89,11 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, check_laye
         except (DatasetError, ConfigError) as exc:
             problems.extend(getattr(exc, "problems", None) or [f"{dataset.source}: {exc}"])
             continue
-        if i == 0:
+        if i == 0 and training:
             problems.extend(micro_batch_problems(cfg.run, scan, dp, str(cfg.path)))
         if primary():
             for note in resolution_notes(dataset, plugin.spec):
                 click.echo(f"diffpipe: {note}")
-    if check_layers and not problems:
+    if training and not problems:
         problems.extend(layer_problems(cfg, plugin))
     return problems

@@ -256,6 +256,16 @@ def test_sigterm_checkpoints_the_step_and_resume_repeats_the_losses(two_stages: 
         assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
 
 
+OBSERVER = """
+import json
+from diffpipe_core import hookimpl
+
+@hookimpl
+def on_train_end(run_dir, summary):
+    (run_dir / "observer.json").write_text(json.dumps(summary))
+"""
+
+
 def test_resume_after_editing_the_config(single: Path, tmp_path: Path) -> None:
     """Issue 20.2 and 20.19 on a copy of the finished ``single`` run (30 steps): resuming it unchanged says it is
     finished and changes nothing; a changed LoRA rank is refused naming the key and both values; a higher max_steps
@@ -282,7 +292,10 @@ def test_resume_after_editing_the_config(single: Path, tmp_path: Path) -> None:
 
     edited = text.replace("max_steps = 30", "max_steps = 32").replace("lr = 3e-3", "lr = 1e-3")
     config.write_text(edited)
-    out = train(root, config, "--num-procs", "1", "--resume")
+    site = write_plugin_distribution(tmp_path / "site", "diffpipe-observer", {"diffpipe.plugins": {"o": "observer"}},
+                                     {"observer": OBSERVER})
+    out = train(root, config, "--num-procs", "1", "--resume", env=cli_env([site]))
+    assert json.loads((run / "observer.json").read_text())["steps"] == 2  # generic plugins observe the run's end
     assert "optimizer.lr: 0.003 -> 0.001 from step 30" in out and "max_steps: 30 -> 32 from step 30" in out
     factor = lr_lambda("cosine", 2, 32)
     records = {r["step"]: r for r in read_metrics(run) if "loss" in r}
