@@ -10,13 +10,14 @@ import click
 
 from diffpipe_core.cli_common import USER_ERRORS, fail, load_checked
 from diffpipe_core.plugin_cli import plugin as plugin_commands
-from diffpipe_core.quiet import VERBOSE_ENV, quiet_libraries
+from diffpipe_core.quiet import VERBOSE_ENV, log_through_bars, quiet_libraries
 from diffpipe_core.registry import PluginError, get_registry
 from diffpipe_core.sampling.command import sample as sample_command
 
 if "--verbose" in sys.argv[1:]:  # plugins are imported below, before click parses the flag
     os.environ[VERBOSE_ENV] = "1"
 quiet_libraries()
+log_through_bars()
 
 CONFIG = click.option(
     "--config", "config_path", required=True, type=click.Path(path_type=Path), help="The run config (TOML)."
@@ -131,7 +132,8 @@ def train(
         launch_workers,
         launched_externally,
     )
-    from diffpipe_core.engine.run_dir import resolve_resume, start_run
+    from diffpipe_core.engine.resume import prepare_resume
+    from diffpipe_core.engine.run_dir import start_run
 
     external = launched_externally()
     if external is not None:
@@ -141,11 +143,13 @@ def train(
     else:
         n = default_num_procs(num_procs)
     cfg = load_checked(config_path, model, n, check_work=True)
-    args = ["--config", str(cfg.path), "--model", cfg.model_name]
+    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--scanned"]
     if resume:
-        run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)  # a bad path: one line, see _Main
-        click.echo(f"diffpipe: resuming {run_dir} from {resume_from.name}")
-        args += ["--run-dir", str(run_dir), "--resume-from", str(resume_from)]
+        primary = external is None or os.environ.get("RANK") == "0"
+        chosen = prepare_resume(cfg, resume, n, click.echo, primary)  # a bad path or edit: one message, see _Main
+        if chosen is None:
+            return  # finished: nothing to do
+        args += ["--run-dir", str(chosen.run_dir), "--resume-from", str(chosen.checkpoint)]
     elif external is not None:
         args += ["--new-run"]  # rank 0 creates the run folder and tells the others
     else:
@@ -166,20 +170,20 @@ def train(
 @CONFIG
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Worker processes sharing the encoding.")
-@click.option("--regenerate", is_flag=True, help="Re-encode everything.")
+@click.option("--regenerate-cache", is_flag=True, help="Re-encode the whole dataset.")
 @click.option("--strict", is_flag=True, help="Key the cache on file hashes rather than size and mtime.")
 @click.option(
     "--prune", is_flag=True, help="Then delete (and list) cached encodings of other encoder settings or model files."
 )
-def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool,
+def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate_cache: bool, strict: bool,
           prune: bool) -> None:
     """Encode the dataset into the latent/text cache (what train does first)."""
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
     n = default_num_procs(num_procs)
-    cfg = load_checked(config_path, model, check_work=True)
-    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only"]
-    args += ["--regenerate"] * regenerate + ["--strict"] * strict + ["--prune"] * prune
+    cfg = load_checked(config_path, model, check_work=True, training=False)
+    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only", "--scanned"]
+    args += ["--regenerate"] * regenerate_cache + ["--strict"] * strict + ["--prune"] * prune
     sys.exit(launch_workers(args, n))
 
 

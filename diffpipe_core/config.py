@@ -7,6 +7,7 @@ against the directory of the file that names them. Every key is documented in do
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -443,6 +444,7 @@ def load_config(
                     f"{source}: {key}: model {spec.name!r} computes its own loss (its compute_loss takes no context), "
                     "so this key would change nothing; remove it"
                 )
+            problems.extend(_unknown_optimizer(run, registry, source))
             if run.sample is not None:
                 when = purpose == "train"
                 problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
@@ -464,6 +466,15 @@ def _training_paths(run: RunConfig, source: str) -> list[str]:
         if not ev.config.is_file():
             problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
     return problems
+def _unknown_optimizer(run: RunConfig, registry: Registry, source: str) -> list[str]:
+    from diffpipe_core.optimizer_names import optimizer_names
+
+    names = optimizer_names(registry.pm)
+    if run.optimizer.type in names:
+        return []
+    close = difflib.get_close_matches(run.optimizer.type, names, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return [f"{source}: optimizer.type: unknown optimizer {run.optimizer.type!r}.{hint} Available: {', '.join(names)}"]
 
 
 def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:

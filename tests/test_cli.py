@@ -41,6 +41,8 @@ def test_cache_command_encodes_once_then_reuses(project: Path) -> None:
     first = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "2"], cwd=project, timeout=300)
     assert first.returncode == 0, first.output[-3000:]
     assert "media encoded 5, reused 0" in first.output and "captions encoded 5, reused 0" in first.output
+    assert first.output.count("broken.png") == 1, first.output  # issue 20.13: warned once, not once per scan
+    assert "caching 3 media + 3 captions" in first.output  # issue 20.21: rank 0's share, both kinds counted
     second = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "1"], cwd=project, timeout=300)
     assert second.returncode == 0, second.output[-3000:]
     assert "media encoded 0, reused 5" in second.output and "captions encoded 0, reused 5" in second.output

@@ -14,8 +14,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param, kind_of
-from diffpipe_core.adapters import apply_adapter, read_adapter
+from diffpipe_core.adapters import read_adapter
 from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     keep_compiled_backward_buffers,
@@ -121,7 +122,7 @@ def build_stage_module(
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
         lora = from_adapter_table(run.adapter, list(targets))
-        apply_adapter(model, lora, DTYPES[run.adapter.dtype])
+        adapt_layers(model, stage.layers, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
             init_adapter_from(model, plugin, run.adapter.init_from_existing, lora)
     if not trainable:
@@ -156,7 +157,7 @@ def build_stage(
     """The training stage: :func:`build_stage_module`, then the optimizer, LR schedule and DeepSpeed engine."""
     run = cfg.run
     built = build_stage_module(cfg, plugin, layout, device)
-    model, own = built.model, built.own
+    model, own, lora = built.model, built.own, built.lora
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and p.device.type != "meta"}
     if not trainable:
         raise ValueError(
@@ -164,9 +165,11 @@ def build_stage(
             "change partition_split or the adapter's target_modules"
         )
     groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
-    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm)
+    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
+    if lora is not None:
+        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)
     ds_config = {
         "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
@@ -261,3 +264,15 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
             loaded += 1
     if loaded == 0 and any(p.device.type != "meta" for p in named.values()):
         raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")
+
+
+def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int) -> None:
+    """After the first step's backward: an adapter tensor without a gradient is not in the forward path."""
+    unused = lora_without_gradient(trainable)
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ValueError(
+            f"pipeline stage {stage_id}: the adapter tensors {shown} got no gradient in the first step: their modules "
+            "are not in the model's forward path (the plugin's layers never call them), so they would never train; "
+            "leave them out of [adapter] target_modules"
+        )
