@@ -22,7 +22,8 @@ from diffpipe_core.engine.ds_patches import (
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
-from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.engine.plan_build import make_plan
+from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda
 from diffpipe_core.quantize import quantize_stage
@@ -66,15 +67,25 @@ class Stage:
     scheduler: LambdaLR
     guard: OptimizerGuard
     engine: Any
+    plan: StagePlan | None = None
 
 
 def build_stage(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    layout: Layout,
+    device: torch.device,
+    total_steps: int,
+    dataset: Any = None,
 ) -> Stage:
+    """This rank's stage; the stage plan (printed by rank 0) estimates activations from ``dataset`` (the cache)."""
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
-    parts = stage_parts(stage.layers, layout.stages, run.partition_method, run.partition_split)
+    plan = make_plan(cfg, plugin, stage.model, stage.layers, dataset, on_gpu=device.type == "cuda")
+    parts = plan.parts
+    if layout.rank == 0:
+        print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
     if stage.per_stage_loading:  # swapped blocks are read straight into host memory
@@ -135,7 +146,7 @@ def build_stage(
     if layout.stage_id > 0:
         producer = parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({layer_names[producer]})")
-    return Stage(model, layer_names, parts, lora, trainable, optimizer, scheduler, guard, engine)
+    return Stage(model, layer_names, parts, lora, trainable, optimizer, scheduler, guard, engine, plan)
 
 
 def explain_memory_savers(

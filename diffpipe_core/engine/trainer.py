@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine import memory_report
 from diffpipe_core.engine.evaluation import evaluate
 from diffpipe_core.engine.micro_batches import MicroBatches, mix_seed
 from diffpipe_core.engine.run_dir import truncate_metrics
@@ -67,8 +68,15 @@ class Trainer:
             )
         self.steps_per_epoch = len(self.sampler) // gas
         self.total_steps = self.run.max_steps or self.run.epochs * self.steps_per_epoch
-        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps)
+        memory_report.record("cached", self.stage_id)
+        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps, dataset)
         self.engine, self.model = self.stage.engine, self.stage.model
+        self._memory_report("built")
+
+    def _memory_report(self, phase: str) -> None:
+        plan = self.stage.plan
+        estimate = plan.stages[self.stage_id] if plan is not None else None
+        memory_report.record(phase, self.stage_id, self.model, self.stage.optimizer, self.engine, estimate)
 
     # ----------------------------------------------------------------------------- state
     def _checkpoint(self, step: int, micro_index: int) -> None:
@@ -125,6 +133,8 @@ class Trainer:
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
             step += 1
+            if step == start_step + 1:
+                self._memory_report("step 1")
             grad_norm = guard.grad_norm
             if guard.nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
