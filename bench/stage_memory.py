@@ -56,7 +56,7 @@ def _reference(folder: Path, big: bool) -> dict:
 def _flux(folder: Path, big: bool) -> dict:
     from diffpipe_flux.testing import TinyFluxConfig, tiny_pipeline
 
-    size = dict(num_layers=6, num_single_layers=12, num_attention_heads=12, attention_head_dim=128,
+    size = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128,
                 axes_dims_rope=(16, 56, 56))  # fmt: skip
     tiny_pipeline(TinyFluxConfig(**size) if big else TinyFluxConfig()).save_pretrained(folder, safe_serialization=True)
     return {"t5_max_length": 16}
@@ -65,7 +65,7 @@ def _flux(folder: Path, big: bool) -> dict:
 def _hunyuan(folder: Path, big: bool) -> dict:
     from diffpipe_hunyuan.testing import TinyHunyuanConfig, llama_tokenizer, template_crop_start, tiny_pipeline
 
-    size = dict(num_layers=4, num_single_layers=8, num_attention_heads=12, attention_head_dim=128,
+    size = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128,
                 rope_axes_dim=(16, 56, 56))  # fmt: skip
     cfg = TinyHunyuanConfig(**size) if big else TinyHunyuanConfig()
     tiny_pipeline(cfg).save_pretrained(folder, safe_serialization=True)
@@ -121,9 +121,9 @@ class Size:
 
 SIZES: dict[str, Size] = {
     "reference": Size(_reference, "TinyDiT width 1024, 12 blocks"),
-    "flux": Size(_flux, "Flux width 1536 (12 x 128), 6 double + 12 single blocks"),
+    "flux": Size(_flux, "Flux width 1024 (8 x 128), 10 double + 20 single blocks (half Flux.1's counts)"),
     "sdxl": Size(_sdxl, "SDXL-like UNet 256/512/1024 channels, 1 transformer per attention block"),
-    "hunyuan-video": Size(_hunyuan, "HunyuanVideo width 1536 (12 x 128), 4 double + 8 single blocks"),
+    "hunyuan-video": Size(_hunyuan, "HunyuanVideo width 1024 (8 x 128), 10 double + 20 single blocks (half the real)"),
     "ltx-video": Size(_ltx, "LTX-Video width 1024 (16 x 64), 16 blocks"),
     "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
