@@ -216,3 +216,15 @@ def test_methods_and_the_plan(project: Path) -> None:
     cfg_g, _ = configured(project, stages=3, extra="gradient_accumulation_steps = 4")
     flights = [s.in_flight for s in make_plan(cfg_g, plugin, stage.model, stage.layers, dataset).stages]
     assert flights == [3, 2, 1]
+
+
+def test_a_model_that_cannot_be_twinned_is_planned_by_its_weights(project: Path) -> None:
+    import threading
+
+    cfg, plugin = configured(project)
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    stage.model.lock = threading.Lock()  # deepcopy (the meta twin) cannot copy it
+    plan = make_plan(cfg, plugin, stage.model, stage.layers, open_cached(cfg.run.dataset, plugin, cfg.model))
+    assert plan.activations.startswith("not estimated, nor trainable state (TypeError")
+    assert plan.parts == stage_parts(stage.layers, 2, "parameters")  # all bf16: bytes balance like parameters
+    assert sum(s.weight_bytes for s in plan.stages) == 2 * sum(p.numel() for p in stage.model.parameters())

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from diffpipe_core.config import ResolvedConfig
-from diffpipe_core.engine.stage_costs import layer_costs
+from diffpipe_core.engine.stage_costs import layer_costs, weights_only_costs
 from diffpipe_core.engine.stage_plan import StagePlan, plan_stages
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
@@ -51,9 +51,13 @@ def make_plan(
     """The stage plan of this run for ``model`` cut into ``layers`` (any device; left unchanged). Activations are
     estimated when ``dataset`` (a cached dataset) is given."""
     inputs, label = (None, "not estimated: the dataset is not cached yet (diffpipe cache)")
-    if dataset is not None:
-        inputs, label = example_inputs(dataset, plugin, cfg)
-    costs = layer_costs(cfg, plugin, model, layers, inputs)
+    try:
+        if dataset is not None:
+            inputs, label = example_inputs(dataset, plugin, cfg)
+        costs = layer_costs(cfg, plugin, model, layers, inputs)
+    except Exception as exc:  # the plan must never stop a run the old partitioner could do: weights only, then
+        costs = weights_only_costs(layers)
+        label = f"not estimated, nor trainable state ({type(exc).__name__}: {str(exc)[:160]})"
     if costs.failed:
         label += f"; layers from {costs.failed.split(':')[0]} on borrow a like layer's figures (meta forward failed)"
     gpu = torch.cuda.is_available() if on_gpu is None else on_gpu

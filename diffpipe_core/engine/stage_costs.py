@@ -49,6 +49,22 @@ class ModelCosts:
     failed: str | None = None  # the layer whose meta forward failed (later layers borrow numbers)
 
 
+def weights_only_costs(layers: list[nn.Module]) -> ModelCosts:
+    """Costs from the layers' own tensors alone (no twin, no adapter, no activations): the fallback when a model
+    cannot be copied as a meta twin. Every layer counts as trainable (unknown)."""
+    counts = layer_param_counts(layers)
+    seen: set[int] = set()
+    costs = []
+    for i, layer in enumerate(layers):
+        weight = 0
+        for t in [*layer.parameters(), *layer.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                weight += _bytes(t)
+        costs.append(LayerCost(type(layer).__name__, counts[i], weight, 0, False, 1, 0, LayerTensors(measured=False)))
+    return ModelCosts(costs, measured=False)
+
+
 def meta_twin(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, list[nn.Module]]:
     """A copy of the model and its pipeline layers whose weights are meta tensors of the same shapes and dtypes;
     nothing is copied from the model's (possibly real) weights."""
