@@ -77,8 +77,10 @@ def models() -> None:
 @CONFIG
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Also check pipeline_stages against this many processes.")
-def validate(config_path: Path, model: str | None, num_procs: int | None) -> None:
-    """Check the run config and its dataset config without loading any model."""
+@click.option("--plan", "show_plan", is_flag=True, help="Print the stage plan for a single stage too.")
+def validate(config_path: Path, model: str | None, num_procs: int | None, show_plan: bool) -> None:
+    """Check the run config and its dataset config without reading any weights; with several pipeline stages (or
+    --plan), print the stage plan (the model built on the meta device)."""
     cfg = load_checked(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
     if num_procs is None:
@@ -88,6 +90,14 @@ def validate(config_path: Path, model: str | None, num_procs: int | None) -> Non
             f"pipeline_stages = {stages}: train with a multiple of {stages} processes ({fits}, ...); "
             "each group of pipeline stages is one data-parallel replica"
         )
+    if cfg.run.pipeline_stages > 1 or show_plan:
+        _echo_plan(cfg)
+
+
+def _echo_plan(cfg) -> None:
+    from diffpipe_core.engine.plan_build import plan_report
+
+    click.echo("\n".join(plan_report(cfg, get_registry().model(cfg.model_name))))
 
 
 @main.command()
@@ -192,7 +202,7 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Data-parallel processes the table assumes.")
 def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
-    """Show buckets, micro-batches per epoch, and every file left out with why."""
+    """Show buckets, micro-batches per epoch, every file left out with why, and the stage plan."""
     from diffpipe_core.data.dataset_config import load_dataset_config
     from diffpipe_core.data.report import format_report
     from diffpipe_core.data.scan import DatasetError, scan_dataset
@@ -214,6 +224,7 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     except Exception as exc:
         fail([f"{cfg.run.dataset}: {exc}"])
     click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages))
+    _echo_plan(cfg)
 
 
 @main.command("import-config")

@@ -189,9 +189,12 @@ class RunConfig(Strict):
         1, ge=1, description="Micro-batches per optimizer step (they flow through the pipeline together)."
     )
     pipeline_stages: int = Field(1, ge=1, description="Pipeline stages; must divide the number of processes.")
-    partition_method: Literal["parameters", "uniform"] = Field(
-        "parameters",
-        description="How layers are spread over stages: by parameter count (frozen ones included) or by layer count.",
+    partition_method: Literal["memory", "parameters", "uniform"] = Field(
+        "memory",
+        description="How layers are spread over stages: 'memory' balances each stage's estimated peak (weights in "
+        "their real dtypes, quantized or swapped where set, trainable tensors with gradients and optimizer state, "
+        "and activations of a micro-batch of the largest bucket); 'parameters' by parameter count (frozen ones "
+        "included); 'uniform' by layer count. `diffpipe data` (and `validate` with several stages) prints the plan.",
     )
     partition_split: list[int] | None = Field(
         None,

@@ -437,6 +437,25 @@ def prepare_cache(
     return dataset
 
 
+def open_cached(dataset_toml: Path, plugin: Any, model_config: ModelConfigBase) -> CachedDataset | None:
+    """The dataset's cache for these encoder settings as its index last listed it, read only (no scan, no lease,
+    nothing encoded), or None when there is none yet or it lacks entries. For reports (``diffpipe validate`` and
+    ``data`` estimate activations from cached shapes), never for training."""
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    cfg = load_dataset_config(Path(dataset_toml))
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(plugin.spec.encoder_settings))
+    root = cache_root(cfg.cache_dir, plugin.name, Path(dataset_toml))
+    index = _read_index(root / "index.json", fingerprint)
+    if index is None or not index["entries"]:
+        return None
+    empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+    try:
+        return CachedDataset(index["entries"], root / fingerprint[:16], cfg.uncond_fraction, empty_key)
+    except CacheError:
+        return None
+
+
 def _workers(requested: int | None) -> int:
     if requested is not None:
         return max(0, requested)

@@ -25,7 +25,8 @@ from diffpipe_core.engine.ds_patches import (
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
-from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.engine.plan_build import make_plan
+from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
@@ -82,6 +83,7 @@ class Stage:
     guard: OptimizerGuard
     engine: Any
     loss: LossFunction
+    plan: StagePlan | None = None
 
 
 @dataclass
@@ -95,18 +97,28 @@ class StageModule:
     lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     module: ExplicitPartitionPipelineModule
     loss: LossFunction
+    plan: StagePlan
 
 
 def build_stage_module(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, trainable: bool = True
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    layout: Layout,
+    device: torch.device,
+    trainable: bool = True,
+    dataset: Any = None,
 ) -> StageModule:
-    """Load and partition the model, fill in this stage's weights, quantize, apply the adapter (or start it from
-    a saved one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only)
-    every parameter is frozen and activation checkpointing is left out."""
+    """Load and partition the model by the stage plan (printed by rank 0; it estimates activations from
+    ``dataset``, the cache), fill in this stage's weights, quantize, apply the adapter (or start it from a saved
+    one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only) every
+    parameter is frozen and activation checkpointing is left out."""
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
-    parts = stage_parts(stage.layers, layout.stages, run.partition_method, run.partition_split)
+    plan = make_plan(cfg, plugin, stage.model, stage.layers, dataset, on_gpu=device.type == "cuda")
+    parts = plan.parts
+    if layout.rank == 0:
+        print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
     if stage.per_stage_loading:  # swapped blocks are read straight into host memory
@@ -148,15 +160,21 @@ def build_stage_module(
             loss_fn=loss,
             dynamic_shape=True,
         )
-    return StageModule(model, layer_names, parts, own, lora, module, loss)
+    return StageModule(model, layer_names, parts, own, lora, module, loss, plan)
 
 
 def build_stage(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    layout: Layout,
+    device: torch.device,
+    total_steps: int,
+    dataset: Any = None,
 ) -> Stage:
-    """The training stage: :func:`build_stage_module`, then the optimizer, LR schedule and DeepSpeed engine."""
+    """The training stage: :func:`build_stage_module` (its plan's activations from ``dataset``, the cache), then
+    the optimizer, LR schedule and DeepSpeed engine."""
     run = cfg.run
-    built = build_stage_module(cfg, plugin, layout, device)
+    built = build_stage_module(cfg, plugin, layout, device, dataset=dataset)
     model, own, lora = built.model, built.own, built.lora
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and p.device.type != "meta"}
     if not trainable:
@@ -188,7 +206,8 @@ def build_stage(
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
     return Stage(
-        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss
+        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
+        built.plan,
     )
 
 

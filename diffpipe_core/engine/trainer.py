@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
-from diffpipe_core.engine import stopping
+from diffpipe_core.engine import memory_report, stopping
 from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
 from diffpipe_core.engine.launcher import ERROR_DIR_ENV
@@ -75,8 +75,15 @@ class Trainer:
             )
         self.steps_per_epoch = len(self.sampler) // gas
         self.total_steps = self.run.max_steps or self.run.epochs * self.steps_per_epoch
-        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps)
+        memory_report.record("cached", self.stage_id)
+        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps, dataset)
         self.engine, self.model = self.stage.engine, self.stage.model
+        self._memory_report("built")
+
+    def _memory_report(self, phase: str) -> None:
+        plan = self.stage.plan
+        estimate = plan.stages[self.stage_id] if plan is not None else None
+        memory_report.record(phase, self.stage_id, self.model, self.stage.optimizer, self.engine, estimate)
 
     # ----------------------------------------------------------------------------- state
     def _checkpoint(self, step: int, micro_index: int) -> None:
@@ -152,6 +159,7 @@ class Trainer:
         metrics_file: Any, bar: Any,
     ) -> None:
         run = self.run
+        first_step = step
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
         consecutive_bad = 0
@@ -167,6 +175,8 @@ class Trainer:
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
             step += 1
+            if step == first_step + 1:
+                self._memory_report("step 1")
             grad_norm = guard.grad_norm
             if guard.nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
