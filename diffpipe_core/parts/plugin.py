@@ -55,8 +55,9 @@ class DiffusersModel:
         single_file_name: the file name of a ``single_file`` export.
         lora_target_names: the default ``lora_targets`` (exact module names or dotted suffixes, peft's rule).
 
-    and override :meth:`original_layout` when the model has an original single-file layout, and
-    :meth:`default_lora_targets` when the default targets depend on the config.
+    and override :meth:`original_layout` when the model has an original single-file layout,
+    :meth:`default_lora_targets` when the default targets depend on the config, and :meth:`model_component` when the
+    folder holds several diffusion models of which a run trains one (Wan 2.2 A14B's ``transformer_2``).
     """
 
     spec: ClassVar[ModelSpec]
@@ -93,9 +94,15 @@ class DiffusersModel:
         """The configured original-layout single file, if any."""
         return getattr(model_config, self.single_file_key, None) if self.single_file_key else None
 
+    def model_component(self, model_config: ModelConfigBase) -> str:
+        """The folder component holding the diffusion model this run trains (default :attr:`folder`'s ``model``).
+        Its config sizes the model, its weights are loaded, its config goes with a ``diffusers`` export, and a
+        ``transformer_file`` replaces its weights."""
+        return self.folder.model
+
     def model_folder_config(self, model_config: ModelConfigBase) -> dict[str, Any]:
         """The diffusion model's ``config.json`` (diffusers' private keys left out)."""
-        return self.folder.model_config(model_config.path)  # type: ignore[attr-defined]
+        return self.folder.model_config(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
 
     def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
         layout = self.original_layout(self.model_folder_config(model_config))
@@ -119,7 +126,13 @@ class DiffusersModel:
                 layout = self.layout_for(model_config)
             except (OSError, ValueError) as exc:
                 return [str(exc)]
-        return self.folder.problems(model_config.path, single, layout, self.single_file_markers)  # type: ignore[attr-defined]
+        return self.folder.problems(
+            model_config.path,  # type: ignore[attr-defined]
+            single,
+            layout,
+            self.single_file_markers,
+            self.model_component(model_config),
+        )
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
         """The diffusion model from its config with uninitialised (or meta) weights, cast the way
@@ -154,9 +167,10 @@ class DiffusersModel:
             state = self.layout_for(model_config).to_model(load_file(str(single)), str(single), shapes)
         else:
             state = {}
-            for file in self.folder.weight_files(model_config.path):  # type: ignore[attr-defined]
+            component = self.model_component(model_config)
+            for file in self.folder.weight_files(model_config.path, component):  # type: ignore[attr-defined]
                 state.update(load_file(str(file)))
-            folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+            folder = model_config.path / component  # type: ignore[attr-defined]
             missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
             if missing or unexpected:
                 raise KeyError(
@@ -183,7 +197,8 @@ class DiffusersModel:
             if problem:
                 raise FileNotFoundError(problem)
             return [(Path(single), self.layout_for(model_config).key_map(keys))]
-        return [(file, _same_key) for file in self.folder.weight_files(model_config.path)]  # type: ignore[attr-defined]
+        files = self.folder.weight_files(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
+        return [(file, _same_key) for file in files]
 
     @hookimpl
     def lora_targets(self, model_config: ModelConfigBase) -> list[str]:
@@ -248,7 +263,7 @@ class DiffusersModel:
         ``single_file`` (one safetensors file in that layout, :attr:`single_file_name`)."""
         from diffpipe_core.parts.export import export_diffusers_folder, export_single_file
 
-        folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+        folder = model_config.path / self.model_component(model_config)  # type: ignore[attr-defined]
         if format == "diffusers":
             export_diffusers_folder(saved_dir, folder / "config.json", out_dir)
             return True
