@@ -162,9 +162,8 @@ class Wan(DiffusersModel, FlowSampling):
 
     # ------------------------------------------------------------------------------------------ files
     def folder_problems(self, model_config: WanConfig) -> list[str]:
-        """Problems of this entry point with the folder beyond its component table (empty: none)."""
-        problem = expert_problem(model_config, boundary_ratio(model_config.path))
-        return [problem] if problem else []
+        """Problems of this entry point with a folder whose components fit (empty: none)."""
+        return []
 
     @hookimpl
     def validate_model_files(self, model_config: WanConfig) -> list[str]:
@@ -173,10 +172,11 @@ class Wan(DiffusersModel, FlowSampling):
         time range; no weight is read."""
         from dataclasses import replace
 
+        expert = expert_problem(model_config, boundary_ratio(model_config.path))
+        if expert:
+            return [expert]
         index = _folder_facts(str(model_config.path))["index"]
         table = {k: v for k, v in COMPONENTS.items() if k not in OPTIONAL or present(index, k)}
-        if model_config.expert == "low":
-            table["transformer_2"] = COMPONENTS["transformer_2"]
         folder = replace(self.folder, components=table)
         single = self.single_file(model_config)
         layout = None
