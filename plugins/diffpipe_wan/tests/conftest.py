@@ -38,3 +38,15 @@ def tiny_wan_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_wan_ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wan 2.2 TI2V: the 16x VAE, ``expand_timesteps``."""
     return _write(tmp_path_factory, "tiny-wan-ti2v", vae22=True)
+
+
+@pytest.fixture(scope="session")
+def wan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``wan`` run (test_wan_train.py's project): mixed clips and images, 1 stage in 1 process from the
+    original-layout single file, sampling once before the first step. Returns its run folder."""
+    from test_wan_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("wan-run")
+    return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")

@@ -29,5 +29,6 @@ def test_wan_conforms_as_an_a14b_expert_from_its_single_file(tiny_wan_a14b: Path
 
 
 def test_wan_i2v_conforms(tiny_wan_i2v: Path, tmp_path: Path) -> None:
-    table = {"type": "wan-i2v", "path": tiny_wan_i2v, "sample_image": write_png(tmp_path / "first.png", 40, 24), **TABLE}
+    image = write_png(tmp_path / "first.png", 40, 24)
+    table = {"type": "wan-i2v", "path": tiny_wan_i2v, "sample_image": image, **TABLE}
     check_model_plugin(wan_i2v, "wan-i2v", table, pixels=pixels(5), captions=CAPTIONS)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffpipe_wan.encoding import denormalize, to_images
-from diffpipe_wan.i2v import wan_i2v
-from diffpipe_wan.plugin import wan
 
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.schema import validate
+from diffpipe_wan.encoding import denormalize, to_images
+from diffpipe_wan.i2v import wan_i2v
+from diffpipe_wan.plugin import wan
 
 CPU = torch.device("cpu")
 

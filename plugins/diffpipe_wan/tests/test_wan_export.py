@@ -47,7 +47,9 @@ def test_comfyui_lora_keys_are_comfyuis_and_apply_like_the_separate_loras() -> N
     modules = {f"diffusion_model.blocks.{i}.{m}" for i in range(2) for m in per_block}
     assert set(file) == {f"{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert modules <= set(key_map) and all(float(file[f"{m}.alpha"]) == 6.0 for m in modules)
-    got = layout(2).to_model(comfy.apply_file(original, file, key_map))
+    held = {f"diffusion_model.{k}": v for k, v in original.items()}  # ComfyUI's model state dict: under the prefix
+    applied = comfy.apply_file(held, file, key_map)
+    got = layout(2).to_model({k.removeprefix("diffusion_model."): v for k, v in applied.items()})
     expected = comfy.merged_weights(model)
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6)
