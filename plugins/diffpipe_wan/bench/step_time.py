@@ -3,7 +3,7 @@
     python plugins/diffpipe_wan/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--rounds 3] [--smoke]
 
 A tiny-but-not-trivial Wan 2.1 text-to-video (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents; 17-frame
-clips at 256x384 = 5 x 16 x 24 latents = 5 x 8 x 12 = 480 video tokens after the 2x2 patches; 64 UMT5 tokens) is
+clips at 192x128 = 5 x 16 x 24 latents = 5 x 8 x 12 = 480 video tokens after the 2x2 patches; 64 UMT5 tokens) is
 written to disk in the diffusers layout. diffpipe trains it with `diffpipe train` (1 worker, the real cache, DeepSpeed
 PipelineEngine); its median step time comes from metrics.jsonl (step_seconds) after warm-up. The plain loop runs the
 same forward (WanTransformer3DModel.forward at 1000 t), flow-matching loss, backward, gradient clipping and AdamW
@@ -30,9 +30,10 @@ from diffpipe_wan.config import WanConfig
 from diffpipe_wan.plugin import wan
 from diffpipe_wan.testing import TinyWanConfig, write_clips, write_tiny_wan
 
-MODEL = TinyWanConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=16, text_dim=64,
-                      ffn_dim=512)
-TEXT_LEN, FRAMES, WIDTH, HEIGHT = 64, 17, 384, 256
+MODEL = TinyWanConfig(
+    num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=16, text_dim=64, ffn_dim=512
+)
+TEXT_LEN, FRAMES, WIDTH, HEIGHT = 64, 17, 192, 128
 LATENT = (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8
 MODEL_TABLE = f"""
 type = "wan"

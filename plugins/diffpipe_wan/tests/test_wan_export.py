@@ -114,3 +114,38 @@ def test_shift_is_the_folder_schedulers_unless_given(tiny_wan: Path) -> None:
     assert wan.flow_settings(config(tiny_wan, shift=3.0))[0] == 3.0
     u = times(config(tiny_wan, timestep_sample_method="uniform", shift=1.0))
     torch.testing.assert_close(times(config(tiny_wan, timestep_sample_method="uniform")), shift_timesteps(u, 5.0))
+
+
+def test_a_low_expert_lora_loads_into_transformer_2_of_wan_pipeline(tiny_wan_a14b: Path, tmp_path: Path) -> None:
+    """What the README says for an A14B ``expert = "low"`` LoRA: ``WanPipeline.load_lora_weights(...,
+    load_into_transformer_2=True)`` puts it on the low-noise expert, at the saved strength, the other one untouched."""
+    from diffusers import WanPipeline
+
+    from diffpipe_core.adapters import save_adapter
+    from diffpipe_core.testing import runs
+
+    cfg = config(tiny_wan_a14b, expert="low")
+    model = wan.load_diffusion_model(cfg, CPU, torch.float32)
+    peft_cfg = lora_config(4, 6.0, 0.0, wan.lora_targets(model_config=cfg))
+    apply_lora(model, peft_cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.1)
+    files = {
+        "adapter_model.safetensors": wan.export_adapter(
+            state_dict=lora_state_dict(model), alpha=6.0, rank=4, format="diffusers"
+        )
+    }
+    save_adapter(tmp_path, files, peft_cfg, torch.float32, "transformer")  # as a run saves it
+
+    pipe = WanPipeline.from_pretrained(str(tiny_wan_a14b), local_files_only=True)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(0)),
+        "timestep": torch.tensor([300.0]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1)),
+    }
+    untrained, high = runs.outputs(pipe.transformer_2, inputs), runs.outputs(pipe.transformer, inputs)
+    pipe.load_lora_weights(str(tmp_path), weight_name="adapter_model.safetensors", load_into_transformer_2=True)
+    runs.assert_reproduces(runs.outputs(pipe.transformer_2, inputs), runs.outputs(model.eval(), inputs), untrained)
+    assert torch.equal(runs.outputs(pipe.transformer, inputs), high)  # the high-noise expert has no LoRA
