@@ -3,7 +3,8 @@
 original-layout single file, the loss falling; the saved diffusers LoRA loads with ``WanPipeline.load_lora_weights``
 and reproduces the trained transformer on clips and images; the ComfyUI file has exactly the keys ComfyUI's key map
 makes for Wan (``diffusion_model.<original module>``, alpha included) and applies to the original weights like the
-trained LoRAs merged; the sample before the first step is an MP4 of the dataset's 5 frames at the model's 16 fps.
+trained LoRAs merged; the sample before the first step, through the pipeline engine, is ``WanPipeline``'s and an
+MP4 of the dataset's 5 frames at the model's 16 fps.
 
 The times are limited to t >= 0.8 (``min_t``), where the tiny model can learn to tell each caption's clean latents
 from the noise within 40 steps, so that the per-step loss, which swings with the sampled time, falls clearly."""
@@ -144,8 +145,13 @@ def test_comfyui_lora_has_comfyuis_wan_keys_and_applies(wan_run: Path) -> None:
     assert len(moved) == 2
 
 
-def test_sample_before_the_first_step_is_an_mp4(wan_run: Path) -> None:
+def test_sample_before_the_first_step_is_wan_pipelines_as_an_mp4(wan_run: Path) -> None:
+    """Sampled through the pipeline engine before the first step (LoRA B = 0: the base model): the MP4 has the
+    dataset's 5 frames at 16 fps, and its latents are ``WanPipeline``'s for the same prompt, seed and steps."""
     import av
+    from diffusers import WanPipeline
+
+    from diffpipe_core.sampling.loop import noise_generator
 
     folder = wan_run / "samples" / "step-0000000"
     files = sorted(p.name for p in folder.iterdir())
@@ -153,3 +159,17 @@ def test_sample_before_the_first_step_is_an_mp4(wan_run: Path) -> None:
     with av.open(str(folder / "00-a-red-cat.mp4")) as container:
         stream = container.streams.video[0]
         assert stream.average_rate == Fraction(16) and len(list(container.decode(stream))) == 5
+    got = load_file(str(folder / "latents.safetensors"))["sample_00"]
+    pipe = WanPipeline.from_pretrained(str(model_dir(wan_run)), local_files_only=True)
+    expected = pipe(
+        prompt="a red cat",
+        max_sequence_length=8,  # the run's text_max_length
+        guidance_scale=1.0,  # [sample] cfg's default: no guidance
+        latents=torch.randn(1, 4, 2, 4, 4, generator=noise_generator(5, 0)),  # the core's noise for seed 5, prompt 0
+        num_inference_steps=2,
+        height=32,
+        width=32,
+        num_frames=5,
+        output_type="latent",
+    ).frames
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-5)
