@@ -93,6 +93,11 @@ def layout_for_config(config: Mapping[str, Any]) -> KeyTable:
     return layout(int(config.get("num_layers", 40)))
 
 
+def lora_layout(state_dict: Mapping[str, Any]) -> KeyTable:
+    """The table for a ComfyUI export of a peft LoRA ``state_dict`` (sized by the blocks its keys name)."""
+    return layout(blocks_in(state_dict))
+
+
 def blocks_in(keys: Iterable[str]) -> int:
     """``max(N) + 1`` over the ``blocks.N.`` module paths (diffusers or original names) in ``keys``."""
     found = {int(m.group(1)) for k in keys if (m := re.match(r"(?:.*\.)?blocks\.(\d+)\.", k))}

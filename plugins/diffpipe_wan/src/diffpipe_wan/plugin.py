@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
 COMPONENTS = {
@@ -128,37 +127,14 @@ class Wan(DiffusersModel, FlowSampling):
     model_class = "WanTransformer3DModel"
     single_file_markers = ("head.modulation", "blocks.0.self_attn.q.weight")
     single_file_name = "wan_transformer.safetensors"
+    key_tables = "diffpipe_wan.original"  # layout_for_config / lora_layout: the original Wan single-file layout
     # the attention (self, cross, and the image-to-video cross-attention's image keys/values) and feed-forward linears
     # of every block; no other module of the model has these names
     lora_target_names = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2")
 
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_wan.original import layout_for_config
-
-        return layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_wan.original import blocks_in, layout
-
-        return layout(blocks_in(state_dict))
-
     def model_component(self, model_config: WanConfig) -> str:
         """``transformer``, or with ``expert = "low"`` the A14B's ``transformer_2``."""
         return EXPERTS[model_config.expert or "high"]
-
-    def build_skeleton(self, model_config: WanConfig, device: Any, dtype: torch.dtype) -> nn.Module:
-        """The base skeleton, with the rotary embedding's (non-persistent, so never loaded) frequency tables built
-        on the host when the rest is on the meta device."""
-        import torch
-        from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-        model = super().build_skeleton(model_config, device, dtype)
-        if model.rope.freqs_cos.device.type == "meta":
-            c = model.config
-            model.rope = WanRotaryPosEmbed(c.attention_head_dim, tuple(c.patch_size), c.rope_max_seq_len).to(
-                torch.float32
-            )
-        return model
 
     # ------------------------------------------------------------------------------------------ files
     def folder_problems(self, model_config: WanConfig) -> list[str]:
