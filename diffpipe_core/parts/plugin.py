@@ -142,9 +142,16 @@ class DiffusersModel:
         """The declared :attr:`spec`."""
         return self.spec
 
+    def checked_folder(self, model_config: ModelConfigBase) -> DiffusersFolder:
+        """The component table ``validate_model_files`` checks the folder against (default :attr:`folder`); a model
+        whose folders may lack some components (Wan's second expert and image encoder) returns the table of the
+        ones this folder's ``model_index.json`` lists."""
+        return self.folder
+
     @hookimpl
     def validate_model_files(self, model_config: ModelConfigBase) -> list[str]:
-        """The folder's structure from :attr:`folder`, and the single file's keys, without reading weights."""
+        """The folder's structure from :meth:`checked_folder`, and the single file's keys, without reading
+        weights."""
         single = self.single_file(model_config)
         layout = None
         if single is not None:
@@ -152,7 +159,7 @@ class DiffusersModel:
                 layout = self.layout_for(model_config)
             except (OSError, ValueError) as exc:
                 return [str(exc)]
-        return self.folder.problems(
+        return self.checked_folder(model_config).problems(
             model_config.path,  # type: ignore[attr-defined]
             single,
             layout,

@@ -141,32 +141,23 @@ class Wan(DiffusersModel, FlowSampling):
         """Problems of this entry point with a folder whose components fit (empty: none)."""
         return []
 
-    @hookimpl
-    def validate_model_files(self, model_config: WanConfig) -> list[str]:
-        """The component table of this folder (the optional components that its ``model_index.json`` lists), the
-        trained transformer's weights or ``transformer_file``, the components' sizes, ``expert`` and the training
-        time range; no weight is read."""
+    def checked_folder(self, model_config: WanConfig) -> DiffusersFolder:
+        """The component table without the optional components this folder's ``model_index.json`` does not list."""
         from dataclasses import replace
 
+        index = _folder_facts(str(model_config.path))["index"]
+        table = {k: v for k, v in COMPONENTS.items() if k not in OPTIONAL or present(index, k)}
+        return replace(self.folder, components=table)
+
+    @hookimpl
+    def validate_model_files(self, model_config: WanConfig) -> list[str]:
+        """``expert`` first, then the shared checks (:meth:`checked_folder`'s components, the trained transformer's
+        weights or ``transformer_file``, the components' sizes), this entry point's own and the training time range;
+        no weight is read."""
         expert = expert_problem(model_config, boundary_ratio(model_config.path))
         if expert:
             return [expert]
-        index = _folder_facts(str(model_config.path))["index"]
-        table = {k: v for k, v in COMPONENTS.items() if k not in OPTIONAL or present(index, k)}
-        folder = replace(self.folder, components=table)
-        single = self.single_file(model_config)
-        layout = None
-        if single is not None:
-            try:
-                layout = self.layout_for(model_config)
-            except (OSError, ValueError) as exc:
-                return [str(exc)]
-        found = folder.problems(
-            model_config.path, single, layout, self.single_file_markers, self.model_component(model_config)
-        )
-        if found:
-            return found
-        found = self.folder_problems(model_config)
+        found = super().validate_model_files(model_config) or self.folder_problems(model_config)
         if not found:
             try:
                 model_config.time_range(expert_range(model_config))
