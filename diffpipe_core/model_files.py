@@ -15,6 +15,8 @@ from typing import Any
 
 TOKENIZER = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "spiece.model")
+IMAGE_PROCESSOR = "image_processor"  # an image processor's folder (CLIP's, SigLIP's): preprocessor_config.json
+IMAGE_PROCESSOR_FILES = ("preprocessor_config.json",)
 
 
 def model_file_problems(plugin: Any, model_config: Any) -> list[str]:
@@ -58,13 +60,16 @@ def _names(expected: Iterable[str]) -> str:
 
 def check_component(folder: Path, expected: tuple[str, ...], what: str) -> list[str]:
     """One component folder (``vae/``, ``text_encoder/``): present, with a config naming an expected class.
-    ``expected == ("tokenizer",)`` checks for tokenizer files instead."""
+    ``expected == ("tokenizer",)`` checks for tokenizer files instead, ``("image_processor",)`` for an image
+    processor's ``preprocessor_config.json``."""
     if not folder.is_dir():
         return [f"{folder}: missing; expected the {what} ({_names(expected)})"]
-    if expected == (TOKENIZER,):
-        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-            return [f"{folder}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})"]
-        return []
+    for kind, files in ((TOKENIZER, TOKENIZER_FILES), (IMAGE_PROCESSOR, IMAGE_PROCESSOR_FILES)):
+        if expected == (kind,):
+            if not any((folder / f).is_file() for f in files):
+                what_files = kind.replace("_", " ")
+                return [f"{folder}: no {what_files} files (expected one of {', '.join(files)})"]
+            return []
     if not (folder / "config.json").is_file():
         return [f"{folder / 'config.json'}: not found; expected the {what}'s config ({_names(expected)})"]
     found = config_class(folder)
@@ -99,7 +104,8 @@ def check_diffusers_folder(
 ) -> list[str]:
     """A diffusers pipeline folder: ``model_index.json`` names one of ``pipelines`` and every component
     folder exists with an expected class (``components``: folder name -> accepted class names, or
-    ``("tokenizer",)``). A wrong ``model_index.json`` is reported alone: the rest would only repeat it."""
+    ``("tokenizer",)`` / ``("image_processor",)``). A wrong ``model_index.json`` is reported alone: the rest would
+    only repeat it."""
     if not folder.is_dir():
         what = "a file" if folder.exists() else "not found"
         return [f"{folder}: {what}; expected a diffusers {model_name} folder with model_index.json"]

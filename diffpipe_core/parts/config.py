@@ -58,3 +58,21 @@ class FlowMatchingConfig(ModelConfigBase):
         if self.min_t >= self.max_t:
             raise ValueError(f"min_t ({self.min_t}) must be below max_t ({self.max_t})")
         return self
+
+    def given(self, key: str) -> bool:
+        """Whether the run's ``[model]`` table set ``key`` itself rather than leaving it at its default (pydantic's
+        ``model_fields_set``), so a default the model reads from its files can yield to what the user wrote."""
+        return key in self.model_fields_set
+
+    def time_range(self, default: tuple[float, float] = (0.0, 1.0)) -> tuple[float, float]:
+        """``(min_t, max_t)`` of training times: each bound the table set itself, else ``default``'s (a model's own
+        range, such as the noise range of one expert of a two-expert model). Raises ValueError naming both bounds
+        when they leave no range."""
+        low = self.min_t if self.given("min_t") else default[0]
+        high = self.max_t if self.given("max_t") else default[1]
+        if low >= high:
+            raise ValueError(
+                f"[model] min_t ({low}{'' if self.given('min_t') else ', the model default'}) must be below max_t "
+                f"({high}{'' if self.given('max_t') else ', the model default'})"
+            )
+        return low, high

@@ -45,11 +45,14 @@ def flow_sample(
     context: TrainingContext,
     generator: torch.Generator,
     shift: float | None = None,
+    time_range: tuple[float, float] | None = None,
 ) -> FlowSample:
     """Noise and times for one micro-batch of ``latents`` (any layout, batch first), all from ``generator``.
 
-    ``shift`` overrides ``cfg.shift`` (a resolution-dependent shift computed by the plugin). While evaluating
-    (``context.eval_quantile``), every sample gets that quantile of the time distribution."""
+    ``shift`` overrides ``cfg.shift`` (a resolution-dependent shift computed by the plugin), ``time_range`` the
+    ``(cfg.min_t, cfg.max_t)`` range (e.g. :meth:`~diffpipe_core.parts.config.FlowMatchingConfig.time_range` of a
+    model's own default range). While evaluating (``context.eval_quantile``), every sample gets that quantile of the
+    time distribution."""
     latents = latents.float()
     noise = torch.randn(latents.shape, generator=generator)
     t = sample_timesteps(
@@ -60,7 +63,7 @@ def flow_sample(
         cfg.shift if shift is None else shift,
         quantile=context.eval_quantile,
     )
-    t = limit_times(t, cfg.min_t, cfg.max_t)
+    t = limit_times(t, *(time_range or (cfg.min_t, cfg.max_t)))
     x_t, target = flow_matching_pair(latents, noise, t)
     return FlowSample(x_t, target, t, noise)
 

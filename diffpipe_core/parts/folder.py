@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core.model_files import (
+    IMAGE_PROCESSOR,
     TOKENIZER,
     check_diffusers_folder,
     diffusers_weight_files,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from diffpipe_core.parts.layout import KeyTable
 
-__all__ = ["TOKENIZER", "DiffusersFolder", "SizeMatch"]
+__all__ = ["IMAGE_PROCESSOR", "TOKENIZER", "DiffusersFolder", "SizeMatch"]
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,14 @@ class DiffusersFolder:
     Attributes:
         model_name: the model (entry-point) name, for messages.
         pipelines: the ``model_index.json`` ``_class_name`` values accepted (the first is the usual one).
-        components: component folder -> accepted class name(s), or :data:`TOKENIZER` for a tokenizer folder. The
-            first class of each is the one :meth:`load` builds. A name is a diffusers or transformers class
-            (``"AutoencoderKL"``) or ``"module:Class"`` for a class of the plugin's own (a diffusers ``ModelMixin`` /
-            ``ConfigMixin`` saved with ``save_pretrained``); the folder's ``config.json`` names it ``"Class"``.
-        model: the diffusion model's component (``"transformer"`` or ``"unet"``); also the LoRA key prefix.
+        components: component folder -> accepted class name(s), or :data:`TOKENIZER` for a tokenizer folder
+            (:data:`IMAGE_PROCESSOR` for an image processor's). The first class of each is the one :meth:`load`
+            builds. A name is a diffusers or transformers class (``"AutoencoderKL"``) or ``"module:Class"`` for a
+            class of the plugin's own (a diffusers ``ModelMixin`` / ``ConfigMixin`` saved with ``save_pretrained``);
+            the folder's ``config.json`` names it ``"Class"``.
+        model: the diffusion model's component (``"transformer"`` or ``"unet"``); also the LoRA key prefix. A model
+            with several diffusion models (Wan 2.2 A14B's ``transformer_2``) names the one a run trains in the
+            ``component`` arguments below.
         sizes: :class:`SizeMatch` checks between components.
         single_file_example: what an original-layout single file of this model is called, for messages.
     """
@@ -97,43 +101,55 @@ class DiffusersFolder:
             )
         return data
 
-    def model_config(self, path: Path) -> dict[str, Any]:
-        """The diffusion model's config without diffusers' private ``_`` keys, ready for ``from_config``."""
-        return {k: v for k, v in self.config(path).items() if not k.startswith("_")}
+    def model_config(self, path: Path, component: str | None = None) -> dict[str, Any]:
+        """The diffusion model's (or ``component``'s) config without diffusers' private ``_`` keys, ready for
+        ``from_config``."""
+        return {k: v for k, v in self.config(path, component).items() if not k.startswith("_")}
 
-    def weight_files(self, path: Path) -> list[Path]:
-        """The diffusion model's safetensors files in the folder (one file, or the shards of an index)."""
+    def weight_files(self, path: Path, component: str | None = None) -> list[Path]:
+        """The diffusion model's (or ``component``'s) safetensors files in the folder (one file, or the shards of an
+        index)."""
+        component = component or self.model
         return diffusers_weight_files(
-            Path(path) / self.model,
-            "give transformer_file for an original-layout single file" if self.model == "transformer" else "",
+            Path(path) / component,
+            "give transformer_file for an original-layout single file" if component.startswith("transformer") else "",
         )
 
     # ------------------------------------------------------------------------------------------ checks
     def problems(
-        self, path: Path, single_file: Path | None = None, layout: KeyTable | None = None, markers: Sequence[str] = ()
+        self,
+        path: Path,
+        single_file: Path | None = None,
+        layout: KeyTable | None = None,
+        markers: Sequence[str] = (),
+        component: str | None = None,
     ) -> list[str]:
-        """Everything wrong with the folder (and the single file), without reading a weight: one line each."""
+        """Everything wrong with the folder (and the single file), without reading a weight: one line each.
+        ``component``: the diffusion model a run trains, when not :attr:`model`."""
+        component = component or self.model
         found = check_diffusers_folder(Path(path), self.pipelines, self._config_names(), self.model_name)
         if found:
             return found
-        found = self._size_problems(Path(path))
+        found = self._size_problems(Path(path), component)
         if single_file is not None:
-            return found + self._single_file_problems(Path(single_file), layout, markers)
-        folder = Path(path) / self.model
+            return found + self._single_file_problems(Path(single_file), layout, markers, component)
+        folder = Path(path) / component
         single = folder / "diffusion_pytorch_model.safetensors"
         if single.is_file():
             _, problem = safetensors_keys(single)
-            return found + ([f"{problem}; expected the {self.model_name} {self.model}'s weights"] if problem else [])
+            return found + ([f"{problem}; expected the {self.model_name} {component}'s weights"] if problem else [])
         if not (folder / "diffusion_pytorch_model.safetensors.index.json").is_file():
             hint = ", or give transformer_file for an original-layout single file" if markers else ""
             found.append(
                 f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json); expected the {self.model_name} "
-                f"{self.model}'s weights{hint}"
+                f"{component}'s weights{hint}"
             )
         return found
 
-    def _single_file_problems(self, file: Path, layout: KeyTable | None, markers: Sequence[str]) -> list[str]:
-        what = f"a {self.model_name} {self.model} in the {layout.name if layout else 'original'} key layout"
+    def _single_file_problems(
+        self, file: Path, layout: KeyTable | None, markers: Sequence[str], component: str
+    ) -> list[str]:
+        what = f"a {self.model_name} {component} in the {layout.name if layout else 'original'} key layout"
         if self.single_file_example:
             what += f" ({self.single_file_example})"
         keys, problem = safetensors_keys(file)
@@ -146,13 +162,13 @@ class DiffusersFolder:
             return []
         hint = ""
         if any(k.startswith(("transformer_blocks.", "proj_in.", "x_embedder.")) for k in names):
-            hint = f" (this looks like a diffusers-layout file: put it in path/{self.model}/)"
+            hint = f" (this looks like a diffusers-layout file: put it in path/{component}/)"
         return [
             f"{file}: no {absent[0]!r} among its {len(keys)} keys (e.g. {', '.join(keys[:3])}); expected {what}{hint}"
         ]
 
-    def _size_problems(self, path: Path) -> list[str]:
-        model, _ = read_json(path / self.model / "config.json")
+    def _size_problems(self, path: Path, component: str) -> list[str]:
+        model, _ = read_json(path / component / "config.json")
         found = []
         for match in self.sizes:
             other, _ = read_json(path / match.component / "config.json")
@@ -162,7 +178,7 @@ class DiffusersFolder:
             if other[match.key] != want:
                 found.append(
                     f"{path / match.component / 'config.json'}: {match.key} is {other[match.key]}, but "
-                    f"{path / self.model / 'config.json'} has {match.model_key} {want}; the components are from "
+                    f"{path / component / 'config.json'} has {match.model_key} {want}; the components are from "
                     "different models"
                 )
         return found
@@ -173,7 +189,8 @@ class DiffusersFolder:
 
     def load(self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None) -> Any:
         """One component from its folder: a diffusers or transformers class by the table's first name (frozen,
-        in eval mode, on ``device``), or a tokenizer (``AutoTokenizer``). Only local files are read."""
+        in eval mode, on ``device``), a tokenizer (``AutoTokenizer``) or an image processor
+        (``AutoImageProcessor``). Only local files are read."""
         folder = Path(path) / component
         if not folder.is_dir():
             raise FileNotFoundError(
@@ -184,6 +201,10 @@ class DiffusersFolder:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if name == IMAGE_PROCESSOR:
+            from transformers import AutoImageProcessor
+
+            return AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
         cls = find_class(name)
         kwargs: dict[str, Any] = {"local_files_only": True}
         if dtype is not None:

@@ -63,8 +63,10 @@ class DiffusersModel:
         joint_blocks: where those blocks are: ``(module list, config key of their count)``.
 
     and override :meth:`original_layout` when the model has an original single-file layout,
-    :meth:`default_lora_targets` when the default targets depend on the config otherwise, and
-    :meth:`build_skeleton` when the model must be built differently from ``from_config``.
+    :meth:`default_lora_targets` when the default targets depend on the config otherwise,
+    :meth:`build_skeleton` when the model must be built differently from ``from_config``, and
+    :meth:`model_component` when the folder holds several diffusion models of which a run trains one (Wan 2.2 A14B's
+    ``transformer_2``).
     """
 
     spec: ClassVar[ModelSpec]
@@ -118,9 +120,15 @@ class DiffusersModel:
         """The configured original-layout single file, if any."""
         return getattr(model_config, self.single_file_key, None) if self.single_file_key else None
 
+    def model_component(self, model_config: ModelConfigBase) -> str:
+        """The folder component holding the diffusion model this run trains (default :attr:`folder`'s ``model``).
+        Its config sizes the model, its weights are loaded, its config goes with a ``diffusers`` export, and a
+        ``transformer_file`` replaces its weights."""
+        return self.folder.model
+
     def model_folder_config(self, model_config: ModelConfigBase) -> dict[str, Any]:
         """The diffusion model's ``config.json`` (diffusers' private keys left out)."""
-        return self.folder.model_config(model_config.path)  # type: ignore[attr-defined]
+        return self.folder.model_config(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
 
     def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
         layout = self.original_layout(self.model_folder_config(model_config))
@@ -134,9 +142,16 @@ class DiffusersModel:
         """The declared :attr:`spec`."""
         return self.spec
 
+    def checked_folder(self, model_config: ModelConfigBase) -> DiffusersFolder:
+        """The component table ``validate_model_files`` checks the folder against (default :attr:`folder`); a model
+        whose folders may lack some components (Wan's second expert and image encoder) returns the table of the
+        ones this folder's ``model_index.json`` lists."""
+        return self.folder
+
     @hookimpl
     def validate_model_files(self, model_config: ModelConfigBase) -> list[str]:
-        """The folder's structure from :attr:`folder`, and the single file's keys, without reading weights."""
+        """The folder's structure from :meth:`checked_folder`, and the single file's keys, without reading
+        weights."""
         single = self.single_file(model_config)
         layout = None
         if single is not None:
@@ -144,7 +159,13 @@ class DiffusersModel:
                 layout = self.layout_for(model_config)
             except (OSError, ValueError) as exc:
                 return [str(exc)]
-        return self.folder.problems(model_config.path, single, layout, self.single_file_markers)  # type: ignore[attr-defined]
+        return self.checked_folder(model_config).problems(
+            model_config.path,  # type: ignore[attr-defined]
+            single,
+            layout,
+            self.single_file_markers,
+            self.model_component(model_config),
+        )
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
         """The diffusion model from its config, without weights, cast the way ``from_pretrained(torch_dtype=dtype)``
@@ -191,9 +212,10 @@ class DiffusersModel:
             state = self.layout_for(model_config).to_model(load_file(str(single)), str(single), shapes)
         else:
             state = {}
-            for file in self.folder.weight_files(model_config.path):  # type: ignore[attr-defined]
+            component = self.model_component(model_config)
+            for file in self.folder.weight_files(model_config.path, component):  # type: ignore[attr-defined]
                 state.update(load_file(str(file)))
-            folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+            folder = model_config.path / component  # type: ignore[attr-defined]
             missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
             if missing or unexpected:
                 raise KeyError(
@@ -220,7 +242,8 @@ class DiffusersModel:
             if problem:
                 raise FileNotFoundError(problem)
             return [(Path(single), self.layout_for(model_config).key_map(keys))]
-        return [(file, _same_key) for file in self.folder.weight_files(model_config.path)]  # type: ignore[attr-defined]
+        files = self.folder.weight_files(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
+        return [(file, _same_key) for file in files]
 
     @hookimpl
     def lora_targets(self, model_config: ModelConfigBase) -> list[str]:
@@ -287,7 +310,7 @@ class DiffusersModel:
         ``single_file`` (one safetensors file in that layout, :attr:`single_file_name`)."""
         from diffpipe_core.parts.export import export_diffusers_folder, export_single_file
 
-        folder = model_config.path / self.folder.model  # type: ignore[attr-defined]
+        folder = model_config.path / self.model_component(model_config)  # type: ignore[attr-defined]
         if format == "diffusers":
             export_diffusers_folder(saved_dir, folder / "config.json", out_dir)
             return True

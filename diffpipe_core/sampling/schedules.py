@@ -57,6 +57,30 @@ def scheduler_flow_sigmas(model_path: Path, base_sigmas: Any, image_seq_len: int
     return scheduler.sigmas.float()
 
 
+def scheduler_sigmas(model_path: Path, steps: int) -> torch.Tensor:
+    """The ``steps + 1`` sigmas (its final 0 included) of the model folder's own scheduler, of the class its
+    ``scheduler/scheduler_config.json`` names (``FlowMatchEulerDiscreteScheduler``, ``UniPCMultistepScheduler`` with
+    flow sigmas, ...), after ``set_timesteps(steps)`` with its default spacing and shift: the schedule a pipeline that
+    calls ``scheduler.set_timesteps(num_inference_steps)`` (Wan's) steps through. Float32."""
+    import json
+
+    import diffusers
+
+    file = Path(model_path) / "scheduler" / "scheduler_config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found; sampling reads the model folder's scheduler settings from it")
+    config = json.loads(file.read_text())
+    cls = getattr(diffusers, str(config.get("_class_name")), None)
+    if cls is None or not hasattr(cls, "set_timesteps"):
+        raise ValueError(f"{file}: _class_name {config.get('_class_name')!r} is not a diffusers scheduler")
+    scheduler = cls.from_config(config)
+    scheduler.set_timesteps(steps, device="cpu")
+    sigmas = torch.as_tensor(scheduler.sigmas).float()
+    if len(sigmas) != steps + 1:
+        raise ValueError(f"{file}: {cls.__name__} made {len(sigmas)} sigmas for {steps} steps; expected {steps + 1}")
+    return sigmas
+
+
 def karras_sigmas(
     steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0, final_zero: bool = False
 ) -> torch.Tensor:

@@ -34,6 +34,22 @@ SUFFIXES = (
 )
 
 
+def generic_key_map(model_keys: Iterable[str], prefix: str = "diffusion_model.") -> dict[str, KeyTarget]:
+    """The entries ComfyUI's ``model_lora_keys_unet`` makes for every model from its state dict keys (``model_keys``,
+    in ComfyUI's own layout, without ``prefix``): each weight's module under ``prefix`` (``diffusion_model.<module>``)
+    and kohya-style (``lora_unet_<module with _>``); a model class may add more (Flux's diffusers names), Wan adds
+    none."""
+    out: dict[str, KeyTarget] = {}
+    for key in model_keys:
+        if key.endswith(".weight"):
+            module = key[: -len(".weight")]
+            out[f"{prefix}{module}"] = f"{prefix}{key}"
+            out[f"lora_unet_{module.replace('.', '_')}"] = f"{prefix}{key}"
+        else:
+            out[f"{prefix}{key}"] = f"{prefix}{key}"
+    return out
+
+
 def delta_weight(tensors: dict[str, torch.Tensor], shape: Iterable[int]) -> torch.Tensor:
     """The weight update of one module's tensors (names as in :data:`SUFFIXES`), reshaped to ``shape``.
 

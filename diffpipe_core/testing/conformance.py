@@ -5,7 +5,8 @@
                        pixels=torch.rand(2, 3, 64, 64) * 2 - 1, captions=["a cat", "a dog"])
 
 A video model gets ``pixels`` of shape ``(B, 3, F, H, W)``; the kit also runs its first frame as an image
-batch. What is checked: that the entry module, ``model_spec`` and the schema import no torch, diffusers or
+batch (not for a model that requires first frames; a first-frame model gets it as the clips' ``first_frames``).
+What is checked: that the entry module, ``model_spec`` and the schema import no torch, diffusers or
 transformers (in a fresh interpreter); the spec and ``[model]`` schema; ``validate_model_files`` on the tiny
 model; ``encode_batch`` on media (with masks) and on
 captions (deterministic, batch-first, finite); per-stage loading against a whole load in float32 and
@@ -154,15 +155,25 @@ def _check_sampling(
 
 def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Generator) -> list[EncodeBatch]:
     """What the core hands ``encode_batch``: images (B, 3, H, W) and, for a video model, also videos
-    (B, 3, F, H, W); masks are (B, 1, H, W) for both."""
+    (B, 3, F, H, W), with their first frames for a first-frame model (which gets no images when it requires first
+    frames); masks are (B, 1, H, W) for all."""
+    first = None
     if spec.modality == "video":
         assert pixels.dim() == 5, "for a video model give pixels as (B, 3, F, H, W); the kit also tries frame 0"
-        media = [pixels[:, :, 0], pixels]
+        media = [pixels] if spec.first_frame == "required" else [pixels[:, :, 0], pixels]
+        first = pixels[:, :, 0] if spec.first_frame != "none" else None
     else:
         assert pixels.dim() == 4, "for an image model give pixels as (B, 3, H, W)"
         media = [pixels]
     b, h, w = pixels.shape[0], pixels.shape[-2], pixels.shape[-1]
-    return [EncodeBatch(pixels=p, masks=torch.rand(b, 1, h, w, generator=generator)) for p in media]
+    return [
+        EncodeBatch(
+            pixels=p,
+            masks=torch.rand(b, 1, h, w, generator=generator),
+            first_frames=first if p.dim() == 5 else None,
+        )
+        for p in media
+    ]
 
 
 def check_model_plugin(

@@ -1,0 +1,112 @@
+"""Framework overhead on Wan: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA.
+
+    python plugins/diffpipe_wan/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--rounds 3] [--smoke]
+
+A tiny-but-not-trivial Wan 2.1 text-to-video (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents; 17-frame
+clips at 192x128 = 5 x 16 x 24 latents = 5 x 8 x 12 = 480 video tokens after the 2x2 patches; 64 UMT5 tokens) is
+written to disk in the diffusers layout. diffpipe trains it with `diffpipe train` (1 worker, the real cache, DeepSpeed
+PipelineEngine); its median step time comes from metrics.jsonl (step_seconds) after warm-up. The plain loop runs the
+same forward (WanTransformer3DModel.forward at 1000 t), flow-matching loss, backward, gradient clipping and AdamW
+step on the same transformer with the same peft LoRA (rank 16 on the plugin's lora_targets). The two sides
+alternate for --rounds pairs (at least 3; which goes first swaps every pair); the median of the per-pair ratios is
+printed with its spread. Target: ratio <= 1.10. The shared skeleton is in ``diffpipe_core.testing.bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml
+from diffpipe_wan.config import WanConfig
+from diffpipe_wan.plugin import wan
+from diffpipe_wan.testing import TinyWanConfig, write_clips, write_tiny_wan
+
+MODEL = TinyWanConfig(
+    num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=16, text_dim=64, ffn_dim=512
+)
+TEXT_LEN, FRAMES, WIDTH, HEIGHT = 64, 17, 192, 128
+LATENT = (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8
+MODEL_TABLE = f"""
+type = "wan"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+text_max_length = {TEXT_LEN}
+"""
+
+
+def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    data = root / "clips"
+    write_clips(data, [f"a clip {i}" for i in range(4)], frames=FRAMES + 2, size=(WIDTH, HEIGHT))
+    write_dataset_toml(
+        root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
+    )
+    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
+    return bench.diffpipe_step_times(root)
+
+
+def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
+    cfg = validate(WanConfig, {"type": "wan", "path": model_dir, "dtype": "float32"}, "bench")
+    torch.manual_seed(0)
+    model = wan.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    latents = torch.randn(args.batch, MODEL.latent_channels, *LATENT)
+    text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(args.batch, gen)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text).sample
+        return masked_mse(out.float(), target)
+
+    return bench.plain_step_times(model, wan.lora_targets(model_config=cfg), loss, args.steps)
+
+
+def main() -> None:
+    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
+    bench.use_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_tiny_wan(model_dir, MODEL)
+        runs = []
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{len(runs)}"
+            runs.append(root)
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
+
+        def plain() -> float:
+            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
+
+        def show(r: int, a: float, b: float) -> None:
+            print(bench.pair_line(r, a, b, label="round"), flush=True)
+
+        pairs = bench.compare(ours, plain, args.rounds, show, args.smoke)
+    ratios = [a / b for a, b in pairs]
+    f, h, w = LATENT
+    print(
+        f"model: Wan inner dim 256, 4 blocks, {f}x{h // 2}x{w // 2} = {f * h * w // 4} video + {TEXT_LEN} text tokens,"
+        f" batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()};"
+        f" medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
+    )
+    print(
+        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
+        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The ``[model]`` tables of Wan runs (pydantic and the standard library only: imported at start-up)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
+
+DEFAULT_SHIFT = 5.0  # Wan's sample_shift for its 480p and 720p models when the folder's scheduler names none
+
+
+class WanConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of Wan. ``path`` is a diffusers Wan folder (``WanPipeline``: Wan 2.1 T2V 1.3B / 14B, Wan 2.2
+    TI2V 5B, Wan 2.2 T2V A14B); ``transformer_file`` a single file in the original Wan key layout
+    (``blocks.0.self_attn.q.weight``, ..., as ComfyUI and the Wan repositories ship it) whose transformer replaces the
+    folder's (the trained expert's, with ``expert``)."""
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        le=512,
+        description="UMT5 tokens per caption (padded with zeros after the caption's own tokens, as "
+        "WanPipeline.encode_prompt does; its max_sequence_length default is 512). Fewer tokens train faster, but the "
+        "transformer then sees fewer padding tokens than at inference.",
+    )
+    shift: float | None = Field(  # type: ignore[assignment]  (the shared field, with a file-derived default)
+        None,
+        gt=0,
+        description="Time shift t' = shift*t / (1 + (shift-1)*t). Default: the folder's own scheduler's (flow_shift "
+        "of UniPCMultistepScheduler, shift of FlowMatchEulerDiscreteScheduler), 5.0 when it names none.",
+    )
+    expert: Literal["high", "low"] | None = Field(
+        None,
+        description="Wan 2.2 A14B (two transformers, switched at the pipeline's boundary_ratio): which one this run "
+        "trains. 'high' = transformer (the high-noise steps, times t >= boundary_ratio), 'low' = transformer_2 "
+        "(t < boundary_ratio); the training times are limited to that range unless min_t / max_t are given. Required "
+        "for an A14B folder, refused for others.",
+    )
+
+
+class WanI2VConfig(WanConfig):
+    """``[model]`` keys of Wan image-to-video (``WanImageToVideoPipeline`` folders: Wan 2.1 I2V 14B with its CLIP
+    vision encoder, Wan 2.2 I2V A14B)."""
+
+    sample_image: Path | None = Field(
+        None,
+        description="The first frame every sample during training (and `diffpipe sample`) is generated from; "
+        "required for [sample]. Resized to the sample size as WanImageToVideoPipeline does.",
+    )

@@ -1,0 +1,195 @@
+"""Write a tiny random-weight Wan to disk in its real layouts, for tests, the demo and benchmarks.
+
+:func:`write_tiny_wan` saves a complete diffusers folder (``model_index.json``, ``transformer/``, ``vae/``
+(``AutoencoderKLWan`` with Wan's 8x spatial / 4x temporal geometry, or Wan 2.2's 16x one, and non-trivial
+per-channel latent statistics), ``text_encoder/`` (UMT5), ``tokenizer/``, ``scheduler/``) as one of the Wan
+variants (:class:`TinyWanConfig`): Wan 2.1 text-to-video (``WanPipeline``), Wan 2.1 image-to-video
+(``WanImageToVideoPipeline`` with ``image_encoder/`` (CLIP vision) and ``image_processor/``), the two-expert Wan 2.2
+A14B (``transformer_2/`` and ``boundary_ratio``) and Wan 2.2 TI2V (the 16x VAE). Beside the folder, each transformer
+is written as one safetensors file in the original Wan key layout (``blocks.0.self_attn.q.weight``, ...), as ComfyUI
+ships Wan. The tokenizer is trained in-process (no hub access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.testing import tiny
+from diffpipe_wan.original import layout_for_config
+
+WORDS = (
+    "a photo of cat dog red blue green house tree sky with on in the caption image clip video small large "
+    "bright dark river mountain city car person walking running moving slowly camera pans 0 1 2 3 4 5 6 7 8 9"
+).split()
+T2V, I2V = "WanPipeline", "WanImageToVideoPipeline"
+
+
+@dataclass
+class TinyWanConfig:
+    """Sizes and variant of the tiny Wan (inner dim = heads x head dim).
+
+    ``i2v``: a ``WanImageToVideoPipeline`` (transformer input: noisy latents, 4 mask channels, first-frame latents);
+    ``clip``: with Wan 2.1's CLIP vision encoder and the transformer's image embedder; ``boundary_ratio``: two experts
+    (Wan 2.2 A14B); ``vae22``: Wan 2.2's 16x VAE (TI2V 5B)."""
+
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 12
+    latent_channels: int = 4
+    text_dim: int = 32
+    ffn_dim: int = 32
+    i2v: bool = False
+    clip: bool = False
+    boundary_ratio: float | None = None
+    vae22: bool = False
+    shift: float = 5.0  # the scheduler's: Wan's 480p-class default
+    seed: int = 0
+
+    @property
+    def pipeline(self) -> str:
+        return I2V if self.i2v else T2V
+
+
+def tokenizer():
+    """A T5-like tokenizer (``words </s>``, pad id 0), up to 512 tokens (Wan's text length)."""
+    return tiny.t5_tokenizer(WORDS, 512, specials=("<pad>", "</s>", "<unk>"))
+
+
+def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
+    """The random-weight diffusers ``WanTransformer3DModel`` of ``cfg`` (``seed``: another expert's weights)."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(cfg.seed if seed is None else seed)
+    inner = cfg.num_attention_heads * cfg.attention_head_dim
+    z = cfg.latent_channels
+    image = {"image_dim": 16, "added_kv_proj_dim": inner} if cfg.clip else {}
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=cfg.num_attention_heads,
+        attention_head_dim=cfg.attention_head_dim,
+        in_channels=2 * z + 4 if cfg.i2v else z,
+        out_channels=z,
+        text_dim=cfg.text_dim,
+        freq_dim=16,
+        ffn_dim=cfg.ffn_dim,
+        num_layers=cfg.num_layers,
+        rope_max_seq_len=64,
+        **image,
+    )
+
+
+def tiny_vae(cfg: TinyWanConfig):
+    """A random ``AutoencoderKLWan`` with Wan 2.1's geometry (8x spatial, 4x temporal), or Wan 2.2's 16x one (2x2
+    patchified input, residual blocks), and random per-channel ``latents_mean`` / ``latents_std``."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(cfg.seed + 1)
+    z = cfg.latent_channels
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    stats = {
+        "latents_mean": (torch.randn(z, generator=g) * 0.2).tolist(),
+        "latents_std": (torch.rand(z, generator=g) + 0.5).tolist(),
+    }
+    extra = {"is_residual": True, "patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16}
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        **stats,
+        **(extra if cfg.vae22 else {}),
+    ).eval()
+
+
+def image_encoder():
+    """A tiny ``CLIPVisionModel`` (28x28 input, 14x14 patches: 5 tokens of width 16)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    return CLIPVisionModel(config)
+
+
+def image_processor():
+    """CLIP's image processor at the tiny encoder's 28 pixels."""
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+
+
+def parts(cfg: TinyWanConfig) -> dict[str, tiny.Part]:
+    """The pipeline components of ``cfg``, in build order."""
+    tok = tokenizer()
+    table = {
+        "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_vae(cfg)),
+        "text_encoder": tiny.Part(lambda: tiny.t5_encoder(tok, cfg.text_dim, umt5=True), seed=cfg.seed + 2),
+        "tokenizer": tiny.Part(lambda: tok),
+        "scheduler": tiny.Part(lambda: tiny.flow_scheduler(shift=cfg.shift)),
+    }
+    if cfg.boundary_ratio is not None:
+        table["transformer_2"] = tiny.Part(lambda: tiny_transformer(cfg, seed=cfg.seed + 10))
+        table["boundary_ratio"] = tiny.Part(lambda: cfg.boundary_ratio)
+    if cfg.clip:
+        table["image_encoder"] = tiny.Part(image_encoder, seed=cfg.seed + 3)
+        table["image_processor"] = tiny.Part(image_processor)
+    if cfg.vae22:
+        table["expand_timesteps"] = tiny.Part(lambda: True)
+    return table
+
+
+def single_file_path(folder: Path, component: str = "transformer") -> Path:
+    """Where :func:`write_tiny_wan` puts a transformer's original-layout single file."""
+    folder = Path(folder)
+    suffix = "" if component == "transformer" else "_2"
+    return folder.with_name(f"{folder.name}{suffix}.wan.safetensors")
+
+
+def write_tiny_wan(folder: Path, cfg: TinyWanConfig | None = None) -> Path:
+    """Save a tiny Wan pipeline folder at ``folder`` and each transformer in the original Wan layout at
+    :func:`single_file_path` (``<folder>.wan.safetensors``, ``<folder>_2.wan.safetensors`` for the second expert)."""
+    cfg = cfg or TinyWanConfig()
+    folder = Path(folder)
+    pipe = tiny.write_pipeline(cfg.pipeline, parts(cfg), folder)
+    for component in ("transformer", "transformer_2"):
+        model = getattr(pipe, component, None)
+        if model is not None:
+            original = layout_for_config(model.config).to_original(model.state_dict())
+            tiny.save_single_file(original, single_file_path(folder, component))
+    return folder
+
+
+CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans over a mountain", "a dog running")
+
+
+def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int]) -> list[Path]:
+    """``clip_000.mp4``, ... at 16 fps (the model's rate), ``size`` = (width, height), each with its caption file."""
+    from diffpipe_core.testing.media import write_clip_dataset
+
+    return write_clip_dataset(folder, frames, captions, size, fps=16, drifting=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m diffpipe_wan.testing FOLDER [--i2v] [--clips DIR]``: write a tiny Wan (folder +
+    ``FOLDER.wan.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--i2v", action="store_true", help="a Wan 2.1 image-to-video folder (with CLIP vision)")
+    parser.add_argument("--clips", type=Path, help="also write 4 captioned 1 s mp4 clips (16 fps, 64x48) here")
+    args = parser.parse_args(argv)
+    folder = write_tiny_wan(args.folder, TinyWanConfig(i2v=args.i2v, clip=args.i2v))
+    print(f"wrote {folder} and {single_file_path(folder)}")
+    if args.clips:
+        write_clips(args.clips, CLIP_CAPTIONS, frames=17, size=(64, 48))
+        print(f"wrote {len(CLIP_CAPTIONS)} clips to {args.clips}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); the tiny Wan variants written to disk once per
+session (diffusers folders + original-layout single files, ``diffpipe_wan.testing.single_file_path``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
+
+
+def _write(factory: pytest.TempPathFactory, name: str, **variant) -> Path:
+    from diffpipe_wan.testing import TinyWanConfig, write_tiny_wan
+
+    return write_tiny_wan(factory.mktemp("wan") / name, TinyWanConfig(**variant))
+
+
+@pytest.fixture(scope="session")
+def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 text-to-video (``WanPipeline``)."""
+    return _write(tmp_path_factory, "tiny-wan")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_a14b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.2 A14B text-to-video: two experts, ``boundary_ratio`` 0.875."""
+    return _write(tmp_path_factory, "tiny-wan-a14b", boundary_ratio=0.875)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 image-to-video (``WanImageToVideoPipeline``, CLIP vision encoder)."""
+    return _write(tmp_path_factory, "tiny-wan-i2v", i2v=True, clip=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.2 TI2V: the 16x VAE, ``expand_timesteps``."""
+    return _write(tmp_path_factory, "tiny-wan-ti2v", vae22=True)
+
+
+@pytest.fixture(scope="session")
+def wan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``wan`` run (test_wan_train.py's project): mixed clips and images, 1 stage in 1 process from the
+    original-layout single file, sampling once before the first step. Returns its run folder."""
+    from test_wan_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("wan-run")
+    return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")

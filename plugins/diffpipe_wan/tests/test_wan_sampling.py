@@ -1,0 +1,107 @@
+"""Samples (issue 22): the plugin's denoising hooks under the core's loop equal ``WanPipeline`` and
+``WanImageToVideoPipeline`` for the same tiny model, noise, prompt embeddings, steps and guidance (the folder's own
+scheduler), and the decoded video equals ``WanPipeline``'s (image-to-video decodes the same way); an image-to-video
+sample starts from ``[model] sample_image``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from diffpipe_core.registry import Registry
+from diffpipe_core.sampling.loop import generate, noise_generator
+from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.prompts import encode_prompts
+from diffpipe_core.sampling.runner import decode
+from diffpipe_core.schema import validate
+from diffpipe_core.testing.media import write_png
+from diffpipe_core.types import SampleRequest
+from diffpipe_wan.i2v import wan_i2v
+from diffpipe_wan.plugin import wan
+
+PROMPT, STEPS, SEED, FRAMES, W, H = "a red cat walks", 3, 5, 5, 48, 32
+CPU = torch.device("cpu")
+
+
+def sample(plugin, cfg, cfg_scale: float) -> tuple[torch.Tensor, object]:
+    """The core's loop over the plugin's layers: the final latents and the prompt's text tensors."""
+    registry = Registry()
+    assert registry.register_model(plugin.spec.name, plugin).ok
+    registered = registry.model(plugin.spec.name)
+    (texts,) = encode_prompts(registered, cfg, [PROMPT], "blurry", CPU)
+    model = plugin.load_diffusion_model(cfg, CPU, torch.float32)
+    forward = LayerChainForward(plugin.split_into_layers(model, cfg))
+    request = SampleRequest(width=W, height=H, frames=FRAMES, steps=STEPS)
+    (latents,) = generate(registered, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+    return latents, texts, registered
+
+
+def noise() -> torch.Tensor:
+    return torch.randn((1, 4, 2, H // 8, W // 8), generator=noise_generator(SEED, 0))
+
+
+def guidance(texts, cfg_scale: float) -> dict:
+    """Classifier-free guidance as the core's loop does it: the negative prompt's embeddings, the same scale."""
+    return {"guidance_scale": cfg_scale, "negative_prompt_embeds": texts.uncond["text_embeds"]}
+
+
+def assert_decodes_like_the_pipeline(registered, cfg, latents: torch.Tensor, pipe) -> None:
+    ((_, pixels),) = decode(registered, cfg, {0: latents}, CPU)
+    vae = pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.no_grad():
+        want = vae.decode(latents / inv_std + mean).sample[0].clamp(-1, 1)  # WanPipeline's decoding
+    assert pixels.shape == (3, FRAMES, H, W)
+    torch.testing.assert_close(pixels, want, rtol=1e-4, atol=1e-5)
+
+
+def test_wan_sample_equals_wan_pipeline(tiny_wan: Path) -> None:
+    from diffusers import WanPipeline
+
+    table = {"type": "wan", "path": tiny_wan, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 16}
+    cfg = validate(wan.spec.config_schema, table, "test")
+    ours, texts, registered = sample(wan, cfg, 3.0)
+    pipe = WanPipeline.from_pretrained(str(tiny_wan), torch_dtype=torch.float32, local_files_only=True)
+    expected = pipe(
+        prompt_embeds=texts.cond["text_embeds"],
+        latents=noise(),
+        num_inference_steps=STEPS,
+        height=H,
+        width=W,
+        num_frames=FRAMES,
+        output_type="latent",
+        **guidance(texts, 3.0),
+    ).frames
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    assert (ours - noise()).abs().max() > 0.1  # it did denoise
+    assert_decodes_like_the_pipeline(registered, cfg, ours, pipe)
+
+
+def test_wan_i2v_sample_equals_wan_image_to_video_pipeline(tiny_wan_i2v: Path, tmp_path: Path) -> None:
+    from diffusers import WanImageToVideoPipeline
+
+    image_file = write_png(tmp_path / "first.png", 60, 40, seed=4)  # resized to 48x32 as the pipeline resizes
+    table = {"type": "wan-i2v", "path": tiny_wan_i2v, "dtype": "float32", "encoder_dtype": "float32"}
+    cfg = validate(wan_i2v.spec.config_schema, {**table, "sample_image": image_file}, "test")
+    ours, texts, _ = sample(wan_i2v, cfg, 2.0)
+    pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_i2v), torch_dtype=torch.float32, local_files_only=True)
+    expected = pipe(
+        image=Image.open(image_file).convert("RGB"),
+        prompt_embeds=texts.cond["text_embeds"],
+        latents=noise(),
+        num_inference_steps=STEPS,
+        height=H,
+        width=W,
+        num_frames=FRAMES,
+        output_type="latent",
+        **guidance(texts, 2.0),
+    ).frames
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)  # (decoding: as wan's, the test above)
+
+    without = validate(wan_i2v.spec.config_schema, table, "test")
+    with pytest.raises(ValueError, match="wan-i2v samples are generated from a first frame: set"):
+        wan_i2v.denoise_init(SampleRequest(width=W, height=H, frames=FRAMES), without, noise_generator(SEED, 0))
