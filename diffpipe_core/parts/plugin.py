@@ -53,10 +53,18 @@ class DiffusersModel:
         single_file_key: the ``[model]`` key of an original-layout single file (None: the model has none).
         single_file_markers: original keys (without a file prefix) every such file holds; ``validate`` checks them.
         single_file_name: the file name of a ``single_file`` export.
-        lora_target_names: the default ``lora_targets`` (exact module names or dotted suffixes, peft's rule).
+        lora_target_names: the default ``lora_targets``: exact module names or dotted suffixes (a module matches
+            ``attn.to_q`` when its name is ``attn.to_q`` or ends with ``.attn.to_q``: peft's rule for a list), not
+            regexes.
+        last_block_unused: those of :attr:`lora_target_names` whose output the model's last joint block computes
+            for nothing: nothing after it reads the block's text stream, so its text queries and text-side outputs
+            are dead ends (Qwen-Image's ``attn.add_q_proj``, ``attn.to_add_out``, ``txt_mlp.net.0.proj``,
+            ``txt_mlp.net.2``). The default targets then name those modules in every joint block but the last, by
+            full name (a LoRA on them in the last block would get no gradient).
+        joint_blocks: where those blocks are: ``(module list, config key of their count)``.
 
     and override :meth:`original_layout` when the model has an original single-file layout, and
-    :meth:`default_lora_targets` when the default targets depend on the config.
+    :meth:`default_lora_targets` when the default targets depend on the config otherwise.
     """
 
     spec: ClassVar[ModelSpec]
@@ -66,6 +74,8 @@ class DiffusersModel:
     single_file_markers: ClassVar[tuple[str, ...]] = ()
     single_file_name: ClassVar[str] = "transformer.safetensors"
     lora_target_names: ClassVar[tuple[str, ...]] = ()
+    last_block_unused: ClassVar[tuple[str, ...]] = ()
+    joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -86,8 +96,19 @@ class DiffusersModel:
         return None
 
     def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
-        """The default LoRA targets; :attr:`lora_target_names` unless overridden."""
-        return list(self.lora_target_names)
+        """The default LoRA targets: :attr:`lora_target_names`, those in :attr:`last_block_unused` expanded to
+        their full names in every joint block but the last (the list is unchanged when nothing is left out)."""
+        if not self.last_block_unused:
+            return list(self.lora_target_names)
+        blocks, count_key = self.joint_blocks
+        count = int(self.model_folder_config(model_config)[count_key])
+        targets: list[str] = []
+        for name in self.lora_target_names:
+            if name in self.last_block_unused:
+                targets += [f"{blocks}.{i}.{name}" for i in range(count - 1)]
+            else:
+                targets.append(name)
+        return targets
 
     def single_file(self, model_config: ModelConfigBase) -> Path | None:
         """The configured original-layout single file, if any."""
