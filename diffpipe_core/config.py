@@ -7,16 +7,20 @@ against the directory of the file that names them. Every key is documented in do
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffpipe_core.anchor.keys import run_hint
 from diffpipe_core.registry import PluginError, Registry
 from diffpipe_core.sampling.config import SampleConfig, sample_problems
 from diffpipe_core.schema import ConfigError, read_toml, validate
-from diffpipe_core.types import ModelConfigBase, ModelSpec
+from diffpipe_core.types import LossSettings, ModelConfigBase, ModelSpec
+
+LOSS_KEYS = ("pseudo_huber_c", "huber_delta", "smooth_l1_beta")
 
 
 class Strict(BaseModel):
@@ -168,7 +172,18 @@ class RunConfig(Strict):
     eval_datasets: list[EvalDatasetRef] = Field([], description="Held-out datasets for eval loss.")
     epochs: int = Field(1, ge=1, description="Passes over the dataset (training stops at max_steps if set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    micro_batch_size_per_gpu: int = Field(1, ge=1, description="Samples per micro-batch on each data-parallel rank.")
+    micro_batch_size_per_gpu: int | list[tuple[int, int]] = Field(
+        1,
+        description="Samples per micro-batch on each data-parallel rank: a number, or per resolution as "
+        "[[resolution, size], ...] (e.g. [[512, 4], [1024, 1]]): each bucket takes the size of the resolution "
+        "nearest to its sqrt(width x height), as in diffusion-pipe. Micro-batches of one step may then differ in "
+        "size; each weighs the same in the step's mean loss.",
+    )
+    image_micro_batch_size_per_gpu: int | list[tuple[int, int]] | None = Field(
+        None,
+        description="Like micro_batch_size_per_gpu, for the 1-frame buckets (images) of a video dataset. "
+        "Default: micro_batch_size_per_gpu.",
+    )
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step (they flow through the pipeline together)."
     )
@@ -205,6 +220,9 @@ class RunConfig(Strict):
         None, gt=0, description="Write a resumable checkpoint every N minutes."
     )
     checkpoint_every_n_steps: int | None = Field(None, ge=1, description="Write a resumable checkpoint every N steps.")
+    checkpoint_every_n_epochs: int | None = Field(
+        None, ge=1, description="Write a resumable checkpoint at the end of every N-th epoch."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="How many resumable checkpoints to keep.")
     save_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of saved adapters and models."
@@ -216,6 +234,30 @@ class RunConfig(Strict):
     )
     eval_every_n_epochs: int | None = Field(None, ge=1, description="Eval loss every N epochs.")
     eval_every_n_steps: int | None = Field(None, ge=1, description="Eval loss every N steps.")
+    eval_before_first_step: bool = Field(
+        False,
+        description="Also eval loss before the first step (logged at step 0; not when resuming). diffusion-pipe's "
+        "default is true.",
+    )
+    pseudo_huber_c: float | None = Field(
+        None,
+        gt=0,
+        description="Train with the pseudo-Huber loss sqrt(d^2 + c^2) - c of the error d instead of d^2 (about d^2 / "
+        "2c for small errors, |d| for large ones). Needs a model whose compute_loss takes the context.",
+    )
+    huber_delta: float | None = Field(
+        None, gt=0, description="Train with the Huber loss of this delta instead of the squared error."
+    )
+    smooth_l1_beta: float | None = Field(
+        None, gt=0, description="Train with the smooth L1 loss of this beta instead of the squared error."
+    )
+    compile: bool | Literal["inductor", "aot_eager", "eager", "cudagraphs"] = Field(
+        False,
+        description="torch.compile each block layer of the stage in place (shapes that change between buckets "
+        "recompile once, then run dynamic): true uses torch's default backend ('inductor'; faster steps on GPUs after "
+        "slow first ones; on a CPU it needs a C++ compiler and minutes); a backend name picks another, e.g. "
+        "'aot_eager' to tell a compiler problem from a model one.",
+    )
     caching_batch_size: int = Field(4, ge=1, description="Batch size for encode_batch while caching.")
     log_every_n_steps: int = Field(1, ge=1, description="TensorBoard/console logging interval.")
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
@@ -228,6 +270,50 @@ class RunConfig(Strict):
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
     sample: SampleConfig | None = Field(None, description="Samples during training; leave out for none.")
     logging: LoggingConfig = Field(LoggingConfig(), description="Logging table.")
+
+    @field_validator("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu")
+    @classmethod
+    def _check_batch_sizes(cls, value: int | list[tuple[int, int]] | None) -> int | list[tuple[int, int]] | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("give at least one [resolution, size] pair, e.g. [[512, 4], [1024, 1]]")
+            for resolution, size in value:
+                if resolution < 16 or size < 1:
+                    raise ValueError(
+                        f"[{resolution}, {size}]: a resolution of at least 16 and a size of at least 1, e.g. [512, 4]"
+                    )
+            if len({r for r, _ in value}) != len(value):
+                raise ValueError("each resolution may appear once")
+        return value
+
+    @property
+    def loss(self) -> LossSettings:
+        return LossSettings(self.pseudo_huber_c, self.huber_delta, self.smooth_l1_beta)
+
+    def micro_batch_size_for(self, width: int, height: int, frames: int = 1) -> int:
+        """The micro-batch size of a bucket: per resolution, the entry nearest to sqrt(width x height)."""
+        table = self.micro_batch_size_per_gpu
+        if frames == 1 and self.image_micro_batch_size_per_gpu is not None:
+            table = self.image_micro_batch_size_per_gpu
+        if isinstance(table, int):
+            return table
+        side = math.sqrt(width * height)
+        return min(table, key=lambda entry: abs(entry[0] - side))[1]
+
+    @property
+    def default_micro_batch_size(self) -> int:
+        """The size DeepSpeed is told (it only uses it for its batch-size bookkeeping): the first entry."""
+        table = self.micro_batch_size_per_gpu
+        return table if isinstance(table, int) else table[0][1]
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> RunConfig:
+        chosen = [k for k in LOSS_KEYS if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} are each a loss; set one of them")
+        return self
 
     @model_validator(mode="after")
     def _check_split(self) -> RunConfig:
@@ -294,6 +380,14 @@ def load_config(
     if isinstance(data.get("sample"), dict):
         data["sample"] = dict(data["sample"])
         _resolve_paths(data["sample"], base, ("prompts",))
+        controls = data["sample"].get("control_images")
+        if isinstance(controls, list):
+            data["sample"]["control_images"] = [
+                [str((base / Path(c).expanduser()).resolve()) if isinstance(c, str) else c for c in entry]
+                if isinstance(entry, list)
+                else str((base / Path(entry).expanduser()).resolve()) if isinstance(entry, str) else entry
+                for entry in controls
+            ]
 
     problems: list[str] = []
     model_table = data.get("model")
@@ -311,7 +405,7 @@ def load_config(
 
     run: RunConfig | None = None
     try:
-        run = validate(RunConfig, data, source)
+        run = validate(RunConfig, data, source, hints=run_hint)
     except ConfigError as exc:
         problems.extend(exc.problems)
 
@@ -342,6 +436,13 @@ def load_config(
                 )
             problems.extend(_unknown_formats(run, spec, source))
             problems.extend(_component_problems(run, registry.model(model_cfg.type), model_cfg, source))
+            plugin = registry.model(model_cfg.type)
+            if not run.loss.is_mse and not plugin.takes("compute_loss", "context"):
+                key = next(k for k in LOSS_KEYS if getattr(run, k) is not None)
+                problems.append(
+                    f"{source}: {key}: model {spec.name!r} computes its own loss (its compute_loss takes no context), "
+                    "so this key would change nothing; remove it"
+                )
             if run.sample is not None:
                 when = purpose == "train"
                 problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
@@ -426,7 +527,7 @@ def _validate_model(
         return None
     schema = plugin.spec.config_schema
     try:
-        model_cfg = validate(schema, table, source, prefix="model.", context={"base_dir": base})
+        model_cfg = validate(schema, table, source, prefix="model.", context={"base_dir": base}, hints=run_hint)
     except ConfigError as exc:
         problems.extend(exc.problems)
         return None

@@ -1,5 +1,5 @@
 """Shared diffusion maths: timestep sampling, shifts, flow-matching inputs and targets, first-frame conditioning,
-masked MSE.
+the training loss.
 
 Plugins call these instead of re-implementing them.
 
@@ -11,9 +11,12 @@ expects diffusers' 0-1000 timesteps scales ``t`` in its own layers.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from diffpipe_core.types import TrainingContext
 
 TimestepMethod = Literal["logit_normal", "uniform"]
 
@@ -113,6 +116,42 @@ def first_frame_conditioning(
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared error in float32; with ``mask`` (broadcastable to ``pred``), a mask-weighted mean."""
     err = (pred.float() - target.float()) ** 2
+    if mask is None:
+        return err.mean()
+    mask = mask.float().expand_as(err)
+    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def training_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    context: TrainingContext | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss ``compute_loss`` returns: the run's elementwise loss in float32, mask-weighted like :func:`masked_mse`.
+
+    The elementwise loss is ``context.loss`` (run.toml's ``pseudo_huber_c``, ``huber_delta`` or ``smooth_l1_beta``;
+    squared error when none is set, or without a context, which is exactly :func:`masked_mse`). ``weights`` (one per
+    sample, e.g. min-SNR) scale each sample's elementwise loss before the mean.
+    """
+    import torch.nn.functional as F
+
+    settings = context.loss if context is not None else None
+    if weights is None and (settings is None or settings.is_mse):
+        return masked_mse(pred, target, mask)
+    pred, target = pred.float(), target.float()
+    if settings is None or settings.is_mse:
+        err = (pred - target) ** 2
+    elif settings.pseudo_huber_c is not None:
+        c = float(settings.pseudo_huber_c)
+        err = torch.sqrt((pred - target) ** 2 + c * c) - c
+    elif settings.huber_delta is not None:
+        err = F.huber_loss(pred, target, reduction="none", delta=float(settings.huber_delta))
+    else:
+        err = F.smooth_l1_loss(pred, target, reduction="none", beta=float(settings.smooth_l1_beta))
+    if weights is not None:
+        err = err * weights.to(err.device, torch.float32).view(-1, *([1] * (err.dim() - 1)))
     if mask is None:
         return err.mean()
     mask = mask.float().expand_as(err)

@@ -134,10 +134,14 @@ def prepare_inputs(
 
 
 @hookspec(firstresult=True)
-def compute_loss(outputs: Tensors, targets: Tensors) -> torch.Tensor:
+def compute_loss(outputs: Tensors, targets: Tensors, context: TrainingContext) -> torch.Tensor:
     """*model* Scalar loss from the last layer's outputs and :func:`prepare_inputs`' targets.
 
-    Runs on the last pipeline stage for every micro-batch.
+    Runs on the last pipeline stage for every micro-batch. ``context`` is the run's :class:`TrainingContext`
+    (``context.loss``: run.toml's ``pseudo_huber_c``, ``huber_delta`` or ``smooth_l1_beta``); pass it to
+    :func:`diffpipe_core.diffusion.training_loss`, which applies the run's loss. Declaring ``context`` is optional
+    (pluggy passes only the arguments an implementation names), but a model whose ``compute_loss`` does not take it
+    cannot use those keys: ``diffpipe validate`` refuses them for it.
     """
 
 

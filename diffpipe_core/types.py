@@ -159,9 +159,29 @@ def control_key(index: int, name: str) -> str:
     return f"control_{index}_{name}"
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The elementwise loss run.toml chooses (at most one is set; none: squared error), which
+    :func:`diffpipe_core.diffusion.training_loss` applies.
+
+    Attributes:
+        pseudo_huber_c: pseudo-Huber ``sqrt(d^2 + c^2) - c`` (diffusion-pipe's ``pseudo_huber_c``).
+        huber_delta: Huber with this delta (``torch.nn.functional.huber_loss``).
+        smooth_l1_beta: smooth L1 with this beta (``torch.nn.functional.smooth_l1_loss``).
+    """
+
+    pseudo_huber_c: float | None = None
+    huber_delta: float | None = None
+    smooth_l1_beta: float | None = None
+
+    @property
+    def is_mse(self) -> bool:
+        return self.pseudo_huber_c is None and self.huber_delta is None and self.smooth_l1_beta is None
+
+
 @dataclass
 class TrainingContext:
-    """Facts about the run that ``prepare_inputs`` may use.
+    """Facts about the run that ``prepare_inputs`` and ``compute_loss`` may use.
 
     Attributes:
         model_config: the run's validated ``[model]`` table (an instance of the plugin's ``config_schema``).
@@ -169,6 +189,8 @@ class TrainingContext:
         eval_quantile: set while evaluating held-out data: use that quantile of the timestep distribution
             for every sample instead of sampling
             (``diffpipe_core.diffusion.sample_timesteps(..., quantile=context.eval_quantile)`` does it).
+        loss: the run's elementwise loss; ``compute_loss`` passes the context to
+            :func:`diffpipe_core.diffusion.training_loss`, which applies it.
         extra: empty in this version: room for values a later core or a wrapper plugin adds without a
             contract change; don't rely on a key being present.
     """
@@ -176,6 +198,7 @@ class TrainingContext:
     model_config: ModelConfigBase
     step: int = 0
     eval_quantile: float | None = None
+    loss: LossSettings = field(default_factory=LossSettings)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from diffpipe_core.anchor.keys import dataset_hint
 from diffpipe_core.schema import ConfigError, read_toml, validate
 
 Resolution = int | tuple[int, int]
@@ -352,7 +353,7 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
     elif isinstance(data.get("directory"), dict):
         problems = [f"{source}: directory: write [[directory]] (a list of tables), not [directory]"]
         raise ConfigError(problems)
-    cfg = validate(DatasetConfig, data, source)
+    cfg = validate(DatasetConfig, data, source, hints=dataset_hint)
     if cfg.cache_dir is None:
         cfg = cfg.model_copy(update={"cache_dir": base / "cache"})
     cfg._source = path

@@ -18,17 +18,19 @@ from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
+    keep_compiled_backward_buffers,
     name_gradless_boundary_tensors,
     wrap_stage_boundaries,
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.partition import stage_parts
-from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
+from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import TrainingContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +56,17 @@ class Layout:
         return self.rank % self.dp
 
 
+class LossFunction:
+    """The pipeline's ``loss_fn``: the model plugin's ``compute_loss`` with the context of the micro-batches in
+    flight (the trainer's, or an eval quantile's while evaluating)."""
+
+    def __init__(self, plugin: ModelPlugin, context: TrainingContext) -> None:
+        self.plugin, self.context = plugin, context
+
+    def __call__(self, outputs: Any, targets: Any) -> Any:
+        return self.plugin.require("compute_loss", outputs=outputs, targets=targets, context=self.context)
+
+
 @dataclass
 class Stage:
     """What :func:`build_stage` made for this rank."""
@@ -67,6 +80,7 @@ class Stage:
     scheduler: LambdaLR
     guard: OptimizerGuard
     engine: Any
+    loss: LossFunction
 
 
 @dataclass
@@ -79,6 +93,7 @@ class StageModule:
     own: range
     lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     module: ExplicitPartitionPipelineModule
+    loss: LossFunction
 
 
 def build_stage_module(
@@ -115,20 +130,24 @@ def build_stage_module(
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
     checkpointing = run.activation_checkpointing if trainable else False
+    if run.compile:
+        keep_compiled_backward_buffers()
+        compile_blocks(stage.layers, own, plugin.spec.block_layers, "inductor" if run.compile is True else run.compile)
     layers, n_swapped = wrap_stage_layers(
         stage.layers, own, plugin.spec.block_layers, checkpointing, run.blocks_to_swap, device
     )
     if layout.rank == 0:
         explain_memory_savers(cfg, plugin, device, lora is not None, n_swapped)
+    loss = LossFunction(plugin, TrainingContext(model_config=cfg.model, loss=run.loss))
     with library_prints():  # DeepSpeed prints SEED_LAYERS=... and "Using topology: ..." here
         module = ExplicitPartitionPipelineModule(
             layers=wrap_stage_boundaries(layers, parts),
             parts=parts,
             num_stages=layout.stages,
-            loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
+            loss_fn=loss,
             dynamic_shape=True,
         )
-    return StageModule(model, layer_names, parts, own, lora, module)
+    return StageModule(model, layer_names, parts, own, lora, module, loss)
 
 
 def build_stage(
@@ -149,7 +168,7 @@ def build_stage(
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     ds_config = {
-        "train_micro_batch_size_per_gpu": run.micro_batch_size_per_gpu,
+        "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
         "gradient_clipping": 0.0,  # done by OptimizerGuard
         "steps_per_print": 1 << 30,
@@ -165,7 +184,9 @@ def build_stage(
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
-    return Stage(model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine)
+    return Stage(
+        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss
+    )
 
 
 def build_inference_engine(cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device) -> Any:
@@ -181,6 +202,17 @@ def build_inference_engine(cfg: ResolvedConfig, plugin: ModelPlugin, layout: Lay
     with library_prints():
         engine, _, _, _ = deepspeed.initialize(model=built.module, config=ds_config)
     return engine
+
+
+def compile_blocks(
+    layers: list[nn.Module], own: range, block_layers: tuple[str, ...], backend: str = "inductor"
+) -> int:
+    """``torch.compile`` this stage's block layers in place (every own layer when the model names no blocks), so
+    parameter names, adapters and saving are unchanged. Returns how many were compiled."""
+    picked = stage_blocks(layers, own, block_layers) if block_layers else list(own)
+    for i in picked:
+        layers[i].compile(backend=backend)
+    return len(picked)
 
 
 def explain_memory_savers(

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import hookimpl, hookspecs
-from diffpipe_core.types import ModelConfigBase, ModelSpec
+from diffpipe_core.types import ModelConfigBase, ModelSpec, TrainingContext
 
 if TYPE_CHECKING:
     import torch
@@ -279,11 +279,17 @@ class DiffusersModel:
         return None
 
     @hookimpl
-    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """MSE of the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
+    def compute_loss(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        targets: tuple[torch.Tensor, ...],
+        context: TrainingContext,
+    ) -> torch.Tensor:
+        """The run's loss (squared error, or run.toml's ``pseudo_huber_c``/``huber_delta``/``smooth_l1_beta``) of
+        the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
         from diffpipe_core.parts.flow import flow_loss
 
-        return flow_loss(outputs, targets)
+        return flow_loss(outputs, targets, context)
 
 
 def _same_key(key: str) -> str:

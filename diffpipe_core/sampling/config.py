@@ -64,6 +64,13 @@ class SampleConfig(BaseModel):
         "dataset's first frame bucket above 1 that fits the model, else the smallest valid count above 1.",
     )
 
+    control_images: list[Path | list[Path]] | None = Field(
+        None,
+        description="Edit models (those that train on [[directory]] control_path): each prompt's control image, or "
+        "a list of them in control_path order, as paths relative to the run config; one entry per prompt. Each is "
+        "decoded at the sample size (or its own size bucket, if the model asks for that) and encoded as in training.",
+    )
+
     @field_validator("prompts")
     @classmethod
     def _some_prompts(cls, value: list[str] | Path) -> list[str] | Path:
@@ -77,6 +84,12 @@ class SampleConfig(BaseModel):
         if isinstance(self.resolution, int):
             return self.resolution, self.resolution
         return self.resolution
+
+    def control_list(self) -> list[list[Path]] | None:
+        """Each prompt's control images (a list each), or None without ``control_images``."""
+        if self.control_images is None:
+            return None
+        return [list(c) if isinstance(c, list) else [c] for c in self.control_images]
 
     def prompt_list(self) -> list[str]:
         """The prompts, read from the file when ``prompts`` names one."""
@@ -191,4 +204,31 @@ def sample_problems(sample: SampleConfig, plugin: ModelPlugin, source: str, when
                 read_prompt_file(sample.prompts)
             except (ValueError, UnicodeDecodeError) as exc:
                 problems.append(f"{source}: sample.prompts: {exc}")
+    problems += _control_problems(sample, spec, source)
+    return problems
+
+
+def _control_problems(sample: SampleConfig, spec: ModelSpec, source: str) -> list[str]:
+    """``control_images``: for an edit model only, one entry per prompt, existing files, at most the model's count."""
+    controls = sample.control_list()
+    if controls is None:
+        return []
+    if spec.control_images == "none":
+        return [f"{source}: sample.control_images: model {spec.name!r} takes no control images; leave it out"]
+    problems = []
+    try:
+        n_prompts = len(sample.prompt_list())
+    except (OSError, ValueError, UnicodeDecodeError):
+        n_prompts = len(controls)  # the prompts file's own problem is reported above
+    if len(controls) != n_prompts:
+        problems.append(
+            f"{source}: sample.control_images: {len(controls)} entries for {n_prompts} prompts; give one per prompt"
+        )
+    for i, images in enumerate(controls):
+        if len(images) > spec.max_control_images:
+            problems.append(
+                f"{source}: sample.control_images[{i}]: {len(images)} images; model {spec.name!r} takes at most "
+                f"{spec.max_control_images}"
+            )
+        problems += [f"{source}: sample.control_images[{i}]: file not found: {p}" for p in images if not p.is_file()]
     return problems

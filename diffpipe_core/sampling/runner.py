@@ -183,16 +183,22 @@ def decode(
 
 
 def shared_prompt_texts(
-    plugin: ModelPlugin, model_config: ModelConfigBase, sample: SampleConfig, prompts: list[str], device: torch.device
+    plugin: ModelPlugin,
+    model_config: ModelConfigBase,
+    sample: SampleConfig,
+    prompts: list[str],
+    device: torch.device,
+    size: tuple[int, int] | None = None,
 ) -> list[PromptText]:
-    """Rank 0 encodes the prompts (and the negative prompt under CFG) with the plugin's encoders, loaded for
-    this only; every rank receives the text tensors. Called before the diffusion model is loaded."""
+    """Rank 0 encodes the prompts (and the negative prompt under CFG, and each prompt's ``control_images`` at the
+    sample ``size``) with the plugin's encoders, loaded for this only; every rank receives the tensors. Called before
+    the diffusion model is loaded."""
     from diffpipe_core.sampling.prompts import encode_prompts
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         negative = sample.negative_prompt if sample.cfg > 1.0 else None
-        box[0] = encode_prompts(plugin, model_config, prompts, negative, device)
+        box[0] = encode_prompts(plugin, model_config, prompts, negative, device, sample.control_list(), size)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -19,7 +19,13 @@ from diffpipe_core.engine.stage_build import Layout
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.sampling.config import SampleConfig, dataset_shape, missing_sampling_hooks
 from diffpipe_core.sampling.loop import PromptText
-from diffpipe_core.sampling.runner import PipelineSampler, TrainingSamples, describe_point, shared_prompt_texts
+from diffpipe_core.sampling.runner import (
+    PipelineSampler,
+    TrainingSamples,
+    describe_point,
+    sample_request,
+    shared_prompt_texts,
+)
 
 
 @dataclasses.dataclass
@@ -49,8 +55,10 @@ def _encode(
     if missing:
         raise ValueError(f"model plugin {plugin.name!r} cannot sample: it does not implement {', '.join(missing)}")
     prompts = sample.prompt_list()
-    texts = shared_prompt_texts(plugin, cfg.model, sample, prompts, device)
-    return WorkerSampling(sample, prompts, texts, dataset_shape(cfg.run.dataset, plugin.spec))
+    dataset = dataset_shape(cfg.run.dataset, plugin.spec)
+    request = sample_request(sample, plugin, dataset)
+    texts = shared_prompt_texts(plugin, cfg.model, sample, prompts, device, (request.width, request.height))
+    return WorkerSampling(sample, prompts, texts, dataset)
 
 
 def prepare_sampling(cfg: ResolvedConfig, plugin: ModelPlugin, device: torch.device) -> WorkerSampling | None:
@@ -70,6 +78,8 @@ def run_sample_request(cfg: ResolvedConfig, plugin: ModelPlugin, device: torch.d
     overrides = {k: request[k] for k in ("prompts", "steps", "seed") if request.get(k) is not None}
     sample = cfg.run.sample
     base = sample.model_dump() if sample is not None else {"prompts": overrides.get("prompts")}
+    if "prompts" in overrides and len(base.get("control_images") or []) != len(overrides["prompts"]):
+        base["control_images"] = None  # [sample]'s control images belong to its own prompts
     sample = SampleConfig.model_validate({**base, **overrides})
     out = Path(request["out"])
     single = out.suffix.lower() in (".png", ".mp4")

@@ -222,7 +222,7 @@ def check_model_plugin(
         prepared.append(first)
 
     def loss_of(targets: tuple[torch.Tensor, ...]) -> Any:
-        return lambda outputs: plugin.require("compute_loss", outputs=outputs, targets=targets)
+        return lambda outputs: plugin.require("compute_loss", outputs=outputs, targets=targets, context=context)
 
     inputs, loss_targets = prepared[0]
     _check_stage_boundaries(layers, inputs, loss_of(loss_targets))

@@ -56,11 +56,36 @@ class FluxKontext(Flux):
         return (x, t, text, pooled, guidance, torch.cat([ids, control_ids]), txt_ids), targets
 
     @hookimpl
-    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """MSE on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
+    def compute_loss(
+        self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+    ) -> torch.Tensor:
+        """The loss on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
         from diffpipe_core.parts.flow import flow_loss
 
-        return flow_loss((outputs[0][:, : targets[0].shape[1]],), targets)
+        return flow_loss((outputs[0][:, : targets[0].shape[1]],), targets, context)
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """Flux's inputs with the prompt's control image (``[sample] control_images``) appended, as in training."""
+        import torch
+
+        from diffpipe_core.types import control_key
+        from diffpipe_flux.packing import image_ids, pack
+
+        inputs = super().denoise_inputs(latents, schedule, index, text, request, model_config)
+        control = text.get(control_key(0, "latents"))
+        if control is None:
+            return inputs
+        x, t, t5, pooled, guidance, ids, txt_ids = inputs
+        control_ids = image_ids(*control.shape[-2:])
+        control_ids[:, 0] = 1
+        x = torch.cat([x, pack(control.float().expand(x.shape[0], -1, -1, -1))], dim=1)
+        return x, t, t5, pooled, guidance, torch.cat([ids, control_ids]), txt_ids
+
+    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The prediction for the target's tokens (the control's come after them), unpacked."""
+        n = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        return super().unpack_prediction(prediction[:, :n], latents)
 
 
 plugin = FluxKontext()
