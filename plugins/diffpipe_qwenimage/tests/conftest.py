@@ -32,3 +32,4 @@ def tiny_edit(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509: several reference images) folder."""
     return _folder(tmp_path_factory, "QwenImageEditPlusPipeline")
+

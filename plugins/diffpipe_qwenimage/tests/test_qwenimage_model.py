@@ -38,12 +38,9 @@ def chain(layers, inputs):
 
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 def test_layers_chained_equal_the_forward(zero_cond_t: bool) -> None:
-    model = tiny_transformer(TinyQwenConfig()).eval()
-    if zero_cond_t:  # Qwen-Image-Edit-2511: reference tokens modulated at t = 0
-        from diffusers import QwenImageTransformer2DModel
-
-        torch.manual_seed(0)
-        model = QwenImageTransformer2DModel.from_config({**model.config, "zero_cond_t": True}).eval()
+    # zero_cond_t: Qwen-Image-Edit-2511, reference tokens modulated at t = 0
+    model = tiny_transformer(TinyQwenConfig(), zero_cond_t=zero_cond_t).eval()
+    assert model.config.zero_cond_t == zero_cond_t
     g = torch.Generator().manual_seed(0)
     sizes = [(1, 4, 3), (1, 2, 5)]  # the target's and a reference image's (frames, h/2, w/2)
     n = sum(math.prod(s) for s in sizes)
@@ -59,9 +56,7 @@ def test_layers_chained_equal_the_forward(zero_cond_t: bool) -> None:
 
 
 def test_unsupported_transformers_are_named() -> None:
-    from diffusers import QwenImageTransformer2DModel
-
-    model = QwenImageTransformer2DModel.from_config({**tiny_transformer(TinyQwenConfig()).config, "use_layer3d_rope": True})
+    model = tiny_transformer(TinyQwenConfig(), use_layer3d_rope=True)
     with pytest.raises(ValueError, match="use_layer3d_rope=True"):
         qwen.split_into_layers(model, None)
 

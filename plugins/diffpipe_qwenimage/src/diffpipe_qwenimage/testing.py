@@ -98,8 +98,9 @@ def tiny_vae(channels: int) -> Any:
     )
 
 
-def tiny_transformer(cfg: TinyQwenConfig) -> Any:
-    """The random-weight diffusers ``QwenImageTransformer2DModel`` of ``cfg`` (2x2 packed latents in)."""
+def tiny_transformer(cfg: TinyQwenConfig, **extra: Any) -> Any:
+    """The random-weight diffusers ``QwenImageTransformer2DModel`` of ``cfg`` (2x2 packed latents in); ``extra``:
+    further config keys (``zero_cond_t=True``: Qwen-Image-Edit-2511)."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(cfg.seed)
@@ -107,7 +108,7 @@ def tiny_transformer(cfg: TinyQwenConfig) -> Any:
         patch_size=2, in_channels=4 * cfg.latent_channels, out_channels=cfg.latent_channels,
         num_layers=cfg.num_layers, attention_head_dim=cfg.attention_head_dim,
         num_attention_heads=cfg.num_attention_heads, joint_attention_dim=cfg.text_dim,
-        axes_dims_rope=tuple(cfg.axes_dims_rope),
+        axes_dims_rope=tuple(cfg.axes_dims_rope), **extra,
     )
 
 
