@@ -3,8 +3,6 @@ both on-disk layouts."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 

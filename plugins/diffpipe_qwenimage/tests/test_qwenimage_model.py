@@ -128,7 +128,8 @@ def test_training_shift_is_the_pipelines_dynamic_shift(tiny_qwen: Path) -> None:
         assert training_shift(config(tiny_qwen), tokens) == pytest.approx(math.exp(mu))
         # the scheduler's exponential time shift of a sigma is the shift e^mu of it
         sigma = 0.3
-        assert pipe.scheduler.time_shift(mu, 1.0, sigma) == pytest.approx(math.exp(mu) * sigma / (1 + (math.exp(mu) - 1) * sigma))
+        shifted = math.exp(mu) * sigma / (1 + (math.exp(mu) - 1) * sigma)
+        assert pipe.scheduler.time_shift(mu, 1.0, sigma) == pytest.approx(shifted)
     assert training_shift(config(tiny_qwen, dynamic_shift=False, shift=3.0), 4096) == 3.0
 
 

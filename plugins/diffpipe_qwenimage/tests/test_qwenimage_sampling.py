@@ -24,6 +24,23 @@ from diffpipe_qwenimage.testing import load_pipeline
 PROMPT, NEGATIVE, STEPS, SEED, SIZE = "a red cat on a house", "blurry", 3, 5, 32
 
 
+def pipeline_kwargs(texts, cfg_scale: float) -> dict:
+    """The pipeline's arguments for our prompt tensors (each cut to its own length, as ``encode_prompt`` returns
+    it), steps and size; with ``cfg_scale > 1`` the negative prompt's and ``true_cfg_scale``."""
+    def cut(text: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(text["text_mask"].sum())
+        return text["text_embeds"][:, :n], text["text_mask"][:, :n]
+
+    embeds, mask = cut(texts.cond)
+    kwargs = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "num_inference_steps": STEPS, "height": SIZE,
+              "width": SIZE, "output_type": "latent"}
+    if cfg_scale > 1:
+        negative, negative_mask = cut(texts.uncond)
+        kwargs.update(negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask,
+                      true_cfg_scale=cfg_scale)
+    return kwargs
+
+
 def test_combine_guidance_rescales_to_the_conditional_norm() -> None:
     g = torch.Generator().manual_seed(0)
     uncond, cond = torch.randn(1, 4, 16, generator=g), torch.randn(1, 4, 16, generator=g)
@@ -52,22 +69,7 @@ def test_qwen_sample_equals_the_pipeline(tiny_qwen: Path, cfg_scale: float) -> N
 
     pipe = load_pipeline(tiny_qwen)
     noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
-    n = int(texts.cond["text_mask"].sum())
-    kwargs = {}
-    if cfg_scale > 1:
-        m = int(texts.uncond["text_mask"].sum())
-        kwargs = {"negative_prompt_embeds": texts.uncond["text_embeds"][:, :m], "true_cfg_scale": cfg_scale,
-                  "negative_prompt_embeds_mask": texts.uncond["text_mask"][:, :m]}
-    out = pipe(
-        prompt_embeds=texts.cond["text_embeds"][:, :n],
-        prompt_embeds_mask=texts.cond["text_mask"][:, :n],
-        latents=pack_2x2(noise),
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        output_type="latent",
-        **kwargs,
-    ).images
+    out = pipe(latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
     expected = unpack_2x2(out, 4, 4)
     assert ours.shape == (1, 4, 4, 4)
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
@@ -132,23 +134,8 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
 
     pipe = load_pipeline(tiny_edit_plus)
     noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
-    kwargs = {}
-    if cfg_scale > 1:
-        m = int(texts.uncond["text_mask"].sum())
-        kwargs = {"negative_prompt_embeds": texts.uncond["text_embeds"][:, :m], "true_cfg_scale": cfg_scale,
-                  "negative_prompt_embeds_mask": texts.uncond["text_mask"][:, :m]}
-    n = int(texts.cond["text_mask"].sum())
-    out = pipe(
-        image=[Image.open(p).convert("RGB") for p in references],
-        prompt_embeds=texts.cond["text_embeds"][:, :n],
-        prompt_embeds_mask=texts.cond["text_mask"][:, :n],
-        latents=pack_2x2(noise),
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        output_type="latent",
-        **kwargs,
-    ).images
+    images = [Image.open(p).convert("RGB") for p in references]
+    out = pipe(image=images, latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
     torch.testing.assert_close(ours, unpack_2x2(out, 4, 4), rtol=1e-4, atol=1e-5)
     assert (ours - noise).abs().max() > 0.1
     # the instruction's embedding holds the references' vision tokens: it equals encode_prompt with the images
@@ -156,4 +143,5 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
         w, h = plus.calculate_dimensions(vl_area, 1.0)
         images = [pipe.image_processor.resize(Image.open(p).convert("RGB"), h, w) for p in references]
         want, _ = pipe.encode_prompt("make it red", image=images, device=torch.device("cpu"))
+    n = int(texts.cond["text_mask"].sum())
     torch.testing.assert_close(texts.cond["text_embeds"][:, :n], want, atol=1e-6, rtol=0)

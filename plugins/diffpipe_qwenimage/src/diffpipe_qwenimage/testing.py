@@ -68,12 +68,19 @@ def text_encoder(tok: Any, dim: int) -> Any:
     text = dict(vocab_size=len(tok), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                 bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]})
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section(dim // 4)})
     vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, **ids)
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen2.5-VL's multimodal RoPE split of ``head_dim / 2`` frequencies into (time, height, width): ``[1, 1, 2]``
+    for the tiny model's head size 8."""
+    half = head_dim // 2
+    return [half // 4, half // 4, half - 2 * (half // 4)]
 
 
 def processor(tok: Any) -> Any:
@@ -161,3 +168,20 @@ def load_pipeline(folder: Path) -> Any:
     extra = {"processor": load_processor(folder / "processor")} if (folder / "processor").is_dir() else {}
     return getattr(diffusers, name).from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
                                                     **extra)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m diffpipe_qwenimage.testing FOLDER [--pipeline NAME]``: write a tiny Qwen-Image folder (and
+    ``FOLDER-comfy.safetensors``, its transformer in ComfyUI's layout) for a demo."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--pipeline", choices=PIPELINES, default="QwenImagePipeline")
+    args = parser.parse_args(argv)
+    folder = write_tiny_qwen(args.folder, args.pipeline)
+    print(f"wrote {folder} ({args.pipeline}) and {comfy_path(folder)}")
+
+
+if __name__ == "__main__":
+    main()
