@@ -5,13 +5,10 @@
         folder = DiffusersFolder(model_name="flux", pipelines=("FluxPipeline",), components={...})
         model_class = "FluxTransformer2DModel"
         single_file_name = "flux1-transformer.safetensors"
-
-        def original_layout(self, transformer_config):   # the original single-file layout, or leave it out
-            from diffpipe_flux.bfl import layout
-            return layout(transformer_config)
+        key_tables = "diffpipe_flux.bfl"    # its layout_for_config / lora_layout: the original single-file layout
 
         @hookimpl
-        def encode_batch(self, encoders, batch, model_config): ...
+        def encode_batch(self, encoders, batch): ...      # settings: encoders.config (load_components)
         ...
 
     plugin = Flux()        # the entry point names this object: flux = "diffpipe_flux.plugin:plugin"
@@ -27,6 +24,7 @@ would silently skip it). This module imports no torch: the work happens inside t
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,7 +47,8 @@ class DiffusersModel:
     Declare:
         spec: the :class:`~diffpipe_core.types.ModelSpec`.
         folder: the :class:`~diffpipe_core.parts.folder.DiffusersFolder` (components, pipeline classes).
-        model_class: the diffusers class of the diffusion model (``"FluxTransformer2DModel"``).
+        model_class: the class of the diffusion model: a diffusers class name (``"FluxTransformer2DModel"``) or
+            ``"module:Class"`` for a model of the plugin's own (a diffusers ``ModelMixin`` + ``ConfigMixin``).
         single_file_key: the ``[model]`` key of an original-layout single file (None: the model has none).
         single_file_markers: original keys (without a file prefix) every such file holds; ``validate`` checks them.
         single_file_name: the file name of a ``single_file`` export.
@@ -63,8 +62,9 @@ class DiffusersModel:
             full name (a LoRA on them in the last block would get no gradient).
         joint_blocks: where those blocks are: ``(module list, config key of their count)``.
 
-    and override :meth:`original_layout` when the model has an original single-file layout, and
-    :meth:`default_lora_targets` when the default targets depend on the config otherwise.
+    and override :meth:`original_layout` when the model has an original single-file layout,
+    :meth:`default_lora_targets` when the default targets depend on the config otherwise, and
+    :meth:`build_skeleton` when the model must be built differently from ``from_config``.
     """
 
     spec: ClassVar[ModelSpec]
@@ -76,6 +76,9 @@ class DiffusersModel:
     lora_target_names: ClassVar[tuple[str, ...]] = ()
     last_block_unused: ClassVar[tuple[str, ...]] = ()
     joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
+    #: The module holding the original single-file key tables: its ``layout_for_config(transformer_config)`` and
+    #: ``lora_layout(state_dict)`` are :meth:`original_layout` and :meth:`lora_layout` (imported when first used).
+    key_tables: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -92,8 +95,9 @@ class DiffusersModel:
 
     # ------------------------------------------------------------------------------------------ declarations
     def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable | None:
-        """The model's original single-file key layout, sized from the diffusion model's config; None: none."""
-        return None
+        """The model's original single-file key layout, sized from the diffusion model's config; None: none
+        (the default without :attr:`key_tables`)."""
+        return import_module(self.key_tables).layout_for_config(transformer_config) if self.key_tables else None
 
     def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
         """The default LoRA targets: :attr:`lora_target_names`, those in :attr:`last_block_unused` expanded to
@@ -143,16 +147,28 @@ class DiffusersModel:
         return self.folder.problems(model_config.path, single, layout, self.single_file_markers)  # type: ignore[attr-defined]
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
-        """The diffusion model from its config with uninitialised (or meta) weights, cast the way
-        ``from_pretrained(torch_dtype=dtype)`` casts (float32-kept modules stay float32)."""
+        """The diffusion model from its config, without weights, cast the way ``from_pretrained(torch_dtype=dtype)``
+        casts (float32-kept modules stay float32).
+
+        On ``meta`` it is built as ``from_pretrained`` builds it (:func:`~diffpipe_core.engine.model_loading.
+        parameters_on_meta`): parameters on meta, to be filled from the weight files, and buffers and plain tensor
+        attributes (RoPE tables) computed on the CPU, since no file holds them. Override it to check the config
+        first (call ``super().build_skeleton``), or to build a model ``from_config`` cannot; whatever it builds,
+        every tensor that is not in the weight files must be on a real device (the conformance kit names those
+        left on meta)."""
         import torch
 
-        from diffpipe_core.engine.model_loading import cast_skeleton
-        from diffpipe_core.parts.folder import _find_class
+        from diffpipe_core.engine.model_loading import cast_skeleton, parameters_on_meta
+        from diffpipe_core.parts.folder import find_class
 
-        cls = _find_class(self.model_class)
-        with torch.device(device):
-            model = cls.from_config(self.model_folder_config(model_config))
+        cls = find_class(self.model_class)
+        config = self.model_folder_config(model_config)
+        if torch.device(device).type == "meta":
+            with parameters_on_meta():
+                model = cls.from_config(config)
+        else:
+            with torch.device(device):
+                model = cls.from_config(config)
         return cast_skeleton(model, dtype)
 
     @hookimpl
@@ -218,7 +234,8 @@ class DiffusersModel:
 
     @hookimpl
     def export_adapter(self, state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str) -> Any:
-        """``diffusers`` (peft keys under the pipeline prefix) and, for a model with an original layout,
+        """``diffusers`` (peft keys under the pipeline prefix; alpha travels in the file's metadata, which the core
+        writes, not as ``.alpha`` tensors) and, for a model with an original layout,
         ``comfyui`` (native module names under ``diffusion_model.``, fused where the native model fuses, with
         ``.alpha``). The layout is sized from the exported LoRA itself, so no model files are read."""
         from diffpipe_core.parts.export import export_lora
@@ -228,8 +245,9 @@ class DiffusersModel:
 
     def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable | None:
         """The original layout for a ComfyUI export of adapter modules (``state_dict``: a peft LoRA state dict, whose
-        shapes size fused modules); None (the default): the model has no ComfyUI format."""
-        return None
+        shapes size fused modules); None (the default without :attr:`key_tables`): the model has no ComfyUI
+        format."""
+        return import_module(self.key_tables).lora_layout(state_dict) if self.key_tables else None
 
     #: ComfyUI's key map for this model also takes diffusers module names under the pipeline prefix (and places
     #: them in fused weights itself), as for Flux; LoKr/LoHa, which cannot be fused, are saved under those names.
