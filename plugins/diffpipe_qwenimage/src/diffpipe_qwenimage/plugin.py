@@ -58,6 +58,7 @@ class QwenImage(DiffusersModel, FlowSampling):
     spec = ModelSpec(
         name="qwen-image",
         modality="image",
+        contract=4,
         config_schema=QwenImageConfig,
         spatial_multiple=16,
         encoder_settings=("path", "encoder_dtype", "text_max_length"),
@@ -88,17 +89,6 @@ class QwenImage(DiffusersModel, FlowSampling):
 
     def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
         return self.original_layout({})
-
-    def build_skeleton(self, model_config: QwenImageConfig, device: Any, dtype: torch.dtype) -> nn.Module:
-        """The base skeleton, its RoPE tables (plain tensors no weight file holds) computed on the CPU."""
-        import torch
-
-        model = super().build_skeleton(model_config, device, dtype)
-        rope = model.pos_embed
-        if rope.pos_freqs.device.type == "meta":
-            with torch.device("cpu"):
-                model.pos_embed = type(rope)(theta=rope.theta, axes_dim=list(rope.axes_dim), scale_rope=rope.scale_rope)
-        return model
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
