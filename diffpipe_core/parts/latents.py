@@ -1,5 +1,6 @@
 """Caching-time latents: the VAE posterior's mode with the model's own normalisation, and loss masks on the latent
-grid. The mode (not a sample) is cached, so a cache is deterministic."""
+grid. The mode (not a sample) is cached, so a cache is deterministic. Also the 2x2 token packing of the MMDiT image
+models (Flux, Qwen-Image)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,21 @@ def latent_mask(masks: torch.Tensor, latent_hw: tuple[int, ...], video: bool = F
     ``(B, 1, 1, h, w)`` (one mask for every latent frame)."""
     mask = F.adaptive_avg_pool2d(masks.float(), tuple(latent_hw[-2:]))
     return mask.unsqueeze(2) if video else mask
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """``(B, C, H, W)`` -> ``(B, H/2 * W/2, 4C)``: 2x2 latent patches as tokens, row by row, in the layout of
+    ``FluxPipeline._pack_latents`` and ``QwenImagePipeline._pack_latents``."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latents need an even height and width to be packed 2x2, got {h}x{w}")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of :func:`pack_2x2` for latents of size ``h x w``."""
+    b, _, d = tokens.shape
+    c = d // 4
+    x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, h, w)

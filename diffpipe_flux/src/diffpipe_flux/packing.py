@@ -1,25 +1,13 @@
-"""Flux's 2x2 latent packing and its position ids."""
+"""Flux's 2x2 latent packing (the core's :func:`~diffpipe_core.parts.latents.pack_2x2`) and its position ids."""
 
 from __future__ import annotations
 
 import torch
 
+from diffpipe_core.parts.latents import pack_2x2 as pack
+from diffpipe_core.parts.latents import unpack_2x2 as unpack
 
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """``(B, C, H, W)`` -> ``(B, H/2 * W/2, 4C)``, the token layout of FluxPipeline._pack_latents."""
-    b, c, h, w = latents.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"Flux latents need even height and width, got {h}x{w}")
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """Inverse of :func:`pack` for latents of size ``h x w``."""
-    b, _, d = tokens.shape
-    c = d // 4
-    x = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c, h, w)
+__all__ = ["image_ids", "pack", "text_ids", "unpack"]
 
 
 def image_ids(h: int, w: int) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Framework overhead on Qwen-Image: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA.
+
+    python plugins/diffpipe_qwenimage/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--rounds 3] [--smoke]
+
+A tiny-but-not-trivial Qwen-Image (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents; 256x256 images =
+16 x 16 = 256 image tokens; 64 text tokens) is written to disk in the diffusers layout. diffpipe trains it with
+`diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); its median step time comes from metrics.jsonl
+(step_seconds) after warm-up. The plain loop runs the same forward (QwenImageTransformer2DModel.forward with the
+pipeline's img_shapes and text mask), backward, gradient clipping and AdamW step on the same transformer with the same
+peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate for --rounds pairs (at least 3; which goes
+first swaps every pair); the median of the per-pair ratios is printed with its spread. Target: ratio <= 1.10.
+The shared skeleton is in ``diffpipe_core.testing.bench``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.parts.latents import pack_2x2
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_qwenimage.config import QwenImageConfig
+from diffpipe_qwenimage.plugin import plugin
+from diffpipe_qwenimage.testing import TinyQwenConfig, write_tiny_qwen
+
+MODEL = TinyQwenConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, axes_dims_rope=(16, 24, 24),
+                       latent_channels=16, text_dim=64)
+TEXT_LEN, SIZE = 64, 256
+MODEL_TABLE = f"""
+type = "qwen-image"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+text_max_length = {TEXT_LEN}
+"""
+
+
+def diffpipe_times(root: Path, args) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    captions = [" ".join(["a long caption of a red cat on a house"] * 6) + f" {i}" for i in range(4)]
+    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
+    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
+    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
+    return bench.diffpipe_step_times(root)
+
+
+def plain_times(model_dir: Path, args) -> list[float]:
+    cfg = validate(QwenImageConfig, {"type": "qwen-image", "path": model_dir, "dtype": "float32"}, "bench")
+    torch.manual_seed(0)
+    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    h = w = SIZE // 8
+    latents = torch.randn(args.batch, MODEL.latent_channels, h, w)
+    text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)
+    mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.bool)
+    shapes = [[(1, h // 2, w // 2)]] * args.batch
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(args.batch, gen)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(hidden_states=pack_2x2(x_t), encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                    timestep=t, img_shapes=shapes).sample
+        return masked_mse(out, pack_2x2(target))
+
+    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+
+
+def main() -> None:
+    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
+    bench.use_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_tiny_qwen(model_dir, cfg=MODEL)
+        count = [0]
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{count[0]}"
+            count[0] += 1
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
+
+        def plain() -> float:
+            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
+
+        pairs = bench.compare(ours, plain, args.rounds, lambda r, a, b: print(bench.pair_line(r, a, b, label="round"),
+                                                                              flush=True), args.smoke)
+    ratios = [a / b for a, b in pairs]
+    print(
+        f"model: Qwen-Image inner dim 256, 4 blocks, {(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens, batch "
+        f"{args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
+        f"{args.steps - args.warmup} steps after {args.warmup} warm-up"
+    )
+    print(
+        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
+        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)"
+    )
+
+
+if __name__ == "__main__":
+    main()

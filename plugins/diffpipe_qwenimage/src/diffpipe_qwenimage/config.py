@@ -1,0 +1,48 @@
+"""The ``[model]`` tables of Qwen-Image and Qwen-Image-Edit runs (pydantic and the standard library only: imported
+at start-up)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
+
+
+class QwenImageConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of Qwen-Image. ``path`` is a diffusers ``QwenImagePipeline`` folder; ``transformer_file`` a
+    single-file transformer as ComfyUI ships it (``qwen_image_bf16.safetensors``: diffusers names, optionally under
+    ``model.diffusion_model.``)."""
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        le=1024,
+        description="Qwen2.5-VL tokens of a caption kept after the prompt template's prefix (the pipeline's "
+        "max_sequence_length); shorter embeddings are padded to it in the cache and the padding is masked.",
+    )
+    dynamic_shift: bool = Field(
+        True,
+        description="Shift the training times as the pipeline's scheduler shifts its sigmas for the image's token "
+        "count (e^mu, mu = calculate_shift with the folder's scheduler config); false: the fixed shift.",
+    )
+
+
+class QwenImageEditConfig(QwenImageConfig):
+    """``[model]`` keys of Qwen-Image-Edit: ``path`` is a diffusers ``QwenImageEditPipeline`` (Qwen-Image-Edit) or
+    ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509, up to three reference images) folder."""
+
+    text_max_length: int = Field(
+        1536,
+        ge=1,
+        le=16384,
+        description="Tokens of an instruction's embedding after the template's prefix, the reference images' "
+        "vision tokens included (about area / 784 per image: ~1340 at Qwen-Image-Edit's 1024x1024, ~200 at "
+        "2509's 384x384); shorter embeddings are padded and masked, longer ones cut (with a warning).",
+    )
+    vl_image_area: int | None = Field(
+        None,
+        ge=784,
+        description="Pixel area the reference images are resized to (aspect kept, sides rounded to 32) before "
+        "Qwen2.5-VL sees them. Default: the pipeline's, 1024*1024 for QwenImageEditPipeline, 384*384 for "
+        "QwenImageEditPlusPipeline.",
+    )

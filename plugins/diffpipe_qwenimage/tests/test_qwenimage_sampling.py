@@ -1,0 +1,147 @@
+"""Qwen-Image samples (issue 23, test 3): the plugin's denoising hooks under the core's loop equal
+``QwenImagePipeline`` for the same tiny model, noise, prompt embeddings and steps, plain and with true CFG (the
+pipeline's norm rescale, through the ``combine_guidance`` hook), the decoded image included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpipe_core.parts.latents import pack_2x2, unpack_2x2
+from diffpipe_core.registry import Registry
+from diffpipe_core.sampling.loop import generate, noise_generator
+from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.prompts import encode_prompts
+from diffpipe_core.sampling.runner import decode
+from diffpipe_core.schema import validate
+from diffpipe_core.types import SampleRequest
+from diffpipe_qwenimage.config import QwenImageConfig
+from diffpipe_qwenimage.plugin import plugin as qwen
+from diffpipe_qwenimage.testing import load_pipeline
+
+PROMPT, NEGATIVE, STEPS, SEED, SIZE = "a red cat on a house", "blurry", 3, 5, 32
+
+
+def pipeline_kwargs(texts, cfg_scale: float) -> dict:
+    """The pipeline's arguments for our prompt tensors (each cut to its own length, as ``encode_prompt`` returns
+    it), steps and size; with ``cfg_scale > 1`` the negative prompt's and ``true_cfg_scale``."""
+    def cut(text: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(text["text_mask"].sum())
+        return text["text_embeds"][:, :n], text["text_mask"][:, :n]
+
+    embeds, mask = cut(texts.cond)
+    kwargs = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "num_inference_steps": STEPS, "height": SIZE,
+              "width": SIZE, "output_type": "latent"}
+    if cfg_scale > 1:
+        negative, negative_mask = cut(texts.uncond)
+        kwargs.update(negative_prompt_embeds=negative, negative_prompt_embeds_mask=negative_mask,
+                      true_cfg_scale=cfg_scale)
+    return kwargs
+
+
+def test_combine_guidance_rescales_to_the_conditional_norm() -> None:
+    g = torch.Generator().manual_seed(0)
+    uncond, cond = torch.randn(1, 4, 16, generator=g), torch.randn(1, 4, 16, generator=g)
+    got = qwen.combine_guidance(uncond, cond, 3.0, torch.ones(2), 0, None)
+    plain = uncond + 3.0 * (cond - uncond)
+    torch.testing.assert_close(got.norm(dim=-1), cond.norm(dim=-1))
+    torch.testing.assert_close(got / got.norm(dim=-1, keepdim=True), plain / plain.norm(dim=-1, keepdim=True))
+    assert not torch.allclose(got, plain)
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
+def test_qwen_sample_equals_the_pipeline(tiny_qwen: Path, cfg_scale: float) -> None:
+    registry = Registry()
+    assert registry.register_model("qwen-image", qwen).ok
+    plugin = registry.model("qwen-image")
+    assert all(plugin.has(h) for h in ("denoise_init", "denoise_inputs", "denoise_step", "combine_guidance"))
+    table = {"type": "qwen-image", "path": tiny_qwen, "dtype": "float32", "encoder_dtype": "float32",
+             "text_max_length": 32}
+    cfg = validate(QwenImageConfig, table, "test")
+    negative = NEGATIVE if cfg_scale > 1 else None
+    (texts,) = encode_prompts(plugin, cfg, [PROMPT], negative, torch.device("cpu"))
+    model = qwen.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    forward = LayerChainForward(qwen.split_into_layers(model, cfg))
+    request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
+    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+
+    pipe = load_pipeline(tiny_qwen)
+    noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
+    out = pipe(latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
+    expected = unpack_2x2(out, 4, 4)
+    assert ours.shape == (1, 4, 4, 4)
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    assert (ours - noise).abs().max() > 0.1  # it did denoise
+    if cfg_scale > 1:  # the rescale matters: the plain combination lands elsewhere
+        (plain,) = generate(registry_without_combine(), cfg, request, [texts], [noise_generator(SEED, 0)], forward,
+                            cfg=cfg_scale)
+        assert (plain - expected).abs().max() > 1e-3
+
+    ((_, pixels),) = decode(plugin, cfg, {0: ours}, torch.device("cpu"))
+    with torch.no_grad():
+        z = ours.unsqueeze(2) / (1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, 4, 1, 1, 1))
+        z = z + torch.tensor(pipe.vae.config.latents_mean).view(1, 4, 1, 1, 1)
+        want = pipe.vae.decode(z).sample[0, :, 0].clamp(-1, 1)
+    assert pixels.shape == (3, SIZE, SIZE)
+    torch.testing.assert_close(pixels, want, rtol=1e-4, atol=1e-5)
+
+
+def registry_without_combine():
+    """The plugin with the core's plain guidance (``combine_guidance`` not implemented)."""
+    from diffpipe_qwenimage.plugin import QwenImage
+
+    class Plain(QwenImage):
+        combine_guidance = None  # type: ignore[assignment]
+
+    registry = Registry()
+    assert registry.register_model("qwen-image", Plain()).ok
+    return registry.model("qwen-image")
+
+
+@pytest.mark.parametrize("cfg_scale", [3.0])  # the plain path is the text-to-image test's
+def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
+    tiny_edit_plus: Path, tmp_path: Path, cfg_scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[sample] control_images``: each reference image seen by Qwen2.5-VL with the instruction and its latents
+    appended to the target's, as ``QwenImageEditPlusPipeline`` does. The pipeline's image areas (384x384 for
+    Qwen2.5-VL, 1024x1024 for the VAE) are module constants: set to the tiny test's, the two paths see the same
+    images (the references at the sample's size are not resized for the VAE on either side)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+    from PIL import Image
+
+    from diffpipe_core.testing.media import write_png
+    from diffpipe_qwenimage.config import QwenImageEditConfig
+    from diffpipe_qwenimage.edit import plugin as edit
+
+    vl_area = 56 * 56
+    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", vl_area)
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
+    registry = Registry()
+    assert registry.register_model("qwen-image-edit", edit).ok
+    plugin = registry.model("qwen-image-edit")
+    references = [write_png(tmp_path / "a.png", SIZE, SIZE, seed=1), write_png(tmp_path / "b.png", SIZE, SIZE, seed=2)]
+    table = {"type": "qwen-image-edit", "path": tiny_edit_plus, "dtype": "float32", "encoder_dtype": "float32",
+             "text_max_length": 64, "vl_image_area": vl_area}
+    cfg = validate(QwenImageEditConfig, table, "test")
+    negative = NEGATIVE if cfg_scale > 1 else None
+    (texts,) = encode_prompts(plugin, cfg, ["make it red"], negative, torch.device("cpu"), [references], (SIZE, SIZE))
+    model = edit.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    forward = LayerChainForward(edit.split_into_layers(model, cfg))
+    request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
+    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+
+    pipe = load_pipeline(tiny_edit_plus)
+    noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
+    images = [Image.open(p).convert("RGB") for p in references]
+    out = pipe(image=images, latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
+    torch.testing.assert_close(ours, unpack_2x2(out, 4, 4), rtol=1e-4, atol=1e-5)
+    assert (ours - noise).abs().max() > 0.1
+    # the instruction's embedding holds the references' vision tokens: it equals encode_prompt with the images
+    with torch.no_grad():
+        w, h = plus.calculate_dimensions(vl_area, 1.0)
+        images = [pipe.image_processor.resize(Image.open(p).convert("RGB"), h, w) for p in references]
+        want, _ = pipe.encode_prompt("make it red", image=images, device=torch.device("cpu"))
+    n = int(texts.cond["text_mask"].sum())
+    torch.testing.assert_close(texts.cond["text_embeds"][:, :n], want, atol=1e-6, rtol=0)

@@ -1,0 +1,132 @@
+"""Issue 23, test 3 (text-to-image): the shared CLI run (DeepSpeed, the real cache, peft; 1 process) trains with the
+loss falling and samples with true CFG before its first step; the saved diffusers LoRA loads through
+``QwenImagePipeline.load_lora_weights`` and reproduces the trained transformer; the ComfyUI file holds exactly the
+keys ComfyUI's key map takes for Qwen-Image (``diffusion_model.<diffusers module>`` with lora_A, lora_B and alpha)
+and applies to the ComfyUI-layout weights like the separate LoRAs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffpipe_core.adapters import read_adapter
+from diffpipe_core.testing import runs
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_qwenimage.testing import comfy_path, load_pipeline, write_tiny_qwen
+
+pytestmark = pytest.mark.slow
+
+RANK, ALPHA, STEPS = 4, 8.0, 20
+RUN_TOML = f"""
+output_dir = "out"
+dataset = "dataset.toml"
+max_steps = {STEPS}
+micro_batch_size_per_gpu = 2
+pipeline_stages = 1
+checkpoint_every_n_steps = {STEPS}
+save_dtype = "float32"
+seed = 3
+
+[model]
+type = "qwen-image"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+text_max_length = 16
+timestep_sample_method = "uniform"
+
+[adapter]
+rank = {RANK}
+alpha = {ALPHA}
+save_formats = ["diffusers", "comfyui"]
+
+[optimizer]
+lr = 2e-2
+
+[sample]
+prompts = ["a red cat"]
+negative_prompt = "blurry"
+cfg = 3.0
+steps = 2
+before_first_step = true
+"""
+
+
+@pytest.fixture(scope="module")
+def qwen_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one shared training run of ``qwen-image`` through the CLI (1 process): a tiny model, 4 captioned 32x32
+    images, LoRA saved as diffusers and ComfyUI files, a true-CFG sample before the first step. Its run folder."""
+    root = tmp_path_factory.mktemp("qwen-train")
+    write_tiny_qwen(root / "model")
+    captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
+    write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
+    write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
+    (root / "run.toml").write_text(RUN_TOML)
+    return runs.train(root, "run.toml", 1)
+
+
+TEXT_SIDE = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+
+
+def test_the_loss_falls_and_a_true_cfg_sample_is_written(qwen_run: Path) -> None:
+    runs.assert_loss_falls(qwen_run, STEPS, 5)
+    names = sorted(p.name for p in (qwen_run / "samples" / "step-0000000").iterdir())
+    assert "00-a-red-cat.png" in names, names
+
+
+def transformer_inputs(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    return {
+        "hidden_states": torch.randn(2, 4, 16, generator=g),
+        "encoder_hidden_states": torch.randn(2, 6, 32, generator=g),
+        "encoder_hidden_states_mask": mask,
+        "timestep": torch.rand(2, generator=g),
+        "img_shapes": [[(1, 2, 2)]] * 2,
+    }
+
+
+def test_diffusers_lora_loads_in_qwen_image_pipeline_and_reproduces(qwen_run: Path) -> None:
+    from diffusers import QwenImageTransformer2DModel
+
+    model_dir, saved = qwen_run.parent.parent / "model", qwen_run / "saved" / "final"
+    state, cfg = read_adapter(saved)
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    assert all(k.startswith("transformer.transformer_blocks.") for k in state)
+    # the last block's text side is left out (nothing reads its output); the first block's is trained
+    last = [k for k in state if k.startswith("transformer.transformer_blocks.1.")]
+    assert last and not [k for k in last if any(s in k for s in TEXT_SIDE)]
+    assert "transformer.transformer_blocks.0.txt_mlp.net.2.lora_B.weight" in state
+    assert "transformer.transformer_blocks.1.img_mlp.net.2.lora_B.weight" in state
+    reference = runs.with_trained_lora(
+        QwenImageTransformer2DModel.from_pretrained(str(model_dir / "transformer")), qwen_run, RANK, ALPHA,
+        cfg["target_modules"],
+    )
+    pipe = load_pipeline(model_dir)
+    untrained = runs.outputs(pipe.transformer, transformer_inputs())
+    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
+    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
+    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
+    runs.assert_reproduces(got, expected, untrained)
+
+
+def test_comfyui_lora_has_comfyuis_keys_and_applies_like_the_separate_loras(qwen_run: Path) -> None:
+    comfy = load_file(str(qwen_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
+    base = load_file(str(comfy_path(qwen_run.parent.parent / "model")))  # ComfyUI's file: model.diffusion_model.<name>
+    native = {k.removeprefix("model.diffusion_model."): v for k, v in base.items()}
+    params = runs.checkpoint_params(qwen_run)
+    modules = sorted({k.split(".lora_A.")[0] for k in params if ".lora_A." in k})
+    # ComfyUI's QwenImage key map: "diffusion_model.<name>" for every "<name>.weight" of the model; the loader reads
+    # "<stem>.lora_A.weight", "<stem>.lora_B.weight" and the "<stem>.alpha" scalar
+    want = {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+    assert set(comfy) == want and all(f"{m}.weight" in native for m in modules)
+    assert float(comfy["diffusion_model.transformer_blocks.0.attn.to_q.alpha"]) == ALPHA
+    assert comfy["diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight"].shape == (RANK, 32)
+    got = runs.apply_comfyui(native, comfy)
+    merged = runs.merge_peft(native, params, ALPHA / RANK)
+    runs.assert_state_close(got, merged)
+    assert sum(not torch.equal(got[k], native[k]) for k in native) == len(modules)
