@@ -30,5 +30,5 @@ fi
 # (diffpipe_flux/ holding src/diffpipe_flux/) never shadow the packages when run from the repo root
 pip_quietly install --config-settings editable_mode=compat \
   -e ".[dev,wandb]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
-  -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers
+  -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers -e plugins/diffpipe_zimage
 echo "diffpipe: environment ready in $VENV"
