@@ -24,7 +24,7 @@ RUN_TOML = """
 output_dir = "out"
 dataset = "dataset.toml"
 max_steps = {steps}
-micro_batch_size_per_gpu = 2
+micro_batch_size_per_gpu = 4
 gradient_accumulation_steps = 1
 pipeline_stages = 1
 checkpoint_every_n_steps = {steps}
@@ -36,8 +36,8 @@ type = "z-image"
 path = "model"
 dtype = "float32"
 encoder_dtype = "float32"
-text_max_length = 40
-timestep_sample_method = "uniform"
+text_max_length = 24
+shift = 1.0
 
 [adapter]
 rank = {rank}
@@ -45,9 +45,9 @@ alpha = {alpha}
 save_formats = ["diffusers", "comfyui"]
 
 [optimizer]
-lr = 4e-3
+lr = 1e-2
 """
-RANK, ALPHA, STEPS = 4, 8.0, 14
+RANK, ALPHA, STEPS = 4, 8.0, 16
 
 
 def make_project(root: Path) -> Path:
