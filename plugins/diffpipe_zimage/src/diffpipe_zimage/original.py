@@ -52,6 +52,11 @@ def layout_for_keys(keys: Iterable[str]) -> KeyTable:
     return layout({g: count_blocks(keys, rf"(?:.*\.)?{g}\.(\d+)\.") for g in BLOCK_GROUPS})
 
 
+def lora_layout(state: Mapping[str, Any]) -> KeyTable:
+    """The table for a ComfyUI export of a peft LoRA (blocks counted from its module names)."""
+    return layout_for_keys(state)
+
+
 def diffusers_to_original(state: Mapping[str, Any]) -> dict[str, Any]:
     """A diffusers ``ZImageTransformer2DModel`` state dict in the original key layout."""
     return layout_for_keys(state).to_original(state)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
 #: the linears of every block (noise refiner, context refiner, main), matched as name suffixes
@@ -66,16 +65,7 @@ class ZImage(DiffusersModel, FlowSampling):
     comfy_takes_diffusers_names = True  # ComfyUI's Lumina2/Z-Image key map: diffusers names, fused by ComfyUI
     single_file_markers = ("layers.0.attention.qkv.weight", "x_embedder.weight")
     single_file_name = "z_image_transformer.safetensors"
-
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_zimage.original import layout_for_config
-
-        return layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_zimage.original import layout_for_keys
-
-        return layout_for_keys(state_dict)
+    key_tables = "diffpipe_zimage.original"  # its layout_for_config / lora_layout: the original single-file layout
 
     def default_lora_targets(self, model_config: ZImageConfig) -> list[str]:
         """Attention and feed-forward linears of every block, and the adaLN linear of the modulated ones (noise
