@@ -15,8 +15,10 @@ What flows between layers (a tuple of tensors; every float tensor is used by the
 
 A micro-batch's captions differ in length: as ``ZImageTransformer2DModel.forward`` does, each caption keeps its
 real tokens, padded with ``cap_pad_token`` to a multiple of 32 (:data:`SEQ`) and placed after the image tokens;
-the positions past it are hidden by the attention mask. Images of one micro-batch share a size, so their tokens
-need no mask. A pipeline of these layers computes the same function as the diffusers model.
+the caption stream is as long as the micro-batch's longest padded caption (its length changes between micro-batches:
+the core's pipeline engine runs with dynamic shapes), and the positions past a shorter one are hidden by the
+attention mask (no mask when every caption fills it, e.g. one caption). Images of one micro-batch share a size, so
+their tokens need no mask. A pipeline of these layers computes the same function as the diffusers model.
 """
 
 from __future__ import annotations
@@ -80,11 +82,12 @@ class EmbedLayer(nn.Module):
         mask = text_mask.bool()
         lengths = mask.sum(dim=1)
         padded = _round(lengths)
-        n_cap = _round(text.shape[1])
+        n_cap = int(padded.max())  # as long as the micro-batch's longest caption needs, as the diffusers forward
         order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices  # real tokens first, in order
         text = torch.gather(text, 1, order[..., None].expand_as(text))
         if n_cap > text.shape[1]:
             text = torch.cat([text, text.new_zeros(b, n_cap - text.shape[1], text.shape[2])], dim=1)
+        text = text[:, :n_cap]
         cap = self.cap_embedder(text.to(dtype))
         pos = torch.arange(n_cap, device=device)[None]
         cap = torch.where((pos >= lengths[:, None])[..., None], self.cap_pad_token.to(cap.dtype), cap)
