@@ -1,0 +1,96 @@
+"""Framework overhead on Z-Image: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA.
+
+    python plugins/diffpipe_zimage/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--pairs 3] [--smoke]
+
+A tiny-but-not-trivial Z-Image (dim 256 = 4 heads x 64, 4 main + 2x2 refiner blocks, 16-channel latents; 256x256
+images = 256 image tokens; 64 Qwen3 tokens) is written to disk in the diffusers layout. diffpipe trains it with
+`diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); its median step time comes from metrics.jsonl
+(step_seconds) after warm-up. The plain loop runs the same forward (ZImageTransformer2DModel.forward on the list
+inputs ZImagePipeline gives it), backward, gradient clipping and AdamW step on the same transformer with the same
+peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate for --pairs pairs (which goes first swaps
+every pair); the median of the per-pair ratios is printed with its spread. Target: ratio <= 1.10. The shared
+skeleton is in ``diffpipe_core.testing.bench``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.schema import validate
+from diffpipe_core.testing import bench
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_zimage.config import ZImageConfig
+from diffpipe_zimage.plugin import plugin
+from diffpipe_zimage.testing import TinyZImageConfig, write_tiny_zimage
+
+MODEL = TinyZImageConfig(dim=256, n_layers=4, n_heads=4, axes_dims=(16, 24, 24), latent_channels=16, text_dim=64)
+TEXT_LEN, SIZE = 64, 256
+MODEL_TABLE = f"""
+type = "z-image"
+path = "model"
+dtype = "float32"
+encoder_dtype = "float32"
+text_max_length = {TEXT_LEN}
+"""
+
+
+def diffpipe_times(root: Path, args) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    data = root / "images"
+    write_image_dataset(data, 4, size=(SIZE, SIZE), captions=[f"a photo of a red cat {i}" for i in range(4)])
+    write_dataset_toml(root / "dataset.toml", data, resolutions=[SIZE], enable_ar_bucket=False)
+    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
+    return bench.diffpipe_step_times(root)
+
+
+def plain_times(model_dir: Path, args) -> list[float]:
+    cfg = validate(ZImageConfig, {"type": "z-image", "path": model_dir, "dtype": "float32"}, "bench")
+    torch.manual_seed(0)
+    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    latents = torch.randn(args.batch, MODEL.latent_channels, SIZE // 8, SIZE // 8)
+    text = [torch.randn(TEXT_LEN // 4, MODEL.text_dim) for _ in range(args.batch)]
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(args.batch, gen, shift=cfg.shift)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        out = model(list(x_t.unsqueeze(2)), 1 - t, text).sample
+        return masked_mse(-torch.stack(out).squeeze(2), target)
+
+    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+
+
+def main() -> None:
+    args = bench.bench_parser().parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_tiny_zimage(model_dir, MODEL)
+        count = [0]
+
+        def ours() -> float:
+            count[0] += 1
+            root = Path(tmp) / f"run{count[0]}"
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
+
+        def plain() -> float:
+            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
+
+        pairs = bench.compare(ours, plain, args.pairs, lambda i, a, b: print(bench.pair_line(i, a, b), flush=True),
+                              args.smoke)
+    tokens = (SIZE // 16) ** 2
+    print(f"model: Z-Image dim 256, 4 + 2x2 blocks, {tokens} image + {TEXT_LEN} text tokens, batch {args.batch}, "
+          f"LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians after {args.warmup} warm-up steps")
+    if len(pairs) > 1:
+        print(bench.ratio_report(pairs, "overhead ratio") + " (target <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()

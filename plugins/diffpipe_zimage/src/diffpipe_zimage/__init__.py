@@ -1,0 +1,1 @@
+"""diffpipe model plugin for Z-Image (Tongyi-MAI): entry point ``z-image``."""
