@@ -36,7 +36,7 @@ max_steps = {max_steps}
 micro_batch_size_per_gpu = 2
 gradient_accumulation_steps = 2
 pipeline_stages = {stages}
-checkpoint_every_n_steps = {ckpt}
+{split}checkpoint_every_n_steps = {ckpt}
 warmup_steps = 2
 lr_scheduler = "cosine"
 seed = 7
@@ -71,7 +71,11 @@ def make_project(
         write_tiny_model(root / "model")
         write_image_dataset(root / "images", 8, size=(64, 64))
         write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
-    (root / name).write_text(extra + RUN_TOML.format(max_steps=max_steps, stages=stages, ckpt=ckpt) + tables)
+    # one split for every 2-stage run here: the memory plan would move the boundary with the memory savers, and
+    # the runs compared must put the same layers (and so the same LoRA draws) on each stage
+    split = "partition_split = [2]\n" if stages == 2 else ""
+    text = RUN_TOML.format(max_steps=max_steps, stages=stages, ckpt=ckpt, split=split)
+    (root / name).write_text(extra + text + tables)
     return root / name
 
 

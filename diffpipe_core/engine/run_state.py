@@ -90,12 +90,15 @@ def restore_checkpoint(
 
 def apply_optimizer_config(stage: Stage, cfg: OptimizerConfig) -> None:
     """Give the loaded optimizer and LR schedule the hyperparameters of ``cfg`` (the loaded state dicts hold the
-    old ones), keeping the schedule's position."""
+    old ones), keeping the schedule's position; each parameter group at its ``group_lr`` when it has one."""
+    from diffpipe_core.optim import DEFAULT_GROUP
+
     scheduler = stage.scheduler
-    scheduler.base_lrs = [cfg.lr for _ in stage.optimizer.param_groups]
+    groups = stage.optimizer.param_groups
+    scheduler.base_lrs = [cfg.group_lr.get(g.get("name", DEFAULT_GROUP), cfg.lr) for g in groups]
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
-    for group, lr in zip(stage.optimizer.param_groups, lrs, strict=True):
-        group["lr"], group["initial_lr"] = lr, cfg.lr
+    for group, lr, base in zip(groups, lrs, scheduler.base_lrs, strict=True):
+        group["lr"], group["initial_lr"] = lr, base
         for key in ("betas", "weight_decay", "eps"):
             if key in group:
                 group[key] = getattr(cfg, key)
