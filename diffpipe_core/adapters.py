@@ -11,7 +11,7 @@ the only place ComfyUI reads the strength from).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,9 +177,11 @@ def peft_adapter_config(config: LoraConfig) -> dict[str, Any]:
     }
 
 
-def diffusers_metadata(config: LoraConfig, prefix: str) -> dict[str, str]:
-    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the LoRA config, keys prefixed."""
-    packed = {f"{prefix}.{k}": v for k, v in peft_adapter_config(config).items()}
+def diffusers_metadata(config: LoraConfig, prefix: str | Sequence[str]) -> dict[str, str]:
+    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the LoRA config, keys prefixed, once per
+    pipeline component the file adapts (``unet``, ``text_encoder``, ...)."""
+    prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+    packed = {f"{p}.{k}": v for p in prefixes for k, v in peft_adapter_config(config).items()}
     return {"format": "pt", "lora_adapter_metadata": json.dumps(packed)}
 
 
@@ -196,9 +198,10 @@ def save_adapter(
     refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    others = sorted({k.split(".", 1)[0] for k in files.get(ADAPTER_FILE, {})} - {prefix})  # e.g. text encoders
     for name, state in files.items():
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-        meta = diffusers_metadata(config, prefix) if name == ADAPTER_FILE else {"format": "pt"}
+        meta = diffusers_metadata(config, [prefix, *others]) if name == ADAPTER_FILE else {"format": "pt"}
         atomic_save_safetensors(tensors, out_dir / name, meta)
     atomic_write_text(out_dir / CONFIG_FILE, json.dumps(peft_adapter_config(config), indent=2))
 

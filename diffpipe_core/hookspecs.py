@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
+from diffpipe_core.types import (
+    EncodeBatch,
+    ModelConfigBase,
+    ModelSpec,
+    ParameterGroup,
+    SampleRequest,
+    TrainingContext,
+)
 
 if TYPE_CHECKING:  # annotations only: the contract is imported by every command, torch only by those using it
     import torch
@@ -131,6 +138,16 @@ def lora_targets(model_config: ModelConfigBase) -> list[str]:
     """*model* Module names (regex suffixes accepted by peft's ``target_modules``) to adapt with LoRA.
 
     The user's ``[adapter] target_modules`` overrides this list.
+    """
+
+
+@hookspec(firstresult=True)
+def parameter_groups(model_config: ModelConfigBase) -> list[ParameterGroup]:
+    """*model, optional* Named groups of the trainable parameters, each with its own learning rate.
+
+    E.g. SDXL's ``unet``, ``text_encoder_1`` and ``text_encoder_2`` (``[model] unet_lr``, ...). A parameter goes to
+    the first group whose prefix its name starts with; parameters in no group, and groups without an ``lr``, train at
+    ``[optimizer] lr``. Without an implementation every parameter trains at ``[optimizer] lr``.
     """
 
 

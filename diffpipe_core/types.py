@@ -137,3 +137,21 @@ class SampleRequest:
     frames: int = 1
     steps: int = 20
     guidance: float | None = None
+
+
+@dataclass(frozen=True)
+class ParameterGroup:
+    """A named share of the trainable parameters with its own learning rate (the ``parameter_groups`` hook).
+
+    Attributes:
+        name: the group's name (``"text_encoder_1"``), for messages.
+        prefixes: parameter-name prefixes of the diffusion model (its ``named_parameters`` names, LoRA weights
+            included) that belong to the group; a parameter goes to the first group with a matching prefix, and
+            ``""`` matches every parameter.
+        lr: the group's peak learning rate (the LR schedule scales it like ``[optimizer] lr``); None: ``[optimizer]
+            lr``.
+    """
+
+    name: str
+    prefixes: tuple[str, ...]
+    lr: float | None = None

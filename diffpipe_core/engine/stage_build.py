@@ -24,7 +24,7 @@ from diffpipe_core.engine.model_loading import load_for_stages, materialise_laye
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
-from diffpipe_core.optim import build_optimizer, lr_lambda
+from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
@@ -115,7 +115,8 @@ def build_stage(
             f"pipeline stage {layout.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
             "change partition_split or the adapter's target_modules"
         )
-    optimizer = build_optimizer(run.optimizer, list(trainable.values()), plugin.registry.pm)
+    groups = plugin.call("parameter_groups", model_config=cfg.model)
+    optimizer = build_optimizer(run.optimizer, parameter_groups(trainable, groups), plugin.registry.pm)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     ds_config = {

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from diffpipe_core.config import OptimizerConfig
+from diffpipe_core.types import ParameterGroup
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -41,12 +42,36 @@ def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
     return table
 
 
-def build_optimizer(cfg: OptimizerConfig, params: list[torch.nn.Parameter], pm: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, params: list[torch.nn.Parameter] | list[dict[str, Any]], pm: Any
+) -> torch.optim.Optimizer:
+    """The ``[optimizer]`` over ``params``: parameters, or torch parameter groups (:func:`parameter_groups`)."""
     table = available_optimizers(pm)
     if cfg.type not in table:
         raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
-    _warn_low_precision_adamw(cfg.type, params)
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    _warn_low_precision_adamw(cfg.type, flat)  # type: ignore[arg-type]
     return table[cfg.type](params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+
+
+def parameter_groups(
+    named: dict[str, torch.nn.Parameter], groups: list[ParameterGroup] | None
+) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
+    """``named`` (trainable parameters by name) as torch parameter groups, one per plugin-named group that holds any
+    of them (``{"params", "name"[, "lr"]}``, in the plugin's order, the rest last as ``"default"``); the plain list
+    when the plugin names none."""
+    if not groups:
+        return list(named.values())
+    members: dict[str, list[torch.nn.Parameter]] = {g.name: [] for g in [*groups, ParameterGroup("default", ())]}
+    for name, p in named.items():
+        group = next((g.name for g in groups if name.startswith(g.prefixes)), "default")
+        members[group].append(p)
+    lrs = {g.name: g.lr for g in groups}
+    return [
+        {"params": ps, "name": name, **({"lr": lrs[name]} if lrs.get(name) is not None else {})}
+        for name, ps in members.items()
+        if ps
+    ]
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffpipe_core.model_files import (
     TOKENIZER,
+    WEIGHT_STEMS,
     check_diffusers_folder,
     diffusers_weight_files,
     read_json,
@@ -60,6 +61,9 @@ class DiffusersFolder:
         model: the diffusion model's component (``"transformer"`` or ``"unet"``); also the LoRA key prefix.
         sizes: :class:`SizeMatch` checks between components.
         single_file_example: what an original-layout single file of this model is called, for messages.
+        title: how messages call the model ("SDXL"); default ``model_name``.
+        model_title: how messages call the diffusion model ("UNet"); default ``model``.
+        single_file_hint: what a missing weight file's message suggests instead.
     """
 
     model_name: str
@@ -68,6 +72,9 @@ class DiffusersFolder:
     model: str = "transformer"
     sizes: tuple[SizeMatch, ...] = ()
     single_file_example: str = ""
+    title: str = ""
+    model_title: str = ""
+    single_file_hint: str = "give transformer_file for an original-layout single file"
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -81,13 +88,10 @@ class DiffusersFolder:
         file = Path(path) / component / "config.json"
         data, problem = read_json(file)
         if data is None:
+            also = " (also needed with a single-file checkpoint, for the model's sizes)" * (component == self.model)
             raise FileNotFoundError(
-                f"{problem}; [model] path must be a diffusers {self.model_name} folder with {component}/config.json"
-                + (
-                    " (also needed with a single-file checkpoint, for the model's sizes)"
-                    if component == self.model
-                    else ""
-                )
+                f"{path}: not a diffusers {self.title or self.model_name} folder ({problem}); [model] path must be "
+                f"one, with {component}/config.json{also}"
             )
         return data
 
@@ -96,11 +100,10 @@ class DiffusersFolder:
         return {k: v for k, v in self.config(path).items() if not k.startswith("_")}
 
     def weight_files(self, path: Path) -> list[Path]:
-        """The diffusion model's safetensors files in the folder (one file, or the shards of an index)."""
-        return diffusers_weight_files(
-            Path(path) / self.model,
-            "give transformer_file for an original-layout single file" if self.model == "transformer" else "",
-        )
+        """The diffusion model's safetensors files in the folder (one file, or the shards of an index; the ``fp16``
+        variant where only it is there)."""
+        what = f"{self.model_title or self.model} weights"
+        return diffusers_weight_files(Path(path) / self.model, self.single_file_hint, what)
 
     # ------------------------------------------------------------------------------------------ checks
     def problems(
@@ -114,16 +117,19 @@ class DiffusersFolder:
         if single_file is not None:
             return found + self._single_file_problems(Path(single_file), layout, markers)
         folder = Path(path) / self.model
-        single = folder / "diffusion_pytorch_model.safetensors"
-        if single.is_file():
-            _, problem = safetensors_keys(single)
-            return found + ([f"{problem}; expected the {self.model_name} {self.model}'s weights"] if problem else [])
-        if not (folder / "diffusion_pytorch_model.safetensors.index.json").is_file():
-            hint = ", or give transformer_file for an original-layout single file" if markers else ""
-            found.append(
-                f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json); expected the {self.model_name} "
-                f"{self.model}'s weights{hint}"
-            )
+        for stem in WEIGHT_STEMS:
+            single = folder / f"{stem}.safetensors"
+            if single.is_file():
+                _, problem = safetensors_keys(single)
+                expected = f"; expected the {self.model_name} {self.model}'s weights"
+                return found + ([problem + expected] if problem else [])
+            if (folder / f"{stem}.safetensors.index.json").is_file():
+                return found
+        hint = f", or {self.single_file_hint}" if markers else ""
+        found.append(
+            f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json, or their .fp16 variant); expected the "
+            f"{self.model_name} {self.model}'s weights{hint}"
+        )
         return found
 
     def _single_file_problems(self, file: Path, layout: KeyTable | None, markers: Sequence[str]) -> list[str]:
@@ -134,7 +140,7 @@ class DiffusersFolder:
         if problem:
             return [f"{problem}; expected {what}"]
         strip = layout.strip if layout is not None else (lambda k: k)
-        names = {strip(k) for k in keys}
+        names = {strip(k) for k in keys} | set(keys)  # a marker may name the file's prefix
         absent = [m for m in markers if m not in names]
         if not absent:
             return []
@@ -186,6 +192,59 @@ class DiffusersFolder:
         if device is not None:
             module = module.to(device)
         return module.eval().requires_grad_(False)
+
+
+    def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
+        """``component`` from its config with its parameters on the meta device and its buffers real (a buffer no
+        file holds, CLIP's ``position_ids``, keeps its value), cast as ``from_pretrained(torch_dtype=dtype)`` casts."""
+        from accelerate import init_empty_weights
+
+        from diffpipe_core.engine.model_loading import cast_skeleton
+
+        cls, where = _find_class(self.component_class(component)), str(Path(path) / component)
+        with init_empty_weights():
+            if hasattr(cls, "config_class"):  # transformers
+                model = cls(cls.config_class.from_pretrained(where))
+            else:
+                model = cls.from_config(cls.load_config(where))
+        return cast_skeleton(model, dtype)
+
+    def load_original(
+        self, path: Path, component: str, file: Path, table: KeyTable, dtype: torch.dtype, device: Any = None
+    ) -> Any:
+        """``component`` (sized from ``path``'s config) from an original single file through its key table, frozen,
+        in eval mode, on ``device``. Missing, unexpected or misshapen tensors raise, naming the file and the key."""
+        from safetensors import safe_open
+
+        model = self.skeleton(path, component, dtype)
+        target = model.state_dict()
+        with safe_open(str(file), framework="pt") as f:
+            keys = [k for k in f.keys() if k.startswith(table.read_prefixes)]
+            if not keys:
+                raise ValueError(f"{file}: no {component} tensors (keys starting with {table.read_prefixes[0]!r})")
+            shapes = {k: tuple(v.shape) for k, v in target.items()}
+            state = table.to_model({k: f.get_tensor(k) for k in keys}, str(file), shapes)
+        model.load_state_dict({k: v.to(target[k].dtype) for k, v in state.items()}, assign=True)
+        return (model.to(device) if device is not None else model).eval().requires_grad_(False)
+
+    def original_state(self, path: Path, component: str, table: KeyTable) -> dict[str, torch.Tensor]:
+        """The folder's ``component`` in an original layout (``table.to_original``), for a single-file export."""
+        state = self.load(path, component).state_dict()
+        return table.to_original({k: v.contiguous() for k, v in state.items()})
+
+    def component_weights(self, path: Path, component: str) -> list[tuple[Path, Any]]:
+        """A component's safetensors files in the folder (transformers' ``model.safetensors`` or its shards, else the
+        diffusers files) with a key map naming its tensors under ``<component>.``, for per-stage loading of a
+        component held by the diffusion model (text encoders trained with it)."""
+        folder = Path(path) / component
+        index, _ = read_json(folder / "model.safetensors.index.json")
+        if index is not None:
+            files = [folder / f for f in sorted(set(index.get("weight_map", {}).values()))]
+        elif (folder / "model.safetensors").is_file():
+            files = [folder / "model.safetensors"]
+        else:
+            files = diffusers_weight_files(folder, what=f"{component} weights")
+        return [(f, lambda key, c=component: f"{c}.{key}") for f in files]
 
 
 def _find_class(name: str) -> Any:

@@ -1,18 +1,15 @@
-"""The ``[model]`` table of an SDXL run."""
+"""The ``[model]`` table of an SDXL run (pydantic and the standard library only: imported at start-up)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from diffpipe_core import ModelConfigBase
-
-Dtype = Literal["float32", "bfloat16", "float16"]
+from diffpipe_core.parts.config import DDPMConfig, Dtype
 
 
-class SDXLConfig(ModelConfigBase):
+class SDXLConfig(DDPMConfig):
     """``[model]`` keys of the SDXL plugin."""
 
     path: Path = Field(
@@ -44,18 +41,18 @@ class SDXLConfig(ModelConfigBase):
         "kohya do), at most this many; the text is cached as max_prompt_chunks * 77 tokens with a mask so that "
         "unused chunks are ignored by cross-attention. 1 truncates at 77 tokens like diffusers.",
     )
-    v_pred: bool = Field(False, description="Train a v-prediction model (target v) instead of epsilon prediction.")
-    zero_terminal_snr: bool = Field(
-        False, description="Rescale the noise schedule to zero terminal SNR (Lin et al. 2023); use with v_pred."
+    train_text_encoders: bool = Field(
+        False,
+        description="Train both CLIP text encoders with the UNet (LoRA or full fine-tuning, as the run trains the "
+        "UNet): captions are cached as token ids and the encoders run in the first pipeline stage.",
     )
-    min_snr_gamma: float | None = Field(
-        None, gt=0, description="Min-SNR-gamma loss weighting (Hang et al. 2023), e.g. 5. Absent: off."
+    unet_lr: float | None = Field(None, gt=0, description="Peak learning rate of the UNet; absent: [optimizer] lr.")
+    text_encoder_1_lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of text_encoder (CLIP-L) when trained; absent: [optimizer] lr."
     )
-    debiased_estimation: bool = Field(False, description="Weight the loss by 1/sqrt(SNR) (kohya's debiased estimation)")
-    noise_offset: float = Field(0.0, ge=0, description="Add noise_offset * N(0, 1) per sample and channel to the noise")
-    num_train_timesteps: int = Field(1000, ge=2, description="DDPM timesteps (SDXL: 1000).")
-    beta_start: float = Field(0.00085, gt=0, description="First beta of the scaled-linear schedule (SDXL: 0.00085).")
-    beta_end: float = Field(0.012, gt=0, description="Last beta of the scaled-linear schedule (SDXL: 0.012).")
+    text_encoder_2_lr: float | None = Field(
+        None, gt=0, description="Peak learning rate of text_encoder_2 (OpenCLIP-G) when trained; absent: [optimizer] lr"
+    )
 
     @model_validator(mode="after")
     def _single_file_needs_config(self, info: ValidationInfo) -> SDXLConfig:
@@ -66,4 +63,7 @@ class SDXLConfig(ModelConfigBase):
                 "that holds the component configs and tokenizers (e.g. stabilityai/stable-diffusion-xl-base-1.0 "
                 "downloaded without its weights)"
             )
+        for key in ("text_encoder_1_lr", "text_encoder_2_lr"):
+            if getattr(self, key) is not None and not self.train_text_encoders:
+                raise ValueError(f"{key} is set but train_text_encoders is false: set train_text_encoders = true")
         return self

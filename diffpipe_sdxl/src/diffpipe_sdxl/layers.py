@@ -121,6 +121,23 @@ class UnitLayer(_Layer):
         return self.pack(h, emb, text, mask, skips)
 
 
+class TextLayer(nn.Module):
+    """With the text encoders trained: ``(x_t, t, ids, chunks, ids_2, chunks_2, time_ids)`` -> ``(x_t, t, text,
+    text_mask, pooled, time_ids)``, both encoders run as caching runs them
+    (:func:`diffpipe_sdxl.encoding.conditioning`)."""
+
+    def __init__(self, text_encoder: nn.Module, text_encoder_2: nn.Module) -> None:
+        super().__init__()
+        self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        from diffpipe_sdxl.encoding import conditioning
+
+        x, t, ids, chunks, ids_2, chunks_2, time_ids = inputs
+        text, mask, pooled = conditioning((self.text_encoder, self.text_encoder_2), (ids, ids_2), (chunks, chunks_2))
+        return x, t, text, mask, pooled, time_ids
+
+
 class OutLayer(nn.Module):
     """``(h,)`` -> ``(prediction,)`` in float32: conv_norm_out, SiLU, conv_out."""
 
@@ -187,7 +204,8 @@ def _units(unet: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, nn.M
 
 def split_unet(unet: nn.Module) -> list[nn.Module]:
     """The pipeline layers of an SDXL UNet (see the module docstring): embed, one layer per resnet (with its
-    transformer and the block's sampler), the output head."""
+    transformer and the block's sampler), the output head; first the text encoders' layer when the UNet holds them
+    (``text_encoder``, ``text_encoder_2``: they train with it)."""
     check_supported(unet)
     units = _units(unet)
     last_text = max((i for i, u in enumerate(units) if u[2] is not None), default=-1)
@@ -205,4 +223,6 @@ def split_unet(unet: nn.Module) -> list[nn.Module]:
             )
         )
     layers.append(OutLayer(unet))
+    if hasattr(unet, "text_encoder_2"):
+        layers.insert(0, TextLayer(unet.text_encoder, unet.text_encoder_2))
     return layers
