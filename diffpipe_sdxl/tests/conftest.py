@@ -21,15 +21,8 @@ def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 # Samples during the shared golden 2-stage run (issue 21): the base model before the first step, then at step 4.
-SAMPLE_TABLE = """
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-every_n_steps = 4
-steps = 3
-seed = 5
-resolution = 64
-"""
+SAMPLE = {"prompts": '["a red cat"]', "before_first_step": "true", "every_n_steps": 4, "steps": 3, "seed": 5}
+SAMPLE_TABLE = "\n[sample]\n" + "".join(f"{key} = {value}\n" for key, value in {**SAMPLE, "resolution": 64}.items())
 
 
 @pytest.fixture(scope="session")
@@ -38,9 +31,8 @@ def sdxl_two_stages(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempP
     says (test_sdxl_train's ``two_stages``, test_sdxl_sampling's run). Returns its run folder."""
     from test_sdxl_train import make_project
 
-    from diffpipe_core.testing import runs
+    from diffpipe_core.testing.runs import train
 
     root = tmp_path_factory.mktemp("two_stages")
-    config = make_project(root, tiny_sdxl, stages=2, steps=4, single_file=True, lora=True)
-    config.write_text(config.read_text() + SAMPLE_TABLE)
-    return runs.train(root, config, procs=2, timeout=400)
+    project = make_project(root, tiny_sdxl, stages=2, steps=4, single_file=True, lora=True, tables=SAMPLE_TABLE)
+    return train(root, project, procs=2, timeout=400)

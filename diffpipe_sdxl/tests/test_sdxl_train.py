@@ -49,7 +49,10 @@ save_formats = ["diffusers", "kohya"]
 """
 
 
-def make_project(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool) -> Path:
+def make_project(
+    root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool, **more: str
+) -> Path:
+    """The tiny project (data and run.toml) in ``root``; ``more``: ``model`` (more ``[model]`` keys), ``tables``."""
     folder, file = tiny
     root.mkdir(parents=True, exist_ok=True)
     # mixed sizes: the 96x64 ones are center-cropped into the 64x64 bucket
@@ -57,9 +60,13 @@ def make_project(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, s
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64], enable_ar_bucket=False)
     model = f'path = "{file}"\nconfig_path = "{folder}"' if single_file else f'path = "{folder}"'
     toml = RUN_TOML.format(
-        steps=steps, stages=stages, model=model, lr=5e-3 if lora else 1e-3, adapter=ADAPTER if lora else ""
+        steps=steps,
+        stages=stages,
+        model=model + more.get("model", ""),
+        lr=5e-3 if lora else 1e-3,
+        adapter=ADAPTER if lora else "",
     )
-    (root / "run.toml").write_text(toml if lora else FULL + toml)
+    (root / "run.toml").write_text((toml if lora else FULL + toml) + more.get("tables", ""))
     return root / "run.toml"
 
 

@@ -10,11 +10,13 @@ from diffpipe_core.parts.config import DDPMConfig, Dtype
 
 
 class SDXLConfig(DDPMConfig):
-    """``[model]`` keys of the SDXL plugin."""
+    """``[model]`` keys of the SDXL plugin (the DDPM objective's are :class:`~diffpipe_core.parts.config.DDPMConfig`'s).
+    ``path`` is a diffusers folder or an SGM single file."""
 
     path: Path = Field(
         description="A diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, text_encoder_2/, "
-        "tokenizer/, tokenizer_2/) or a single-file .safetensors checkpoint in the original SGM/ComfyUI layout."
+        "tokenizer/, tokenizer_2/) or a single-file .safetensors checkpoint in the original SGM/ComfyUI layout "
+        "(then set config_path)."
     )
     config_path: Path | None = Field(
         None,

@@ -27,52 +27,29 @@ if TYPE_CHECKING:
 
 #: attention and feed-forward linears of the UNet's transformer blocks
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
-#: the text encoders' attention and MLP linears (kohya's, and ComfyUI's ``LORA_CLIP_MAP``)
-TEXT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+#: each text-encoder layer's attention and MLP linears (kohya's, and ComfyUI's ``LORA_CLIP_MAP``)
+TEXT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 # SSD-1B and Segmind Vega ship as StableDiffusionXLPipeline folders too.
 PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
-COMPONENTS = {
-    "unet": "UNet2DConditionModel",
-    "vae": "AutoencoderKL",
-    "text_encoder": "CLIPTextModel",
-    "text_encoder_2": "CLIPTextModelWithProjection",
-    "tokenizer": TOKENIZER,
-    "tokenizer_2": TOKENIZER,
-}
+COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel"}
+COMPONENTS.update(text_encoder_2="CLIPTextModelWithProjection", tokenizer=TOKENIZER, tokenizer_2=TOKENIZER)
+
+
+ENCODER_SETTINGS = ("path", "config_path", "vae_path", "vae_dtype", "text_encoder_dtype", "max_prompt_chunks")
 
 
 class SDXL(DiffusersModel, DDPMSampling):
     """SDXL: images, VAE factor 8, sizes rounded to multiples of 64 (SDXL's bucket grid)."""
 
     spec = ModelSpec(
-        name="sdxl",
-        modality="image",
-        config_schema=SDXLConfig,
-        spatial_multiple=64,
-        encoder_settings=(
-            "path",
-            "config_path",
-            "vae_path",
-            "vae_dtype",
-            "text_encoder_dtype",
-            "max_prompt_chunks",
-            "train_text_encoders",
-        ),
-        block_layers=("UnitLayer",),
-        adapter_formats=("diffusers", "kohya"),
-        model_formats=("diffusers", "single_file"),
+        "sdxl", "image", SDXLConfig, spatial_multiple=64, encoder_settings=(*ENCODER_SETTINGS, "train_text_encoders"),
+        block_layers=("UnitLayer",), adapter_formats=("diffusers", "kohya"), model_formats=("diffusers", "single_file"),
         description="Stable Diffusion XL (diffusers folder or single-file checkpoint); LoRA and full fine-tuning",
     )
     folder = DiffusersFolder(
-        "sdxl",
-        PIPELINES,
-        COMPONENTS,
-        model="unet",
-        single_file_example="sd_xl_base_1.0.safetensors",
-        title="SDXL",
-        model_title="UNet",
-        single_file_hint="or set path to an SGM single-file checkpoint (with config_path); only safetensors are read",
+        "sdxl", PIPELINES, COMPONENTS, model="unet", single_file_example="sd_xl_base_1.0.safetensors", title="SDXL",
+        model_title="UNet", single_file_hint="or set path to an SGM single-file checkpoint (with config_path)"
     )
     model_class = "UNet2DConditionModel"
     single_file_markers = ("model.diffusion_model.input_blocks.0.0.weight",)
@@ -102,8 +79,14 @@ class SDXL(DiffusersModel, DDPMSampling):
         return TEXT_ENCODERS if model_config.train_text_encoders else ()
 
     def default_lora_targets(self, model_config: SDXLConfig) -> list[str]:
-        """The UNet's transformer linears; with ``train_text_encoders`` also the text encoders' (kohya's set)."""
-        return LORA_TARGETS + (TEXT_LORA_TARGETS if model_config.train_text_encoders else [])
+        """The UNet's transformer linears; with ``train_text_encoders`` also the text encoders' layers' (kohya's set),
+        but for ``text_encoder``'s last: SDXL reads its penultimate hidden state, so that layer reaches nothing."""
+        if not model_config.train_text_encoders:
+            return list(LORA_TARGETS)
+        n = [self.folder.config(self.model_folder(model_config), c)["num_hidden_layers"] for c in TEXT_ENCODERS]
+        layers = [f"text_encoder.encoder.layers.{i}" for i in range(n[0] - 1)]  # transformers 5's module names
+        layers += [f"text_encoder_2.text_model.encoder.layers.{i}" for i in range(n[1])]
+        return LORA_TARGETS + [f"{layer}.{m}" for layer in layers for m in TEXT_LINEARS]
 
     def load_vae(self, model_config: SDXLConfig, device: torch.device) -> Any:
         """The VAE in ``vae_dtype``: ``vae_path``, else the single file's or the folder's."""
