@@ -1,4 +1,5 @@
-"""peft LoRA on the plugin's ``lora_targets``: apply, collect, export, save and load.
+"""peft adapters (LoRA, LoKr, LoHa: :mod:`diffpipe_core.adapter_kinds`) on the plugin's ``lora_targets``: apply,
+collect, export, save and load.
 
 A saved adapter is a folder with ``adapter_model.safetensors`` (diffusers/peft keys under the model's
 pipeline prefix, e.g. ``transformer.blocks.0.attn.to_q.lora_A.weight``, with the LoRA config in the
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from peft import LoraConfig, PeftConfig, inject_adapter_in_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
+from diffpipe_core.adapter_kinds import config_from_saved, is_adapter_param, saved_config
 from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -31,29 +33,38 @@ def lora_config(rank: int, alpha: float, dropout: float, target_modules: list[st
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
 
 
-def apply_lora(model: nn.Module, config: LoraConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Inject LoRA layers in place, freeze everything else, and cast LoRA weights to ``dtype``."""
+def apply_adapter(model: nn.Module, config: PeftConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Inject the adapter's layers (LoRA, LoKr or LoHa) in place, freeze everything else, and cast the adapter's
+    weights to ``dtype``."""
     for p in model.parameters():
         p.requires_grad_(False)
     try:
         inject_adapter_in_model(config, model)
     except ValueError as exc:
-        raise ValueError(f"LoRA target_modules {config.target_modules} matched nothing in the model: {exc}") from None
+        targets = config.target_modules
+        raise ValueError(f"adapter target_modules {targets} matched nothing in the model: {exc}") from None
     for name, p in model.named_parameters():
-        if "lora_" in name:
+        if is_adapter_param(name):
             p.requires_grad_(True)
             if p.device.type != "meta":
                 p.data = p.data.to(dtype)
     return model
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """LoRA weights with peft's adapter name removed (``...to_q.lora_A.weight``); meta tensors skipped."""
+apply_lora = apply_adapter  # the name LoRA-only callers know
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter weights with peft's adapter name removed (``...to_q.lora_A.weight``, ``...to_q.lokr_w1``); meta
+    tensors skipped."""
     out = {}
     for name, p in model.named_parameters():
-        if "lora_" in name and p.device.type != "meta":
+        if is_adapter_param(name) and p.device.type != "meta":
             out[name.replace(".default", "")] = p.detach()
     return out
+
+
+lora_state_dict = adapter_state_dict
 
 
 def with_alpha(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
@@ -112,7 +123,9 @@ class FusedTarget:
     sizes: tuple[int, ...] = ()
 
 
-def fuse_lora(state: dict[str, torch.Tensor], target: FusedTarget, alpha: float) -> dict[str, torch.Tensor] | None:
+def fuse_lora(
+    state: dict[str, torch.Tensor], target: FusedTarget, alpha: float
+) -> dict[str, torch.Tensor] | None:
     """The one LoRA of ``target`` that applies exactly what its parts' peft LoRAs in ``state`` apply.
 
     ``lora_A`` stacks the adapted parts' ``lora_A`` rows; ``lora_B`` is block-diagonal (zero rows for a part
@@ -177,24 +190,30 @@ def peft_adapter_config(config: LoraConfig) -> dict[str, Any]:
     }
 
 
-def diffusers_metadata(config: LoraConfig, prefix: str | Sequence[str]) -> dict[str, str]:
-    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the LoRA config, keys prefixed, once per
-    pipeline component the file adapts (``unet``, ``text_encoder``, ...)."""
+def saved_adapter_config(config: PeftConfig) -> dict[str, Any]:
+    """``adapter_config.json`` of any adapter kind."""
+    return peft_adapter_config(config) if isinstance(config, LoraConfig) else saved_config(config)
+
+
+def diffusers_metadata(config: PeftConfig, prefix: str | Sequence[str]) -> dict[str, str]:
+    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the adapter config, keys prefixed, once per
+    pipeline component the file adapts (``unet``, ``text_encoder``, ...; diffusers' ``load_lora_adapter`` builds its
+    ``LoraConfig`` or ``LoKrConfig`` from it)."""
     prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
-    packed = {f"{p}.{k}": v for p in prefixes for k, v in peft_adapter_config(config).items()}
+    packed = {f"{p}.{k}": v for p in prefixes for k, v in saved_adapter_config(config).items()}
     return {"format": "pt", "lora_adapter_metadata": json.dumps(packed)}
 
 
 def save_adapter(
     out_dir: Path,
     files: dict[str, dict[str, torch.Tensor]],
-    config: LoraConfig,
+    config: PeftConfig,
     dtype: torch.dtype,
     prefix: str,
 ) -> None:
     """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``.
 
-    Only the diffusers file (``adapter_model.safetensors``) carries the LoRA config as metadata; diffusers
+    Only the diffusers file (``adapter_model.safetensors``) carries the adapter config as metadata; diffusers
     refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +222,7 @@ def save_adapter(
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         meta = diffusers_metadata(config, [prefix, *others]) if name == ADAPTER_FILE else {"format": "pt"}
         atomic_save_safetensors(tensors, out_dir / name, meta)
-    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(peft_adapter_config(config), indent=2))
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(saved_adapter_config(config), indent=2))
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -219,7 +238,7 @@ def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def load_adapter(model: nn.Module, path: Path, prefix: str | None = None) -> nn.Module:
-    """Inject the saved LoRA into a fresh ``model`` (the bare diffusion model) and load its weights.
+    """Inject the saved adapter (any kind) into a fresh ``model`` (the bare diffusion model) and load its weights.
 
     ``prefix`` is the pipeline prefix the keys were saved under (``"transformer"``); detected when None.
     """
@@ -229,8 +248,7 @@ def load_adapter(model: nn.Module, path: Path, prefix: str | None = None) -> nn.
     bare = {
         k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".") and not k.endswith(".alpha")
     }
-    config = lora_config(cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), cfg["target_modules"])
-    apply_lora(model, config)
+    apply_adapter(model, config_from_saved({"lora_dropout": 0.0, **cfg}))
     result = set_peft_model_state_dict(model, bare)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:

@@ -171,9 +171,8 @@ def train(
 @click.option(
     "--prune", is_flag=True, help="Then delete (and list) cached encodings of other encoder settings or model files."
 )
-def cache(
-    config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool, prune: bool
-) -> None:
+def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool,
+          prune: bool) -> None:
     """Encode the dataset into the latent/text cache (what train does first)."""
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
@@ -198,15 +197,70 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     n = default_num_procs(num_procs)
     cfg = load_checked(config_path, model, n)
     spec = get_registry().model(cfg.model_name).spec
+    run = cfg.run
+    sizes = run.micro_batch_size_per_gpu
+    if not isinstance(sizes, int) or run.image_micro_batch_size_per_gpu is not None:
+        sizes = lambda bucket: run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames)  # noqa: E731
     try:
         scan = scan_dataset(load_dataset_config(cfg.run.dataset), spec)
     except DatasetError as exc:  # empty: the report still lists every file left out, and why
         if exc.result is not None and exc.result.skipped:
-            click.echo(format_report(exc.result, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
+            click.echo(format_report(exc.result, sizes, n // cfg.run.pipeline_stages))
         fail([f"{cfg.run.dataset}: {exc.summary}"])
     except Exception as exc:
         fail([f"{cfg.run.dataset}: {exc}"])
-    click.echo(format_report(scan, cfg.run.micro_batch_size_per_gpu, n // cfg.run.pipeline_stages))
+    click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages))
+
+
+@main.command("import-config")
+@click.argument("anchor_config", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for run.toml and dataset.toml (default: diffpipe/ beside the config).",
+)
+@click.option(
+    "--anchor-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="The folder diffusion-pipe ran in, where its relative paths start (default: the current directory).",
+)
+@click.option(
+    "--dataset",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The dataset config to convert, instead of the one the config names.",
+)
+@click.option("--force", is_flag=True, help="Replace files already in the output folder.")
+def import_config(anchor_config: Path, out_dir: Path | None, anchor_dir: Path | None, dataset: Path | None,
+                  force: bool) -> None:
+    """Write a diffpipe run.toml and dataset.toml from a tdrussell/diffusion-pipe config.
+
+    A comment above each key says what changed (name, value, table or file) and why; each key that could not be
+    carried is listed where it was. Values diffpipe needs that the config does not give are TODOs.
+    """
+    from diffpipe_core.anchor.convert import import_config as convert
+    from diffpipe_core.anchor.convert import write_imported
+
+    imported = convert(anchor_config, anchor_dir, dataset)
+    out_dir = out_dir or Path(anchor_config).resolve().parent / "diffpipe"
+    written = write_imported(imported, out_dir, force)
+    c = imported.counts
+    click.echo(f"diffpipe: wrote {', '.join(str(p) for p in written)}")
+    click.echo(
+        f"{c['as is']} key{'s' * (c['as is'] != 1)} as {'they were' if c['as is'] != 1 else 'it was'}, "
+        f"{c['changed']} changed, {c['moved']} moved, {c['not carried']} not carried (each has a comment saying why)"
+    )
+    run_toml = written[0]
+    if imported.todo:
+        click.echo(f"{len(imported.todo)} to fill in before training (TODO in the files):")
+        for item in imported.todo:
+            click.echo(f"  - {item}")
+        click.echo(f"then check: diffpipe validate --config {run_toml}")
+    else:
+        click.echo(f"check: diffpipe validate --config {run_toml}")
 
 
 @main.command("config-reference")

@@ -30,25 +30,32 @@ def fail(problems: list[str], note: str | None = None) -> None:
     sys.exit(1)
 
 
-def load_checked(config_path: Path, model: str | None, world_size: int | None = None, check_work: bool = False):
+def load_checked(
+    config_path: Path,
+    model: str | None,
+    world_size: int | None = None,
+    check_work: bool = False,
+    purpose: str = "train",
+):
     """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
     before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of
-    every dataset (an empty one fails)."""
+    every dataset (an empty one fails). ``purpose="sample"`` (``diffpipe sample``) reads no dataset."""
     from diffpipe_core.config import check_world_size, load_config
     from diffpipe_core.data.dataset_config import load_dataset_config
 
     problems: list[str] = []
     cfg = None
     try:
-        cfg = load_config(config_path, get_registry(), model_override=model)
+        cfg = load_config(config_path, get_registry(), model_override=model, purpose=purpose)  # type: ignore[arg-type]
     except ConfigError as exc:
         problems.extend(exc.problems)
     if cfg is not None:
         datasets = []
         try:
-            datasets.append(load_dataset_config(cfg.run.dataset))
-            for ev in cfg.run.eval_datasets:
-                datasets.append(load_dataset_config(ev.config))
+            if purpose == "train":
+                datasets.append(load_dataset_config(cfg.run.dataset))
+                for ev in cfg.run.eval_datasets:
+                    datasets.append(load_dataset_config(ev.config))
         except ConfigError as exc:
             problems.extend(exc.problems)
         if world_size is not None:

@@ -7,16 +7,20 @@ against the directory of the file that names them. Every key is documented in do
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from diffpipe_core.anchor.keys import run_hint
 from diffpipe_core.registry import PluginError, Registry
 from diffpipe_core.sampling.config import SampleConfig, sample_problems
 from diffpipe_core.schema import ConfigError, read_toml, validate
-from diffpipe_core.types import ModelConfigBase, ModelSpec
+from diffpipe_core.types import LossSettings, ModelConfigBase, ModelSpec
+
+LOSS_KEYS = ("pseudo_huber_c", "huber_delta", "smooth_l1_beta")
 
 
 class Strict(BaseModel):
@@ -26,17 +30,41 @@ class Strict(BaseModel):
 class AdapterConfig(Strict):
     """``[adapter]``: present means adapter training; absent means full fine-tuning."""
 
-    type: Literal["lora"] = Field("lora", description="Adapter kind. Only peft LoRA for now.")
-    rank: int = Field(16, ge=1, description="LoRA rank r.")
-    alpha: float | None = Field(
-        None, gt=0, description="LoRA alpha; the update is scaled by alpha / rank. Default: equal to rank."
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora",
+        description="Adapter kind, all through peft on the model's lora_targets: 'lora'; 'lokr' (Kronecker product "
+        "of two factors, LyCORIS' LoKr); 'loha' (Hadamard product of two low-rank products, LyCORIS' LoHa).",
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout probability.")
+    rank: int = Field(
+        16,
+        ge=1,
+        description="LoRA rank r; for 'lokr' the rank of the decomposed (second) factor, which is kept whole when "
+        "rank >= half its size; for 'loha' the rank of each of the two products.",
+    )
+    alpha: float | None = Field(
+        None, gt=0, description="Alpha; the update is scaled by alpha / rank. Default: equal to rank."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout probability ('lora' only).")
+    factor: int = Field(
+        -1,
+        ge=-1,
+        description="'lokr' only: the Kronecker factor each dimension is split by (LyCORIS' factor; e.g. 8 splits "
+        "3072 into 8 x 384); -1 splits it as evenly as possible.",
+    )
+    decompose_both: bool = Field(
+        False, description="'lokr' only: also write the first (small) factor as a rank-r product."
+    )
+    rank_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="'lokr'/'loha' only: probability of dropping each output row of the update."
+    )
+    module_dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="'lokr'/'loha' only: probability of skipping a module's update in a step."
+    )
     target_modules: list[str] | None = Field(
         None, description="Module names or regexes to adapt; overrides the model plugin's lora_targets."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of the LoRA weights while training."
+        "float32", description="dtype of the adapter weights while training."
     )
     init_from_existing: Path | None = Field(
         None, description="A saved diffpipe adapter folder (or its adapter_model.safetensors) to start from."
@@ -51,6 +79,19 @@ class AdapterConfig(Strict):
     def effective_alpha(self) -> float:
         return float(self.alpha if self.alpha is not None else self.rank)
 
+    @model_validator(mode="after")
+    def _kind_keys(self) -> AdapterConfig:
+        only = {"dropout": ("lora",), "factor": ("lokr",), "decompose_both": ("lokr",)}
+        only |= {"rank_dropout": ("lokr", "loha"), "module_dropout": ("lokr", "loha")}
+        for key, kinds in only.items():
+            if key in self.model_fields_set and self.type not in kinds and getattr(self, key):
+                raise ValueError(
+                    f"adapter.{key} applies to type = {' or '.join(repr(k) for k in kinds)} only, not {self.type!r}"
+                )
+        if self.factor == 0:
+            raise ValueError("adapter.factor: 0 is not a factor; use a positive number or -1")
+        return self
+
 
 class OptimizerConfig(Strict):
     """``[optimizer]``."""
@@ -59,12 +100,53 @@ class OptimizerConfig(Strict):
         "adamw",
         description="'adamw' (torch), 'adamw8bit' (bitsandbytes 8-bit states), 'adamw8bit_kahan' (8-bit states plus "
         "Kahan-compensated bf16/fp16 weights: updates below bf16 resolution still count; use it for full fine-tunes "
-        "of bf16 models), 'sgd', or a name a plugin registers.",
+        "of bf16 models), 'sgd', or a name a plugin registers (diffpipe-optimizers: 'prodigy', "
+        "'adamw_schedulefree').",
     )
-    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate (of every parameter group group_lr leaves out).")
+    group_lr: dict[str, float] = Field(
+        {},
+        description="Peak learning rate per parameter group the model plugin names (its parameter_groups hook; "
+        "`diffpipe validate` lists them for a wrong name), e.g. { text_encoder_1 = 1e-5 }; 0 freezes a group. "
+        "Groups left out train at lr.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.99), description="Adam betas.")
     weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    kwargs: dict[str, Any] = Field(
+        {}, description="Further keyword arguments of the optimizer, e.g. { d_coef = 0.5 } for 'prodigy'."
+    )
+
+    @model_validator(mode="after")
+    def _group_lrs(self) -> OptimizerConfig:
+        bad = {k: v for k, v in self.group_lr.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"optimizer.group_lr: learning rates must be >= 0, got {bad}")
+        return self
+
+
+class WandbConfig(Strict):
+    """``[logging] wandb``: Weights & Biases, beside TensorBoard (needs ``pip install diffpipe-core[wandb]``)."""
+
+    project: str = Field(description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); default: yours.")
+    name: str | None = Field(None, description="Run name; default: the run folder's name.")
+    group: str | None = Field(None, description="W&B run group.")
+    tags: list[str] = Field([], description="W&B tags.")
+    notes: str | None = Field(None, description="W&B notes.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode; default: the WANDB_MODE environment variable, else 'online'."
+    )
+
+
+class LoggingConfig(Strict):
+    """``[logging]``: where metrics go besides ``metrics.jsonl`` and TensorBoard (``<run>/tensorboard``)."""
+
+    wandb: WandbConfig | None = Field(
+        None,
+        description="Also log scalars, samples and the resolved config to Weights & Biases (rank 0 only), e.g. "
+        "{ project = \"my-loras\" }.",
+    )
 
 
 class EvalDatasetRef(Strict):
@@ -77,12 +159,31 @@ class EvalDatasetRef(Strict):
 class RunConfig(Strict):
     """Top-level keys of ``run.toml``."""
 
-    output_dir: Path = Field(description="Each run writes one timestamped folder under this directory.")
-    dataset: Path = Field(description="Path of the dataset TOML.")
+    output_dir: Path | None = Field(
+        None,
+        description="Each run writes one timestamped folder under this directory. Required to train "
+        "(`diffpipe sample` writes to --out).",
+    )
+    dataset: Path | None = Field(
+        None,
+        description="Path of the dataset TOML. Required to train and cache; `diffpipe sample` reads only its first "
+        "resolution and frame bucket (as the default sample size) when the file is there, and no media or cache.",
+    )
     eval_datasets: list[EvalDatasetRef] = Field([], description="Held-out datasets for eval loss.")
     epochs: int = Field(1, ge=1, description="Passes over the dataset (training stops at max_steps if set).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    micro_batch_size_per_gpu: int = Field(1, ge=1, description="Samples per micro-batch on each data-parallel rank.")
+    micro_batch_size_per_gpu: int | list[tuple[int, int]] = Field(
+        1,
+        description="Samples per micro-batch on each data-parallel rank: a number, or per resolution as "
+        "[[resolution, size], ...] (e.g. [[512, 4], [1024, 1]]): each bucket takes the size of the resolution "
+        "nearest to its sqrt(width x height), as in diffusion-pipe. Micro-batches of one step may then differ in "
+        "size; each weighs the same in the step's mean loss.",
+    )
+    image_micro_batch_size_per_gpu: int | list[tuple[int, int]] | None = Field(
+        None,
+        description="Like micro_batch_size_per_gpu, for the 1-frame buckets (images) of a video dataset. "
+        "Default: micro_batch_size_per_gpu.",
+    )
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step (they flow through the pipeline together)."
     )
@@ -119,6 +220,9 @@ class RunConfig(Strict):
         None, gt=0, description="Write a resumable checkpoint every N minutes."
     )
     checkpoint_every_n_steps: int | None = Field(None, ge=1, description="Write a resumable checkpoint every N steps.")
+    checkpoint_every_n_epochs: int | None = Field(
+        None, ge=1, description="Write a resumable checkpoint at the end of every N-th epoch."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="How many resumable checkpoints to keep.")
     save_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of saved adapters and models."
@@ -130,6 +234,30 @@ class RunConfig(Strict):
     )
     eval_every_n_epochs: int | None = Field(None, ge=1, description="Eval loss every N epochs.")
     eval_every_n_steps: int | None = Field(None, ge=1, description="Eval loss every N steps.")
+    eval_before_first_step: bool = Field(
+        False,
+        description="Also eval loss before the first step (logged at step 0; not when resuming). diffusion-pipe's "
+        "default is true.",
+    )
+    pseudo_huber_c: float | None = Field(
+        None,
+        gt=0,
+        description="Train with the pseudo-Huber loss sqrt(d^2 + c^2) - c of the error d instead of d^2 (about d^2 / "
+        "2c for small errors, |d| for large ones). Needs a model whose compute_loss takes the context.",
+    )
+    huber_delta: float | None = Field(
+        None, gt=0, description="Train with the Huber loss of this delta instead of the squared error."
+    )
+    smooth_l1_beta: float | None = Field(
+        None, gt=0, description="Train with the smooth L1 loss of this beta instead of the squared error."
+    )
+    compile: bool | Literal["inductor", "aot_eager", "eager", "cudagraphs"] = Field(
+        False,
+        description="torch.compile each block layer of the stage in place (shapes that change between buckets "
+        "recompile once, then run dynamic): true uses torch's default backend ('inductor'; faster steps on GPUs after "
+        "slow first ones; on a CPU it needs a C++ compiler and minutes); a backend name picks another, e.g. "
+        "'aot_eager' to tell a compiler problem from a model one.",
+    )
     caching_batch_size: int = Field(4, ge=1, description="Batch size for encode_batch while caching.")
     log_every_n_steps: int = Field(1, ge=1, description="TensorBoard/console logging interval.")
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
@@ -141,6 +269,51 @@ class RunConfig(Strict):
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
     sample: SampleConfig | None = Field(None, description="Samples during training; leave out for none.")
+    logging: LoggingConfig = Field(LoggingConfig(), description="Logging table.")
+
+    @field_validator("micro_batch_size_per_gpu", "image_micro_batch_size_per_gpu")
+    @classmethod
+    def _check_batch_sizes(cls, value: int | list[tuple[int, int]] | None) -> int | list[tuple[int, int]] | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("give at least one [resolution, size] pair, e.g. [[512, 4], [1024, 1]]")
+            for resolution, size in value:
+                if resolution < 16 or size < 1:
+                    raise ValueError(
+                        f"[{resolution}, {size}]: a resolution of at least 16 and a size of at least 1, e.g. [512, 4]"
+                    )
+            if len({r for r, _ in value}) != len(value):
+                raise ValueError("each resolution may appear once")
+        return value
+
+    @property
+    def loss(self) -> LossSettings:
+        return LossSettings(self.pseudo_huber_c, self.huber_delta, self.smooth_l1_beta)
+
+    def micro_batch_size_for(self, width: int, height: int, frames: int = 1) -> int:
+        """The micro-batch size of a bucket: per resolution, the entry nearest to sqrt(width x height)."""
+        table = self.micro_batch_size_per_gpu
+        if frames == 1 and self.image_micro_batch_size_per_gpu is not None:
+            table = self.image_micro_batch_size_per_gpu
+        if isinstance(table, int):
+            return table
+        side = math.sqrt(width * height)
+        return min(table, key=lambda entry: abs(entry[0] - side))[1]
+
+    @property
+    def default_micro_batch_size(self) -> int:
+        """The size DeepSpeed is told (it only uses it for its batch-size bookkeeping): the first entry."""
+        table = self.micro_batch_size_per_gpu
+        return table if isinstance(table, int) else table[0][1]
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> RunConfig:
+        chosen = [k for k in LOSS_KEYS if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"{' and '.join(chosen)} are each a loss; set one of them")
+        return self
 
     @model_validator(mode="after")
     def _check_split(self) -> RunConfig:
@@ -178,10 +351,17 @@ def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...]) -> N
             data[key] = str((base / Path(data[key]).expanduser()).resolve())
 
 
-def load_config(path: Path | str, registry: Registry, model_override: str | None = None) -> ResolvedConfig:
+Purpose = Literal["train", "sample"]
+
+
+def load_config(
+    path: Path | str, registry: Registry, model_override: str | None = None, purpose: Purpose = "train"
+) -> ResolvedConfig:
     """Read and validate ``run.toml`` and its ``[model]`` table; raise ConfigError listing every problem.
 
-    Checks paths (dataset file, eval datasets, adapter init) exist, without loading any model.
+    Checks paths (dataset file, eval datasets, adapter init) exist, without loading any model. With
+    ``purpose="sample"`` (``diffpipe sample``) the keys only training needs may be absent: ``output_dir``,
+    ``dataset`` (or its file), the eval datasets and ``[sample]``'s when-to-sample keys.
     """
     path = Path(path).resolve()
     raw = read_toml(path)
@@ -200,6 +380,14 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
     if isinstance(data.get("sample"), dict):
         data["sample"] = dict(data["sample"])
         _resolve_paths(data["sample"], base, ("prompts",))
+        controls = data["sample"].get("control_images")
+        if isinstance(controls, list):
+            data["sample"]["control_images"] = [
+                [str((base / Path(c).expanduser()).resolve()) if isinstance(c, str) else c for c in entry]
+                if isinstance(entry, list)
+                else str((base / Path(entry).expanduser()).resolve()) if isinstance(entry, str) else entry
+                for entry in controls
+            ]
 
     problems: list[str] = []
     model_table = data.get("model")
@@ -217,7 +405,7 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
 
     run: RunConfig | None = None
     try:
-        run = validate(RunConfig, data, source)
+        run = validate(RunConfig, data, source, hints=run_hint)
     except ConfigError as exc:
         problems.extend(exc.problems)
 
@@ -226,11 +414,8 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
         model_cfg = _validate_model(data["model"], registry, source, base, problems)
 
     if run is not None:
-        if not run.dataset.is_file():
-            problems.append(f"{source}: dataset: file not found: {run.dataset}")
-        for i, ev in enumerate(run.eval_datasets):
-            if not ev.config.is_file():
-                problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
+        if purpose == "train":
+            problems.extend(_training_paths(run, source))
         if run.adapter and run.adapter.init_from_existing and not run.adapter.init_from_existing.exists():
             problems.append(f"{source}: adapter.init_from_existing: not found: {run.adapter.init_from_existing}")
         if model_cfg is not None:
@@ -250,12 +435,35 @@ def load_config(path: Path | str, registry: Registry, model_override: str | None
                     "whose linears are what gets quantized; remove quantize"
                 )
             problems.extend(_unknown_formats(run, spec, source))
+            problems.extend(_component_problems(run, registry.model(model_cfg.type), model_cfg, source))
+            plugin = registry.model(model_cfg.type)
+            if not run.loss.is_mse and not plugin.takes("compute_loss", "context"):
+                key = next(k for k in LOSS_KEYS if getattr(run, k) is not None)
+                problems.append(
+                    f"{source}: {key}: model {spec.name!r} computes its own loss (its compute_loss takes no context), "
+                    "so this key would change nothing; remove it"
+                )
             if run.sample is not None:
-                problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source))
+                when = purpose == "train"
+                problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
     if problems:
         raise ConfigError(problems)
     assert run is not None and model_cfg is not None
     return ResolvedConfig(path=path, run=run, model=model_cfg, raw=raw)
+
+
+def _training_paths(run: RunConfig, source: str) -> list[str]:
+    """What training needs that sampling does not: an output folder and the dataset files."""
+    problems = []
+    for key in ("output_dir", "dataset"):
+        if getattr(run, key) is None:
+            problems.append(f"{source}: {key}: required key is missing (training needs it)")
+    if run.dataset is not None and not run.dataset.is_file():
+        problems.append(f"{source}: dataset: file not found: {run.dataset}")
+    for i, ev in enumerate(run.eval_datasets):
+        if not ev.config.is_file():
+            problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
+    return problems
 
 
 def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:
@@ -276,6 +484,35 @@ def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:
     return problems
 
 
+def _component_problems(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase, source: str) -> list[str]:
+    """``[optimizer] group_lr`` names groups the plugin has; a LoKr/LoHa is saved only in layouts the plugin
+    names keys for."""
+    problems = []
+    if run.optimizer.group_lr:
+        groups = list(plugin.call("parameter_groups", model_config=model_cfg) or {"model": []})
+        for name in run.optimizer.group_lr:
+            if name not in groups:
+                problems.append(
+                    f"{source}: optimizer.group_lr: model {plugin.name!r} has no parameter group {name!r}; "
+                    f"its groups: {', '.join(repr(g) for g in groups)}"
+                )
+    adapter = run.adapter
+    if adapter is not None and adapter.type != "lora" and model_cfg.quantize == "nf4":
+        # peft reshapes a LoKr/LoHa update to the base weight's shape, which nf4 packs
+        problems.append(
+            f"{source}: model.quantize: 'nf4' works with type = 'lora' only; a {adapter.type!r} adapter trains on "
+            "'int8' or 'float8' base weights"
+        )
+    if adapter is not None and adapter.type != "lora":
+        other = [f for f in adapter.save_formats if f != "diffusers"]
+        if other and not plugin.has("adapter_key_names"):
+            problems.append(
+                f"{source}: adapter.save_formats: model {plugin.name!r} saves a {adapter.type!r} adapter in the "
+                f"'diffusers' layout only (its plugin names no {other[0]!r} keys for LoKr/LoHa); remove {other}"
+            )
+    return problems
+
+
 def _validate_model(
     table: dict[str, Any], registry: Registry, source: str, base: Path, problems: list[str]
 ) -> ModelConfigBase | None:
@@ -290,7 +527,7 @@ def _validate_model(
         return None
     schema = plugin.spec.config_schema
     try:
-        model_cfg = validate(schema, table, source, prefix="model.", context={"base_dir": base})
+        model_cfg = validate(schema, table, source, prefix="model.", context={"base_dir": base}, hints=run_hint)
     except ConfigError as exc:
         problems.extend(exc.problems)
         return None

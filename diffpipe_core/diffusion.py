@@ -1,4 +1,5 @@
-"""Shared diffusion maths: timestep sampling, shifts, flow-matching inputs and targets, masked MSE.
+"""Shared diffusion maths: timestep sampling, shifts, flow-matching inputs and targets, first-frame conditioning,
+the training loss.
 
 Plugins call these instead of re-implementing them.
 
@@ -10,9 +11,12 @@ expects diffusers' 0-1000 timesteps scales ``t`` in its own layers.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from diffpipe_core.types import TrainingContext
 
 TimestepMethod = Literal["logit_normal", "uniform"]
 
@@ -74,9 +78,80 @@ def flow_matching_pair(
     return x_t, noise - latents
 
 
+class FirstFrameConditioned(NamedTuple):
+    """What :func:`first_frame_conditioning` returns."""
+
+    x_t: torch.Tensor  # (B, C, F, H, W): the noisy latents, with a conditioned sample's first frame clean
+    frame_t: torch.Tensor  # (B, F): each latent frame's time, 0 on a conditioned first frame
+    weight: torch.Tensor  # (B, 1, F, H, W) float32 loss weight: 0 on a conditioned first frame, else 1
+    conditioned: torch.Tensor  # (B,) bool: which samples are conditioned
+
+
+def first_frame_conditioning(
+    latents: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, p: float, generator: torch.Generator,
+    evaluating: bool = False,
+) -> FirstFrameConditioned:
+    """Image-to-video training on a video model's own latents (LTX-Video's ``first_frame_conditioning_p``): with
+    probability ``p`` per sample, the first latent frame stays clean (``x_t`` there equals ``latents``, its time is 0)
+    and the loss ignores it, so the model learns to continue a given first frame.
+
+    ``latents`` and ``x_t`` are ``(B, C, F, H, W)`` (``x_t`` from :func:`flow_matching_pair`; not modified), ``t``
+    the ``(B,)`` times. Draws exactly one ``torch.rand(B, generator=generator)``, always, whatever ``p`` (so ``p``
+    does not change later draws): call it after drawing the noise and ``t``, as LTX-Video does. Nothing is
+    conditioned when ``evaluating`` (held-out data: ``context.eval_quantile is not None``) or for single-frame
+    latents (images). Multiply the loss mask by ``weight`` (:func:`masked_mse` takes it as the mask).
+    """
+    b, _, f, h, w = latents.shape
+    draw = torch.rand(b, generator=generator)
+    conditioned = (draw < p) & (f > 1) & (not evaluating)
+    x_t = x_t.clone()
+    x_t[conditioned, :, 0] = latents[conditioned, :, 0]  # t = 0 on that frame: exactly the clean latents
+    frame_t = t[:, None].repeat(1, f)
+    frame_t[conditioned, 0] = 0.0
+    weight = torch.ones(b, 1, f, h, w, device=latents.device)
+    weight[conditioned, :, 0] = 0.0
+    return FirstFrameConditioned(x_t, frame_t, weight, conditioned)
+
+
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared error in float32; with ``mask`` (broadcastable to ``pred``), a mask-weighted mean."""
     err = (pred.float() - target.float()) ** 2
+    if mask is None:
+        return err.mean()
+    mask = mask.float().expand_as(err)
+    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def training_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    context: TrainingContext | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss ``compute_loss`` returns: the run's elementwise loss in float32, mask-weighted like :func:`masked_mse`.
+
+    The elementwise loss is ``context.loss`` (run.toml's ``pseudo_huber_c``, ``huber_delta`` or ``smooth_l1_beta``;
+    squared error when none is set, or without a context, which is exactly :func:`masked_mse`). ``weights`` (one per
+    sample, e.g. min-SNR) scale each sample's elementwise loss before the mean.
+    """
+    import torch.nn.functional as F
+
+    settings = context.loss if context is not None else None
+    if weights is None and (settings is None or settings.is_mse):
+        return masked_mse(pred, target, mask)
+    pred, target = pred.float(), target.float()
+    if settings is None or settings.is_mse:
+        err = (pred - target) ** 2
+    elif settings.pseudo_huber_c is not None:
+        c = float(settings.pseudo_huber_c)
+        err = torch.sqrt((pred - target) ** 2 + c * c) - c
+    elif settings.huber_delta is not None:
+        err = F.huber_loss(pred, target, reduction="none", delta=float(settings.huber_delta))
+    else:
+        err = F.smooth_l1_loss(pred, target, reduction="none", beta=float(settings.smooth_l1_beta))
+    if weights is not None:
+        err = err * weights.to(err.device, torch.float32).view(-1, *([1] * (err.dim() - 1)))
     if mask is None:
         return err.mean()
     mask = mask.float().expand_as(err)

@@ -18,14 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from diffpipe_core.types import (
-    EncodeBatch,
-    ModelConfigBase,
-    ModelSpec,
-    ParameterGroup,
-    SampleRequest,
-    TrainingContext,
-)
+from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
 
 if TYPE_CHECKING:  # annotations only: the contract is imported by every command, torch only by those using it
     import torch
@@ -63,7 +56,10 @@ def load_encoders(model_config: ModelConfigBase, device: torch.device) -> Any:
     """*model* Load the VAE and text encoders from local files onto ``device``.
 
     Returns an opaque object that is handed back to :func:`encode_batch`; the core drops it (and
-    empties the device cache) before loading the diffusion model.
+    empties the device cache) before loading the diffusion model. :func:`encode_batch` gets no model config, so
+    whatever settings it needs (a token length, a prompt template) travel inside this object: the shared
+    ``diffpipe_core.parts.encoders.load_components`` returns an ``Encoders`` holding the components by folder
+    name and the ``[model]`` table as ``encoders.config``.
     """
 
 
@@ -74,7 +70,15 @@ def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
     A media batch (``batch.pixels`` set) returns latents and anything derived from the pixels
     (e.g. ``"latents"``, ``"time_ids"``); a caption batch (``batch.captions`` set) returns text
     tensors (e.g. ``"text_embeds"``, ``"pooled"``, ``"text_mask"``). Every tensor has the batch as
-    its first dimension; the core stores each sample's slice. Keys must not start with ``_``.
+    its first dimension; the core stores each sample's slice. Keys must not start with ``_``. There is no
+    ``model_config`` argument: read settings from ``encoders`` (``encoders.config`` for ``load_components``).
+
+    Conditioned models (see ``ModelSpec``) get three more kinds of input, each cached by content like the rest:
+    a batch of control images of edit pairs (``batch.control_index`` set: encode them as the target's latents
+    are, e.g. ``{"latents": vae(pixels)}``; they reach :func:`prepare_inputs` as ``control_<k>_latents``); the
+    first frames of video clips (``batch.first_frames`` beside ``batch.pixels``: return e.g.
+    ``"first_frame_latents"`` and image-encoder ``"image_embeds"`` with the clip's ``"latents"``); and, for a
+    vision-language text encoder, each caption's control images (``batch.control_pixels``).
     """
 
 
@@ -122,32 +126,38 @@ def prepare_inputs(
     micro-batch so that the first and last pipeline stages, which both call this hook, agree.
     ``model_inputs`` feed the first layer; ``loss_targets`` reach :func:`compute_loss`.
     Timestep sampling and flow-matching targets are in :mod:`diffpipe_core.diffusion`.
+
+    ``batch`` holds, stacked, every key :func:`encode_batch` returned for the samples' media and captions
+    (what it returned for a clip's first frame included). Edit pairs add the tensors of each control image
+    ``k`` as ``control_<k>_<key>`` (``diffpipe_core.types.control_key(k, key)``, e.g. ``control_0_latents``
+    ``(B, C, h, w)``); a micro-batch holds them for every sample or for none (items without control images are
+    batched apart), and all of one micro-batch's control images ``k`` have one size. First-frame conditioning on
+    the clip's own latents (LTX-Video's ``first_frame_conditioning_p``) is
+    :func:`diffpipe_core.diffusion.first_frame_conditioning`.
     """
 
 
 @hookspec(firstresult=True)
-def compute_loss(outputs: Tensors, targets: Tensors) -> torch.Tensor:
+def compute_loss(outputs: Tensors, targets: Tensors, context: TrainingContext) -> torch.Tensor:
     """*model* Scalar loss from the last layer's outputs and :func:`prepare_inputs`' targets.
 
-    Runs on the last pipeline stage for every micro-batch.
+    Runs on the last pipeline stage for every micro-batch. ``context`` is the run's :class:`TrainingContext`
+    (``context.loss``: run.toml's ``pseudo_huber_c``, ``huber_delta`` or ``smooth_l1_beta``); pass it to
+    :func:`diffpipe_core.diffusion.training_loss`, which applies the run's loss. Declaring ``context`` is optional
+    (pluggy passes only the arguments an implementation names), but a model whose ``compute_loss`` does not take it
+    cannot use those keys: ``diffpipe validate`` refuses them for it.
     """
 
 
 @hookspec(firstresult=True)
 def lora_targets(model_config: ModelConfigBase) -> list[str]:
-    """*model* Module names (regex suffixes accepted by peft's ``target_modules``) to adapt with LoRA.
+    """*model* The modules to adapt with LoRA: exact module names or dotted suffixes, not regexes.
 
+    peft's rule for a list of ``target_modules``: a module matches ``attn.to_q`` when its full name (as
+    ``named_modules`` gives it) is ``attn.to_q`` or ends with ``.attn.to_q``; ``to_q`` matches ``blocks.0.attn.to_q``
+    but not ``blocks.0.attn.add_to_q``. Leave out modules whose output nothing reaching the loss reads (the text
+    side of an MMDiT's last joint block): their LoRA would get no gradient, and the conformance kit names them.
     The user's ``[adapter] target_modules`` overrides this list.
-    """
-
-
-@hookspec(firstresult=True)
-def parameter_groups(model_config: ModelConfigBase) -> list[ParameterGroup]:
-    """*model, optional* Named groups of the trainable parameters, each with its own learning rate.
-
-    E.g. SDXL's ``unet``, ``text_encoder_1`` and ``text_encoder_2`` (``[model] unet_lr``, ...). A parameter goes to
-    the first group whose prefix its name starts with; parameters in no group, and groups without an ``lr``, train at
-    ``[optimizer] lr``. Without an implementation every parameter trains at ``[optimizer] lr``.
     """
 
 
@@ -160,7 +170,37 @@ def export_adapter(
 
     ``format`` is ``"diffusers"``, ``"comfyui"``, ``"kohya"`` or a plugin-specific name from
     ``[adapter] save_formats``. Return None for a format the plugin does not know. Without an
-    implementation the core writes diffusers/peft keys (``<prefix>.<key>``) with ``.alpha`` tensors.
+    implementation the core writes diffusers/peft keys (``<prefix>.<key>``) and no ``.alpha`` tensors: the
+    diffusers file carries alpha (and the rest of the LoRA config) in its safetensors metadata,
+    ``lora_adapter_metadata``, as diffusers' ``save_lora_weights`` writes it. Formats ComfyUI reads (kohya,
+    ``comfyui``) carry a scalar ``<module>.alpha`` tensor per module instead.
+    Called for LoRA only; a LoKr or LoHa is laid out by the core from :func:`adapter_key_names`.
+    """
+
+
+@hookspec(firstresult=True)
+def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
+    """*model, optional* Where a LoKr or LoHa goes in the ``format`` layout (``[adapter] type = "lokr"``/``"loha"``).
+
+    ``modules`` are the adapted modules' paths in the diffusion model (``transformer_blocks.0.attn.to_q``). Return
+    each one's key stem in ``format``, the name ComfyUI (or the format's tool) patches that module's weight under,
+    e.g. ``"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"`` (SDXL, kohya) or
+    ``"transformer.transformer_blocks.0.attn.to_q"`` (Flux: ComfyUI maps diffusers names into its fused ``qkv``).
+    The core writes ``<stem>.lokr_w1`` ... and ``<stem>.alpha`` (:mod:`diffpipe_core.adapter_kinds`); a LoKr or
+    LoHa cannot be fused, so a module with no stem of its own in the layout must raise a ValueError naming it.
+    Return None for a format the plugin does not write such adapters in. Without an implementation a LoKr/LoHa is
+    saved in the ``diffusers`` layout only (the core's, for every model).
+    """
+
+
+@hookspec(firstresult=True)
+def parameter_groups(model_config: ModelConfigBase) -> dict[str, list[str]]:
+    """*model, optional* Named parameter groups, for per-component learning rates (``[optimizer] group_lr``).
+
+    Maps each group name to regexes matched (``re.match``) against trainable parameter names of the diffusion
+    model as ``named_parameters`` gives them (``text_encoder_1\\.``); a parameter matching none joins the first
+    group. Called before anything is loaded (``diffpipe validate`` checks ``group_lr`` against it). Default: one
+    group, ``"model"``.
     """
 
 
@@ -223,9 +263,33 @@ def denoise_step(
     """*model, optional (sampling)* One step of the sampler: from ``schedule[index]`` to ``schedule[index + 1]``.
 
     ``prediction`` is the first tensor the last pipeline layer returned (float32, already combined by the core's
-    classifier-free guidance), for ``latents`` of batch size 1. Returns the next latents in the same layout.
+    classifier-free guidance or by :func:`combine_guidance`), for ``latents`` of batch size 1. Returns the next
+    latents in the same layout.
     Flow-matching models take an Euler step (:func:`diffpipe_core.sampling.schedules.flow_euler_step`); others
     follow their reference pipeline's scheduler.
+    """
+
+
+@hookspec(firstresult=True)
+def combine_guidance(
+    uncond: torch.Tensor,
+    cond: torch.Tensor,
+    scale: float,
+    schedule: torch.Tensor,
+    index: int,
+    model_config: ModelConfigBase,
+) -> torch.Tensor:
+    """*model, optional (sampling)* Combine the negative and the positive prediction of classifier-free guidance.
+
+    For a model whose pipeline does more than the plain combination under ``[sample] cfg > 1``. ``uncond`` and
+    ``cond`` are the two halves (batch 1 each, float32) of the first tensor the last pipeline layer returned, in
+    that layer's layout (packed tokens for a transformer that packs them); ``scale`` is ``cfg`` and
+    ``schedule[index]`` the current step. Returns the prediction :func:`denoise_step` gets. Without an
+    implementation the core computes ``uncond + scale * (cond - uncond)``. Qwen-Image's ``true_cfg_scale``, for
+    example, rescales that to the norm of ``cond`` over the last dimension:
+
+        combined = uncond + scale * (cond - uncond)
+        return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
     """
 
 
@@ -233,8 +297,12 @@ def denoise_step(
 def load_decoder(model_config: ModelConfigBase, device: torch.device) -> Any:
     """*model, optional (sampling)* Load only what turns latents into pixels (the VAE) onto ``device``.
 
-    Called on one rank at each sampling point; the core drops the object (and empties the device cache) right
-    after :func:`decode_latents`, so it is never resident while training.
+    Called once per run, on the rank that decodes (rank 0), with ``device`` the host (``cpu``) when the run has
+    an accelerator: the core keeps the object in host memory and moves the ``nn.Module`` s it finds in it (the
+    object itself, or inside a tuple, list, dict or its attributes) onto the accelerator only while
+    :func:`decode_latents` runs, so it is never on the accelerator while training. Tensors outside those modules
+    stay in host memory: move them in :func:`decode_latents`. An object holding no module is loaded onto the
+    accelerator at each sampling point and dropped right after decoding.
     """
 
 

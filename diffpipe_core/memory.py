@@ -153,12 +153,8 @@ class SwappedBlock(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> SwappedBlock:
         # Keep swapped weights out of module.to(device): PipelineModule and DeepSpeed move the whole stage to
         # the device, which would put every swapped block on the GPU at once.
-        held = [
-            (m, name, p)
-            for m in self.layer.modules()
-            for name, p in list(m._parameters.items())
-            if p is not None and any(p is q for q in self.swapper.blocks[self.index].params)
-        ]
+        held = [(m, name, p) for m in self.layer.modules() for name, p in list(m._parameters.items())
+                if p is not None and any(p is q for q in self.swapper.blocks[self.index].params)]
         for m, name, _ in held:
             del m._parameters[name]
         try:

@@ -145,6 +145,11 @@ class ModelPlugin:
         impls = getattr(self.registry.pm.hook, hook).get_hookimpls()
         return any(impl.plugin is self.info.module for impl in impls)
 
+    def takes(self, hook: str, argument: str) -> bool:
+        """Whether this model's implementation of ``hook`` declares ``argument`` (pluggy passes only those)."""
+        impls = getattr(self.registry.pm.hook, hook).get_hookimpls()
+        return any(impl.plugin is self.info.module and argument in impl.argnames for impl in impls)
+
     def call(self, hook: str, **kwargs: Any) -> Any:
         return self.registry.pm.subset_hook_caller(hook, self._exclude)(**kwargs)
 

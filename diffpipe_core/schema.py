@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,26 +74,32 @@ def _expected(cls: type[BaseModel], loc: tuple[Any, ...]) -> str | None:
     return describe_type(field.annotation)
 
 
+_PLURAL = {
+    "a table": "tables",
+    "an integer": "integers",
+    "a number": "numbers",
+    "a string": "strings",
+    "a path": "paths",
+    "a pair of integers": "pairs of integers",
+    "a pair of numbers": "pairs of numbers",
+}
+
+
 def describe_type(annotation: Any) -> str:
     """``Literal['a','b'] | None`` -> ``one of 'a', 'b' (or omit it)``, and so on."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         parts = [describe_type(a) for a in args if a is not type(None)]
         text = " or ".join(parts)
         return text + (" (or leave it out)" if type(None) in args else "")
+    if origin is tuple and len(args) == 2 and args[0] == args[1]:
+        return f"a pair of {_PLURAL.get(describe_type(args[0]), 'values')}"
     if origin in (list, tuple):
         inner = describe_type(args[0]) if args else "values"
-        plural = {
-            "a table": "tables",
-            "an integer": "integers",
-            "a number": "numbers",
-            "a string": "strings",
-            "a path": "paths",
-        }
-        return f"a list of {plural.get(inner, inner)}"
+        return f"a list of {_PLURAL.get(inner, inner)}"
     if origin is dict or annotation is dict:
         return "a table"
     if isinstance(annotation, type):
@@ -106,41 +113,108 @@ def describe_type(annotation: Any) -> str:
     return str(annotation)
 
 
-def format_errors(exc: ValidationError, cls: type[BaseModel], source: str, prefix: str = "") -> list[str]:
-    """Turn pydantic's errors into one line each: ``file: key.path: problem``."""
+KeyHint = Callable[[str, Any, "list[str]"], "str | None"]
+"""``(key path, value, valid keys of its table) -> sentence or None``: what to write instead of a key from another
+tool. The path has no list indices (``model.transformer_dtype``, ``directory.skip_empty_caption``)."""
+
+
+def _field_loc(cls: type[BaseModel], loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The part of a pydantic error location that names fields and list indices; what follows it are the tags of
+    union members (``('activation_checkpointing', 'bool')`` -> ``('activation_checkpointing',)``)."""
+    current: Any = cls
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            continue
+        model = _unwrap_model(current) if current is not cls else cls
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return loc[:i]
+        current = model.model_fields[part].annotation
+    return loc
+
+
+def _key_text(prefix: str, loc: tuple[Any, ...]) -> str:
+    key = prefix + ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+    return key.rstrip(".") or "(top level)"
+
+
+def format_errors(
+    exc: ValidationError, cls: type[BaseModel], source: str, prefix: str = "", hints: KeyHint | None = None
+) -> list[str]:
+    """Turn pydantic's errors into one line each: ``file: key.path: problem``.
+
+    An unknown key that ``hints`` knows (another tool's name for something) gets the hint instead of a spelling
+    guess; the valid keys of a table are listed once, with its first unknown key that has no hint. The errors of
+    a union's members (``bool | Literal['offload']``) become one line for the key.
+    """
     problems = []
+    listed: set[tuple[Any, ...]] = set()
+    seen_union: set[tuple[Any, ...]] = set()
     for err in exc.errors():
         loc = tuple(err["loc"])
-        key = prefix + ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
-        key = key.rstrip(".") or "(top level)"
         kind = err["type"]
+        if kind != "extra_forbidden":
+            field_loc = _field_loc(cls, loc)
+            if field_loc != loc:  # one of a union's members: report the key once
+                if field_loc in seen_union:
+                    continue
+                seen_union.add(field_loc)
+                loc, kind = field_loc, "union"
+        key = _key_text(prefix, loc)
+        path = prefix + ".".join(str(p) for p in loc if not isinstance(p, int))
         if kind == "extra_forbidden":
             parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
             valid = sorted(parent.model_fields) if parent else []
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            msg = f"unknown key {str(loc[-1])!r}.{hint} Valid keys here: {', '.join(valid)}"
+            hint = hints(path, err.get("input"), valid) if hints else None
+            if hint:
+                msg = hint
+            else:
+                close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+                msg = f"unknown key {str(loc[-1])!r}." + (f" Did you mean {close[0]!r}?" if close else "")
+                table = loc[:-1]
+                if table not in listed:
+                    listed.add(table)
+                    msg += f" Valid keys here: {', '.join(valid)}"
+                else:
+                    msg += " (valid keys listed above)"
         elif kind == "missing":
             msg = "required key is missing"
             expected = _expected(cls, loc)
             if expected:
                 msg += f" (expected {expected})"
+        elif kind == "union":
+            value = err.get("input")
+            msg = f"invalid value {value!r}"
+            expected = _expected(cls, loc)
+            if expected:
+                msg += f": expected {expected}"
         else:
             value = err.get("input")
             expected = _expected(cls, loc)
             msg = f"{err['msg']}" if kind == "value_error" and not loc else f"invalid value {value!r}: {err['msg']}"
             if expected and kind not in ("value_error", "assertion_error"):
                 msg += f" (expected {expected})"
+        if kind != "extra_forbidden" and hints and loc:
+            parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
+            hint = hints(path, err.get("input"), sorted(parent.model_fields) if parent else [])
+            if hint:
+                msg += f". {hint}"
         problems.append(f"{source}: {key}: {msg}")
     return problems
 
 
-def validate(cls: type[M], data: dict[str, Any], source: str, prefix: str = "", context: Any = None) -> M:
-    """Validate ``data`` against ``cls``; raise ConfigError listing every problem."""
+def validate(
+    cls: type[M],
+    data: dict[str, Any],
+    source: str,
+    prefix: str = "",
+    context: Any = None,
+    hints: KeyHint | None = None,
+) -> M:
+    """Validate ``data`` against ``cls``; raise ConfigError listing every problem (see :func:`format_errors`)."""
     try:
         return cls.model_validate(data, context=context)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, cls, source, prefix)) from None
+        raise ConfigError(format_errors(exc, cls, source, prefix, hints)) from None
 
 
 def reference_markdown(cls: type[BaseModel], heading: str, table: str = "") -> str:

@@ -53,6 +53,27 @@ class ModelSpec:
             is always written. ``diffpipe validate`` and the start of ``train`` refuse any other name.
         model_formats: full fine-tune formats ``save_model_formats`` may name (what ``export_model`` writes).
         description: one line shown by ``diffpipe models``.
+        control_images: whether the model trains on edit pairs (a target image plus control images, from
+            ``[[directory]] control_path``): ``"none"`` (a dataset with ``control_path`` is an error),
+            ``"optional"`` (items with and without control images train side by side, in separate micro-batches)
+            or ``"required"`` (every ``[[directory]]`` needs a ``control_path``). Control images are encoded by
+            ``encode_batch`` (``EncodeBatch.control_index`` set) and reach ``prepare_inputs`` as
+            ``control_<k>_<key>`` beside the target's keys.
+        max_control_images: how many control images (``control_path`` folders) an item may have.
+        control_size: the pixel size a control image is decoded at: ``"target"`` (resized and center-cropped to the
+            target's bucket, as diffusion-pipe does; Flux Kontext) or ``"own"`` (its own aspect-ratio bucket at the
+            target's resolution, by the directory's bucketing keys; Qwen-Image-Edit, Flux 2 reference images).
+        control_in_captions: the model's text encoder looks at the control images (a vision-language encoder:
+            Qwen-Image-Edit). Caption batches of items with control images then carry them
+            (``EncodeBatch.control_pixels``) and are cached per caption and control images.
+        first_frame: image-to-video conditioning on each clip's first frame: ``"none"``; ``"optional"`` (video
+            batches carry ``EncodeBatch.first_frames``, image items train as before); ``"required"`` (an
+            image-to-video-only model: an image in its dataset is an error naming the file). What ``encode_batch``
+            returns for the first frame (image latents, image-encoder embeddings, or both) is cached with the clip.
+        contract: the plugin contract version the plugin is written against and needs
+            (``diffpipe_core.CONTRACT_VERSION`` when it was written; ``CHANGELOG.md`` lists the versions). A core
+            implementing an older contract refuses the plugin by name, saying which version it needs, instead of
+            failing somewhere inside a hook.
     """
 
     name: str
@@ -69,6 +90,25 @@ class ModelSpec:
     adapter_formats: tuple[str, ...] = ("diffusers",)
     model_formats: tuple[str, ...] = ()
     description: str = ""
+    control_images: Literal["none", "optional", "required"] = "none"
+    max_control_images: int = 1
+    control_size: Literal["target", "own"] = "target"
+    control_in_captions: bool = False
+    first_frame: Literal["none", "optional", "required"] = "none"
+    contract: int = 1
+
+    def __post_init__(self) -> None:
+        choices = {"control_images": ("none", "optional", "required"), "control_size": ("target", "own"),
+                   "first_frame": ("none", "optional", "required")}
+        for key, valid in choices.items():
+            if getattr(self, key) not in valid:
+                raise ValueError(f"ModelSpec {self.name!r}: {key} is {getattr(self, key)!r}; valid: "
+                                 + ", ".join(map(repr, valid)))
+        if self.max_control_images < 1:
+            raise ValueError(f"ModelSpec {self.name!r}: max_control_images must be at least 1")
+        if self.first_frame != "none" and self.modality != "video":
+            raise ValueError(f"ModelSpec {self.name!r}: first_frame conditioning is for video models "
+                             f"(modality is {self.modality!r})")
 
 
 @dataclass
@@ -77,6 +117,7 @@ class EncodeBatch:
 
     The core encodes media and captions in separate calls so that each is cached (and invalidated)
     on its own: a media batch has ``pixels`` set and ``captions`` None, a caption batch the reverse.
+    Control images of edit pairs come in media batches of their own, marked by ``control_index``.
 
     A batch is bucket-homogeneous: every sample has the same shape, so the batch is all images or all
     videos of one frame count. A video model gets both kinds and must encode both.
@@ -91,6 +132,19 @@ class EncodeBatch:
             dataset has no ``mask_path``. Always 4-D, also for videos: one mask for every frame.
         original_sizes / crop_coords: per-sample ``(h, w)`` before resizing and the crop's top-left,
             for models with micro-conditioning (SDXL's time_ids).
+        control_index: set (0, 1, ...) for a batch of control images: ``pixels`` ``(B, 3, H, W)`` are the
+            ``control_index``-th control image of their targets (``control_path`` folder number
+            ``control_index``), at the size ``ModelSpec.control_size`` gives; ``masks`` is None. Return the tensors
+            ``prepare_inputs`` needs of a control image (usually the same VAE latents, normalised as the target's:
+            ``{"latents": ...}``); each key ``name`` reaches ``prepare_inputs`` as ``control_<k>_<name>``
+            (:func:`control_key`). None for target media and caption batches.
+        first_frames: ``(B, 3, H, W)`` in [-1, 1], each clip's first frame at the clip's size, in a video batch of
+            a model with ``ModelSpec.first_frame`` set (None for image batches and other models). Return what the
+            model is conditioned on (e.g. ``"first_frame_latents"``, ``"image_embeds"`` from an image encoder)
+            beside the clip's ``"latents"``: it is cached with the clip.
+        control_pixels: in a caption batch of a model with ``ModelSpec.control_in_captions``: per caption the
+            tuple of its item's control images, each ``(3, H, W)`` in [-1, 1] at its control size (an empty tuple
+            for a caption without control images, such as the empty prompt of caption dropout). None otherwise.
     """
 
     pixels: torch.Tensor | None = None
@@ -98,11 +152,41 @@ class EncodeBatch:
     masks: torch.Tensor | None = None
     original_sizes: list[tuple[int, int]] | None = None
     crop_coords: list[tuple[int, int]] | None = None
+    control_index: int | None = None
+    first_frames: torch.Tensor | None = None
+    control_pixels: list[tuple[torch.Tensor, ...]] | None = None
+
+
+def control_key(index: int, name: str) -> str:
+    """The batch key under which ``prepare_inputs`` finds tensor ``name`` of an item's ``index``-th control image:
+    ``control_key(0, "latents") == "control_0_latents"``. A micro-batch holds either every item's control tensors
+    or none (items without control images are batched apart)."""
+    return f"control_{index}_{name}"
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The elementwise loss run.toml chooses (at most one is set; none: squared error), which
+    :func:`diffpipe_core.diffusion.training_loss` applies.
+
+    Attributes:
+        pseudo_huber_c: pseudo-Huber ``sqrt(d^2 + c^2) - c`` (diffusion-pipe's ``pseudo_huber_c``).
+        huber_delta: Huber with this delta (``torch.nn.functional.huber_loss``).
+        smooth_l1_beta: smooth L1 with this beta (``torch.nn.functional.smooth_l1_loss``).
+    """
+
+    pseudo_huber_c: float | None = None
+    huber_delta: float | None = None
+    smooth_l1_beta: float | None = None
+
+    @property
+    def is_mse(self) -> bool:
+        return self.pseudo_huber_c is None and self.huber_delta is None and self.smooth_l1_beta is None
 
 
 @dataclass
 class TrainingContext:
-    """Facts about the run that ``prepare_inputs`` may use.
+    """Facts about the run that ``prepare_inputs`` and ``compute_loss`` may use.
 
     Attributes:
         model_config: the run's validated ``[model]`` table (an instance of the plugin's ``config_schema``).
@@ -110,6 +194,8 @@ class TrainingContext:
         eval_quantile: set while evaluating held-out data: use that quantile of the timestep distribution
             for every sample instead of sampling
             (``diffpipe_core.diffusion.sample_timesteps(..., quantile=context.eval_quantile)`` does it).
+        loss: the run's elementwise loss; ``compute_loss`` passes the context to
+            :func:`diffpipe_core.diffusion.training_loss`, which applies it.
         extra: empty in this version: room for values a later core or a wrapper plugin adds without a
             contract change; don't rely on a key being present.
     """
@@ -117,6 +203,7 @@ class TrainingContext:
     model_config: ModelConfigBase
     step: int = 0
     eval_quantile: float | None = None
+    loss: LossSettings = field(default_factory=LossSettings)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,21 +224,3 @@ class SampleRequest:
     frames: int = 1
     steps: int = 20
     guidance: float | None = None
-
-
-@dataclass(frozen=True)
-class ParameterGroup:
-    """A named share of the trainable parameters with its own learning rate (the ``parameter_groups`` hook).
-
-    Attributes:
-        name: the group's name (``"text_encoder_1"``), for messages.
-        prefixes: parameter-name prefixes of the diffusion model (its ``named_parameters`` names, LoRA weights
-            included) that belong to the group; a parameter goes to the first group with a matching prefix, and
-            ``""`` matches every parameter.
-        lr: the group's peak learning rate (the LR schedule scales it like ``[optimizer] lr``); None: ``[optimizer]
-            lr``.
-    """
-
-    name: str
-    prefixes: tuple[str, ...]
-    lr: float | None = None

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install diffpipe-core, the model plugins (reference, flux, sdxl, hunyuan, ltx, cosmos) and the dev tools.
+# Create .venv (once) and install diffpipe-core (with its wandb extra), the model plugins (reference, flux, sdxl,
+# hunyuan, ltx, cosmos), the optimizers plugin (prodigy, schedule-free) and the dev tools.
 # torch is pinned here, not in the packages: CI and these CPU machines use the 2.13.0 CPU build;
 # on a GPU machine keep your own CUDA torch (set DIFFPIPE_TORCH to the spec you want, or "skip").
 # pip's and the build backends' own output goes to $VENV/setup.log (shown on failure; DIFFPIPE_VERBOSE=1 shows it).
@@ -28,6 +29,6 @@ fi
 # compat editable mode puts each plugin's src/ on sys.path, so the distribution folders of the same name
 # (diffpipe_flux/ holding src/diffpipe_flux/) never shadow the packages when run from the repo root
 pip_quietly install --config-settings editable_mode=compat \
-  -e ".[dev]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
-  -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos
+  -e ".[dev,wandb]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
+  -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers
 echo "diffpipe: environment ready in $VENV"

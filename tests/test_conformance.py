@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,27 @@ def test_kit_catches_unseeded_randomness(tmp_path: Path) -> None:
             pixels=torch.rand(2, 3, 32, 32) * 2 - 1,
             captions=["a", "b"],
         )
+
+
+class FixedSizeSampler(UnseededNoise):
+    """The reference model, but its sampling noise is always 64x64 pixels' worth, whatever the request says."""
+
+    prepare_inputs = staticmethod(reference.prepare_inputs)
+    denoise_inputs = staticmethod(reference.denoise_inputs)
+    denoise_step = staticmethod(reference.denoise_step)
+    load_decoder = staticmethod(reference.load_decoder)
+    decode_latents = staticmethod(reference.decode_latents)
+
+    @hookimpl
+    def denoise_init(self, request, model_config, generator):
+        return reference.denoise_init(dataclasses.replace(request, width=64, height=64), model_config, generator)
+
+
+def test_kit_checks_the_sample_size(tmp_path: Path) -> None:
+    """A plugin that declares sampling must produce the requested size (and, for videos, frame count)."""
+    write_tiny_model(tmp_path / "m")
+    table = {"type": "reference", "path": tmp_path / "m"}
+    pixels = torch.rand(2, 3, 32, 48) * 2 - 1
+    with pytest.raises(AssertionError, match=r"sampling \(48x32, 1 frame\): decode_latents gave a sample of shape "
+                       r"\(3, 64, 64\); the request needs \(3, 32, 48\)"):
+        check_model_plugin(FixedSizeSampler(), "reference", table, pixels=pixels, captions=["a", "b"])

@@ -189,3 +189,48 @@ def test_start_builds_no_op_and_a_needed_build_names_its_stale_lock(tmp_path: Pa
     assert patched.split()[1] == "None", patched
     built = sorted(p.relative_to(ext).as_posix() for p in ext.rglob("*"))
     assert built == ["deepspeed_shm_comm", "deepspeed_shm_comm/lock"], built
+
+
+def test_compiled_layers_survive_the_per_output_backward_of_a_stage() -> None:
+    """Patch 7: DeepSpeed's non-last stages run backward per output tensor with retain_graph=True; a compiled
+    layer's backward refuses that (once buckets of another shape made it recompile dynamic) until buffer donation
+    is off. In-process, the same calls DeepSpeed makes."""
+    import inspect
+
+    import torch._dynamo
+    import torch._functorch.config
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from diffpipe_core.engine.ds_patches import keep_compiled_backward_buffers
+
+    assert "retain_graph=(i < len(out_tensors) - 1)" in inspect.getsource(PipelineEngine._exec_backward_pass)
+
+    def stage_backward() -> None:
+        layer = nn_layer()
+        layer.compile(backend="aot_eager")
+        for batch in (2, 3):  # a second bucket shape: the dynamic-shape recompile saves donated buffers
+            outputs = layer(torch.randn(batch, 4, requires_grad=True))
+        for i, out in enumerate(outputs):  # PipelineEngine._exec_backward_pass, for a tuple of outputs
+            out.backward(gradient=torch.ones_like(out), retain_graph=i < len(outputs) - 1)
+
+    with torch._functorch.config.patch(donated_buffer=True):
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="donated buffers"):
+            stage_backward()
+        keep_compiled_backward_buffers()
+        torch._dynamo.reset()
+        stage_backward()
+    torch._dynamo.reset()
+
+
+def nn_layer() -> torch.nn.Module:
+    class TwoOutputs(torch.nn.Module):  # like an embedder returning hidden states and conditioning
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.tanh(self.proj(x))
+            return h * 2, h.sum(-1)
+
+    return TwoOutputs()

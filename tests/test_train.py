@@ -164,7 +164,9 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     # the eval set is the training set here, so held-out loss must fall as the model overfits
     assert evals[16]["held/loss"] < evals[8]["held/loss"]
     samples = sorted(p.name for p in (run / "samples" / "step-0000016").iterdir())
-    assert samples == ["00-one.png", "01-two.png", "02-three.png", "latents.safetensors", "prompts.json"]
+    assert samples == [
+        "00-one.png", "01-two.png", "02-three.png", "contact-sheet.png", "latents.safetensors", "prompts.json"
+    ]
 
 
 def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:

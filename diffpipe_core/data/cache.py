@@ -7,6 +7,7 @@ Layout under ``DatasetConfig.cache_dir``::
         <fingerprint[:16]>/             one folder per encoder fingerprint (plugin, version, settings)
             media/<shard>/              latents etc., one shard per few batches of one bucket
             captions/<shard>/           text embeddings
+            controls/<shard>/           what encode_batch returned for control images (edit pairs)
             failed/<rank>-<id>.json     media that failed to decode (skipped until its content changes)
 
 Every entry is keyed by content (see :mod:`diffpipe_core.data.cache_keys`); an entry whose inputs
@@ -35,19 +36,29 @@ import torch
 from tqdm.auto import tqdm
 
 from diffpipe_core.data.cache_encode import (
+    CaptionWork,
     MediaWork,
     ShardBuffer,
+    control_work,
     decoded_batches,
     encode_captions,
+    encode_captions_with_controls,
     encode_media,
 )
 from diffpipe_core.data.cache_fresh import plan_digest
-from diffpipe_core.data.cache_keys import caption_key, encoder_fingerprint, mask_content_key, media_key
+from diffpipe_core.data.cache_keys import (
+    caption_key,
+    control_key,
+    encoder_fingerprint,
+    mask_content_key,
+    media_key,
+)
 from diffpipe_core.data.cache_lock import gate, in_use, other_users, take_lease
 from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
 from diffpipe_core.data.items import Bucket, MediaItem
 from diffpipe_core.data.scan_index import gc_paused
 from diffpipe_core.types import ModelConfigBase
+from diffpipe_core.types import control_key as control_batch_key
 
 log = logging.getLogger("diffpipe.data")
 
@@ -61,13 +72,21 @@ class CacheError(Exception):
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """One dataset item as the cache sees it."""
+    """One dataset item as the cache sees it. ``control_keys`` and ``controls`` (their sizes) are its control
+    images, in order; items are batched by bucket and control sizes (:attr:`group`)."""
 
     id: str
     bucket: Bucket
     repeats: int
     media_key: str
     caption_keys: tuple[str, ...]
+    control_keys: tuple[str, ...] = ()
+    controls: tuple[Bucket, ...] = ()
+
+    @property
+    def group(self) -> tuple[Bucket, tuple[Bucket, ...]]:
+        """What samples of one micro-batch share: the bucket and the control images' sizes."""
+        return self.bucket, self.controls
 
 
 def caption_variants(item: MediaItem) -> tuple[str, ...]:
@@ -85,47 +104,47 @@ class CachedDataset:
     """Cached samples of one dataset, indexed ``0 .. len-1`` with ``num_repeats`` expanded.
 
     ``collate`` stacks the cached tensors of a list of indices from one bucket; ``groups`` lists the
-    indices per bucket for :class:`~diffpipe_core.data.sampler.BucketSampler`. Tensors are memory-mapped.
+    indices per bucket (and control image sizes) for :class:`~diffpipe_core.data.sampler.BucketSampler`. Tensors
+    are memory-mapped.
     """
 
-    def __init__(
-        self,
-        entries: list[CacheEntry],
-        fp_dir: Path,
-        uncond_fraction: float,
-        empty_caption_key: str | None,
-        summary: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, entries: list[CacheEntry], fp_dir: Path, uncond_fraction: float,
+                 empty_caption_key: str | None, summary: dict[str, Any] | None = None) -> None:
         self.entries = entries
         self.uncond_fraction = float(uncond_fraction)
         self.summary: dict[str, Any] = summary or {}
         self._media_shards = list_shards(fp_dir / "media")
         self._caption_shards = list_shards(fp_dir / "captions")
         media_loc = _locate(self._media_shards, {e.media_key for e in entries})
-        caption_loc = _locate(
-            self._caption_shards, {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None})
-        )
-        missing = [
-            e.id for e in entries if e.media_key not in media_loc or any(k not in caption_loc for k in e.caption_keys)
-        ]
+        caption_loc = _locate(self._caption_shards,
+                              {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None}))
+        with_controls = [e for e in entries if e.control_keys]
+        self._control_shards = list_shards(fp_dir / "controls") if with_controls else []
+        control_loc = _locate(self._control_shards, {k for e in with_controls for k in e.control_keys})
+        missing = [e.id for e in entries if e.media_key not in media_loc
+                   or any(k not in caption_loc for k in e.caption_keys)
+                   or any(k not in control_loc for k in e.control_keys)]
         if missing:
             raise CacheError(
                 f"the cache in {fp_dir} lacks entries for {len(missing)} item(s), e.g. {', '.join(missing[:5])}; "
                 "run caching again (without trust_cache), or with regenerate to rebuild it"
             )
         if self.uncond_fraction > 0 and (empty_caption_key is None or empty_caption_key not in caption_loc):
-            raise CacheError(
-                f"the cache in {fp_dir} has no empty-prompt embedding for uncond_fraction="
-                f"{self.uncond_fraction}; run caching again without trust_cache"
-            )
+            raise CacheError(f"the cache in {fp_dir} has no empty-prompt embedding for uncond_fraction="
+                             f"{self.uncond_fraction}; run caching again without trust_cache")
         clash = _columns(self._media_shards) & _columns(self._caption_shards)
         if clash:
-            raise CacheError(
-                f"encode_batch returned the same key(s) {sorted(clash)} for media and captions; "
-                "a plugin must name them differently"
-            )
+            raise CacheError(f"encode_batch returned the same key(s) {sorted(clash)} for media and captions; "
+                             "a plugin must name them differently")
+        most = max((len(e.control_keys) for e in with_controls), default=0)
+        named = {control_batch_key(k, c) for k in range(most) for c in _columns(self._control_shards)}
+        clash = named & (_columns(self._media_shards) | _columns(self._caption_shards))
+        if clash:
+            raise CacheError(f"encode_batch returned key(s) {sorted(clash)} for media or captions, which is how "
+                             "control images' tensors are named; a plugin must name them differently")
         self._media = np.array([media_loc[e.media_key] for e in entries], dtype=np.int64).reshape(-1, 2)
         self._captions = [tuple(caption_loc[k] for k in e.caption_keys) for e in entries]
+        self._controls = [tuple(control_loc[k] for k in e.control_keys) for e in entries]
         self._empty = caption_loc.get(empty_caption_key) if empty_caption_key is not None else None
         repeats = np.array([e.repeats for e in entries], dtype=np.int64)
         self._item_of = np.repeat(np.arange(len(entries)), repeats)
@@ -134,11 +153,11 @@ class CachedDataset:
         return len(self._item_of)
 
     def groups(self) -> list[list[int]]:
-        """Sample indices per bucket (buckets sorted, indices ascending)."""
-        by_bucket: dict[Bucket, list[int]] = {}
+        """Sample indices per bucket and control image sizes (sorted; indices ascending)."""
+        by_group: dict[tuple, list[int]] = {}
         for index, item in enumerate(self._item_of.tolist()):
-            by_bucket.setdefault(self.entries[item].bucket, []).append(index)
-        return [by_bucket[b] for b in sorted(by_bucket)]
+            by_group.setdefault(self.entries[item].group, []).append(index)
+        return [by_group[g] for g in sorted(by_group)]
 
     def bucket_of(self, index: int) -> Bucket:
         return self.entries[int(self._item_of[index])].bucket
@@ -148,7 +167,8 @@ class CachedDataset:
         return [self.entries[int(self._item_of[i])].id for i in indices]
 
     def collate(self, indices: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Stacked tensors of the given samples: every media and caption key the plugin returned.
+        """Stacked tensors of the given samples: every media and caption key the plugin returned, and the tensors
+        of the ``k``-th control image as ``control_<k>_<key>`` (:func:`diffpipe_core.types.control_key`).
 
         Random choices (caption dropout with probability ``uncond_fraction``, and which cached caption
         variant) come from ``generator``, two uniform draws per sample whatever the data, so equal
@@ -160,12 +180,11 @@ class CachedDataset:
         drop = torch.rand(n, generator=generator) < self.uncond_fraction
         pick = torch.rand(n, generator=generator)
         items = [int(self._item_of[i]) for i in indices]
-        buckets = {self.entries[i].bucket for i in items}
-        if len(buckets) > 1:
-            raise ValueError(
-                f"collate: samples from {len(buckets)} buckets ({', '.join(map(str, sorted(buckets)))}) "
-                f"cannot be stacked: {', '.join(self.sample_ids(indices))}"
-            )
+        groups = {self.entries[i].group for i in items}
+        if len(groups) > 1:
+            shown = ", ".join(str(b) + "".join(f"+control {c}" for c in cs) for b, cs in sorted(groups))
+            raise ValueError(f"collate: samples from {len(groups)} buckets ({shown}) "
+                             f"cannot be stacked: {', '.join(self.sample_ids(indices))}")
         media = [tuple(self._media[i]) for i in items]
         captions = []
         for j, i in enumerate(items):
@@ -176,6 +195,9 @@ class CachedDataset:
                 captions.append(options[min(int(pick[j] * len(options)), len(options) - 1)])
         out = _gather(self._media_shards, media, self.sample_ids(indices))
         out.update(_gather(self._caption_shards, captions, self.sample_ids(indices)))
+        for k in range(len(self._controls[items[0]])):
+            part = _gather(self._control_shards, [self._controls[i][k] for i in items], self.sample_ids(indices))
+            out.update({control_batch_key(k, name): tensor for name, tensor in part.items()})
         return out
 
 
@@ -269,9 +291,8 @@ def prepare_cache(
     wrong = model_file_problems(plugin, model_config)
     if wrong:  # before anything is encoded with encoders built from the wrong files
         raise CacheError("the model files do not fit model " + repr(plugin.name) + ":\n  " + "\n  ".join(wrong))
-    fingerprint = encoder_fingerprint(
-        plugin.name, plugin.version, model_config, tuple(spec.encoder_settings), strict=strict
-    )
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings),
+                                      strict=strict)
     root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
     fp_dir = root / fingerprint[:16]
     index_path = root / "index.json"
@@ -284,15 +305,8 @@ def prepare_cache(
         index = _read_index(index_path, fingerprint)
         if index is not None:
             entries = index["entries"]
-            summary = _summary(
-                entries,
-                0,
-                0,
-                len({e.media_key for e in entries}),
-                len({k for e in entries for k in e.caption_keys}),
-                index["skipped"],
-                start,
-            )
+            summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                               len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
             try:
                 dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
             except CacheError as exc:
@@ -315,10 +329,8 @@ def prepare_cache(
                     take_lease(fp_dir)
         barrier()
         if busy:
-            raise CacheError(
-                f"{fp_dir} is in use by another process ({', '.join(busy)}); regenerating would "
-                "delete its cache. Wait for it to finish, or run without regenerate"
-            )
+            raise CacheError(f"{fp_dir} is in use by another process ({', '.join(busy)}); regenerating would "
+                             "delete its cache. Wait for it to finish, or run without regenerate")
 
     # -- plan: the same on every rank, made before any rank writes
     from diffpipe_core.data.scan import scan_dataset
@@ -329,11 +341,8 @@ def prepare_cache(
     if rank == 0:
         barrier()
     plan = plan_digest(scan, fingerprint, strict, empty_key)
-    fresh = (
-        None
-        if regenerate or prune
-        else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction, empty_key, start)
-    )
+    fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
+                                                             empty_key, start)
     if fresh is not None:  # nothing changed since the index was written (the same on every rank)
         for _ in range(3):  # as many barriers as the caching path below, so that ranks stay in step regardless
             barrier()
@@ -342,45 +351,48 @@ def prepare_cache(
     use_masks = any(item.mask_path is not None for item in scan.items)
     entries: list[CacheEntry] = []
     first_item: dict[str, MediaItem] = {}
+    first_control: dict[str, tuple[MediaItem, int]] = {}  # control key -> (a target that has it, its number)
     texts: dict[str, str] = {}
+    seen_by_caption: dict[str, tuple[str, ...]] = {}  # caption key -> the control keys its encoding sees
     for item in scan.items:
-        key = media_key(item, mask_content_key(item, use_masks, strict), fingerprint)
+        key = media_key(item, mask_content_key(item, use_masks, strict), fingerprint, spec.first_frame != "none")
         first_item.setdefault(key, item)
+        controls = tuple(control_key(c, k, fingerprint) for k, c in enumerate(item.controls))
+        for k, ck in enumerate(controls):
+            first_control.setdefault(ck, (item, k))
+        seen = controls if spec.control_in_captions else ()
         variants = caption_variants(item)
-        keys = tuple(caption_key(t, fingerprint) for t in variants)
+        keys = tuple(caption_key(t, fingerprint, seen) for t in variants)
         texts.update(zip(keys, variants))
-        entries.append(CacheEntry(item.id, item.bucket, item.repeats, key, keys))
+        seen_by_caption.update(dict.fromkeys(keys, seen) if seen else {})
+        entries.append(CacheEntry(item.id, item.bucket, item.repeats, key, keys, controls,
+                                  tuple(c.bucket for c in item.controls)))
     if empty_key is not None:
         texts[empty_key] = ""
 
     cached_media = {k for shard in list_shards(fp_dir / "media") for k in shard.keys}
     cached_captions = {k for shard in list_shards(fp_dir / "captions") for k in shard.keys}
+    cached_controls = {k for shard in list_shards(fp_dir / "controls") for k in shard.keys} if first_control else set()
     failed = _read_failures(fp_dir / "failed")
     todo_media = [k for k in first_item if k not in cached_media and k not in failed]
     known_bad = sum(1 for k in first_item if k in failed)  # failed before, content unchanged: not retried
     todo_captions = [k for k in texts if k not in cached_captions]
+    todo_controls = [k for k in first_control if k not in cached_controls and k not in failed]
     barrier()
 
     # -- encode this rank's share
     my_media = [MediaWork(k, first_item[k]) for k in todo_media[rank::world_size]]
+    my_controls = [control_work(k, *first_control[k]) for k in todo_controls[rank::world_size]]
     my_captions = todo_captions[rank::world_size]
+    caption_work = None
+    if spec.control_in_captions:  # caption batches carry their items' control images
+        caption_work = [CaptionWork(k, texts[k], tuple(control_work(c, *first_control[c])
+                                                       for c in seen_by_caption.get(k, ()))) for k in my_captions]
     encoded_media, new_failures = 0, []
-    if my_media or my_captions:
+    if my_media or my_captions or my_controls:
         encoded_media, new_failures = _encode_share(
-            plugin,
-            model_config,
-            spec,
-            fp_dir,
-            rank,
-            my_media,
-            my_captions,
-            texts,
-            use_masks,
-            device,
-            batch_size,
-            shard_batches,
-            _workers(decode_workers),
-            show,
+            plugin, model_config, spec, fp_dir, rank, my_media, my_captions, texts, use_masks, device,
+            batch_size, shard_batches, _workers(decode_workers), show, my_controls, caption_work,
         )
     barrier()
 
@@ -388,10 +400,16 @@ def prepare_cache(
     failed = _read_failures(fp_dir / "failed")
     skipped = [(str(s.path), s.reason) for s in scan.skipped]
     skipped += [(str(first_item[k].path), failed[k]) for k in first_item if k in failed]
-    entries = [e for e in entries if e.media_key not in failed]
+    for item, entry in zip(scan.items, entries):  # a control image that failed to decode leaves its target out
+        bad = [k for k in entry.control_keys if k in failed]
+        if bad and entry.media_key not in failed:
+            reason = f"unreadable control: {failed[bad[0]]}"
+            if (str(item.path), reason) not in skipped:
+                skipped.append((str(item.path), reason))
+    entries = [e for e in entries if e.media_key not in failed and not any(k in failed for k in e.control_keys)]
     pruned: list[str] = []
     if rank == 0:
-        pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune)
+        pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune, set(first_control))
         _write_index(index_path, fingerprint, entries, skipped, plan)
     barrier()
     if not entries:
@@ -401,6 +419,9 @@ def prepare_cache(
     summary = _summary(entries, encoded_media, len(my_captions), reused_media, reused_captions, skipped, start)
     summary["encoded_media_all_ranks"] = len(todo_media) - len([k for k in todo_media if k in failed])
     summary["encoded_captions_all_ranks"] = len(todo_captions)
+    summary["encoded_controls"] = len(todo_controls) - len([k for k in todo_controls if k in failed])
+    summary["reused_controls"] = len(first_control) - len(todo_controls) - sum(
+        1 for k in first_control if k in failed and k not in todo_controls)
     summary["decode_failures"] = len(new_failures)
     summary["pruned"], summary["prune"] = pruned, prune
     dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
@@ -418,62 +439,47 @@ def _workers(requested: int | None) -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
-def _encode_share(
-    plugin: Any,
-    model_config: ModelConfigBase,
-    spec: Any,
-    fp_dir: Path,
-    rank: int,
-    my_media: list[MediaWork],
-    my_captions: list[str],
-    texts: dict[str, str],
-    use_masks: bool,
-    device: torch.device,
-    batch_size: int,
-    shard_batches: int,
-    workers: int,
-    show: bool,
-) -> tuple[int, list[tuple[MediaWork, str]]]:
-    """Load the encoders, encode captions then media, write failures; always free the encoders."""
+def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir: Path, rank: int,
+                  my_media: list[MediaWork], my_captions: list[str], texts: dict[str, str], use_masks: bool,
+                  device: torch.device, batch_size: int, shard_batches: int, workers: int,
+                  show: bool, my_controls: list[MediaWork] | None = None,
+                  caption_work: list[CaptionWork] | None = None) -> tuple[int, list[tuple[MediaWork, str]]]:
+    """Load the encoders, encode captions then media (targets and control images), write failures; always free
+    the encoders. ``caption_work``: the captions as :class:`CaptionWork` when their encoding sees control images.
+    Returns the number of target media encoded and every failure."""
     from diffpipe_core.data.decode import MediaError, load_media
 
     # Held in a dict so that clearing it drops the only reference, whatever closures exist.
     held = {"encoders": plugin.require("load_encoders", model_config=model_config, device=device)}
-    bar = tqdm(
-        total=len(my_media) + len(my_captions), unit="item", desc="caching", disable=not show, dynamic_ncols=True
-    )
+    my_controls = my_controls or []
+    bar = tqdm(total=len(my_media) + len(my_captions) + len(my_controls), unit="item", desc="caching",
+               disable=not show, dynamic_ncols=True)
     prefix = f"r{rank:03d}-{time.time_ns()}"
     stream = None
     try:
-
         def encode(batch: Any) -> Any:
             return plugin.require("encode_batch", encoders=held["encoders"], batch=batch)
 
         # Decoding workers start now and run ahead while the captions are encoded.
-        stream = decoded_batches(
-            my_media, spec, batch_size, use_masks, workers, load_media, MediaError, device.type == "cuda"
-        )
-        encode_captions(
-            encode,
-            plugin.name,
-            [texts[k] for k in my_captions],
-            my_captions,
-            batch_size,
-            ShardBuffer(fp_dir / "captions", prefix, shard_batches),
-            bar.update,
-        )
-        encoded, failures = encode_media(
-            encode,
-            plugin.name,
-            my_media,
-            stream,
-            device,
-            ShardBuffer(fp_dir / "media", prefix, shard_batches),
-            bar.update,
-        )
+        work = my_media + my_controls
+        stream = decoded_batches(work, spec, batch_size, use_masks, workers, load_media, MediaError,
+                                 device.type == "cuda")
+        captions = ShardBuffer(fp_dir / "captions", prefix, shard_batches)
+        failures: list[tuple[MediaWork, str]] = []
+        if caption_work is None:
+            encode_captions(encode, plugin.name, [texts[k] for k in my_captions], my_captions, batch_size, captions,
+                            bar.update)
+        else:
+            failures += encode_captions_with_controls(encode, plugin.name, spec, caption_work, batch_size, captions,
+                                                      bar.update, load_media, MediaError)
+        encoded, stream_failures = encode_media(
+            encode, plugin.name, work, stream, device, ShardBuffer(fp_dir / "media", prefix, shard_batches),
+            bar.update, ShardBuffer(fp_dir / "controls", prefix, shard_batches), spec.first_frame != "none")
+        failures += stream_failures
         if failures:
             _write_failures(fp_dir / "failed", prefix, {w.key: reason for w, reason in failures})
-        return encoded, failures
+        encoded_controls = len(my_controls) - sum(1 for w, _ in stream_failures if w.control_index is not None)
+        return encoded - encoded_controls, failures
     finally:
         bar.close()
         del stream  # shuts decode workers down, also after an error
@@ -484,15 +490,8 @@ def _encode_share(
 
 
 # ------------------------------------------------------------------------------------------ records
-def _summary(
-    entries: list[CacheEntry],
-    encoded_media: int,
-    encoded_captions: int,
-    reused_media: int,
-    reused_captions: int,
-    skipped: list[tuple[str, str]],
-    start: float,
-) -> dict[str, Any]:
+def _summary(entries: list[CacheEntry], encoded_media: int, encoded_captions: int, reused_media: int,
+             reused_captions: int, skipped: list[tuple[str, str]], start: float) -> dict[str, Any]:
     return {
         "items": len(entries),
         "samples": sum(e.repeats for e in entries),
@@ -500,6 +499,8 @@ def _summary(
         "encoded_captions": encoded_captions,
         "reused_media": reused_media,
         "reused_captions": reused_captions,
+        "encoded_controls": 0,  # control images of edit pairs; the caching path sets both
+        "reused_controls": len({k for e in entries for k in e.control_keys}),
         "skipped": len(skipped),
         "skipped_files": [{"path": p, "reason": r} for p, r in skipped],
         "seconds": round(time.perf_counter() - start, 3),
@@ -510,12 +511,12 @@ def _report(summary: dict[str, Any], show: bool) -> None:
     # totals over all ranks where known, so the line rank 0 prints describes the whole cache
     media = summary.get("encoded_media_all_ranks", summary["encoded_media"])
     captions = summary.get("encoded_captions_all_ranks", summary["encoded_captions"])
-    line = (
-        f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
-        f"{media}, reused {summary['reused_media']} | captions encoded "
-        f"{captions}, reused {summary['reused_captions']} | skipped {summary['skipped']} | "
-        f"{summary['seconds']:.1f} s"
-    )
+    line = (f"cache: {summary['items']} items ({summary['samples']} samples) | media encoded "
+            f"{media}, reused {summary['reused_media']} | captions encoded "
+            f"{captions}, reused {summary['reused_captions']} | "
+            + (f"control images encoded {summary['encoded_controls']}, reused {summary['reused_controls']} | "
+               if summary.get("encoded_controls") or summary.get("reused_controls") else "")
+            + f"skipped {summary['skipped']} | {summary['seconds']:.1f} s")
     pruned = summary.get("pruned")
     if pruned is not None and summary.get("prune"):
         line += "".join(f"\ncache --prune: {p}" for p in pruned) or "\ncache --prune: no other encoder fingerprints"
@@ -545,23 +546,13 @@ def _read_failures(folder: Path) -> dict[str, str]:
     return out
 
 
-def _write_index(
-    path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]], plan: str | None = None
-) -> None:
-    rows = [
-        [e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
-        for e in entries
-    ]
-    _atomic_write_json(
-        path,
-        {
-            "format": INDEX_FORMAT,
-            "fingerprint": fingerprint,
-            "plan": plan,
-            "entries": rows,
-            "skipped": [list(s) for s in skipped],
-        },
-    )
+def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]],
+                 plan: str | None = None) -> None:
+    rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
+            + ([list(e.control_keys), [[c.width, c.height] for c in e.controls]] if e.control_keys else [])
+            for e in entries]
+    _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
+                              "skipped": [list(s) for s in skipped]})
 
 
 def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
@@ -571,19 +562,21 @@ def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
         return None
     if data.get("format") != INDEX_FORMAT or data.get("fingerprint") != fingerprint:
         return None
-    entries = [CacheEntry(i, Bucket(w, h, f), r, m, tuple(c)) for i, w, h, f, r, m, c in data["entries"]]
+    entries = [CacheEntry(i, Bucket(w, h, f), r, m, tuple(c), *_controls(rest)) for i, w, h, f, r, m, c, *rest
+               in data["entries"]]
     return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]], "plan": data.get("plan")}
 
 
-def _open_if_fresh(
-    index_path: Path,
-    fingerprint: str,
-    plan: str,
-    fp_dir: Path,
-    uncond_fraction: float,
-    empty_key: str | None,
-    start: float,
-) -> CachedDataset | None:
+def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...]]:
+    """An index row's control keys and sizes (rows of items without control images have none)."""
+    if not rest:
+        return (), ()
+    keys, sizes = rest
+    return tuple(keys), tuple(Bucket(w, h) for w, h in sizes)
+
+
+def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,
+                   empty_key: str | None, start: float) -> CachedDataset | None:
     """The cache as its index lists it, if the index was written for this very plan (same scan, same
     encoders: :mod:`diffpipe_core.data.cache_fresh`) and every entry is in the shards; else None."""
     try:
@@ -595,15 +588,8 @@ def _open_if_fresh(
     if index is None or index["plan"] != plan:
         return None
     entries = index["entries"]
-    summary = _summary(
-        entries,
-        0,
-        0,
-        len({e.media_key for e in entries}),
-        len({k for e in entries for k in e.caption_keys}),
-        index["skipped"],
-        start,
-    )
+    summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
+                       len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
     try:
         with gc_paused():
             dataset = CachedDataset(entries, fp_dir, uncond_fraction, empty_key, summary)
@@ -614,7 +600,8 @@ def _open_if_fresh(
     return dataset
 
 
-def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str], prune: bool) -> list[str]:
+def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captions: set[str],
+                     prune: bool, live_controls: set[str] | None = None) -> list[str]:
     """Delete shards without a live entry, stale failure records and temp folders, unless another process
     uses this fingerprint's folder; with ``prune`` also the folders of other fingerprints that no process
     uses. Runs on rank 0 between barriers. Returns one line per pruned or kept folder."""
@@ -635,12 +622,14 @@ def _collect_garbage(root: Path, fp_dir: Path, live_media: set[str], live_captio
                 path.unlink(missing_ok=True)
         if in_use(fp_dir):
             return report
-        _remove_dead_shards(fp_dir, live_media, live_captions)
+        _remove_dead_shards(fp_dir, live_media, live_captions, live_controls or set())
     return report
 
 
-def _remove_dead_shards(fp_dir: Path, live_media: set[str], live_captions: set[str]) -> None:
-    for table, live in (("media", live_media), ("captions", live_captions)):
+def _remove_dead_shards(fp_dir: Path, live_media: set[str], live_captions: set[str],
+                        live_controls: set[str] | None = None) -> None:
+    live_controls = live_controls or set()
+    for table, live in (("media", live_media), ("captions", live_captions), ("controls", live_controls)):
         remove_temp_dirs(fp_dir / table)
         for shard in list_shards(fp_dir / table):
             if not live.intersection(shard.keys):
@@ -648,5 +637,6 @@ def _remove_dead_shards(fp_dir: Path, live_media: set[str], live_captions: set[s
     folder = fp_dir / "failed"
     if folder.is_dir():
         for path in folder.iterdir():
-            if path.name.startswith(".") or not live_media.intersection(json.loads(path.read_text())):
+            recorded = json.loads(path.read_text()) if not path.name.startswith(".") else {}
+            if not (live_media.intersection(recorded) or live_controls.intersection(recorded)):
                 path.unlink(missing_ok=True)

@@ -23,10 +23,21 @@ log = logging.getLogger("diffpipe.data")
 
 @dataclass(frozen=True)
 class MediaWork:
-    """One media entry to encode: its cache key and an item that produces it."""
+    """One media entry to encode: its cache key and an item that produces it. For a control image of an edit pair,
+    ``item`` is the control file as an item (:func:`control_work`) and ``control_index`` its number."""
 
     key: str
     item: MediaItem
+    control_index: int | None = None
+
+
+def control_work(key: str, target: MediaItem, index: int) -> MediaWork:
+    """The work of encoding control image ``index`` of ``target``: the control file decoded at its own bucket,
+    named after both files in error messages."""
+    control = target.controls[index]
+    item = MediaItem(id=f"control image {index} of {target.id}", path=control.path, caption="",
+                     bucket=control.bucket, content_key=control.content_key)
+    return MediaWork(key, item, index)
 
 
 class ShardBuffer:
@@ -64,33 +75,22 @@ class ShardBuffer:
 def check_outputs(outputs: Any, batch_size: int, what: str, plugin_name: str) -> dict[str, torch.Tensor]:
     """The plugin's ``encode_batch`` result, checked against the contract."""
     if not isinstance(outputs, dict) or not outputs:
-        raise TypeError(
-            f"model plugin {plugin_name!r}: encode_batch returned {type(outputs).__name__} for a "
-            f"{what} batch; expected a non-empty dict of tensors"
-        )
+        raise TypeError(f"model plugin {plugin_name!r}: encode_batch returned {type(outputs).__name__} for a "
+                        f"{what} batch; expected a non-empty dict of tensors")
     for name, tensor in outputs.items():
         if not isinstance(name, str) or name.startswith("_") or name == "key":
-            raise ValueError(
-                f"model plugin {plugin_name!r}: encode_batch key {name!r} is not allowed "
-                "(keys are strings not starting with '_', and not 'key')"
-            )
+            raise ValueError(f"model plugin {plugin_name!r}: encode_batch key {name!r} is not allowed "
+                             "(keys are strings not starting with '_', and not 'key')")
         if not isinstance(tensor, torch.Tensor) or tensor.ndim == 0 or tensor.shape[0] != batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(
-                f"model plugin {plugin_name!r}: encode_batch returned {name!r} with shape {shape} "
-                f"for a {what} batch of {batch_size}; every tensor needs the batch as dim 0"
-            )
+            raise ValueError(f"model plugin {plugin_name!r}: encode_batch returned {name!r} with shape {shape} "
+                             f"for a {what} batch of {batch_size}; every tensor needs the batch as dim 0")
     return outputs
 
 
 def encode_captions(
-    encode: Callable[[EncodeBatch], Any],
-    plugin_name: str,
-    texts: list[str],
-    keys: list[str],
-    batch_size: int,
-    buffer: ShardBuffer,
-    advance: Callable[[int], None],
+    encode: Callable[[EncodeBatch], Any], plugin_name: str, texts: list[str], keys: list[str], batch_size: int,
+    buffer: ShardBuffer, advance: Callable[[int], None],
 ) -> int:
     """Encode ``texts`` in batches into ``buffer``; returns how many were encoded."""
     for start in range(0, len(texts), batch_size):
@@ -103,13 +103,8 @@ def encode_captions(
 
 
 class _DecodeSet(TorchDataset):
-    def __init__(
-        self,
-        work: list[MediaWork],
-        spec: ModelSpec,
-        load: Callable[[MediaItem, ModelSpec], Any],
-        error_type: type[Exception],
-    ) -> None:
+    def __init__(self, work: list[MediaWork], spec: ModelSpec, load: Callable[[MediaItem, ModelSpec], Any],
+                 error_type: type[Exception]) -> None:
         self.work, self.spec, self.load, self.error_type = work, spec, load, error_type
 
     def __len__(self) -> int:
@@ -139,31 +134,25 @@ class _Collate:
         if ok:
             out["pixels"] = torch.stack([d.pixels for _, d in ok])
             if self.use_masks:  # an item without a mask file trains on every pixel
-                out["masks"] = torch.stack(
-                    [d.mask if d.mask is not None else torch.ones((1, *d.pixels.shape[-2:])) for _, d in ok]
-                )
+                out["masks"] = torch.stack([
+                    d.mask if d.mask is not None else torch.ones((1, *d.pixels.shape[-2:])) for _, d in ok
+                ])
             out["original_sizes"] = [tuple(d.original_size) for _, d in ok]
             out["crop_coords"] = [tuple(d.crop_coords) for _, d in ok]
         return out
 
 
 def media_batches(work: list[MediaWork], batch_size: int) -> list[list[int]]:
-    """Indices into ``work`` grouped by bucket (first-seen order) and cut into batches."""
+    """Indices into ``work`` grouped by bucket and control number (first-seen order) and cut into batches."""
     by_bucket: dict[Any, list[int]] = {}
     for i, w in enumerate(work):
-        by_bucket.setdefault(w.item.bucket, []).append(i)
+        by_bucket.setdefault((w.item.bucket, w.control_index), []).append(i)
     return [idx[s : s + batch_size] for idx in by_bucket.values() for s in range(0, len(idx), batch_size)]
 
 
 def decoded_batches(
-    work: list[MediaWork],
-    spec: ModelSpec,
-    batch_size: int,
-    use_masks: bool,
-    num_workers: int,
-    load: Callable[[MediaItem, ModelSpec], Any],
-    error_type: type[Exception],
-    pin_memory: bool,
+    work: list[MediaWork], spec: ModelSpec, batch_size: int, use_masks: bool, num_workers: int,
+    load: Callable[[MediaItem, ModelSpec], Any], error_type: type[Exception], pin_memory: bool,
 ) -> Iterator[dict[str, Any]]:
     """Decoded, stacked batches of ``work`` in order (see :func:`media_batches`). With ``num_workers`` > 0
     the workers start decoding at once, ahead of the encoder (and of caption encoding)."""
@@ -181,16 +170,13 @@ def decoded_batches(
 
 
 def encode_media(
-    encode: Callable[[EncodeBatch], Any],
-    plugin_name: str,
-    work: list[MediaWork],
-    stream: Iterator[dict[str, Any]],
-    device: torch.device,
-    buffer: ShardBuffer,
-    advance: Callable[[int], None],
+    encode: Callable[[EncodeBatch], Any], plugin_name: str, work: list[MediaWork],
+    stream: Iterator[dict[str, Any]], device: torch.device, buffer: ShardBuffer, advance: Callable[[int], None],
+    control_buffer: ShardBuffer | None = None, first_frames: bool = False,
 ) -> tuple[int, list[tuple[MediaWork, str]]]:
-    """Encode the decoded batches of ``work`` into ``buffer``; returns (encoded count, items that failed
-    to decode)."""
+    """Encode the decoded batches of ``work`` into ``buffer`` (control images into ``control_buffer``); returns
+    (encoded count, items that failed to decode). ``first_frames``: hand video batches their clips' first frames
+    (``ModelSpec.first_frame``)."""
     encoded = 0
     failures: list[tuple[MediaWork, str]] = []
     for decoded in stream:
@@ -201,15 +187,66 @@ def encode_media(
             advance(len(decoded["failed"]))
             continue
         n = len(decoded["index"])
+        control = work[decoded["index"][0]].control_index  # a batch is all targets or all one control number
+        pixels = decoded["pixels"].to(device, non_blocking=True)
         batch = EncodeBatch(
-            pixels=decoded["pixels"].to(device, non_blocking=True),
-            masks=None if decoded["masks"] is None else decoded["masks"].to(device, non_blocking=True),
+            pixels=pixels,
+            masks=None if decoded["masks"] is None or control is not None
+            else decoded["masks"].to(device, non_blocking=True),
             original_sizes=decoded["original_sizes"],
             crop_coords=decoded["crop_coords"],
+            control_index=control,
+            first_frames=pixels[:, :, 0].contiguous() if first_frames and pixels.ndim == 5 else None,
         )
-        outputs = check_outputs(encode(batch), n, "media", plugin_name)
-        buffer.add([work[i].key for i in decoded["index"]], outputs)
+        what = "media" if control is None else f"control image {control}"
+        outputs = check_outputs(encode(batch), n, what, plugin_name)
+        if control is not None and control_buffer is None:
+            raise ValueError("encode_media: control images to encode but no control_buffer")
+        (buffer if control is None else control_buffer).add([work[i].key for i in decoded["index"]], outputs)
         encoded += n
         advance(n + len(decoded["failed"]))
     buffer.flush()
+    if control_buffer is not None:
+        control_buffer.flush()
     return encoded, failures
+
+
+@dataclass(frozen=True)
+class CaptionWork:
+    """A caption to encode seeing its item's control images (``ModelSpec.control_in_captions``): its cache key,
+    text, and the control images as work (:func:`control_work`; empty for a caption without any)."""
+
+    key: str
+    text: str
+    controls: tuple[MediaWork, ...] = ()
+
+
+def encode_captions_with_controls(
+    encode: Callable[[EncodeBatch], Any], plugin_name: str, spec: ModelSpec, work: list[CaptionWork],
+    batch_size: int, buffer: ShardBuffer, advance: Callable[[int], None],
+    load: Callable[[MediaItem, ModelSpec], Any], error_type: type[Exception],
+) -> list[tuple[MediaWork, str]]:
+    """Encode captions with ``EncodeBatch.control_pixels``: each caption's control images, decoded here a batch at
+    a time. A caption whose control image fails to decode is not encoded; returns those controls with why."""
+    failures: list[tuple[MediaWork, str]] = []
+    for start in range(0, len(work), batch_size):
+        chunk, pixels = [], []
+        for w in work[start : start + batch_size]:
+            decoded: list[torch.Tensor] = []
+            for c in w.controls:
+                try:
+                    decoded.append(load(c.item, spec).pixels)
+                except error_type as exc:
+                    log.warning("skipping %s: %s", c.item.id, exc)
+                    failures.append((c, str(exc)))
+                    break
+            else:
+                pixels.append(tuple(decoded))
+                chunk.append(w)
+        if chunk:
+            batch = EncodeBatch(captions=[w.text for w in chunk], control_pixels=pixels)
+            outputs = check_outputs(encode(batch), len(chunk), "caption", plugin_name)
+            buffer.add([w.key for w in chunk], outputs)
+        advance(min(batch_size, len(work) - start))
+    buffer.flush()
+    return failures

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffpipe_core.data.items import MediaItem
+from diffpipe_core.data.items import ControlImage, MediaItem
 from diffpipe_core.types import ModelConfigBase
 
 KEY_FORMAT = 2  # bump when the cached layout or key recipe changes
@@ -94,9 +94,8 @@ def encoder_path_identity(path: Path, strict: bool = False) -> dict[str, str] | 
     return out
 
 
-def encoder_identity(
-    model_config: ModelConfigBase, encoder_settings: tuple[str, ...], strict: bool = False
-) -> dict[str, Any]:
+def encoder_identity(model_config: ModelConfigBase, encoder_settings: tuple[str, ...],
+                     strict: bool = False) -> dict[str, Any]:
     """What the encoders are, for the cache key: each ``encoder_settings`` value, with every path-valued one
     (a model folder or file) replaced by the identity of its files (:func:`encoder_path_identity`).
 
@@ -119,13 +118,8 @@ def encoder_identity(
     return settings
 
 
-def encoder_fingerprint(
-    plugin_name: str,
-    plugin_version: str,
-    model_config: ModelConfigBase,
-    encoder_settings: tuple[str, ...],
-    strict: bool = False,
-) -> str:
+def encoder_fingerprint(plugin_name: str, plugin_version: str, model_config: ModelConfigBase,
+                        encoder_settings: tuple[str, ...], strict: bool = False) -> str:
     """Hash of everything about the encoders that changes their outputs: the plugin's name and version and
     :func:`encoder_identity` (which reads the encoder files' stats and headers, or hashes them with ``strict``)."""
     try:
@@ -159,23 +153,25 @@ def mask_content_key(item: MediaItem, use_masks: bool, strict: bool) -> str:
     return "file:" + file_content_key(item.mask_path, strict)
 
 
-def media_key(item: MediaItem, mask_key: str, fingerprint: str) -> str:
-    """Cache key of one item's media tensors (latents and anything else derived from the pixels)."""
+def media_key(item: MediaItem, mask_key: str, fingerprint: str, first_frame: bool = False) -> str:
+    """Cache key of one item's media tensors (latents and anything else derived from the pixels). ``first_frame``:
+    the model is handed each clip's first frame too (``ModelSpec.first_frame``), so its outputs depend on that."""
     b = item.bucket
     # The path is part of the key: two files may share size and mtime (the non-strict content key).
-    return _digest(
-        [
-            "media",
-            fingerprint,
-            str(item.path),
-            item.content_key,
-            [b.width, b.height, b.frames],
-            item.clip_start,
-            mask_key,
-        ]
-    )
+    payload = ["media", fingerprint, str(item.path), item.content_key, [b.width, b.height, b.frames],
+               item.clip_start, mask_key]
+    if first_frame:  # appended only when set: the keys of every other model stay as they were
+        payload.append("first_frame")
+    return _digest(payload)
 
 
-def caption_key(text: str, fingerprint: str) -> str:
-    """Cache key of one caption's text tensors."""
-    return _digest(["caption", fingerprint, text])
+def control_key(control: ControlImage, index: int, fingerprint: str) -> str:
+    """Cache key of the tensors of one control image, encoded as control number ``index`` at its bucket's size."""
+    b = control.bucket
+    return _digest(["control", fingerprint, str(control.path), control.content_key, [b.width, b.height], index])
+
+
+def caption_key(text: str, fingerprint: str, controls: tuple[str, ...] = ()) -> str:
+    """Cache key of one caption's text tensors; ``controls`` are the control keys of the images its encoding sees
+    (``ModelSpec.control_in_captions``)."""
+    return _digest(["caption", fingerprint, text, *([list(controls)] if controls else [])])

@@ -27,16 +27,8 @@ from datasets.arrow_writer import ArrowWriter
 
 _ARRAYS = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
 _STORED = {  # torch dtype name -> numpy dtype name used on disk
-    "float32": "float32",
-    "float16": "float16",
-    "float64": "float64",
-    "bfloat16": "int16",
-    "int64": "int64",
-    "int32": "int32",
-    "int16": "int16",
-    "int8": "int8",
-    "uint8": "uint8",
-    "bool": "bool",
+    "float32": "float32", "float16": "float16", "float64": "float64", "bfloat16": "int16",
+    "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8", "bool": "bool",
 }
 TMP_PREFIX = ".tmp-"
 
@@ -113,10 +105,8 @@ def write_shard(table_dir: Path, prefix: str, keys: list[str], tensors: dict[str
             raise ValueError(f"cached tensor {name!r} has {tensor.shape[0]} rows for {len(keys)} keys")
         dtype = _dtype_name(tensor.dtype)
         if dtype not in _STORED:
-            raise ValueError(
-                f"cached tensor {name!r} has dtype {dtype}, which the cache cannot store "
-                f"(storable: {', '.join(_STORED)})"
-            )
+            raise ValueError(f"cached tensor {name!r} has dtype {dtype}, which the cache cannot store "
+                             f"(storable: {', '.join(_STORED)})")
         shape = tuple(tensor.shape[1:])
         stored = _stored_shape(shape)
         t = tensor.detach().to("cpu").contiguous()

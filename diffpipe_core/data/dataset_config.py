@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from diffpipe_core.anchor.keys import dataset_hint
 from diffpipe_core.schema import ConfigError, read_toml, validate
 
 Resolution = int | tuple[int, int]
@@ -123,11 +124,14 @@ class _Overridable(_Strict):
         None,
         description="Treat captions as tag lists and cache shuffled orders of them (the prefix stays first).",
     )
-    tag_delimiter: str | None = Field(None, description="What separates tags when shuffle_tags is on. Default ', '.")
+    tag_delimiter: str | None = Field(
+        None, description="What separates tags when shuffle_tags is on. Default ', '."
+    )
     cache_shuffle_num: int | None = Field(
         None,
         ge=1,
-        description="How many shuffled caption variants are cached per item when shuffle_tags is on. Default 4.",
+        description="How many shuffled caption variants are cached per item when shuffle_tags is on. "
+        "Default 4.",
     )
     allow_empty_captions: bool | None = Field(
         None,
@@ -143,13 +147,43 @@ class _Overridable(_Strict):
 class DirectoryConfig(_Overridable):
     """One ``[[directory]]`` entry: a folder of media and captions."""
 
-    path: Path = Field(description="Folder of images/videos (searched recursively) with captions beside them.")
-    num_repeats: int = Field(1, ge=1, description="How many times each item of this folder is seen per epoch.")
+    path: Path = Field(
+        description="Folder of images/videos (searched recursively) with captions beside them."
+    )
+    num_repeats: int = Field(
+        1, ge=1, description="How many times each item of this folder is seen per epoch."
+    )
     mask_path: Path | None = Field(
         None,
         description="Folder of grayscale loss masks named like the media (any image extension, same relative "
         "path); white = train, black = ignore. Items without a mask train on the whole image.",
     )
+    control_path: Path | list[Path] | None = Field(
+        None,
+        description="Edit pairs: a folder of control images paired with the targets by relative path and stem "
+        "(a/b.png <-> a/b.jpg in this folder), or a list of folders for several control images per target, in "
+        "order. Buckets follow the target; each control image is resized and center-cropped to the target's "
+        "bucket (or to its own, where the model says so). A target without its control image, or with one that "
+        "cannot be decoded, is left out with a warning (diffpipe data lists them). Only for models that train "
+        "on control images (diffpipe models).",
+    )
+
+    @field_validator("control_path")
+    @classmethod
+    def _check_control_path(cls, value: Path | list[Path] | None) -> Path | list[Path] | None:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("give at least one control folder, or leave control_path out")
+            if len(set(value)) != len(value):
+                raise ValueError("the same control folder is listed twice")
+        return value
+
+    @property
+    def control_paths(self) -> tuple[Path, ...]:
+        """The control folders in order (none, one, or several)."""
+        if self.control_path is None:
+            return ()
+        return tuple(self.control_path) if isinstance(self.control_path, list) else (self.control_path,)
 
 
 class DatasetConfig(_Overridable):
@@ -233,6 +267,7 @@ class DatasetConfig(_Overridable):
             path=d.path,
             num_repeats=d.num_repeats,
             mask_path=d.mask_path,
+            control_paths=d.control_paths,
             resolutions=tuple(pick("resolutions")),
             enable_ar_bucket=pick("enable_ar_bucket"),
             min_ar=float(min_ar),
@@ -276,6 +311,7 @@ class DirectorySettings:
     tag_delimiter: str
     cache_shuffle_num: int
     allow_empty_captions: bool
+    control_paths: tuple[Path, ...] = ()  # edit pairs: the control image folders, in order
 
 
 def _resolve(value: Any, base: Path) -> Any:
@@ -305,6 +341,11 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
                     entry[key] = _resolve(entry.get(key), base) if key in entry else None
                 if entry["mask_path"] is None:
                     del entry["mask_path"]
+                control = entry.get("control_path")
+                if isinstance(control, list):
+                    entry["control_path"] = [_resolve(c, base) for c in control]
+                elif control is not None:
+                    entry["control_path"] = _resolve(control, base)
                 if entry["path"] is None:
                     del entry["path"]
             entries.append(entry)
@@ -312,7 +353,7 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
     elif isinstance(data.get("directory"), dict):
         problems = [f"{source}: directory: write [[directory]] (a list of tables), not [directory]"]
         raise ConfigError(problems)
-    cfg = validate(DatasetConfig, data, source)
+    cfg = validate(DatasetConfig, data, source, hints=dataset_hint)
     if cfg.cache_dir is None:
         cfg = cfg.model_copy(update={"cache_dir": base / "cache"})
     cfg._source = path
@@ -325,6 +366,13 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
             problems.append(f"{source}: directory[{i}].path: not a directory: {d.path}")
         if d.mask_path is not None and not d.mask_path.is_dir():
             problems.append(f"{source}: directory[{i}].mask_path: directory not found: {d.mask_path}")
+        many = isinstance(d.control_path, list)
+        for k, folder in enumerate(d.control_paths):
+            where = f"{source}: directory[{i}].control_path" + (f"[{k}]" if many else "")
+            if not folder.is_dir():
+                problems.append(f"{where}: directory not found: {folder}")
+            elif folder.resolve() == d.path.resolve():
+                problems.append(f"{where}: is the media folder itself; control images go in a folder of their own")
         s = cfg.settings_for(i)
         where = "" if (d.min_ar is None and d.max_ar is None) else f"directory[{i}]."
         if s.enable_ar_bucket and s.min_ar > s.max_ar:

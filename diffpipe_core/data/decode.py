@@ -292,7 +292,9 @@ def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
             while len(chosen) < F and prev is not None and targets[len(chosen)] - prev[0] <= 1.5 / native:
                 chosen.append(prev[1])  # the last frame is still on screen at this time
     except Exception as exc:
-        raise MediaError(f"{item.id}: cannot decode video {item.path} ({type(exc).__name__}: {exc})") from None
+        raise MediaError(
+            f"{item.id}: cannot decode video {item.path} ({type(exc).__name__}: {exc})"
+        ) from None
     if len(chosen) < F:
         raise MediaError(
             f"{item.id}: video {item.path} ended after {len(chosen)} of the {F} frames needed from "

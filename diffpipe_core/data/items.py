@@ -23,12 +23,23 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class ControlImage:
+    """One control image of an edit pair: its file, the size it is decoded at (the target's bucket, or its own
+    with ``ModelSpec.control_size = "own"``) and its content key (like a target's)."""
+
+    path: Path
+    bucket: Bucket
+    content_key: str
+
+
+@dataclass(frozen=True)
 class MediaItem:
     """One training sample before decoding: a file (or one clip of a video) in one bucket.
 
     ``id`` is unique and human readable (``relative/path.png`` or ``clip.mp4#2`` for the 3rd clip);
     it is what error messages and non-finite-loss reports name. ``content_key`` identifies the media
-    content (size+mtime, or a hash in strict mode) for cache invalidation.
+    content (size+mtime, or a hash in strict mode) for cache invalidation. ``controls`` are the item's control
+    images, in ``control_path`` order (empty for plain items).
     """
 
     id: str
@@ -42,6 +53,7 @@ class MediaItem:
     directory: int = 0  # index of the [[directory]] entry it came from
     caption_variants: tuple[str, ...] = ()  # shuffled-tag versions of ``caption`` to cache (shuffle_tags)
     crop_fraction: float = 0.0  # share of the image the center crop to the bucket's aspect ratio cuts away
+    controls: tuple[ControlImage, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import reason_category
@@ -22,44 +23,68 @@ def bucket_counts(scan: ScanResult) -> dict[Bucket, int]:
     return dict(sorted(counts.items()))
 
 
+def group_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], int]:
+    """Samples per epoch in each micro-batch group: bucket and control image sizes (edit pairs batch apart)."""
+    counts: dict[tuple[Bucket, tuple[Bucket, ...]], int] = defaultdict(int)
+    for item in scan.items:
+        counts[(item.bucket, tuple(c.bucket for c in item.controls))] += item.repeats
+    return dict(sorted(counts.items()))
+
+
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        )
 
     return [fmt(header), "  ".join("-" * w for w in widths), *(fmt(r).rstrip() for r in rows)]
 
 
-def format_report(scan: ScanResult, micro_batch_size: int, dp_world_size: int) -> str:
-    """A plain-text report: one row per bucket (size, frames, samples per epoch including repeats,
-    micro-batches per epoch on each data-parallel rank, and the remainder that cannot fill a global
-    micro-batch of ``micro_batch_size * dp_world_size``), then every skipped file and a summary."""
-    per_step = micro_batch_size * dp_world_size
+def format_report(
+    scan: ScanResult, micro_batch_size: int | Callable[[Bucket], int], dp_world_size: int
+) -> str:
+    """A plain-text report: one row per bucket (size, frames, the control images' sizes of an edit dataset, samples
+    per epoch including repeats, its micro-batch size, micro-batches per epoch on each data-parallel rank, and the
+    remainder that cannot fill a global micro-batch of ``micro_batch_size * dp_world_size``), then every skipped
+    file and a summary. ``micro_batch_size`` is one size or a function of the bucket (per-resolution sizes)."""
+    size_of = micro_batch_size if callable(micro_batch_size) else (lambda bucket: micro_batch_size)
+    per_bucket = callable(micro_batch_size)
+    groups = group_counts(scan)
     counts = bucket_counts(scan)
+    edits = any(controls for _, controls in groups)
     rows = []
     total_batches = total_rest = 0
-    for bucket, n in counts.items():
-        batches, rest = divmod(n, per_step)
+    empty = []
+    for (bucket, controls), n in groups.items():
+        size = size_of(bucket)
+        batches, rest = divmod(n, size * dp_world_size)
         total_batches += batches
         total_rest += rest
-        rows.append([f"{bucket.width}x{bucket.height}", str(bucket.frames), str(n), str(batches), str(rest)])
-    lines = [
-        f"Buckets (micro_batch_size={micro_batch_size}, data-parallel ranks={dp_world_size}):",
-        *_table(
-            ["resolution", "frames", "items", "micro-batches/rank", "remainder"],
-            [*rows, ["total", "", str(sum(counts.values())), str(total_batches), str(total_rest)]],
-            right={1, 2, 3, 4},
-        ),
-    ]
+        if batches == 0:
+            empty.append(str(bucket) + "".join(f" + control {c}" for c in controls))
+        row = [f"{bucket.width}x{bucket.height}", str(bucket.frames)]
+        row += [" + ".join(f"{c.width}x{c.height}" for c in controls) or "-"] if edits else []
+        rows.append([*row, str(n), *([str(size)] if per_bucket else []), str(batches), str(rest)])
+    shown = "" if per_bucket else f"micro_batch_size={micro_batch_size}, "
+    header = ["resolution", "frames", *(["control images"] if edits else []), "items"]
+    header += [*(["micro-batch"] if per_bucket else []), "micro-batches/rank", "remainder"]
+    total = ["total", "", *([""] if edits else []), str(sum(groups.values()))]
+    total += [*([""] if per_bucket else []), str(total_batches), str(total_rest)]
+    right = {i for i, name in enumerate(header) if name not in ("resolution", "control images")}
+    lines = [f"Buckets ({shown}data-parallel ranks={dp_world_size}):", *_table(header, [*rows, total], right=right)]
     if total_rest:
         lines.append(
             f"{total_rest} samples per epoch are a remainder that cannot fill a micro-batch on every "
             "data-parallel rank in their bucket."
         )
-    empty = [b for b, n in counts.items() if n < per_step]
     if empty:
-        lines.append("buckets too small for even one micro-batch: " + ", ".join(map(str, empty)))
+        lines.append("buckets too small for even one micro-batch: " + ", ".join(empty))
+    paired = sum(1 for item in scan.items if item.controls)
+    if paired:
+        lines.append(f"Edit pairs: {_n(paired, 'item')} with control images, {_n(len(scan.items) - paired, 'item')} "
+                     "without.")
     lines.append("")
     if scan.skipped:
         lines.append(f"Left out ({_n(len(scan.skipped), 'file')}):")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,8 @@ class BucketSampler:
     """Micro-batches of sample indices that never mix buckets, split over data-parallel ranks.
 
     Each epoch, from ``seed`` and the epoch number alone: every bucket's indices are shuffled and cut
-    into micro-batches of ``micro_batch_size``; all full micro-batches are shuffled together; rank ``r``
+    into micro-batches of ``micro_batch_size`` (one size for all, or one per group: per-resolution sizes); all full
+    micro-batches are shuffled together; rank ``r``
     takes micro-batches ``r, r + dp, r + 2 dp, ...`` of the first ``dp * floor(count / dp)``, so every
     rank gets the same number and the shares are disjoint.
 
@@ -28,44 +29,52 @@ class BucketSampler:
     its end the sampler moves to the next epoch.
     """
 
-    def __init__(
-        self, groups: list[list[int]], micro_batch_size: int, dp_rank: int, dp_world_size: int, seed: int
-    ) -> None:
-        if micro_batch_size < 1:
+    def __init__(self, groups: list[list[int]], micro_batch_size: int | Sequence[int], dp_rank: int,
+                 dp_world_size: int, seed: int) -> None:
+        sizes = [micro_batch_size] * len(groups) if isinstance(micro_batch_size, int) else list(micro_batch_size)
+        if len(sizes) != len(groups):
+            raise ValueError(f"{len(sizes)} micro-batch sizes for {len(groups)} groups")
+        if any(size < 1 for size in sizes):
             raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_world_size - 1}")
-        self.groups = [list(map(int, g)) for g in groups if len(g)]
+        kept = [(list(map(int, g)), size) for g, size in zip(groups, sizes) if len(g)]
+        self.groups = [g for g, _ in kept]
+        self.sizes = [size for _, size in kept]
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seed = int(seed)
         self.epoch = 0
         self.position = 0
-        full = sum(len(g) // micro_batch_size for g in self.groups)
+        full = sum(len(g) // size for g, size in kept)
         self._per_rank = full // dp_world_size
         total = sum(len(g) for g in self.groups)
-        self.remainder = total - self._per_rank * dp_world_size * micro_batch_size
+        self.remainder = total - sum(len(b) for b in self._all_batches(0)[: self._per_rank * dp_world_size])
         if self._per_rank == 0:
+            described = ", ".join(f"{len(g)} samples (micro-batch {size})" for g, size in kept)
             raise ValueError(
-                f"the dataset gives {full} full micro-batch(es) of {micro_batch_size} (buckets: "
-                f"{', '.join(str(len(g)) for g in self.groups)} samples) for {dp_world_size} data-parallel "
-                "rank(s); lower micro_batch_size_per_gpu or add data"
+                f"the dataset gives {full} full micro-batch(es) (buckets: {described}) for {dp_world_size} "
+                "data-parallel rank(s); lower micro_batch_size_per_gpu or add data"
             )
 
     def __len__(self) -> int:
         return self._per_rank
 
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's micro-batches of ``epoch`` (deterministic from seed and epoch)."""
+    def _all_batches(self, epoch: int) -> list[list[int]]:
+        """Every rank's full micro-batches of ``epoch`` in the shuffled order the ranks take them from."""
         rng = np.random.default_rng([self.seed, epoch])
         batches: list[list[int]] = []
-        for group in self.groups:
+        for group, size in zip(self.groups, self.sizes):
             order = rng.permutation(np.asarray(group))
-            usable = len(order) - len(order) % self.micro_batch_size
-            batches += [order[s : s + self.micro_batch_size].tolist() for s in range(0, usable, self.micro_batch_size)]
+            usable = len(order) - len(order) % size
+            batches += [order[s : s + size].tolist() for s in range(0, usable, size)]
         perm = rng.permutation(len(batches))
-        kept = perm[: self._per_rank * self.dp_world_size]
-        return [batches[i] for i in kept[self.dp_rank :: self.dp_world_size]]
+        return [batches[i] for i in perm]
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's micro-batches of ``epoch`` (deterministic from seed and epoch)."""
+        kept = self._all_batches(epoch)[: self._per_rank * self.dp_world_size]
+        return kept[self.dp_rank :: self.dp_world_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.epoch_batches(self.epoch)
@@ -82,28 +91,17 @@ class BucketSampler:
             self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "seed": self.seed,
-            "micro_batches": self._per_rank,
-            "dp_world_size": self.dp_world_size,
-        }
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "micro_batches": self._per_rank, "dp_world_size": self.dp_world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore epoch and position; a changed dataset or world size restarts the saved epoch."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
-        same = (
-            state.get("seed", self.seed) == self.seed
-            and state.get("micro_batches", self._per_rank) == self._per_rank
-            and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size
-        )
+        same = (state.get("seed", self.seed) == self.seed
+                and state.get("micro_batches", self._per_rank) == self._per_rank
+                and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size)
         if not same:
-            log.warning(
-                "sampler state was saved for another dataset, seed or data-parallel size "
-                "(%s); restarting epoch %d from its beginning",
-                state,
-                self.epoch,
-            )
+            log.warning("sampler state was saved for another dataset, seed or data-parallel size "
+                        "(%s); restarting epoch %d from its beginning", state, self.epoch)
             self.position = 0

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 from diffpipe_core.data import captions
@@ -23,9 +24,17 @@ from diffpipe_core.data.buckets import (
     spatial_buckets,
     video_frame_bucket,
 )
+from diffpipe_core.data.controls import (
+    ControlFolder,
+    control_folders,
+    first_frame_problems,
+    no_pair_problems,
+    spec_problems,
+    target_stem,
+)
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
 from diffpipe_core.data.decode import MediaError
-from diffpipe_core.data.items import Bucket, MediaItem, ScanResult, SkippedFile
+from diffpipe_core.data.items import Bucket, ControlImage, MediaItem, ScanResult, SkippedFile
 from diffpipe_core.data.scan_index import IMAGE, TEXT, VIDEO, ScanIndex, gc_paused, index_path
 from diffpipe_core.schema import ConfigError
 from diffpipe_core.types import ModelSpec
@@ -44,6 +53,9 @@ CATEGORY_HINTS = {
     "aspect ratio": "widen min_ar/max_ar (or ar_buckets), or set drop_outside_ar = false to crop them",
     "too short": "add a smaller frame bucket to frame_buckets",
     "video": "use a video model, or remove the videos",
+    "no control image": "put each target's control image in the control folder under the same relative path and "
+    "stem (a/b.png <-> a/b.jpg)",
+    "unreadable control": "replace the damaged control images",
 }
 
 
@@ -113,7 +125,9 @@ class _Captions:
         return None, f"{os.path.basename(txt)} or an entry in {CAPTIONS_JSON}"
 
 
-def shuffled_variants(caption: str, prefix: str, settings: DirectorySettings, seed_text: str) -> tuple[str, ...]:
+def shuffled_variants(
+    caption: str, prefix: str, settings: DirectorySettings, seed_text: str
+) -> tuple[str, ...]:
     """``cache_shuffle_num`` tag orders of ``caption`` (prefix kept first), deterministic per item so that
     a re-scan yields the same texts and the text-embedding cache stays valid."""
     tags = [t.strip() for t in caption.split(settings.tag_delimiter.strip() or settings.tag_delimiter)]
@@ -191,9 +205,10 @@ def _scan_file(
     ext: str,
     buckets: _Buckets,
     txt: str,
+    controls: list[tuple[ControlFolder, str | None]],
 ) -> list[MediaItem]:
     """The items of one file (``key``: its path as a string, ``ext``: its suffix, lower case), or raise
-    _Skip(reason)."""
+    _Skip(reason). ``controls``: each control folder of its directory with the file paired there (or None)."""
     is_video = ext in VIDEO_EXTS
     if ext not in IMAGE_EXTS and not is_video:
         raise _Skip(
@@ -248,6 +263,8 @@ def _scan_file(
             if (mw, mh) != (width, height):
                 raise _Skip(f"mask size: mask {mask} is {mw}x{mh} but the media is {width}x{height}")
 
+    paired = _paired_controls(path, settings, index, controls)
+
     frames = 1
     starts: list[float | None] = [None]
     if is_video:
@@ -271,7 +288,9 @@ def _scan_file(
         content += "|mask:" + index.content_key(mask)
     prefix = settings.caption_prefix
     full_caption = prefix + body
-    variants = shuffled_variants(body, prefix, settings, id_base + "\0" + body) if settings.shuffle_tags else ()
+    variants = (
+        shuffled_variants(body, prefix, settings, id_base + "\0" + body) if settings.shuffle_tags else ()
+    )
 
     items = []
     multi_res = len(settings.resolutions) > 1
@@ -280,12 +299,16 @@ def _scan_file(
         spatial = buckets.closest(width, height, settings, res)
         bucket = Bucket(spatial.width, spatial.height, frames)
         # the share of the image the center crop to the bucket's aspect ratio cuts away
-        crop = 1 - min(width * spatial.height, spatial.width * height) / max(
-            width * spatial.height, spatial.width * height
-        )
+        crop = 1 - min(width * spatial.height, spatial.width * height) / max(width * spatial.height,
+                                                                             spatial.width * height)
         if bucket in seen:  # two resolutions that round to the same size
             continue
         seen.add(bucket)
+        item_controls = tuple(
+            ControlImage(Path(c), buckets.closest(cw, ch, settings, res) if spec.control_size == "own"
+                         else Bucket(spatial.width, spatial.height), ckey)
+            for c, (cw, ch), ckey in paired
+        )
         for k, start in enumerate(starts):
             item_id = (
                 id_base
@@ -305,9 +328,30 @@ def _scan_file(
                     directory=settings.index,
                     caption_variants=variants,
                     crop_fraction=crop,
+                    controls=item_controls,
                 )
             )
     return items
+
+
+def _paired_controls(
+    path: Path, settings: DirectorySettings, index: ScanIndex, controls: list[tuple[ControlFolder, str | None]]
+) -> list[tuple[str, tuple[int, int], str]]:
+    """``(control file, (width, height), content key)`` of each control image of a target, or raise _Skip naming
+    the control file that is missing or cannot be read."""
+    found = []
+    for folder, control in controls:
+        if control is None:
+            raise _Skip(f"no control image: {folder.expected(target_stem(path, settings.path))} not found "
+                        f"({folder.label})")
+        try:
+            _, size = index.media(control, IMAGE)  # probed only if new or changed
+        except (MediaError, OSError) as exc:
+            raise _Skip(f"unreadable control: {exc}") from None  # the probe's message names the control file
+        if size is None:
+            raise _Skip(f"unreadable control: {control}: empty file (0 bytes)")
+        found.append((control, size, index.content_key(control)))
+    return found
 
 
 def _id_base(path: Path, settings: DirectorySettings, anchor: Path | None) -> str:
@@ -337,24 +381,27 @@ def scan_dataset(
 
 def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None, progress: bool) -> ScanResult:
     settings = [cfg.settings_for(i) for i in range(len(cfg.directory))]
+    problems = spec_problems(cfg, settings, spec)
     if spec.modality == "video":
-        problems = []
         for s in settings:
             where = "" if cfg.directory[s.index].frame_buckets is None else f"directory[{s.index}]."
             problems += frame_bucket_problems(s.frame_buckets, spec, f"{cfg.source or 'dataset'}: {where}")
-        if problems:
-            raise ConfigError(sorted(set(problems)))
+    if problems:
+        raise ConfigError(sorted(set(problems)))
 
     anchor = cfg.source.parent if cfg.source is not None else None
     roots = {s.path.resolve() for s in settings}
     excluded = {s.mask_path.resolve() for s in settings if s.mask_path is not None}
+    excluded |= {c.resolve() for s in settings for c in s.control_paths}
     if cfg.cache_dir is not None:
         excluded.add(cfg.cache_dir.resolve())
 
     index = ScanIndex(index_path(cfg.cache_dir, cfg.source, sorted(roots)), strict)
     jobs: list[tuple] = []  # (path, key, ext, settings, captions, id_base, txt key, txt listed): see _prefetch
+    folders: dict[int, list[ControlFolder]] = {}
     for s in settings:
         captions = _Captions(s.path, index)
+        folders[s.index] = control_folders(s, IMAGE_EXTS)
         exclude = excluded | (roots - {s.path.resolve()})
         for folder, names in _walk(s.path, exclude):
             present = set(names)
@@ -367,7 +414,12 @@ def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None
                     continue
                 txt = name[: len(name) - len(ext)] + ".txt"
                 jobs.append((folder / name, where + name, ext, s, captions, rel + name, where + txt, txt in present))
-    _prefetch(index, jobs, spec, workers, progress)
+    if spec.first_frame == "required":  # before any file is read: the model cannot train on these at all
+        images = [job[0] for job in jobs if job[2] in IMAGE_EXTS]
+        if images:
+            raise DatasetError(first_frame_problems(images, spec))
+    pairs = _pair(jobs, folders, spec) if any(folders.values()) else {}
+    _prefetch(index, jobs, spec, workers, progress, [(c, IMAGE) for found in pairs.values() for _, c in found if c])
 
     result = ScanResult()
     seen_ids: set[str] = set()
@@ -376,7 +428,8 @@ def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None
     def run(job: tuple) -> list[MediaItem] | SkippedFile:
         path, key, ext, s, captions, id_base, txt, _ = job
         try:
-            return _scan_file(path, s, spec, strict, captions, id_base, index, key, ext, buckets, txt)
+            return _scan_file(path, s, spec, strict, captions, id_base, index, key, ext, buckets, txt,
+                              pairs.get(key, []))
         except _Skip as exc:
             return SkippedFile(path, str(exc))
         except Exception as exc:  # anything unexpected still leaves the run going, named
@@ -400,17 +453,36 @@ def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None
     if result.skipped:
         summary += "; left out " + ", ".join(f"{n} {cat}" for cat, n in counts.most_common())
     log.info(summary)
+    unpaired = no_pair_problems([f for fs in folders.values() for f in fs])
+    if unpaired:  # a control_path that pairs with nothing is a wrong folder, not a dataset to train on
+        raise DatasetError("\n".join(unpaired), result)
     if not result.items:
-        raise DatasetError(
-            _empty_message(cfg, settings, jobs, counts),
-            result,
-            "run `diffpipe data` to list every file and its reason" if jobs else "",
-        )
+        raise DatasetError(_empty_message(cfg, settings, jobs, counts), result,
+                           "run `diffpipe data` to list every file and its reason" if jobs else "")
     return result
 
 
-def _prefetch(index: ScanIndex, jobs: list[tuple], spec: ModelSpec, workers: int | None, progress: bool) -> None:
-    """Stat every candidate media file and its caption file; read the new and changed ones (in parallel).
+def _pair(jobs: list[tuple], folders: dict[int, list[ControlFolder]], spec: ModelSpec
+          ) -> dict[str, list[tuple[ControlFolder, str | None]]]:
+    """Each candidate target of a directory with ``control_path``: its control file in every control folder (None
+    where there is none), by the target's path string. Counts every folder's pairs."""
+    pairs: dict[str, list[tuple[ControlFolder, str | None]]] = {}
+    for path, key, ext, s, *_ in jobs:
+        here = folders.get(s.index)
+        if not here or not (ext in IMAGE_EXTS or (spec.modality == "video" and ext in VIDEO_EXTS)):
+            continue
+        stem = target_stem(path, s.path)
+        found = [(f, f.find(stem)) for f in here]
+        for f, control in found:
+            f.paired += control is not None
+        pairs[key] = found
+    return pairs
+
+
+def _prefetch(index: ScanIndex, jobs: list[tuple], spec: ModelSpec, workers: int | None, progress: bool,
+              extra: Sequence[tuple[str, str]] = ()) -> None:
+    """Stat every candidate media file and its caption file, and the ``extra`` ``(path, kind)`` (control images);
+    read the new and changed ones (in parallel).
 
     A job is ``(path, key, ext, settings, captions, id_base, txt, txt_listed)``: the file as a Path and as a
     string (the scan index's key), its lower-case suffix, its ``[[directory]]`` settings and caption finder,
@@ -425,7 +497,7 @@ def _prefetch(index: ScanIndex, jobs: list[tuple], spec: ModelSpec, workers: int
                 files.append((txt, TEXT))
             else:
                 absent.append(txt)
-    index.prefetch(files, absent, workers, progress)
+    index.prefetch(files + list(extra), absent, workers, progress)
 
 
 def _with_id(item: MediaItem, new_id: str) -> MediaItem:

@@ -171,9 +171,8 @@ class ScanIndex:
                 f"this is format {INDEX_FORMAT}, diffpipe {__version__})",
             )
         try:
-            entries = {
-                f"{folder}{os.sep}{name}": e for folder, files in data["folders"].items() for name, e in files.items()
-            }
+            entries = {f"{folder}{os.sep}{name}": e for folder, files in data["folders"].items()
+                       for name, e in files.items()}
         except (AttributeError, TypeError):
             return self._rebuild(path, "is corrupt (a folder is not a table)")
         bad = _invalid(entries)
@@ -279,13 +278,8 @@ class ScanIndex:
         return file_content_key(path, False, size_mtime=(entry[0], entry[1]))
 
     # ------------------------------------------------------------------------------------------ first reads
-    def prefetch(
-        self,
-        files: list[tuple[str, str]],
-        absent: Iterable[str] = (),
-        workers: int | None = None,
-        progress: bool = True,
-    ) -> None:
+    def prefetch(self, files: list[tuple[str, str]], absent: Iterable[str] = (), workers: int | None = None,
+                 progress: bool = True) -> None:
         """Stat every ``(path, kind)``; read the files that are new or changed, in a pool of ``workers``
         processes (default: every core) when there are at least ``POOL_MIN_FILES`` of them. ``absent`` are
         paths known not to exist (captions the folder listing lacks), so they are not stat'ed."""
@@ -302,13 +296,8 @@ class ScanIndex:
                 continue  # reported by the per-file lookup
             old = old_get(key)
             # the common case inline (a re-scan of 100,000 unchanged files spends its time here)
-            if (
-                old is not None
-                and not self.strict
-                and old[0] == st.st_size
-                and old[1] == st.st_mtime_ns
-                and old[3] in _TAGS[kind]
-            ):
+            if old is not None and not self.strict and old[0] == st.st_size and old[1] == st.st_mtime_ns \
+                    and old[3] in _TAGS[kind]:
                 new[key] = old
                 reused += 1
             elif old is not None and self._reusable(key, st, kind) is not None:
@@ -319,9 +308,8 @@ class ScanIndex:
         if not todo:
             return
         n = workers if workers is not None else _cores()
-        bar = tqdm(
-            total=len(todo), desc="reading new files", unit="file", leave=False, disable=not progress or len(todo) < 200
-        )
+        bar = tqdm(total=len(todo), desc="reading new files", unit="file", leave=False,
+                   disable=not progress or len(todo) < 200)
         try:
             if n > 1 and len(todo) >= POOL_MIN_FILES:
                 try:
@@ -361,15 +349,8 @@ def _read_in_workers(todo: list[tuple[str, str, int, int]], n: int, advance: Any
     lock = threading.Lock()
     logs = [tempfile.TemporaryFile("w+") for _ in shares]  # a file, not a pipe: chatty stderr cannot block it
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=env,
-            text=True,
-            start_new_session=True,
-        )
+        subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=log, env=env, text=True, start_new_session=True)
         for log in logs
     ]
 

@@ -29,6 +29,11 @@
    ourselves first: after a few seconds we say which lock we wait for and whether a process holds it (so when it
    is safe to delete), and give up with :class:`OpBuildLockTimeout` after a timeout. The extensions folder is
    one per Python environment unless ``TORCH_EXTENSIONS_DIR`` is set, so two environments never share a build.
+7. ``keep_compiled_backward_buffers``: a stage that is not the last runs backward one output tensor at a time,
+   with ``retain_graph=True`` for all but the last (``PipelineEngine._exec_backward_pass``). The backward of a
+   ``torch.compile``'d layer donates its saved buffers and refuses a retained graph ("compiled with non-empty
+   donated buffers"), so ``compile`` broke every run of more than one stage. With ``compile`` on we turn buffer
+   donation off: the compiled backward keeps its saved tensors, as eager autograd does.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -260,3 +265,9 @@ def guard_op_builds(timeout: float | None = None, notice_after: float = 5.0) -> 
 
     OpBuilder.jit_load = jit_load
     _guarded = True
+def keep_compiled_backward_buffers() -> None:
+    """Let compiled layers' backward run under DeepSpeed's per-output ``retain_graph=True`` backward (patch 7).
+    Process-wide torch setting; called before the blocks are compiled."""
+    import torch._functorch.config
+
+    torch._functorch.config.donated_buffer = False

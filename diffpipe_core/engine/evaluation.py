@@ -23,26 +23,39 @@ def evaluate(
     layout: Layout,
     step: int,
     writer: Any,
+    loss: Any = None,
 ) -> dict[str, float]:
     """Every eval micro-batch of this rank's share goes through the pipeline once per quantile, with noise seeded
-    by its position, so eval losses are comparable across steps and runs. Logged under ``eval/`` on rank 0."""
+    by its position, so eval losses are comparable across steps and runs. Logged under ``eval/`` on rank 0.
+
+    ``loss`` (the stage's :class:`~diffpipe_core.engine.stage_build.LossFunction`) sees each quantile's context
+    while it runs, and the training context again after."""
     from diffpipe_core.data import BucketSampler
+    from diffpipe_core.engine.micro_batches import bucket_sizes
 
     run = cfg.run
     results: dict[str, float] = {}
-    for name, dataset in eval_datasets.items():
-        per_quantile = []
-        for q in EVAL_QUANTILES:
-            sampler = BucketSampler(dataset.groups(), run.micro_batch_size_per_gpu, layout.dp_rank, layout.dp, 0)
-            if len(sampler) == 0:
-                break
-            context = TrainingContext(model_config=cfg.model, step=step, eval_quantile=q)
-            batches = MicroBatches(dataset, sampler, plugin, context, run.seed + 1, layout.dp_rank, 0)
-            loss = float(engine.eval_batch(iter(batches), num_micro_batches=len(sampler)))
-            per_quantile.append(loss)
-            results[f"{name}/t_q{q:.1f}"] = loss
-        if per_quantile:
-            results[f"{name}/loss"] = sum(per_quantile) / len(per_quantile)
+    training_context = loss.context if loss is not None else None
+    try:
+        for name, dataset in eval_datasets.items():
+            per_quantile = []
+            groups = dataset.groups()
+            for q in EVAL_QUANTILES:
+                sampler = BucketSampler(groups, bucket_sizes(run, dataset, groups), layout.dp_rank, layout.dp, 0)
+                if len(sampler) == 0:
+                    break
+                context = TrainingContext(model_config=cfg.model, step=step, eval_quantile=q, loss=run.loss)
+                if loss is not None:
+                    loss.context = context
+                batches = MicroBatches(dataset, sampler, plugin, context, run.seed + 1, layout.dp_rank, 0)
+                value = float(engine.eval_batch(iter(batches), num_micro_batches=len(sampler)))
+                per_quantile.append(value)
+                results[f"{name}/t_q{q:.1f}"] = value
+            if per_quantile:
+                results[f"{name}/loss"] = sum(per_quantile) / len(per_quantile)
+    finally:
+        if loss is not None:
+            loss.context = training_context
     if writer is not None:
         for key, value in results.items():
             writer.add_scalar(f"eval/{key}", value, step)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from diffpipe_core.config import RunConfig
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
 
@@ -21,6 +22,15 @@ def mix_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
+
+
+def bucket_sizes(run: RunConfig, dataset: Any, groups: list[list[int]]) -> list[int]:
+    """The micro-batch size of each bucket group of ``dataset`` (``micro_batch_size_per_gpu`` may be per resolution)."""
+    sizes = []
+    for group in groups:
+        bucket = dataset.bucket_of(group[0]) if group else None
+        sizes.append(run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames) if bucket else 1)
+    return sizes
 
 
 class MicroBatches:
@@ -38,7 +48,7 @@ class MicroBatches:
     ) -> None:
         self.dataset, self.sampler, self.plugin, self.context = dataset, sampler, plugin, context
         self.seed, self.dp_rank, self.micro_index = seed, dp_rank, micro_index
-        self.step_ids: list[str] = []
+        self.step_ids: list[str] = []  # one per sample drawn since the trainer last emptied it
         self._it = iter(sampler)
 
     def __iter__(self) -> MicroBatches:

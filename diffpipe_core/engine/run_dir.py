@@ -97,7 +97,8 @@ def resolve_resume(output_dir: Path, resume: str) -> tuple[Path, Path]:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of a run's ``metrics.jsonl``: one per optimizer step (``step``, ``loss``, ``lr``,
-    ``grad_norm``, ``samples_per_s``, ``step_seconds``, ``epoch``) plus one per evaluation (``step``, ``eval``)."""
+    ``grad_norm``, ``samples`` (this step's), ``samples_per_s``, ``step_seconds``, ``epoch``: epochs done, a fraction
+    within one) plus one per evaluation (``step``, ``eval``; step 0 with ``eval_before_first_step``)."""
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig
+from peft import PeftConfig
 
+from diffpipe_core.adapter_kinds import alpha_and_rank, keyed_format, kind_of, modules_of
 from diffpipe_core.adapters import ADAPTER_FILE, diffusers_format, save_adapter
 from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text, replace_dir
 from diffpipe_core.registry import ModelPlugin
@@ -38,7 +39,7 @@ def write_adapter(
     out_dir: Path,
     state: dict[str, torch.Tensor],
     plugin: ModelPlugin,
-    config: LoraConfig,
+    config: PeftConfig,
     formats: list[str],
     dtype: torch.dtype,
 ) -> list[str]:
@@ -47,15 +48,15 @@ def write_adapter(
     A format whose export fails is left out and named in the returned list of problems; the others, and
     always the diffusers file, are still written, so a late export bug never costs the trained adapter.
     """
-    alpha, rank = float(config.lora_alpha), int(config.r)
     prefix = plugin.call("adapter_key_prefix") or "transformer"
+    export = _lora_file if kind_of(config).name == "lora" else _lycoris_file
     files: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
     for fmt in dict.fromkeys(["diffusers", *formats]):
         try:
-            exported = plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
+            exported = export(state, plugin, config, fmt)
             if exported is None and fmt != "diffusers":
-                raise ValueError(f"model {plugin.name!r} cannot export format {fmt!r}")
+                raise ValueError(f"model {plugin.name!r} cannot export a {kind_of(config).name} in format {fmt!r}")
         except Exception as exc:
             problems.append(f"adapter format {fmt!r} not written: {type(exc).__name__}: {exc}")
             exported = None
@@ -69,6 +70,26 @@ def write_adapter(
     save_adapter(tmp, files, config, dtype, prefix)
     replace_dir(tmp, out_dir)
     return problems
+
+
+def _lora_file(
+    state: dict[str, torch.Tensor], plugin: ModelPlugin, config: PeftConfig, fmt: str
+) -> dict[str, torch.Tensor] | None:
+    """A LoRA in ``fmt``: the plugin's ``export_adapter`` (None: the core's diffusers layout, for ``diffusers``)."""
+    alpha, rank = alpha_and_rank(config)
+    return plugin.call("export_adapter", state_dict=state, alpha=alpha, rank=rank, format=fmt)
+
+
+def _lycoris_file(
+    state: dict[str, torch.Tensor], plugin: ModelPlugin, config: PeftConfig, fmt: str
+) -> dict[str, torch.Tensor] | None:
+    """A LoKr/LoHa in ``fmt``: ``diffusers`` is peft's tensors under the pipeline prefix (the core's, with the
+    config in the metadata); another format puts each module under the key stem the plugin's
+    ``adapter_key_names`` gives it."""
+    if fmt == "diffusers":
+        return None
+    stems = plugin.call("adapter_key_names", modules=modules_of(state, kind_of(config)), format=fmt)
+    return None if stems is None else keyed_format(state, config, stems)
 
 
 SAVED_INDEX = "model.safetensors.index.json"  # the index write_model_shards writes next to its shards
@@ -106,7 +127,9 @@ def write_model_shards(
             for key in json.loads(keys_file.read_text()):
                 weight_map[key] = f"model-{s + 1:05d}-of-{num_stages:05d}.safetensors"
             keys_file.unlink()
-        atomic_write_text(tmp / SAVED_INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        atomic_write_text(
+            tmp / SAVED_INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )
         replace_dir(tmp, out_dir)
     barrier()
 

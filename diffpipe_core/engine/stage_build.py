@@ -9,25 +9,28 @@ from typing import Any
 
 import deepspeed
 import torch
-from peft import LoraConfig
+from peft import PeftConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param, kind_of
+from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
+    keep_compiled_backward_buffers,
     name_gradless_boundary_tensors,
     wrap_stage_boundaries,
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.partition import stage_parts
-from diffpipe_core.memory import swapped_blocks, wrap_stage_layers
+from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import TrainingContext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +56,17 @@ class Layout:
         return self.rank % self.dp
 
 
+class LossFunction:
+    """The pipeline's ``loss_fn``: the model plugin's ``compute_loss`` with the context of the micro-batches in
+    flight (the trainer's, or an eval quantile's while evaluating)."""
+
+    def __init__(self, plugin: ModelPlugin, context: TrainingContext) -> None:
+        self.plugin, self.context = plugin, context
+
+    def __call__(self, outputs: Any, targets: Any) -> Any:
+        return self.plugin.require("compute_loss", outputs=outputs, targets=targets, context=self.context)
+
+
 @dataclass
 class Stage:
     """What :func:`build_stage` made for this rank."""
@@ -60,17 +74,34 @@ class Stage:
     model: nn.Module
     layer_names: list[str]
     parts: list[int]
-    lora: LoraConfig | None
+    lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     trainable: dict[str, torch.Tensor]
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     guard: OptimizerGuard
     engine: Any
+    loss: LossFunction
 
 
-def build_stage(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
-) -> Stage:
+@dataclass
+class StageModule:
+    """This rank's stage before DeepSpeed: the (adapted) model, its pipeline layers and the PipelineModule."""
+
+    model: nn.Module
+    layer_names: list[str]
+    parts: list[int]
+    own: range
+    lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
+    module: ExplicitPartitionPipelineModule
+    loss: LossFunction
+
+
+def build_stage_module(
+    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, trainable: bool = True
+) -> StageModule:
+    """Load and partition the model, fill in this stage's weights, quantize, apply the adapter (or start it from
+    a saved one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only)
+    every parameter is frozen and activation checkpointing is left out."""
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
@@ -89,54 +120,99 @@ def build_stage(
     lora = None
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
-        lora = lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets))
-        apply_lora(model, lora, DTYPES[run.adapter.dtype])
+        lora = from_adapter_table(run.adapter, list(targets))
+        apply_adapter(model, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
-            init_adapter_from(model, plugin, run.adapter.init_from_existing)
-    else:
+            init_adapter_from(model, plugin, run.adapter.init_from_existing, lora)
+    if not trainable:
+        model.requires_grad_(False)
+    elif run.adapter is None:
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
+    checkpointing = run.activation_checkpointing if trainable else False
+    if run.compile:
+        keep_compiled_backward_buffers()
+        compile_blocks(stage.layers, own, plugin.spec.block_layers, "inductor" if run.compile is True else run.compile)
     layers, n_swapped = wrap_stage_layers(
-        stage.layers, own, plugin.spec.block_layers, run.activation_checkpointing, run.blocks_to_swap, device
+        stage.layers, own, plugin.spec.block_layers, checkpointing, run.blocks_to_swap, device
     )
     if layout.rank == 0:
         explain_memory_savers(cfg, plugin, device, lora is not None, n_swapped)
+    loss = LossFunction(plugin, TrainingContext(model_config=cfg.model, loss=run.loss))
     with library_prints():  # DeepSpeed prints SEED_LAYERS=... and "Using topology: ..." here
         module = ExplicitPartitionPipelineModule(
             layers=wrap_stage_boundaries(layers, parts),
             parts=parts,
             num_stages=layout.stages,
-            loss_fn=lambda outputs, targets: plugin.require("compute_loss", outputs=outputs, targets=targets),
+            loss_fn=loss,
             dynamic_shape=True,
         )
+    return StageModule(model, layer_names, parts, own, lora, module, loss)
+
+
+def build_stage(
+    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
+) -> Stage:
+    """The training stage: :func:`build_stage_module`, then the optimizer, LR schedule and DeepSpeed engine."""
+    run = cfg.run
+    built = build_stage_module(cfg, plugin, layout, device)
+    model, own = built.model, built.own
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and p.device.type != "meta"}
     if not trainable:
         raise ValueError(
             f"pipeline stage {layout.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
             "change partition_split or the adapter's target_modules"
         )
-    groups = plugin.call("parameter_groups", model_config=cfg.model)
-    optimizer = build_optimizer(run.optimizer, parameter_groups(trainable, groups), plugin.registry.pm)
+    groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
+    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     ds_config = {
-        "train_micro_batch_size_per_gpu": run.micro_batch_size_per_gpu,
+        "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
         "gradient_clipping": 0.0,  # done by OptimizerGuard
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(
-        model=module,
+        model=built.module,
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=ds_config,
         model_parameters=list(trainable.values()),
     )
     if layout.stage_id > 0:
-        producer = parts[layout.stage_id] - 1
-        name_gradless_boundary_tensors(engine, f"layer {producer} ({layer_names[producer]})")
-    return Stage(model, layer_names, parts, lora, trainable, optimizer, scheduler, guard, engine)
+        producer = built.parts[layout.stage_id] - 1
+        name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
+    return Stage(
+        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss
+    )
+
+
+def build_inference_engine(cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device) -> Any:
+    """A forward-only pipeline engine (``diffpipe sample``): the same stage as training builds, every parameter
+    frozen, no optimizer, no dataset."""
+    built = build_stage_module(cfg, plugin, layout, device, trainable=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    with library_prints():
+        engine, _, _, _ = deepspeed.initialize(model=built.module, config=ds_config)
+    return engine
+
+
+def compile_blocks(
+    layers: list[nn.Module], own: range, block_layers: tuple[str, ...], backend: str = "inductor"
+) -> int:
+    """``torch.compile`` this stage's block layers in place (every own layer when the model names no blocks), so
+    parameter names, adapters and saving are unchanged. Returns how many were compiled."""
+    picked = stage_blocks(layers, own, block_layers) if block_layers else list(own)
+    for i in picked:
+        layers[i].compile(backend=backend)
+    return len(picked)
 
 
 def explain_memory_savers(
@@ -158,19 +234,30 @@ def explain_memory_savers(
         print(f"diffpipe: swapping {n_swapped} blocks per stage with host memory", flush=True)
 
 
-def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path) -> None:
-    """Start the adapter from a saved one (``[adapter] init_from_existing``): this stage's LoRA tensors only."""
-    state, _ = read_adapter(path)
+def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config: PeftConfig) -> None:
+    """Start the adapter from a saved one (``[adapter] init_from_existing``): this stage's adapter tensors only."""
+    state, saved = read_adapter(path)
+    kind = kind_of(config)
+    if saved.get("peft_type", "LORA") != kind.peft_type:
+        raise ValueError(
+            f"adapter.init_from_existing: {path} holds a {saved.get('peft_type', 'LORA')} adapter; this run trains "
+            f"type = {kind.name!r}"
+        )
     prefix = plugin.call("adapter_key_prefix") or "transformer"
-    named = dict(model.named_parameters())
+    named = {n.replace(".default", ""): p for n, p in model.named_parameters() if is_adapter_param(n)}
     loaded = 0
     for key, value in state.items():
         if key.endswith(".alpha"):
             continue
         bare = key[len(prefix) + 1 :] if key.startswith(prefix + ".") else key
-        name = bare.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
-        if name in named and named[name].device.type != "meta":
-            named[name].data.copy_(value.to(named[name].dtype))
+        param = named.get(bare)
+        if param is not None and param.device.type != "meta":
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"adapter.init_from_existing: {path}: {key} has shape {tuple(value.shape)}, this run's adapter "
+                    f"{tuple(param.shape)}; the rank, factor or target modules differ"
+                )
+            param.data.copy_(value.to(param.dtype))
             loaded += 1
-    if loaded == 0 and any(p.device.type != "meta" for n, p in named.items() if "lora_" in n):
-        raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's LoRA layers")
+    if loaded == 0 and any(p.device.type != "meta" for p in named.values()):
+        raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")

@@ -23,11 +23,13 @@ from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.evaluation import evaluate
-from diffpipe_core.engine.micro_batches import MicroBatches, mix_seed
+from diffpipe_core.engine.metrics_writer import open_writer
+from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
 from diffpipe_core.engine.run_dir import truncate_metrics
 from diffpipe_core.engine.run_state import restore_checkpoint, save_trained, write_checkpoint
 from diffpipe_core.engine.stage_build import Layout, build_stage
 from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
+from diffpipe_core.optim import evaluation_weights
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
 
@@ -56,9 +58,9 @@ class Trainer:
         self.layout = Layout(dist.get_rank(), dist.get_world_size(), self.run.pipeline_stages)
         self.rank, self.world, self.stages = self.layout.rank, self.layout.world, self.layout.stages
         self.dp, self.stage_id, self.dp_rank = self.layout.dp, self.layout.stage_id, self.layout.dp_rank
-        self.sampler = BucketSampler(
-            dataset.groups(), self.run.micro_batch_size_per_gpu, self.dp_rank, self.dp, self.run.seed
-        )
+        groups = dataset.groups()
+        self.sampler = BucketSampler(groups, bucket_sizes(self.run, dataset, groups), self.dp_rank, self.dp,
+                                     self.run.seed)
         gas = self.run.gradient_accumulation_steps
         if len(self.sampler) < gas:
             raise ValueError(
@@ -77,7 +79,8 @@ class Trainer:
         )
 
     def _save(self, name: str) -> Path:
-        return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
+        with evaluation_weights(self.stage.optimizer):
+            return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
 
     # ----------------------------------------------------------------------------- loop
     def train(self, resume_from: Path | None = None) -> TrainSummary:
@@ -86,7 +89,8 @@ class Trainer:
         if resume_from is not None:
             state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler)
             start_step, micro_index = state["step"], state["micro_index"]
-        context = TrainingContext(model_config=self.cfg.model)
+        context = TrainingContext(model_config=self.cfg.model, loss=run.loss)
+        self.stage.loss.context = context
         batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
         summary = TrainSummary()
         writer = self._writer() if self.rank == 0 else None
@@ -107,12 +111,13 @@ class Trainer:
                 "they are carried into later epochs by the reshuffle",
                 flush=True,
             )
-        if self.samples is not None:
+        if self.samples is not None:  # before any step the evaluation weights are the training ones
             self.samples.before_training(start_step, writer)
+        if run.eval_before_first_step and self.eval_datasets and resume_from is None:
+            self._log_eval(0, writer, metrics_file)
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
         consecutive_bad = 0
-        samples_per_step = run.micro_batch_size_per_gpu * run.gradient_accumulation_steps * self.dp
         guard, scheduler = self.stage.guard, self.stage.scheduler
         step = start_step
         while step < self.total_steps:
@@ -120,7 +125,8 @@ class Trainer:
             batches.step_ids = []
             context.step = step
             guard.start_step()
-            lr = scheduler.get_last_lr()[0]  # the lr this step uses (train_batch steps the scheduler)
+            step_lrs = list(scheduler.get_last_lr())  # the lrs this step uses (train_batch steps the scheduler)
+            lr = step_lrs[0]
             t0 = time.perf_counter()
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
@@ -144,6 +150,8 @@ class Trainer:
                 consecutive_bad = 0
                 summary.first_loss = loss if summary.first_loss is None else summary.first_loss
                 summary.last_loss = loss
+            # rank 0's samples times the data-parallel ranks: exact unless micro-batch sizes differ by bucket
+            samples_per_step = len(batches.step_ids) * self.dp
             summary.steps += 1
             summary.samples += samples_per_step
             if self.rank == 0:
@@ -152,16 +160,21 @@ class Trainer:
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": _num(grad_norm),
+                    "samples": samples_per_step,
                     "samples_per_s": samples_per_step / dt,
                     "step_seconds": dt,
-                    "epoch": self._epoch(step),
+                    "epoch": step / self.steps_per_epoch,
                 }
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 if step % run.log_every_n_steps == 0:
-                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                    for key in ("loss", "lr", "grad_norm", "samples_per_s", "epoch"):
                         if record[key] is not None and math.isfinite(record[key]):
                             writer.add_scalar(f"train/{key}", record[key], step)
+                    groups = self.stage.optimizer.param_groups
+                    if len(groups) > 1:  # per-component learning rates: one curve each
+                        for group, group_lr in zip(groups, step_lrs, strict=True):
+                            writer.add_scalar(f"train/lr_{group.get('name', 'model')}", group_lr, step)
                     self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
                 bar.update(1)
@@ -175,13 +188,11 @@ class Trainer:
                 (run.eval_every_n_steps and step % run.eval_every_n_steps == 0)
                 or (epoch_done and run.eval_every_n_epochs and self._epoch(step) % run.eval_every_n_epochs == 0)
             ):
-                evals = self.evaluate(step, writer)
-                if metrics_file is not None and evals:
-                    metrics_file.write(json.dumps({"step": step, "eval": evals}) + "\n")
-                    metrics_file.flush()
-            if self.samples is not None:
-                self.samples.after_step(step, epoch_done, self._epoch(step), writer)
-            if step < self.total_steps and self._checkpoint_due(step, last_ckpt_time):
+                self._log_eval(step, writer, metrics_file)
+            if self.samples is not None and self.samples.sampler.due(step, epoch_done, self._epoch(step)):
+                with evaluation_weights(self.stage.optimizer):
+                    self.samples.after_step(step, epoch_done, self._epoch(step), writer)
+            if step < self.total_steps and self._checkpoint_due(step, epoch_done, last_ckpt_time):
                 self._checkpoint(step, batches.micro_index)
                 last_ckpt_time = time.monotonic()
         bar.close()
@@ -197,14 +208,25 @@ class Trainer:
         return summary
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:
-        return evaluate(self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer)
+        with evaluation_weights(self.stage.optimizer):
+            return evaluate(
+                self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer, self.stage.loss
+            )
+
+    def _log_eval(self, step: int, writer: Any, metrics_file: Any) -> None:
+        evals = self.evaluate(step, writer)
+        if metrics_file is not None and evals:
+            metrics_file.write(json.dumps({"step": step, "eval": evals}) + "\n")
+            metrics_file.flush()
 
     def _epoch(self, step: int) -> int:
         return step // self.steps_per_epoch
 
-    def _checkpoint_due(self, step: int, last_time: float) -> bool:
+    def _checkpoint_due(self, step: int, epoch_done: bool, last_time: float) -> bool:
         run = self.run
         if run.checkpoint_every_n_steps and step % run.checkpoint_every_n_steps == 0:
+            return True
+        if epoch_done and run.checkpoint_every_n_epochs and self._epoch(step) % run.checkpoint_every_n_epochs == 0:
             return True
         if run.checkpoint_every_n_minutes:
             due = torch.tensor([1.0 if time.monotonic() - last_time >= 60 * run.checkpoint_every_n_minutes else 0.0])
@@ -213,9 +235,7 @@ class Trainer:
         return False
 
     def _writer(self) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        return open_writer(self.run_dir, self.run.logging.wandb)
 
 
 def _num(value: Any) -> float | None:

@@ -1,6 +1,8 @@
 """One training process: ``python -m diffpipe_core.engine.worker`` (started by the launcher).
 
-Joins the process group, caches its share of the dataset, frees the encoders, then trains.
+Joins the process group, caches its share of the dataset, frees the encoders, then trains. With
+``--sample-request`` (``diffpipe sample``) it builds a forward-only pipeline engine instead and samples once,
+without the dataset (:mod:`diffpipe_core.sampling.worker`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,49 @@ def _shared_new_run(cfg: object, rank: int, world: int) -> str:
     return str(path[0])
 
 
+def _cache_and_train(args: argparse.Namespace, cfg, plugin, device: torch.device, rank: int, world: int) -> None:
+    """Cache this rank's share of the datasets, free the encoders, then (unless ``--cache-only``) train."""
+    import torch.distributed as dist
+
+    from diffpipe_core.data import prepare_cache
+
+    def cache(dataset_toml: Path):
+        return prepare_cache(
+            dataset_toml,
+            plugin,
+            cfg.model,
+            rank=rank,
+            world_size=world,
+            barrier=dist.barrier,
+            device=device,
+            batch_size=cfg.run.caching_batch_size,
+            regenerate=args.regenerate,
+            strict=args.strict,
+            trust_cache=args.trust_cache,
+            progress=rank == 0,
+            prune=args.prune,
+        )
+
+    dataset = cache(cfg.run.dataset)
+    eval_datasets = {ev.name: cache(ev.config) for ev in cfg.run.eval_datasets}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.cache_only:
+        return
+    from diffpipe_core.engine.trainer import Trainer
+    from diffpipe_core.sampling.worker import prepare_sampling
+
+    if args.new_run:
+        args.run_dir = _shared_new_run(cfg, rank, world)
+    sampling = prepare_sampling(cfg, plugin, device)  # prompts encoded now, once
+    run_dir = Path(args.run_dir) if args.run_dir else Path.cwd()
+    trainer = Trainer(cfg, plugin, dataset, run_dir, device, eval_datasets)
+    if sampling is not None:
+        sampling.attach(trainer)
+    trainer.train(Path(args.resume_from) if args.resume_from else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffpipe-worker")
     parser.add_argument("--config", required=True)
@@ -68,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()  # again: importing DeepSpeed set its logger's level
 
     from diffpipe_core.config import load_config
-    from diffpipe_core.data import prepare_cache
     from diffpipe_core.registry import get_registry
 
     ds_patches.use_environment_extensions_dir()
@@ -79,48 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         registry = get_registry()
-        cfg = load_config(args.config, registry, model_override=args.model)
+        purpose = "sample" if args.sample_request else "train"
+        cfg = load_config(args.config, registry, model_override=args.model, purpose=purpose)
         plugin = registry.model(cfg.model_name)
         device = _device()
+        if args.sample_request:
+            from diffpipe_core.sampling.worker import run_sample_request
 
-        def cache(dataset_toml: Path):
-            return prepare_cache(
-                dataset_toml,
-                plugin,
-                cfg.model,
-                rank=rank,
-                world_size=world,
-                barrier=dist.barrier,
-                device=device,
-                batch_size=cfg.run.caching_batch_size,
-                regenerate=args.regenerate,
-                strict=args.strict,
-                trust_cache=args.trust_cache,
-                progress=rank == 0,
-                prune=args.prune,
-            )
-
-        dataset = cache(cfg.run.dataset)
-        eval_datasets = {ev.name: cache(ev.config) for ev in cfg.run.eval_datasets}
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if not args.cache_only:
-            from diffpipe_core.engine.trainer import Trainer
-
-            if args.new_run:
-                args.run_dir = _shared_new_run(cfg, rank, world)
-            from diffpipe_core.sampling.worker import prepare_sampling
-
-            cfg, sampling = prepare_sampling(cfg, plugin, device, args.sample_request)  # prompts encoded now, once
-            run_dir = Path(args.run_dir) if args.run_dir else Path.cwd()
-            trainer = Trainer(cfg, plugin, dataset, run_dir, device, eval_datasets)
-            if args.sample_request:
-                sampling.sample_once(trainer)
-            else:
-                if sampling is not None:
-                    sampling.attach(trainer)
-                trainer.train(Path(args.resume_from) if args.resume_from else None)
+            run_sample_request(cfg, plugin, device, args.sample_request)  # no dataset, no cache
+        else:
+            _cache_and_train(args, cfg, plugin, device, rank, world)
     except Exception as exc:  # the launcher prints the first failing rank's error, once, after all stopped
         debug = bool(os.environ.get("DIFFPIPE_DEBUG"))
         if is_peer_failure(exc):

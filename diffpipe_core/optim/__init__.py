@@ -1,15 +1,17 @@
-"""Optimizers by name (built-ins plus those plugins register) and the LR schedule."""
+"""Optimizers by name (built-ins plus those plugins register), parameter groups with their own learning rates,
+and the LR schedule."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from diffpipe_core.config import OptimizerConfig
-from diffpipe_core.types import ParameterGroup
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -42,36 +44,63 @@ def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
     return table
 
 
-def build_optimizer(
-    cfg: OptimizerConfig, params: list[torch.nn.Parameter] | list[dict[str, Any]], pm: Any
-) -> torch.optim.Optimizer:
-    """The ``[optimizer]`` over ``params``: parameters, or torch parameter groups (:func:`parameter_groups`)."""
-    table = available_optimizers(pm)
-    if cfg.type not in table:
-        raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
-    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
-    _warn_low_precision_adamw(cfg.type, flat)  # type: ignore[arg-type]
-    return table[cfg.type](params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, eps=cfg.eps)
+DEFAULT_GROUP = "model"  # the one parameter group of a plugin that names none
 
 
 def parameter_groups(
-    named: dict[str, torch.nn.Parameter], groups: list[ParameterGroup] | None
-) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
-    """``named`` (trainable parameters by name) as torch parameter groups, one per plugin-named group that holds any
-    of them (``{"params", "name"[, "lr"]}``, in the plugin's order, the rest last as ``"default"``); the plain list
-    when the plugin names none."""
-    if not groups:
-        return list(named.values())
-    members: dict[str, list[torch.nn.Parameter]] = {g.name: [] for g in [*groups, ParameterGroup("default", ())]}
-    for name, p in named.items():
-        group = next((g.name for g in groups if name.startswith(g.prefixes)), "default")
-        members[group].append(p)
-    lrs = {g.name: g.lr for g in groups}
-    return [
-        {"params": ps, "name": name, **({"lr": lrs[name]} if lrs.get(name) is not None else {})}
-        for name, ps in members.items()
-        if ps
-    ]
+    cfg: OptimizerConfig, trainable: dict[str, torch.nn.Parameter], named: dict[str, list[str]] | None
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: ``{"name", "params", "lr"}`` per group the plugin names (its
+    ``parameter_groups`` hook: group -> regexes matched against parameter names; a parameter matching none joins
+    the first group), each at ``cfg.group_lr[name]`` or ``cfg.lr``. Groups with no parameter on this pipeline stage
+    are left out. Without ``cfg.group_lr`` all parameters form one group, as before groups existed."""
+    if not cfg.group_lr:
+        return [{"name": DEFAULT_GROUP, "params": list(trainable.values()), "lr": cfg.lr}]
+    named = named or {DEFAULT_GROUP: []}
+    patterns = {g: [re.compile(p) for p in pats] for g, pats in named.items()}
+    members: dict[str, list[torch.nn.Parameter]] = {g: [] for g in named}
+    first = next(iter(named))
+    for name, param in trainable.items():
+        group = next((g for g, pats in patterns.items() if any(p.match(name) for p in pats)), first)
+        members[group].append(param)
+    return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
+
+
+def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.type`` names over ``groups`` (:func:`parameter_groups`; or a plain list of parameters:
+    one group at ``cfg.lr``). One group is passed as a plain parameter list, so its state is laid out as before
+    groups existed."""
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"name": DEFAULT_GROUP, "params": list(groups), "lr": cfg.lr}]
+    table = available_optimizers(pm)
+    if cfg.type not in table:
+        raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
+    params = [p for g in groups for p in g["params"]]
+    _warn_low_precision_adamw(cfg.type, params)
+    lr = groups[0]["lr"] if len(groups) == 1 else cfg.lr
+    given: Any = params if len(groups) == 1 else groups
+    kwargs = {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps, **cfg.kwargs}
+    try:
+        return table[cfg.type](given, **kwargs)
+    except TypeError as exc:
+        if not cfg.kwargs:
+            raise
+        raise ValueError(f"optimizer.kwargs: {cfg.type!r} does not take {sorted(cfg.kwargs)}: {exc}") from None
+
+
+@contextlib.contextmanager
+def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside the block the parameters hold the weights to evaluate and save: schedule-free optimizers keep the
+    training point in the parameters and switch to the averaged weights with ``eval()`` (and back with
+    ``train()``); any optimizer with both methods is treated so. Others: nothing changes."""
+    switch = callable(getattr(optimizer, "eval", None)) and callable(getattr(optimizer, "train", None))
+    if switch:
+        optimizer.eval()  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if switch:
+            optimizer.train()  # type: ignore[attr-defined]
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps, training_loss
 
 if TYPE_CHECKING:
     from diffpipe_core.parts.config import FlowMatchingConfig
@@ -73,7 +73,8 @@ def with_mask(targets: Tensors, batch: dict[str, torch.Tensor], transform=None) 
     return targets + ((transform(mask) if transform else mask),)
 
 
-def flow_loss(outputs: Tensors, targets: Tensors) -> torch.Tensor:
-    """MSE of the prediction (``outputs[0]``) to the velocity (``targets[0]``), weighted by ``targets[1]`` (a mask or
-    per-element weights) when present."""
-    return masked_mse(outputs[0], targets[0], targets[1] if len(targets) > 1 else None)
+def flow_loss(outputs: Tensors, targets: Tensors, context: TrainingContext | None = None) -> torch.Tensor:
+    """The run's loss (``context.loss``: squared error unless run.toml sets ``pseudo_huber_c`` and the like; without a
+    context, MSE) of the prediction (``outputs[0]``) to the velocity (``targets[0]``), weighted by ``targets[1]`` (a
+    mask or per-element weights) when present."""
+    return training_loss(outputs[0], targets[0], targets[1] if len(targets) > 1 else None, context)

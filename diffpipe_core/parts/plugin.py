@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import hookimpl, hookspecs
-from diffpipe_core.types import ModelConfigBase, ModelSpec
+from diffpipe_core.types import ModelConfigBase, ModelSpec, TrainingContext
 
 if TYPE_CHECKING:
     import torch
@@ -269,9 +269,41 @@ class DiffusersModel:
         return export_lora(state_dict, alpha, format, self.folder.model, layout)
 
     def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable | None:
-        """The original layout for a ComfyUI LoRA export of ``state_dict``; override when the table needs sizes
-        only the model config has (the default reads none and returns None: no ComfyUI format)."""
+        """The original layout for a ComfyUI export of adapter modules (``state_dict``: a peft LoRA state dict, whose
+        shapes size fused modules); None (the default): the model has no ComfyUI format."""
         return None
+
+    #: ComfyUI's key map for this model also takes diffusers module names under the pipeline prefix (and places
+    #: them in fused weights itself), as for Flux; LoKr/LoHa, which cannot be fused, are saved under those names.
+    comfy_takes_diffusers_names: ClassVar[bool] = False
+
+    @hookimpl
+    def adapter_key_names(self, modules: list[str], format: str) -> dict[str, str] | None:
+        """Key stems of a LoKr/LoHa in ``comfyui``: each module's ComfyUI name under ``diffusion_model.`` from
+        :meth:`lora_layout` (or its diffusers name under the pipeline prefix, with
+        :attr:`comfy_takes_diffusers_names`); a module only a fused ComfyUI weight holds, or none at all, raises a
+        ValueError naming it. Other formats: None."""
+        import torch
+
+        if format != "comfyui":
+            return None
+        layout = self.lora_layout({f"{m}.lora_A.weight": torch.empty(0, 0) for m in modules})
+        if layout is None:
+            return None
+        stems: dict[str, str] = {}
+        for target in layout.lora_targets(modules):
+            present = [m for m in target.parts if m in modules]
+            for module in present:
+                if self.comfy_takes_diffusers_names:
+                    stems[module] = f"{self.folder.model}.{module}"
+                elif len(target.parts) == 1:
+                    stems[module] = f"diffusion_model.{target.name}"
+        missing = [m for m in modules if m not in stems]
+        if missing:
+            raise ValueError(
+                f"modules with no ComfyUI counterpart of their own (a LoKr/LoHa cannot be fused): {missing[:3]}"
+            )
+        return stems
 
     @hookimpl
     def export_model(self, saved_dir: Path, model_config: ModelConfigBase, out_dir: Path, format: str) -> bool | None:
@@ -289,11 +321,17 @@ class DiffusersModel:
         return None
 
     @hookimpl
-    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """MSE of the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
+    def compute_loss(
+        self,
+        outputs: tuple[torch.Tensor, ...],
+        targets: tuple[torch.Tensor, ...],
+        context: TrainingContext,
+    ) -> torch.Tensor:
+        """The run's loss (squared error, or run.toml's ``pseudo_huber_c``/``huber_delta``/``smooth_l1_beta``) of
+        the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""
         from diffpipe_core.parts.flow import flow_loss
 
-        return flow_loss(outputs, targets)
+        return flow_loss(outputs, targets, context)
 
 
 def _same_key(key: str) -> str:

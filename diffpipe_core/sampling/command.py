@@ -1,7 +1,8 @@
 """``diffpipe sample``: generate with the base model plus a saved adapter, without training.
 
 Imports only click at module level (every ``diffpipe`` command imports this module); the work happens in
-the same worker processes as training, through the same pipeline engine.
+the same worker processes as training, through a pipeline engine built by the same stage builder, without the
+dataset, its cache or an optimizer.
 """
 
 from __future__ import annotations
@@ -47,16 +48,22 @@ def sample(
     """Generate samples from the base model plus a saved adapter, through the pipeline (any number of processes).
 
     Settings not given here (resolution, guidance, cfg, negative prompt, frames) come from the config's
-    [sample] table. Reads the run's dataset cache like train does (and builds it if missing).
+    [sample] table (its every_n_* keys are not needed); the size defaults to the dataset's first resolution and
+    frame bucket. Needs only the model, the adapter and prompts: no dataset media, no cache.
     """
     from diffpipe_core.cli_common import fail, load_checked
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
     from diffpipe_core.registry import get_registry
-    from diffpipe_core.sampling.config import missing_sampling_hooks
+    from diffpipe_core.sampling.config import dataset_shape, missing_sampling_hooks
+    from diffpipe_core.schema import ConfigError
 
     n = default_num_procs(num_procs)
-    cfg = load_checked(config_path, model, n)
+    cfg = load_checked(config_path, model, n, purpose="sample")
     problems = []
+    try:
+        dataset_shape(cfg.run.dataset, get_registry().model(cfg.model_name).spec)  # only for the default size
+    except ConfigError as exc:
+        problems.extend(exc.problems)
     missing = missing_sampling_hooks(get_registry().model(cfg.model_name))
     if missing:
         problems.append(f"model plugin {cfg.model_name!r} cannot sample: it does not implement {', '.join(missing)}")
@@ -81,5 +88,5 @@ def sample(
     with tempfile.TemporaryDirectory(prefix="diffpipe-sample-") as tmp:
         request_file = Path(tmp) / "request.json"
         request_file.write_text(json.dumps(request))
-        args = ["--config", str(cfg.path), "--model", cfg.model_name, "--trust-cache"]
+        args = ["--config", str(cfg.path), "--model", cfg.model_name]
         sys.exit(launch_workers([*args, "--sample-request", str(request_file)], n))

@@ -46,8 +46,8 @@ def generate(
     """Denoise one sample per entry of ``texts`` and return their final latents (float32, on the CPU).
 
     Each step sends every sample as its own micro-batch through ``forward``; with ``cfg > 1`` a micro-batch
-    holds the negative and the positive prompt (batch 2) and the predictions are combined as
-    ``uncond + cfg * (cond - uncond)`` before the plugin's ``denoise_step``.
+    holds the negative and the positive prompt (batch 2) and the two predictions are combined by
+    :func:`combine_guidance` before the plugin's ``denoise_step``.
     """
     if len(texts) != len(generators):
         raise ValueError(f"{len(texts)} prompts but {len(generators)} noise generators")
@@ -79,7 +79,7 @@ def generate(
         for state, prediction in zip(states, predictions, strict=True):
             if guided:
                 uncond, cond = prediction.float().chunk(2)
-                prediction = uncond + cfg * (cond - uncond)
+                prediction = combine_guidance(plugin, model_config, uncond, cond, cfg, state[1], index)
             state[0] = plugin.require(
                 "denoise_step",
                 latents=state[0],
@@ -89,6 +89,30 @@ def generate(
                 model_config=model_config,
             )
     return [state[0].float().cpu() for state in states]
+
+
+def combine_guidance(
+    plugin: ModelPlugin,
+    model_config: ModelConfigBase,
+    uncond: torch.Tensor,
+    cond: torch.Tensor,
+    scale: float,
+    schedule: torch.Tensor,
+    index: int,
+) -> torch.Tensor:
+    """The guided prediction: the plugin's ``combine_guidance`` hook when it implements one (a pipeline that
+    rescales true CFG, e.g. Qwen-Image), else ``uncond + scale * (cond - uncond)``."""
+    if plugin.has("combine_guidance"):
+        return plugin.require(
+            "combine_guidance",
+            uncond=uncond,
+            cond=cond,
+            scale=scale,
+            schedule=schedule,
+            index=index,
+            model_config=model_config,
+        ).float()
+    return uncond + scale * (cond - uncond)
 
 
 def _cat(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,9 +1,11 @@
-"""Writing samples: PNG for images, MP4 (PyAV, H.264 when available) for videos, and TensorBoard images."""
+"""Writing samples: PNG for images, MP4 (PyAV, H.264 when available) at the model's frame rate for videos, the
+contact sheet, and handing a sampling point to the loggers (:func:`log_sampling_point`, TensorBoard)."""
 
 from __future__ import annotations
 
 import io
 import json
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,38 @@ import torch
 from diffpipe_core.atomic import atomic_write_bytes, atomic_write_text
 
 MAX_TENSORBOARD_FRAMES = 8
+CONTACT_SHEET = "contact-sheet.png"
+"""The contact sheet's file name in a sampling point's folder."""
+
+
+@dataclass
+class WrittenSample:
+    """One sample of a sampling point, as written: its prompt, file, and a still (an image, or a video's first
+    frame) and, for a video, a strip of up to :data:`MAX_TENSORBOARD_FRAMES` frames side by side."""
+
+    index: int
+    prompt: str
+    file: Path
+    still: np.ndarray
+    strip: np.ndarray | None = None
+    frames: int = 1
+
+
+@dataclass
+class SamplingPoint:
+    """Everything one sampling point wrote: the folder, the samples, the contact sheet (image and file) and the
+    frame rate of video samples. ``step`` is None outside training (``diffpipe sample``)."""
+
+    folder: Path
+    step: int | None
+    fps: float
+    samples: list[WrittenSample] = field(default_factory=list)
+    contact_sheet: np.ndarray | None = None
+    contact_sheet_file: Path | None = None
+
+    @property
+    def files(self) -> list[Path]:
+        return [s.file for s in self.samples]
 
 
 def to_uint8(pixels: torch.Tensor) -> np.ndarray:
@@ -67,9 +101,21 @@ def write_prompts(folder: Path, prompts: list[str], extra: dict[str, Any]) -> No
     atomic_write_text(folder / "prompts.json", json.dumps({"prompts": prompts, **extra}, indent=2) + "\n")
 
 
-def log_sample(writer: Any, tag: str, sample: np.ndarray, step: int) -> None:
-    """An image as is; a video as a strip of up to 8 evenly spaced frames (TensorBoard video needs moviepy)."""
-    if sample.ndim == 4:
-        picks = np.linspace(0, sample.shape[0] - 1, min(MAX_TENSORBOARD_FRAMES, sample.shape[0])).round().astype(int)
-        sample = np.concatenate([sample[i] for i in picks], axis=1)
-    writer.add_image(tag, sample, step, dataformats="HWC")
+def frame_strip(video: np.ndarray) -> np.ndarray:
+    """Up to :data:`MAX_TENSORBOARD_FRAMES` evenly spaced frames of ``(F, H, W, 3)``, side by side: ``(H, k*W, 3)``."""
+    picks = np.linspace(0, video.shape[0] - 1, min(MAX_TENSORBOARD_FRAMES, video.shape[0])).round().astype(int)
+    return np.concatenate([video[i] for i in picks], axis=1)
+
+
+def log_sampling_point(writer: Any, point: SamplingPoint) -> None:
+    """Hand one sampling point's samples to the loggers: TensorBoard ``samples/NN`` (an image as is, a video as
+    its frame strip: TensorBoard video needs moviepy) and ``samples/contact_sheet``. The one place a logger of
+    samples (W&B, ...) is added."""
+    if writer is None or point.step is None:
+        return
+    for sample in point.samples:
+        image = sample.strip if sample.strip is not None else sample.still
+        writer.add_image(f"samples/{sample.index:02d}", image, point.step, dataformats="HWC")
+    if point.contact_sheet is not None:
+        writer.add_image("samples/contact_sheet", point.contact_sheet, point.step, dataformats="HWC")
+    writer.flush()

@@ -33,11 +33,16 @@ class PipelineForward:
         self.src = engine.grid.stage_to_global(stage_id=self.num_stages - 1) if self.num_stages > 1 else None
 
     def __call__(self, inputs: list[Tensors]) -> list[torch.Tensor]:
-        # The last stage loads a micro-batch's labels too; sampling has none, so a placeholder goes there.
-        data = iter([(tuple(x), (torch.zeros(1),)) for x in inputs])
-        outputs = forward_outputs(self.engine, data, len(inputs))
+        # One pass per run of same-shaped inputs: DeepSpeed adds up the micro-batches' outputs of one pass, which
+        # fails for outputs of different shapes (an edit model's prompt with a control image and one without).
+        # Every rank holds the same inputs, so every rank cuts them the same way.
         last = self.engine.is_last_stage()
-        predictions = [_first(out).detach().float() for out in outputs] if last else [None] * len(inputs)
+        predictions: list[torch.Tensor | None] = []
+        for group in _same_shapes(inputs):
+            # The last stage loads a micro-batch's labels too; sampling has none, so a placeholder goes there.
+            data = iter([(tuple(x), (torch.zeros(1),)) for x in group])
+            outputs = forward_outputs(self.engine, data, len(group))
+            predictions += [_first(out).detach().float() for out in outputs] if last else [None] * len(group)
         if self.num_stages > 1:
             predictions = [self._broadcast(p) for p in predictions]
         return [p.cpu() for p in predictions]
@@ -54,6 +59,18 @@ class PipelineForward:
         buf = tensor.to(self.device).contiguous() if tensor is not None else torch.empty(shape, device=self.device)
         dist.broadcast(buf, src=self.src, group=self.group)
         return buf
+
+
+def _same_shapes(inputs: list[Tensors]) -> list[list[Tensors]]:
+    """``inputs`` cut into consecutive runs whose tensors have the same shapes, in order."""
+    groups: list[list[Tensors]] = []
+    for x in inputs:
+        shapes = [tuple(t.shape) for t in x]
+        if groups and [tuple(t.shape) for t in groups[-1][0]] == shapes:
+            groups[-1].append(x)
+        else:
+            groups.append([x])
+    return groups
 
 
 class LayerChainForward:

@@ -1,31 +1,46 @@
-"""Sampling on every rank of a training run: prompts shared over the data-parallel replicas, the denoising
-loop through the training ``PipelineEngine``, latents gathered and decoded on rank 0 by a VAE loaded only for
-that and then freed, files and TensorBoard images written by rank 0."""
+"""Sampling on every rank of a run: prompts shared over the data-parallel replicas, the denoising loop through the
+run's ``PipelineEngine``, latents gathered to rank 0 and decoded there by a decoder loaded once (on the device only
+while decoding), then the files, the contact sheet, TensorBoard and one line naming the folder."""
 
 from __future__ import annotations
 
-import gc
 import math
 import re
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from diffpipe_core.atomic import atomic_save_safetensors
+from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_bytes
+from diffpipe_core.engine.stage_build import Layout
 from diffpipe_core.registry import ModelPlugin
-from diffpipe_core.sampling.config import SampleConfig, default_frames
+from diffpipe_core.sampling.config import SampleConfig, sample_shape
+from diffpipe_core.sampling.contact_sheet import contact_sheet
+from diffpipe_core.sampling.decoder import HeldDecoder
 from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
-from diffpipe_core.sampling.output import log_sample, to_uint8, write_prompts, write_sample
+from diffpipe_core.sampling.output import (
+    CONTACT_SHEET,
+    SamplingPoint,
+    WrittenSample,
+    frame_strip,
+    log_sampling_point,
+    png_bytes,
+    to_uint8,
+    write_prompts,
+    write_sample,
+)
 from diffpipe_core.sampling.pipeline import PipelineForward
 from diffpipe_core.types import ModelConfigBase, SampleRequest
 
 
-def sample_request(sample: SampleConfig, plugin: ModelPlugin) -> SampleRequest:
-    width, height = sample.size
-    frames = sample.frames if sample.frames is not None else default_frames(plugin.spec)
+def sample_request(
+    sample: SampleConfig, plugin: ModelPlugin, dataset: tuple[int, int, int] | None = None
+) -> SampleRequest:
+    """What the denoising hooks get: ``[sample]``'s size and frames, else the dataset's first resolution and frame
+    bucket (``dataset``, from :func:`diffpipe_core.sampling.config.dataset_shape`)."""
+    width, height, frames = sample_shape(sample, plugin.spec, dataset)
     return SampleRequest(width=width, height=height, frames=frames, steps=sample.steps, guidance=sample.guidance)
 
 
@@ -33,16 +48,6 @@ def sample_file_stem(index: int, prompt: str) -> str:
     """``03-a-red-cat``: the prompt's position and a short filesystem-safe form of it."""
     slug = re.sub(r"[^a-z0-9]+", "-", prompt.lower()).strip("-")[:40].rstrip("-")
     return f"{index:02d}-{slug}" if slug else f"{index:02d}"
-
-
-@dataclass
-class Layout:
-    """Where this rank sits: data-parallel rank and degree, pipeline stage, global rank."""
-
-    rank: int
-    dp_rank: int
-    dp: int
-    stage_id: int
 
 
 class PipelineSampler:
@@ -58,11 +63,14 @@ class PipelineSampler:
         device: torch.device,
         prompts: list[str],
         texts: list[PromptText],
+        dataset: tuple[int, int, int] | None = None,
     ) -> None:
         self.config, self.plugin, self.model_config, self.engine = sample, plugin, model_config, engine
         self.layout, self.device, self.prompts, self.texts = layout, device, prompts, texts
-        self.request = sample_request(sample, plugin)
+        self.request = sample_request(sample, plugin, dataset)
         self.fps = float(plugin.spec.video_fps or 24.0)
+        self.forward = PipelineForward(engine, device)
+        self.decoder = HeldDecoder(plugin, model_config, device) if layout.rank == 0 else None
 
     def due(self, step: int, epoch_done: bool, epoch: int) -> bool:
         """After optimizer step ``step`` (1-based), at the configured interval."""
@@ -72,10 +80,8 @@ class PipelineSampler:
             or (epoch_done and s.every_n_epochs and epoch % s.every_n_epochs == 0)
         )
 
-    def sample(self, out_dir: Path, step: int | None = None, writer: Any = None) -> list[Path]:
-        """Generate every prompt, write ``out_dir/<NN-prompt>.png`` (``.mp4`` for videos), ``prompts.json`` and
-        ``latents.safetensors`` on rank 0 (and TensorBoard images at ``step`` when ``writer`` is given).
-        Returns the written sample files on rank 0, [] elsewhere."""
+    def generate(self) -> dict[int, torch.Tensor]:
+        """Every prompt's final latents, on rank 0 (prompt index -> latents); {} elsewhere."""
         lay = self.layout
         n = len(self.texts)
         share = math.ceil(n / lay.dp)
@@ -89,96 +95,118 @@ class PipelineSampler:
             self.request,
             [self.texts[i] for i in work],
             [noise_generator(self.config.seed, i) for i in work],
-            PipelineForward(self.engine, self.device),
+            self.forward,
             cfg=self.config.cfg,
         )
         own = {i: lat for i, lat in zip(mine, latents, strict=True) if i < n} if lay.stage_id == 0 else {}
         gathered: list[Any] | None = [None] * dist.get_world_size() if lay.rank == 0 else None
         dist.gather_object(own, gathered, dst=0)
-        written: list[Path] = []
-        if lay.rank == 0:
-            assert gathered is not None
-            merged = {i: lat for part in gathered for i, lat in part.items()}
+        if lay.rank != 0:
+            return {}
+        assert gathered is not None
+        return {i: lat for part in gathered for i, lat in part.items()}
+
+    def sample(
+        self, out_dir: Path, step: int | None = None, writer: Any = None, sheet: bool = True
+    ) -> SamplingPoint | None:
+        """Generate every prompt and, on rank 0, write them into ``out_dir`` (:func:`write_samples`) and hand them
+        to the loggers at ``step``. Returns the sampling point on rank 0, None elsewhere."""
+        latents = self.generate()
+        point = None
+        if self.layout.rank == 0:
+            assert self.decoder is not None
             meta = {"seed": self.config.seed, "cfg": self.config.cfg, "negative_prompt": self.config.negative_prompt}
-            written = write_samples(
-                self.plugin, self.model_config, merged, self.prompts, self.request, out_dir, self.device, self.fps,
-                meta=meta, step=step, writer=writer,
-            )  # fmt: skip
+            point = write_samples(
+                self.decoder, latents, self.prompts, self.request, out_dir, self.fps, meta=meta, step=step, sheet=sheet
+            )
+            log_sampling_point(writer, point)
         dist.barrier()
-        return written
+        return point
 
 
 def write_samples(
-    plugin: ModelPlugin,
-    model_config: ModelConfigBase,
+    decoder: HeldDecoder,
     latents: dict[int, torch.Tensor],
     prompts: list[str],
     request: SampleRequest,
     out_dir: Path,
-    device: torch.device,
     fps: float,
     meta: dict[str, Any] | None = None,
     step: int | None = None,
-    writer: Any = None,
-) -> list[Path]:
-    """Decode ``latents`` (prompt index -> final latents) and write ``out_dir/<NN-prompt>.png`` (``.mp4`` for
-    videos), ``latents.safetensors`` and ``prompts.json``; log TensorBoard images at ``step`` when ``writer``
-    is given. Returns the sample files."""
+    sheet: bool = True,
+) -> SamplingPoint:
+    """Decode ``latents`` (prompt index -> final latents) one at a time and write ``out_dir/<NN-prompt>.png``
+    (``.mp4`` at ``fps`` for videos), the contact sheet (``contact-sheet.png``; with ``sheet``),
+    ``latents.safetensors`` and ``prompts.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(
         {f"sample_{i:02d}": lat.contiguous() for i, lat in sorted(latents.items())}, out_dir / "latents.safetensors"
     )
-    written = []
-    for i, pixels in decode(plugin, model_config, latents, device):
-        sample = to_uint8(pixels)
-        written.append(write_sample(out_dir / sample_file_stem(i, prompts[i]), sample, fps))
-        if writer is not None and step is not None:
-            log_sample(writer, f"samples/{i:02d}", sample, step)
-    info = {"files": [p.name for p in written], "step": step, "steps": request.steps, "guidance": request.guidance}
-    info |= {"width": request.width, "height": request.height, "frames": request.frames, **(meta or {})}
-    write_prompts(out_dir, prompts, info)
-    if writer is not None:
-        writer.flush()
-    return written
+    point = SamplingPoint(folder=out_dir, step=step, fps=fps)
+    with decoder.session() as decode:
+        for i, lat in sorted(latents.items()):
+            media = to_uint8(decode(lat))
+            file = write_sample(out_dir / sample_file_stem(i, prompts[i]), media, fps)
+            video = media.ndim == 4
+            point.samples.append(
+                WrittenSample(
+                    index=i,
+                    prompt=prompts[i],
+                    file=file,
+                    still=media[0] if video else media,
+                    strip=frame_strip(media) if video else None,
+                    frames=media.shape[0] if video else 1,
+                )
+            )
+            del media
+    info: dict[str, Any] = {"files": [s.file.name for s in point.samples], "step": step, "steps": request.steps}
+    info |= {"guidance": request.guidance, "width": request.width, "height": request.height, "frames": request.frames}
+    if sheet and point.samples:
+        point.contact_sheet = contact_sheet([s.still for s in point.samples], [s.prompt for s in point.samples])
+        point.contact_sheet_file = out_dir / CONTACT_SHEET
+        atomic_write_bytes(point.contact_sheet_file, png_bytes(point.contact_sheet))
+        info["contact_sheet"] = CONTACT_SHEET
+    write_prompts(out_dir, prompts, info | (meta or {}))
+    return point
 
 
 def decode(
     plugin: ModelPlugin, model_config: ModelConfigBase, latents: dict[int, torch.Tensor], device: torch.device
 ) -> list[tuple[int, torch.Tensor]]:
     """Each sample's pixels (one at a time), with the decoder loaded for this call only and freed after."""
-    decoder = plugin.require("load_decoder", model_config=model_config, device=device)
+    decoder = HeldDecoder(plugin, model_config, device)
     try:
-        out = []
-        with torch.no_grad():
-            for i, lat in sorted(latents.items()):
-                pixels = plugin.require("decode_latents", decoder=decoder, latents=lat.to(device))
-                out.append((i, pixels[0].float().cpu()))
-        return out
+        with decoder.session() as run:
+            return [(i, run(lat)) for i, lat in sorted(latents.items())]
     finally:
-        del decoder
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        decoder.close()
 
 
 def shared_prompt_texts(
-    plugin: ModelPlugin, model_config: ModelConfigBase, sample: SampleConfig, prompts: list[str], device: torch.device
+    plugin: ModelPlugin,
+    model_config: ModelConfigBase,
+    sample: SampleConfig,
+    prompts: list[str],
+    device: torch.device,
+    size: tuple[int, int] | None = None,
 ) -> list[PromptText]:
-    """Rank 0 encodes the prompts (and the negative prompt under CFG) with the plugin's encoders, loaded for
-    this only; every rank receives the text tensors. Called before the diffusion model is loaded."""
+    """Rank 0 encodes the prompts (and the negative prompt under CFG, and each prompt's ``control_images`` at the
+    sample ``size``) with the plugin's encoders, loaded for this only; every rank receives the tensors. Called before
+    the diffusion model is loaded."""
     from diffpipe_core.sampling.prompts import encode_prompts
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         negative = sample.negative_prompt if sample.cfg > 1.0 else None
-        box[0] = encode_prompts(plugin, model_config, prompts, negative, device)
+        box[0] = encode_prompts(plugin, model_config, prompts, negative, device, sample.control_list(), size)
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 class TrainingSamples:
     """The trainer's view: sample before the first step and after the configured steps/epochs, into
-    ``run_dir/samples/step-NNNNNNN/`` and TensorBoard's ``samples/NN``."""
+    ``run_dir/samples/step-NNNNNNN/`` and TensorBoard's ``samples/NN`` and ``samples/contact_sheet``, with one
+    line naming the folder."""
 
     def __init__(self, sampler: PipelineSampler, run_dir: Path) -> None:
         self.sampler, self.run_dir = sampler, run_dir
@@ -192,4 +220,16 @@ class TrainingSamples:
             self._sample(step, writer)
 
     def _sample(self, step: int, writer: Any) -> None:
-        self.sampler.sample(self.run_dir / "samples" / f"step-{step:07d}", step, writer)
+        started = time.perf_counter()
+        point = self.sampler.sample(self.run_dir / "samples" / f"step-{step:07d}", step, writer)
+        if point is not None:
+            print(f"diffpipe: {describe_point(point)} ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def describe_point(point: SamplingPoint) -> str:
+    """``samples at step 4 in /run/samples/step-0000004: 2 images, contact-sheet.png``."""
+    n = len(point.samples)
+    kind = "video" if any(s.frames > 1 for s in point.samples) else "image"
+    when = f"samples at step {point.step}" if point.step is not None else "samples"
+    sheet = f", {point.contact_sheet_file.name}" if point.contact_sheet_file is not None else ""
+    return f"{when} in {point.folder}: {n} {kind}{'s' if n != 1 else ''}{sheet}"

@@ -24,12 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 
-def alternate(
-    measure_a: Callable[[], float],
-    measure_b: Callable[[], float],
-    pairs: int,
-    report: Callable[[int, float, float], None] | None = None,
-) -> list[tuple[float, float]]:
+def alternate(measure_a: Callable[[], float], measure_b: Callable[[], float], pairs: int,
+              report: Callable[[int, float, float], None] | None = None) -> list[tuple[float, float]]:
     """``pairs`` (at least 3) measurements ``(a, b)`` taken back to back, A first in even pairs and B first in
     odd ones. ``report(i, a, b)`` is called after each pair."""
     if pairs < 3:
@@ -53,11 +49,8 @@ def ratio_report(pairs: list[tuple[float, float]], what: str = "ratio") -> str:
     the per-pair ratios a / b, their range and interquartile range."""
     ratios = sorted(a / b for a, b in pairs)
     q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return (
-        f"{what}: median {statistics.median(ratios):.3f} over {len(ratios)} alternating pairs "
-        f"(spread {ratios[0]:.3f}-{ratios[-1]:.3f}, IQR {q1:.3f}-{q3:.3f})"
-    )
-
+    return (f"{what}: median {statistics.median(ratios):.3f} over {len(ratios)} alternating pairs "
+            f"(spread {ratios[0]:.3f}-{ratios[-1]:.3f}, IQR {q1:.3f}-{q3:.3f})")
 
 LORA_RANK = 16
 
@@ -133,18 +126,12 @@ def after_warmup(times: list[float], warmup: int) -> float:
 
 def pair_line(i: int, ours: float, plain: float, label: str = "pair", plain_name: str = "plain PyTorch") -> str:
     """``"pair 1: diffpipe 123.4 ms, plain PyTorch 120.1 ms, ratio 1.027"`` for pair index ``i``."""
-    return (
-        f"{label} {i + 1}: diffpipe {ours * 1000:.1f} ms, {plain_name} {plain * 1000:.1f} ms, ratio {ours / plain:.3f}"
-    )
+    return (f"{label} {i + 1}: diffpipe {ours * 1000:.1f} ms, {plain_name} {plain * 1000:.1f} ms, "
+            f"ratio {ours / plain:.3f}")
 
 
-def compare(
-    measure_ours: Callable[[], float],
-    measure_plain: Callable[[], float],
-    pairs: int,
-    report: Callable[[int, float, float], None],
-    smoke: bool = False,
-) -> list[tuple[float, float]]:
+def compare(measure_ours: Callable[[], float], measure_plain: Callable[[], float], pairs: int,
+            report: Callable[[int, float, float], None], smoke: bool = False) -> list[tuple[float, float]]:
     """:func:`alternate` the two sides for ``pairs`` pairs; with ``smoke``, one pair only (a check that the bench
     runs end to end, not a measurement: :func:`ratio_report` needs more than one pair)."""
     if not smoke:
@@ -157,9 +144,8 @@ def compare(
 SMOKE_HELP = "one pair only, to check the bench runs end to end (not a measurement: no spread)"
 
 
-def bench_parser(
-    steps: int = 20, warmup: int = 4, batch: int = 1, pairs: str = "--pairs", threads: bool = False
-) -> argparse.ArgumentParser:
+def bench_parser(steps: int = 20, warmup: int = 4, batch: int = 1, pairs: str = "--pairs",
+                 threads: bool = False) -> argparse.ArgumentParser:
     """The options every overhead bench has: ``--steps``, ``--warmup``, ``--batch``, the pair count (``pairs``,
     e.g. ``--pairs`` or ``--rounds``, default 3), ``--smoke`` and, with ``threads``, ``--threads`` (see
     :func:`use_threads`)."""

@@ -11,7 +11,9 @@ model; ``encode_batch`` on media (with masks) and on
 captions (deterministic, batch-first, finite); per-stage loading against a whole load in float32 and
 bfloat16 (same tensors, same dtypes); layers that share the model's parameters; ``prepare_inputs`` drawing
 all randomness from its generator; the stage-boundary rule at every possible boundary; a finite loss whose
-gradient reaches every LoRA weight.
+gradient reaches every LoRA weight; and, for a plugin that declares sampling (implements the denoising hooks),
+that the core's loop with classifier-free guidance over its layers gives finite pixels of the requested size and
+frame count (those of ``pixels``).
 
 Each check raises AssertionError naming the hook and what is wrong.
 """
@@ -28,7 +30,7 @@ from diffpipe_core.engine.model_loading import load_for_stages, materialise_laye
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.imports import check_light_imports
-from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, TrainingContext
+from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
 
 
 def _check_encoded(out: Any, batch_size: int, hook: str) -> dict[str, torch.Tensor]:
@@ -102,6 +104,39 @@ def _check_stage_boundaries(layers: list[nn.Module], inputs: tuple[torch.Tensor,
                 f"{tuple(leaves[i].shape)}, is a float tensor no later layer uses; a pipeline stage boundary after "
                 f"layer {k} would fail. Return only tensors later layers use (sizes as integer tensors)"
             )
+
+
+def _check_sampling(
+    plugin: Any, cfg: ModelConfigBase, layers: list[nn.Module], text: dict[str, torch.Tensor], pixels: torch.Tensor,
+    seed: int,
+) -> None:
+    """The denoising hooks under the core's loop (two steps, CFG with the second caption as the negative prompt)
+    and the decoder give one finite sample of the requested width, height and frame count."""
+    from diffpipe_core.sampling.config import missing_sampling_hooks
+    from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
+    from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.sampling.runner import decode
+
+    if missing_sampling_hooks(plugin):
+        return
+    video = plugin.spec.modality == "video"
+    height, width = pixels.shape[-2], pixels.shape[-1]
+    frames = pixels.shape[2] if video else 1
+    request = SampleRequest(width=width, height=height, frames=frames, steps=2)
+    rows = [{k: v[i : i + 1] for k, v in text.items()} for i in range(min(2, pixels.shape[0]))]
+    prompt = PromptText(cond=rows[0], uncond=rows[-1])
+    what = f"sampling ({width}x{height}, {frames} frame{'s' if frames > 1 else ''})"
+    (latents,) = generate(
+        plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers), cfg=2.0
+    )
+    assert torch.isfinite(latents).all(), f"{what}: the denoised latents hold non-finite values"
+    ((_, out),) = decode(plugin, cfg, {0: latents}, torch.device("cpu"))
+    want = (3, frames, height, width) if video else (3, height, width)
+    assert tuple(out.shape) == want, (
+        f"{what}: decode_latents gave a sample of shape {tuple(out.shape)}; the request needs {want} "
+        "(denoise_init's latents must follow request.width, height and frames)"
+    )
+    assert torch.isfinite(out).all(), f"{what}: decode_latents gave non-finite pixels"
 
 
 def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Generator) -> list[EncodeBatch]:
@@ -187,10 +222,11 @@ def check_model_plugin(
         prepared.append(first)
 
     def loss_of(targets: tuple[torch.Tensor, ...]) -> Any:
-        return lambda outputs: plugin.require("compute_loss", outputs=outputs, targets=targets)
+        return lambda outputs: plugin.require("compute_loss", outputs=outputs, targets=targets, context=context)
 
     inputs, loss_targets = prepared[0]
     _check_stage_boundaries(layers, inputs, loss_of(loss_targets))
+    _check_sampling(plugin, cfg, layers, text, pixels, seed)
 
     targets = plugin.require("lora_targets", model_config=cfg)
     apply_lora(model, lora_config(4, 4, 0.0, list(targets)))

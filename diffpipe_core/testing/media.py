@@ -81,3 +81,57 @@ def write_video(path: Path, frames: int, fps: int = 16, size: tuple[int, int] = 
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return path
+
+
+def _best_codec() -> str:
+    import av
+
+    try:
+        av.codec.Codec("libx264", "w")
+        return "libx264"
+    except Exception:
+        return "mpeg4"
+
+
+def write_drifting_video(
+    path: Path, frames: int, fps: int = 8, size: tuple[int, int] = (64, 64), seed: int = 0
+) -> Path:
+    """An mp4 (``size`` = (width, height)) of a smooth random colour field drifting sideways: frames that follow one
+    another, as a camera pan does (H.264 where PyAV has it, else MPEG-4)."""
+    from fractions import Fraction
+
+    import av
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    coarse = rng.integers(0, 256, size=(4, 8, 3), dtype=np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((2 * w, h), Image.BILINEAR))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(_best_codec(), rate=Fraction(fps))
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(frames):
+            frame = np.ascontiguousarray(field[:, (2 * i) % w : (2 * i) % w + w])
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return path
+
+
+def write_clip_dataset(
+    folder: Path,
+    frames: int | list[int],
+    captions: list[str] | tuple[str, ...],
+    size: tuple[int, int] = (64, 64),
+    fps: int = 8,
+    drifting: bool = False,
+) -> list[Path]:
+    """``clip_000.mp4``, ... with ``.txt`` captions in ``folder``, one clip per caption (``frames`` each, or one count
+    per clip): random frames (:func:`write_video`) or a drifting field (:func:`write_drifting_video`)."""
+    counts = [frames] * len(captions) if isinstance(frames, int) else list(frames)
+    writer = write_drifting_video if drifting else write_video
+    paths = []
+    for i, (n, caption) in enumerate(zip(counts, captions, strict=True)):
+        path = writer(Path(folder) / f"clip_{i:03d}.mp4", n, fps, size, seed=i)
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+        paths.append(path)
+    return paths

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,11 @@ from diffpipe_core.testing.processes import cli_env, run_diffpipe
 def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> Path:
     """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``; asserts it succeeded without library chatter
     (transformers' "Loading weights" bars stay behind --verbose) and returns the run folder it made."""
+    return train_with_output(root, config, procs, timeout, **env)[0]
+
+
+def train_with_output(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> tuple[Path, str]:
+    """:func:`train`, also returning what the command printed."""
     output_dirs = {p for p in Path(root).rglob("*") if p.is_dir()}
     result = run_diffpipe(
         ["train", "--config", str(config), "--num-procs", str(procs)], cwd=root, timeout=timeout, env=cli_env(**env)
@@ -34,7 +40,7 @@ def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **en
     assert "Loading weights" not in result.output, result.output[-4000:]
     made = [p for p in Path(root).rglob("run_info.json") if p.parent not in output_dirs]
     assert len(made) == 1, f"expected one new run folder, found {made}"
-    return made[0].parent
+    return made[0].parent, result.output
 
 
 def losses(run: Path) -> list[float]:
@@ -65,6 +71,24 @@ def stage_files(run: Path) -> list[str]:
     """The per-stage parameter files of the run's last checkpoint (one per pipeline stage)."""
     ckpt = sorted((Path(run) / "checkpoints").glob("step-*"))[-1]
     return sorted(p.name for p in ckpt.glob("params-stage*.safetensors"))
+
+
+def write_saved_model(state: dict[str, torch.Tensor], folder: Path, stages: int = 2) -> Path:
+    """``state`` as the core saves a full fine-tune over ``stages`` pipeline stages (``write_model_shards``): shards
+    ``model-0000k-of-0000n.safetensors`` keyed by ``state_dict`` names, and their index. Returns ``folder``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    keys, weight_map = sorted(state), {}
+    for i in range(stages):
+        shard = f"model-{i + 1:05d}-of-{stages:05d}.safetensors"
+        part = keys[i * len(keys) // stages : (i + 1) * len(keys) // stages]
+        save_file({k: state[k].contiguous() for k in part}, str(folder / shard))
+        weight_map.update({k: shard for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
 
 
 def with_trained_lora(model: torch.nn.Module, run: Path, rank: int, alpha: float, targets: list[str]) -> Any:
@@ -104,7 +128,9 @@ def load_lora_into(pipe: Any, lora_file: Path, adapter_name: str = "trained") ->
 
     with library_warnings() as warnings:
         pipe.load_lora_weights(str(lora_file.parent), weight_name=lora_file.name, adapter_name=adapter_name)
-    assert not [m for m in warnings if "unexpected keys" in m or "missing keys" in m], warnings
+    # diffusers names keys it could not place ("unexpected keys", "missing keys"); its note that a pipeline's text
+    # encoder got no LoRA keys is no problem for a LoRA of the diffusion model alone
+    assert not [m for m in warnings if re.search(r"(unexpected|missing)( lora)? keys", m, re.I)], warnings
     state = read(str(lora_file))
     for prefix in sorted({k.split(".", 1)[0] for k in state}):
         model = getattr(pipe, prefix)
@@ -136,15 +162,22 @@ def merge_peft(base: dict[str, torch.Tensor], params: dict[str, torch.Tensor], s
     return merged
 
 
-def apply_comfyui(base: dict[str, torch.Tensor], comfy: dict[str, torch.Tensor], prefix: str = "diffusion_model"):
+def apply_comfyui(
+    base: dict[str, torch.Tensor],
+    comfy: dict[str, torch.Tensor],
+    prefix: str = "diffusion_model",
+    names: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """A ComfyUI-layout LoRA applied to original-layout weights as ComfyUI applies it:
-    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` per module (its ``.alpha`` is the only strength ComfyUI reads)."""
+    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` per module (its ``.alpha`` is the only strength ComfyUI reads).
+    ``names`` maps ComfyUI module names to the original ones where they differ."""
     out = dict(base)
     for key in comfy:
         if key.endswith(".lora_A.weight"):
-            module = key[len(prefix) + 1 : -len(".lora_A.weight")]
-            down, up = comfy[key], comfy[f"{prefix}.{module}.lora_B.weight"]
-            scale = float(comfy[f"{prefix}.{module}.alpha"]) / down.shape[0]
+            comfy_module = key[len(prefix) + 1 : -len(".lora_A.weight")]
+            module = (names or {}).get(comfy_module, comfy_module)
+            down, up = comfy[key], comfy[f"{prefix}.{comfy_module}.lora_B.weight"]
+            scale = float(comfy[f"{prefix}.{comfy_module}.alpha"]) / down.shape[0]
             out[f"{module}.weight"] = out[f"{module}.weight"] + scale * up @ down
     return out
 

@@ -26,9 +26,9 @@ from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_times
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_flux import plugin
 from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.packing import image_ids, pack, text_ids
+from diffpipe_flux.plugin import plugin
 from diffpipe_flux.testing import TinyFluxConfig, write_tiny_flux
 
 MODEL = TinyFluxConfig(

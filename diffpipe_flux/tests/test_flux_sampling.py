@@ -91,7 +91,7 @@ def test_flux_samples_during_a_two_stage_run(flux_two_stages: Path) -> None:
     assert folders == ["step-0000000", "step-0000012", "step-0000024"]
     for name in folders:
         files = sorted(p.name for p in (run / "samples" / name).iterdir())
-        assert files == ["00-a-red-cat.png", "latents.safetensors", "prompts.json"], files
+        assert files == ["00-a-red-cat.png", "contact-sheet.png", "latents.safetensors", "prompts.json"], files
         with Image.open(run / "samples" / name / "00-a-red-cat.png") as im:
             assert im.size == (64, 64) and im.mode == "RGB"
     first, last = (np.asarray(Image.open(run / "samples" / f / "00-a-red-cat.png")) for f in (folders[0], folders[-1]))

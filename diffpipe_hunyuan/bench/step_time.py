@@ -26,8 +26,8 @@ from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_times
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
-from diffpipe_hunyuan import plugin
 from diffpipe_hunyuan.config import HunyuanConfig
+from diffpipe_hunyuan.plugin import plugin
 from diffpipe_hunyuan.testing import (
     TinyHunyuanConfig,
     llama_tokenizer,

@@ -1,22 +1,13 @@
-"""Shared fixtures: HF libraries stay offline and write nothing outside the test's tmp dir; one tiny
-HunyuanVideo written to disk per session (diffusers folder + original-layout single file)."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny HunyuanVideo written to disk per
+session (diffusers folder + original-layout single file)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read by datasets at import time
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def _hf_offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_hunyuan.plugin as hy
 from diffpipe_core.testing.conformance import check_model_plugin
+from diffpipe_hunyuan.plugin import plugin as hy
 from diffpipe_hunyuan.testing import original_path
 
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import diffpipe_hunyuan.plugin as hy
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
 from diffpipe_core.engine.saving import write_model_shards
 from diffpipe_core.schema import validate
+from diffpipe_core.testing import runs
 from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.original import diffusers_to_original, original_to_diffusers
+from diffpipe_hunyuan.plugin import plugin as hy
 from diffpipe_hunyuan.testing import TinyHunyuanConfig, apply_comfyui_lora, tiny_transformer
 
 A = ".lora_A.weight"
@@ -36,14 +37,7 @@ def base_state(model) -> dict[str, torch.Tensor]:
 
 
 def merged_diffusers(model, alpha: float, rank: int) -> dict[str, torch.Tensor]:
-    merged, lora = base_state(model), lora_state_dict(model)
-    for key, down in lora.items():
-        if key.endswith(A):
-            module = key[: -len(A)]
-            merged[f"{module}.weight"] = (
-                merged[f"{module}.weight"] + alpha / rank * lora[f"{module}.lora_B.weight"] @ down
-            )
-    return merged
+    return runs.merge_peft(base_state(model), lora_state_dict(model), alpha / rank)
 
 
 @pytest.mark.parametrize("partial", [False, True])

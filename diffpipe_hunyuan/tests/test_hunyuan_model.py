@@ -11,18 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import diffpipe_core.engine.model_loading as model_loading
-import diffpipe_hunyuan.plugin as hy
 from diffpipe_core import EncodeBatch, TrainingContext
-from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.model_files import model_file_problems
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import ConfigError, validate
+from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.original import diffusers_to_original, original_to_diffusers
+from diffpipe_hunyuan.plugin import plugin as hy
 from diffpipe_hunyuan.testing import TinyHunyuanConfig, original_path, tiny_transformer
 
 CPU = torch.device("cpu")
@@ -56,55 +54,17 @@ def test_both_layouts_load_the_same_weights(tiny_hunyuan: Path, crop_start: int)
     assert not any("transformer_blocks" in k for k in keys)
 
 
-class CountingReader:
-    """safetensors' own reader, recording the keys whose tensors are read."""
-
-    reads: list[str] = []
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.handle = safe_open(*args, **kwargs)
-
-    def __enter__(self) -> CountingReader:
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.__exit__(*exc)
-
-    def keys(self) -> list[str]:
-        return self.handle.keys()
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        CountingReader.reads.append(key)
-        return self.handle.get_tensor(key)
-
-
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
-def test_per_stage_loading_reads_only_the_stage_layers(
-    tiny_hunyuan: Path, crop_start: int, layout: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_per_stage_loading_reads_only_the_stage_layers(tiny_hunyuan: Path, crop_start: int, layout: str) -> None:
     single = {"transformer_file": original_path(tiny_hunyuan)} if layout == "original" else {}
-    cfg = config(tiny_hunyuan, crop_start, **single)
     registry = Registry()
     assert registry.register_model("hunyuan-video", hy).ok
-    plugin = registry.model("hunyuan-video")
-    stage = load_for_stages(plugin, cfg, CPU, torch.float32)
-    assert stage.per_stage_loading and len(stage.layers) == 6  # embed, 2 double, 2 single, final
-    monkeypatch.setattr(model_loading, "safe_open", CountingReader)
-    CountingReader.reads = []
-    own = range(2, 4)  # a middle stage: the second double-stream block and the first single-stream block
-    materialise_layers(plugin, cfg, stage, own, CPU)
-    blocks = {".".join(k.split(".")[:2]) for k in CountingReader.reads}
-    assert blocks == (
-        {"double_blocks.1", "single_blocks.0"} if single else {"transformer_blocks.1", "single_transformer_blocks.0"}
-    )
-    mine = {id(p) for i in own for p in stage.layers[i].parameters()}
-    full = hy.load_diffusion_model(config(tiny_hunyuan, crop_start), CPU, torch.float32).state_dict()
-    for name, p in stage.model.named_parameters():
-        if id(p) in mine:
-            assert torch.equal(p, full[name]), name
-        else:
-            assert p.device.type == "meta", f"{name} was read but belongs to another stage"
+    stages = assert_stages_read_their_own(registry.model("hunyuan-video"), config(tiny_hunyuan, crop_start, **single))
+    blocks = [{".".join(k.split(".")[:2]) for k in s.reads if "blocks." in k} for s in stages]
+    if single:
+        assert {"double_blocks.0", "double_blocks.1"} & blocks[0] and "single_blocks.1" in blocks[1]
+    else:
+        assert "transformer_blocks.0" in blocks[0] and "single_transformer_blocks.1" in blocks[1]
 
 
 def test_original_key_names_match_diffusers_converter() -> None:

@@ -8,7 +8,6 @@ serve every assertion."""
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
@@ -17,11 +16,11 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapters import read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import cli_env, run_diffpipe
 from diffpipe_hunyuan.original import diffusers_to_original, original_to_diffusers
 from diffpipe_hunyuan.testing import (
     apply_comfyui_lora,
@@ -98,11 +97,7 @@ def make_project(root: Path) -> Path:
 def train(root: Path, stages: int) -> tuple[Path, str]:
     """``diffpipe train`` with ``run<stages>.toml`` on ``stages`` processes: the run folder and the CLI output.
     One thread per worker: two workers with two threads each on two cores spend their time waiting on each other."""
-    env = cli_env(OMP_NUM_THREADS="1")
-    args = ["train", "--config", f"run{stages}.toml", "--num-procs", str(stages)]
-    result = run_diffpipe(args, cwd=root, timeout=500, env=env)
-    assert result.returncode == 0, result.output[-4000:]
-    return next(p for p in (root / f"out{stages}").iterdir() if p.is_dir()), result.output
+    return runs.train_with_output(root, f"run{stages}.toml", stages, OMP_NUM_THREADS="1")
 
 
 def losses(run: Path) -> list[float]:
@@ -160,16 +155,10 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     from diffusers import HunyuanVideoTransformer3DModel
 
     model = HunyuanVideoTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    apply_lora(model, lora_config(RANK, ALPHA, 0.0, target_modules))
-    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
-    params: dict[str, torch.Tensor] = {}
-    for file in ckpt.glob("params-stage*.safetensors"):
-        params.update(load_file(str(file)))
+    params = runs.checkpoint_params(run)
     assert "transformer_blocks.0.attn.to_q.lora_A.default.weight" in params
     assert "single_transformer_blocks.1.proj_out.lora_B.default.weight" in params
-    missing, unexpected = model.load_state_dict(params, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    return model.eval(), params
+    return runs.with_trained_lora(model, run, RANK, ALPHA, target_modules), params
 
 
 def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -186,15 +175,6 @@ def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_diffusers_lora_loads_in_hunyuan_pipeline_and_reproduces(two_stages: tuple[Path, str]) -> None:
     from diffusers import HunyuanVideoPipeline
 
@@ -209,24 +189,12 @@ def test_diffusers_lora_loads_in_hunyuan_pipeline_and_reproduces(two_stages: tup
     reference, _ = trained_reference(run, model_dir, cfg["target_modules"])
 
     pipe = HunyuanVideoPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    with torch.no_grad():
-        untrained = pipe.transformer(**transformer_inputs()).sample
-    handler = Collect()
-    logging.getLogger("diffusers").addHandler(handler)
-    try:
-        pipe.load_lora_weights(str(saved), weight_name="adapter_model.safetensors", adapter_name="trained")
-    finally:
-        logging.getLogger("diffusers").removeHandler(handler)
-    assert not [m for m in handler.messages if "unexpected keys" in m or "missing keys" in m], handler.messages
-    loaded = {n.replace(".trained", ""): p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert set(loaded) == {k[len("transformer.") :] for k in state}
+    untrained = runs.outputs(pipe.transformer, transformer_inputs())
+    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
     assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
     # alpha != rank, so reproducing the outputs also proves diffusers applied the trained strength
-    with torch.no_grad():
-        got = pipe.transformer(**transformer_inputs()).sample
-        expected = reference(**transformer_inputs()).sample
-    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-    assert (expected - untrained).abs().max() > 100 * (got - expected).abs().max()
+    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
+    runs.assert_reproduces(got, expected, untrained)
 
 
 def test_comfyui_lora_keys_and_fused_weights(two_stages: tuple[Path, str]) -> None:
@@ -240,15 +208,7 @@ def test_comfyui_lora_keys_and_fused_weights(two_stages: tuple[Path, str]) -> No
 
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     got = original_to_diffusers(apply_comfyui_lora(diffusers_to_original(base), comfy))
-    cfg = read_adapter(run / "saved" / "final")[1]
-    _, params = trained_reference(run, model_dir, cfg["target_modules"])
-    merged = dict(base)
-    for name, lora_a in params.items():
-        if ".lora_A.default.weight" in name:
-            module = name[: -len(".lora_A.default.weight")]
-            lora_b = params[f"{module}.lora_B.default.weight"]
-            merged[f"{module}.weight"] = merged[f"{module}.weight"] + (ALPHA / RANK) * lora_b @ lora_a
-    for key in merged:
-        assert torch.allclose(got[key], merged[key], atol=1e-6), key
+    merged = runs.merge_peft(base, runs.checkpoint_params(run), ALPHA / RANK)
+    runs.assert_state_close(got, merged)
     moved = [k for k in merged if k.endswith("attn.to_k.weight") and not torch.allclose(merged[k], base[k])]
     assert len(moved) == 4  # to_k of 2 double + 2 single blocks really moved

@@ -27,10 +27,10 @@ from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_times
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
-from diffpipe_ltx import plugin
 from diffpipe_ltx.config import LTXConfig
-from diffpipe_ltx.loading import rope_interpolation_scale
+from diffpipe_ltx.geometry import rope_interpolation_scale
 from diffpipe_ltx.packing import pack
+from diffpipe_ltx.plugin import plugin
 from diffpipe_ltx.testing import TinyLTXConfig, write_clips, write_tiny_ltx
 
 MODEL = TinyLTXConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=8, text_dim=64)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_ltx.plugin as ltx
 from diffpipe_core.testing.conformance import check_model_plugin
+from diffpipe_ltx.plugin import plugin as ltx
 from diffpipe_ltx.testing import single_file_path
 
 

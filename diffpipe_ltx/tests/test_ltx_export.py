@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import diffpipe_ltx.plugin as ltx
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
 from diffpipe_core.engine.saving import export_model_formats, write_model_shards
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing import runs
 from diffpipe_ltx.config import LTXConfig
 from diffpipe_ltx.lightricks import diffusers_name, to_original
+from diffpipe_ltx.plugin import plugin as ltx
 from diffpipe_ltx.testing import TinyLTXConfig, tiny_transformer
 
 
@@ -40,22 +41,9 @@ def test_comfyui_lora_applies_like_the_diffusers_lora() -> None:
     assert len(comfy) == 3 * len(state) // 2
 
     base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
-    applied = to_original(base)  # ComfyUI: W += alpha / rank * B @ A on the original-layout weights
-    for key in comfy:
-        if key.endswith(".lora_A.weight"):
-            module = key[len("diffusion_model.") : -len(".lora_A.weight")]
-            down, up = comfy[key], comfy[f"diffusion_model.{module}.lora_B.weight"]
-            scale = float(comfy[f"diffusion_model.{module}.alpha"]) / down.shape[0]
-            applied[f"{module}.weight"] = applied[f"{module}.weight"] + scale * up @ down
-    merged = dict(base)
-    for key, a in state.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            merged[f"{module}.weight"] = merged[f"{module}.weight"] + 6.0 / 4 * state[f"{module}.lora_B.weight"] @ a
-    got = {diffusers_name(k): v for k, v in applied.items()}
-    assert got.keys() == merged.keys()
-    for key in merged:
-        assert torch.allclose(got[key], merged[key], atol=1e-6), key
+    applied = runs.apply_comfyui(to_original(base), comfy)  # ComfyUI: W += alpha / rank * B @ A, original layout
+    merged = runs.merge_peft(base, state, 6.0 / 4)
+    runs.assert_state_close({diffusers_name(k): v for k, v in applied.items()}, merged)
     assert not torch.equal(merged["proj_in.weight"], base["proj_in.weight"])
 
 

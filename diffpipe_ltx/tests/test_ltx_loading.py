@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import diffpipe_ltx.plugin as ltx
 from diffpipe_core.engine import model_loading
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.stage_reads import CountingReader
 from diffpipe_ltx.config import LTXConfig
 from diffpipe_ltx.lightricks import original_name
+from diffpipe_ltx.plugin import plugin as ltx
 from diffpipe_ltx.testing import single_file_path
 
 
@@ -63,27 +64,7 @@ def test_per_stage_loading_reads_only_the_stage_tensors(
     assert registry.register_model("ltx-video", ltx).ok
     plugin = registry.model("ltx-video")
     read: list[str] = []
-    real_open = model_loading.safe_open
-
-    class Spy:  # records every tensor the core's loader reads; the reading itself is safetensors'
-        def __init__(self, *args, **kwargs) -> None:
-            self.f = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, key: str):
-            read.append(key)
-            return self.inner.get_tensor(key)
-
-    monkeypatch.setattr(model_loading, "safe_open", Spy)
+    monkeypatch.setattr(model_loading, "safe_open", lambda *a, **kw: CountingReader(read, *a, **kw))
     stage = model_loading.load_for_stages(plugin, cfg, torch.device("cpu"), torch.bfloat16)
     assert all(p.device.type == "meta" for p in stage.model.parameters())
     last_stage = range(2, len(stage.layers))  # block 1 + output layer: the second of 2 stages

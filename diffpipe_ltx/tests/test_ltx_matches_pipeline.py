@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffpipe_ltx.plugin as ltx
 from diffpipe_core import EncodeBatch
 from diffpipe_core.schema import validate
 from diffpipe_ltx.config import LTXConfig
-from diffpipe_ltx.loading import rope_interpolation_scale
+from diffpipe_ltx.geometry import rope_interpolation_scale
 from diffpipe_ltx.packing import pack, unpack
+from diffpipe_ltx.plugin import plugin as ltx
 
 CPU = torch.device("cpu")
 

@@ -8,19 +8,16 @@ both; the diffusers LoRA loads through ``LTXPipeline.load_lora_weights`` and rep
 
 from __future__ import annotations
 
-import logging
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
-from diffpipe_core.engine.run_dir import train_losses
+import diffpipe_core.testing.runs as run_checks
+from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_ltx.testing import single_file_path, write_clips, write_tiny_ltx
 
 pytestmark = pytest.mark.slow
@@ -87,9 +84,7 @@ def train(root: Path, name: str, stages: int, procs: int, steps: int, p: float, 
         split="partition_split = [2]" if stages == 2 else "",
     )
     (root / f"{name}.toml").write_text(text)
-    result = run_diffpipe(["train", "--config", f"{name}.toml", "--num-procs", str(procs)], cwd=root, timeout=400)
-    assert result.returncode == 0, result.output[-4000:]
-    return next(p for p in (root / name).iterdir() if p.is_dir())
+    return run_checks.train(root, f"{name}.toml", procs, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -103,21 +98,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def assert_loss_falls(run: Path, steps: int) -> None:
-    seq = [loss for _, loss in sorted(train_losses(run).items())]
-    assert len(seq) == steps and all(math.isfinite(v) for v in seq)
-    k = steps // 4
-    first, last = sum(seq[:k]) / k, sum(seq[-k:]) / k
-    assert last < 0.85 * first, f"loss did not fall: first {k} steps {first:.4f}, last {k} {last:.4f}"
+    run_checks.assert_loss_falls(run, steps, steps // 4)
 
 
 def test_two_pipeline_stages_train_on_clips_and_images(runs: dict[str, Path]) -> None:
     run = runs["two_stages"]
     assert_loss_falls(run, TWO_STAGE_STEPS)
-    ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
-    assert sorted(p.name for p in ckpt.glob("params-stage*.safetensors")) == [
-        "params-stage0.safetensors",
-        "params-stage1.safetensors",
-    ]
+    assert run_checks.stage_files(run) == ["params-stage0.safetensors", "params-stage1.safetensors"]
     # both kinds of media were cached: 9-frame clips (2 latent frames) and images (1 latent frame), 64x96 pixels
     from diffpipe_core.data.cache_store import list_shards
 
@@ -141,14 +128,8 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     from diffusers import LTXVideoTransformer3DModel
 
     model = LTXVideoTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    apply_lora(model, lora_config(RANK, ALPHA, 0.0, target_modules))
-    params: dict[str, torch.Tensor] = {}
-    for file in sorted((run / "checkpoints").glob("step-*"))[-1].glob("params-stage*.safetensors"):
-        params.update(load_file(str(file)))
-    assert "transformer_blocks.1.attn2.to_k.lora_A.default.weight" in params
-    missing, unexpected = model.load_state_dict(params, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    return model.eval()
+    assert "transformer_blocks.1.attn2.to_k.lora_A.default.weight" in run_checks.checkpoint_params(run)
+    return run_checks.with_trained_lora(model, run, RANK, ALPHA, target_modules)
 
 
 def transformer_inputs() -> dict:
@@ -165,15 +146,6 @@ def transformer_inputs() -> dict:
     }
 
 
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_diffusers_lora_loads_in_ltx_pipeline_and_reproduces(runs: dict[str, Path]) -> None:
     from diffusers import LTXPipeline
 
@@ -187,23 +159,11 @@ def test_diffusers_lora_loads_in_ltx_pipeline_and_reproduces(runs: dict[str, Pat
     reference = trained_reference(run, model_dir, cfg["target_modules"])
 
     pipe = LTXPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    with torch.no_grad():
-        untrained = pipe.transformer(**transformer_inputs()).sample
-    handler = Collect()
-    logging.getLogger("diffusers").addHandler(handler)
-    try:
-        pipe.load_lora_weights(str(saved), weight_name="adapter_model.safetensors", adapter_name="trained")
-    finally:
-        logging.getLogger("diffusers").removeHandler(handler)
-    assert not [m for m in handler.messages if "unexpected" in m or "missing" in m], handler.messages
-    loaded = {n.replace(".trained", ""): p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
-    assert set(loaded) == {k[len("transformer.") :] for k in state}
+    untrained = run_checks.outputs(pipe.transformer, transformer_inputs())
+    run_checks.load_lora_into(pipe, saved / "adapter_model.safetensors")
     # alpha != rank: reproducing the outputs also shows diffusers applied the trained strength
-    with torch.no_grad():
-        got = pipe.transformer(**transformer_inputs()).sample
-        expected = reference(**transformer_inputs()).sample
-    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-    assert (expected - untrained).abs().max() > 100 * (got - expected).abs().max()
+    got = run_checks.outputs(pipe.transformer, transformer_inputs())
+    run_checks.assert_reproduces(got, run_checks.outputs(reference, transformer_inputs()), untrained)
 
 
 def test_comfyui_file_has_native_keys_and_alpha(runs: dict[str, Path]) -> None:

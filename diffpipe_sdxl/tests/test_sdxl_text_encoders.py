@@ -1,6 +1,6 @@
 """SDXL text-encoder training (issue 26): with ``train_text_encoders`` the captions are cached as token ids, both CLIP
 encoders sit in the first pipeline stage, and LoRA (or full fine-tuning) trains them with the UNet at their own
-learning rates (``unet_lr``, ``text_encoder_1_lr``, ``text_encoder_2_lr``, through the ``parameter_groups`` hook).
+learning rates (``[optimizer] group_lr`` of the groups the ``parameter_groups`` hook names).
 
 One 2-stage LoRA run (from the diffusers folder, sampling before its first step) serves: the encoders' LoRA in
 stage 0 trained, each group's learning rate, the saved diffusers file (``text_encoder.``/``text_encoder_2.`` keys)
@@ -31,10 +31,11 @@ from diffpipe_sdxl.plugin import plugin as sdxl
 
 RANK, ALPHA = 4, 8.0
 LRS = {"text_encoder_1": 2e-3, "text_encoder_2": 3e-3, "unet": 5e-3}
-MODEL = f"""
-train_text_encoders = true
-text_encoder_1_lr = {LRS["text_encoder_1"]}
-text_encoder_2_lr = {LRS["text_encoder_2"]}
+MODEL = "\ntrain_text_encoders = true\n"
+GROUP_LR = f"""
+[optimizer.group_lr]
+text_encoder_1 = {LRS["text_encoder_1"]}
+text_encoder_2 = {LRS["text_encoder_2"]}
 """
 # ComfyUI's comfy/lora.py: LORA_CLIP_MAP and the SDXL names of model_lora_keys_clip / model_lora_keys_unet
 LORA_CLIP_MAP = {
@@ -58,7 +59,7 @@ def te_run(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactor
     from test_sdxl_train import make_project
 
     root = tmp_path_factory.mktemp("text_encoders")
-    tables = SAMPLE_TABLE.replace("every_n_steps = 4", "every_n_steps = 100")
+    tables = GROUP_LR + SAMPLE_TABLE.replace("every_n_steps = 4", "every_n_steps = 100")
     project = make_project(root, tiny_sdxl, 2, 4, single_file=False, lora=True, model=MODEL, tables=tables)
     return runs.train(root, project, procs=2)
 
@@ -109,10 +110,11 @@ def test_text_encoders_train_in_stage_0_at_their_learning_rates(te_run: Path) ->
         assert len(lora_b) == layers * 6 and all(v.abs().max() > 0 for v in lora_b), part  # 6 linears a layer
     second = load_file(str(ckpt / "params-stage1.safetensors"))
     assert not any(k.startswith("text_encoder") for k in second), "the encoders left the first stage"
-    for stage, want in ((0, {"text_encoder_1", "text_encoder_2", "unet"}), (1, {"unet"})):
-        groups = read_optimizer_state(ckpt, stage)["optimizer"]["param_groups"]
-        assert {g["name"] for g in groups} == want
-        assert all(g["initial_lr"] == pytest.approx(LRS[g["name"]]) for g in groups)
+    groups = read_optimizer_state(ckpt, 0)["optimizer"]["param_groups"]
+    assert {g["name"] for g in groups} == {"text_encoder_1", "text_encoder_2", "unet"}
+    assert all(g["initial_lr"] == pytest.approx(LRS[g["name"]]) for g in groups)
+    (only,) = read_optimizer_state(ckpt, 1)["optimizer"]["param_groups"]  # one group: passed as a plain list
+    assert only["initial_lr"] == pytest.approx(LRS["unet"])
 
 
 @pytest.mark.slow

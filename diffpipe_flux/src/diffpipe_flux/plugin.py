@@ -67,6 +67,7 @@ class Flux(DiffusersModel, FlowSampling):
         "flux", (*PIPELINES, "FluxKontextPipeline"), COMPONENTS, single_file_example="flux1-dev.safetensors"
     )
     model_class = "FluxTransformer2DModel"
+    comfy_takes_diffusers_names = True
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "flux1-transformer.safetensors"
 

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
-
 from pydantic import Field
 
-from diffpipe_core import ModelConfigBase
-
-Dtype = Literal["float32", "bfloat16", "float16"]
+from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 
-class HunyuanConfig(ModelConfigBase):
-    """``[model]`` keys of HunyuanVideo (text-to-video; the guidance-distilled checkpoint)."""
+class HunyuanConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of HunyuanVideo (text-to-video; the guidance-distilled checkpoint). ``path`` is a diffusers
+    HunyuanVideo folder (Llama ``text_encoder``, CLIP-L ``text_encoder_2``); ``transformer_file`` a single file in the
+    original Tencent key layout (``double_blocks.N.img_attn_qkv.weight``, ...)."""
 
-    path: Path = Field(
-        description="A diffusers HunyuanVideo folder (model_index.json, transformer/, vae/, text_encoder/ (Llama), "
-        "tokenizer/, text_encoder_2/ (CLIP-L), tokenizer_2/). With transformer_file, transformer/ needs only its "
-        "config.json."
-    )
-    transformer_file: Path | None = Field(
-        None,
-        description="Optional single-file transformer in the original Tencent key layout "
-        "(double_blocks.N.img_attn_qkv.weight, ...); replaces the weights in path/transformer.",
-    )
-    dtype: Dtype = Field("bfloat16", description="dtype of the transformer's base weights while training.")
-    encoder_dtype: Dtype = Field("bfloat16", description="dtype of the VAE and text encoders while caching.")
     text_max_length: int = Field(
         256, ge=1, description="Llama tokens kept after the prompt template is cut off (max_sequence_length)."
     )
@@ -49,11 +34,6 @@ class HunyuanConfig(ModelConfigBase):
         description="Clips longer than this many frames (a multiple of 4) are encoded in overlapping temporal chunks.",
     )
     vae_slicing: bool = Field(False, description="Encode one sample of a batch at a time (less memory, same latents).")
-    timestep_sample_method: Literal["logit_normal", "uniform"] = Field(
-        "logit_normal", description="How training times t in (0, 1) are drawn."
-    )
-    sigmoid_scale: float = Field(1.0, gt=0, description="logit_normal: t = sigmoid(sigmoid_scale * N(0, 1)).")
-    shift: float = Field(1.0, gt=0, description="Time shift t' = shift*t / (1 + (shift-1)*t).")
     guidance: float = Field(
         1.0, ge=0, description="Guidance-embedding value fed to the guidance-distilled transformer while training."
     )

@@ -1,16 +1,17 @@
-"""Hook implementations of the HunyuanVideo model plugin (entry point ``hunyuan-video``).
+"""The HunyuanVideo model plugin (entry point ``hunyuan-video``) on the core's shared plugin parts.
 
-This module and ``model_spec`` import no torch, diffusers or transformers: ``diffpipe --help``, ``models`` and
-``validate`` load every plugin, so each hook imports the modules that do the work when it is called.
+This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
+every plugin); each hook imports what does the work when it is called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
+from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_hunyuan.config import HunyuanConfig
 
 if TYPE_CHECKING:
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_hunyuan import encoding
+    from diffpipe_core.parts.layout import KeyTable
+    from diffpipe_core.types import SampleRequest
 
 DOUBLE_BLOCK_LINEARS = (
     "attn.to_q",
@@ -37,13 +39,22 @@ DOUBLE_BLOCK_LINEARS = (
     "norm1_context.linear",
 )
 SINGLE_BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out", "norm.linear")
+DEFAULT_GUIDANCE = 6.0  # HunyuanVideoPipeline's guidance_scale default (the distilled guidance embedding)
+COMPONENTS = {
+    "transformer": "HunyuanVideoTransformer3DModel",
+    "vae": "AutoencoderKLHunyuanVideo",
+    "text_encoder": ("LlamaModel", "LlamaForCausalLM"),
+    "text_encoder_2": "CLIPTextModel",
+    "tokenizer": TOKENIZER,
+    "tokenizer_2": TOKENIZER,
+}
 
 
-@hookimpl
-def model_spec() -> ModelSpec:
-    """HunyuanVideo: video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of
-    16 pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
-    return ModelSpec(
+class HunyuanVideo(DiffusersModel, FlowSampling):
+    """HunyuanVideo: a video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of 16
+    pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
+
+    spec = ModelSpec(
         name="hunyuan-video",
         modality="video",
         config_schema=HunyuanConfig,
@@ -65,122 +76,133 @@ def model_spec() -> ModelSpec:
         model_formats=("diffusers", "single_file"),
         description="HunyuanVideo text-to-video (diffusers folder or original single-file transformer)",
     )
+    folder = DiffusersFolder("hunyuan-video", ("HunyuanVideoPipeline",), COMPONENTS)
+    model_class = "HunyuanVideoTransformer3DModel"
+    single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
+    single_file_name = "hunyuan_video_transformer.safetensors"
+
+    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
+        from diffpipe_hunyuan.original import layout_for_config
+
+        return layout_for_config(transformer_config)
+
+    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
+        from diffpipe_hunyuan.original import lora_layout
+
+        return lora_layout(state_dict)
+
+    def default_lora_targets(self, model_config: HunyuanConfig) -> list[str]:
+        """Every linear of the double- and single-stream blocks (attention, MLP, modulation), by full name: the
+        token refiner and the final layer use the same short names and are not adapted."""
+        config = self.model_folder_config(model_config)
+        n_double, n_single = int(config["num_layers"]), int(config["num_single_layers"])
+        doubles = [f"transformer_blocks.{i}.{m}" for i in range(n_double) for m in DOUBLE_BLOCK_LINEARS]
+        return doubles + [f"single_transformer_blocks.{i}.{m}" for i in range(n_single) for m in SINGLE_BLOCK_LINEARS]
+
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def load_encoders(self, model_config: HunyuanConfig, device: torch.device) -> Any:
+        """The video VAE (tiling/slicing as configured), and Llama + CLIP-L in a ``HunyuanVideoPipeline`` holding only
+        them, so the prompt template, its crop, the hidden layer (third from last) and the mask are the pipeline's."""
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+        from diffpipe_core.parts.encoders import load_components
+        from diffpipe_core.parts.text import text_pipeline
+        from diffpipe_hunyuan.vae import configure_vae
+
+        enc = load_components(
+            self.folder, model_config, device, "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"
+        )
+        configure_vae(enc.vae, model_config)
+        enc.text = text_pipeline(
+            "HunyuanVideoPipeline",
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            text_encoder_2=enc.text_encoder_2,
+            tokenizer_2=enc.tokenizer_2,
+        )
+        enc.template = {**DEFAULT_PROMPT_TEMPLATE, "crop_start": model_config.text_crop_start}
+        return enc
+
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, C, F', H/8, W/8) scaled (images as 1 frame), ``mask`` (B, 1, 1, h, w) when given.
+        Captions: ``text_embeds`` (B, text_max_length, d), ``text_mask`` (B, text_max_length), ``clip_pooled`` (B, d),
+        from ``HunyuanVideoPipeline.encode_prompt``."""
+        import torch
+
+        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
+
+        out: dict[str, torch.Tensor] = {}
+        if batch.pixels is not None:
+            z = vae_mode(encoders.vae, batch.pixels, video=True)
+            out["latents"] = shift_and_scale(z, encoders.vae.config).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True).cpu()
+        if batch.captions is not None:
+            cfg = encoders.config
+            with torch.no_grad():
+                embeds, pooled, mask = encoders.text.encode_prompt(
+                    batch.captions,
+                    prompt_template=encoders.template,
+                    device=encoders.device,
+                    dtype=encoders.text_encoder.dtype,
+                    max_sequence_length=cfg.text_max_length,
+                )
+            out.update(text_embeds=embeds.float().cpu(), text_mask=mask.long().cpu(), clip_pooled=pooled.float().cpu())
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: HunyuanConfig) -> list[nn.Module]:
+        """Embedders + token refiner (+ rotary embedding, computed once), each double block, each single block,
+        final norm/projection."""
+        from diffpipe_hunyuan import layers
+
+        return layers.split_into_layers(model)
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x_t, t, text_embeds, text_mask, clip_pooled, guidance), (target[, mask]))`` on the video latents
+        ``(B, C, F, h, w)`` (images: F = 1); rectified flow (:func:`diffpipe_core.parts.flow.flow_sample`)."""
+        import torch
+
+        from diffpipe_core.parts.flow import flow_sample, with_mask
+
+        cfg: HunyuanConfig = context.model_config  # type: ignore[assignment]
+        f = flow_sample(batch["latents"], cfg, context, generator)
+        guidance = torch.full((f.t.shape[0],), float(cfg.guidance))
+        text = batch["text_embeds"].float(), batch["text_mask"].long(), batch["clip_pooled"].float()
+        return (f.x_t, f.t, *text, guidance), with_mask((f.target,), batch)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: HunyuanConfig, generator: torch.Generator):
+        """Noise ``(1, C, (F - 1) / 4 + 1, H / 8, W / 8)`` and the folder's scheduler sigmas of
+        ``linspace(1, 0, steps + 1)[:-1]``, as ``HunyuanVideoPipeline`` makes them."""
+        import numpy as np
+        import torch
+
+        from diffpipe_core.sampling.schedules import scheduler_flow_sigmas
+
+        vae = self.folder.config(model_config.path, "vae")
+        spatial, temporal = int(vae.get("spatial_compression_ratio", 8)), int(vae.get("temporal_compression_ratio", 4))
+        channels = int(self.model_folder_config(model_config)["in_channels"])
+        shape = (1, channels, (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial)
+        sigmas = np.linspace(1.0, 0.0, request.steps + 1)[:-1]
+        return torch.randn(shape, generator=generator), scheduler_flow_sigmas(model_config.path, sigmas)
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's ``(x_t, t, text_embeds, text_mask, clip_pooled, guidance)`` (``[sample] guidance``,
+        default 6.0, fed to the guidance embedding)."""
+        import torch
+
+        b = latents.shape[0]
+        guidance = DEFAULT_GUIDANCE if request.guidance is None else request.guidance
+        t = schedule[index].float().expand(b)
+        embeds, mask, pooled = text["text_embeds"].float(), text["text_mask"].long(), text["clip_pooled"].float()
+        return latents.float(), t, embeds, mask, pooled, torch.full((b,), float(guidance))
 
 
-@hookimpl
-def validate_model_files(model_config: HunyuanConfig) -> list[str]:
-    """The diffusers HunyuanVideo folder (pipeline and component classes, tokenizers, transformer weights) and
-    the original-layout transformer file's keys, without reading weights."""
-    from diffpipe_hunyuan import files
-
-    return files.problems(model_config)
-
-
-@hookimpl
-def load_encoders(model_config: HunyuanConfig, device: torch.device) -> Any:
-    """The video VAE (tiling/slicing as configured), Llama and CLIP-L with their tokenizers."""
-    from diffpipe_hunyuan import encoding
-
-    return encoding.load_encoders(model_config, device)
-
-
-@hookimpl
-def encode_batch(encoders: encoding.HunyuanEncoders, batch: EncodeBatch) -> dict[str, torch.Tensor]:
-    """Media: ``latents`` (B, C, F', H/8, W/8) scaled (images as 1 frame), ``mask`` (B, 1, 1, H/8, W/8) when given.
-    Captions: ``text_embeds`` (B, text_max_length, d), ``text_mask`` (B, text_max_length), ``clip_pooled`` (B, d)."""
-    from diffpipe_hunyuan import encoding
-
-    out: dict[str, torch.Tensor] = {}
-    if batch.pixels is not None:
-        out["latents"] = encoding.encode_pixels(encoders, batch.pixels)
-        if batch.masks is not None:
-            out["mask"] = encoding.latent_mask(batch.masks, tuple(out["latents"].shape[-2:]))
-    if batch.captions is not None:
-        out.update(encoding.encode_captions(encoders, batch.captions))
-    return out
-
-
-@hookimpl
-def load_diffusion_model(model_config: HunyuanConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The diffusers ``HunyuanVideoTransformer3DModel``. On ``meta``: a skeleton (cast like ``from_pretrained``)
-    whose weights :func:`diffusion_model_weights` locates; otherwise the whole model, from the folder or converted
-    from the original-layout single file."""
-    import torch
-
-    from diffpipe_hunyuan import loading
-
-    if torch.device(device).type == "meta":
-        return loading.build_transformer(model_config, "meta", dtype)
-    return loading.load_transformer(model_config, device, dtype)
-
-
-@hookimpl
-def diffusion_model_weights(model_config: HunyuanConfig) -> list[tuple[Path, Callable[[str], Any]]]:
-    """Per-stage loading from the diffusers folder (keys are the model's own) or from the original-layout single
-    file, whose key map splits a fused tensor (``img_attn_qkv``, ``linear1``) only for the stage holding its block."""
-    from diffpipe_hunyuan import loading
-    from diffpipe_hunyuan.original import single_file_key_map
-
-    if model_config.transformer_file is not None:
-        return [(model_config.transformer_file, single_file_key_map(loading.transformer_config(model_config)))]
-    return [(file, lambda key: key) for file in loading.folder_weight_files(model_config)]
-
-
-@hookimpl
-def split_into_layers(model: nn.Module, model_config: HunyuanConfig) -> list[nn.Module]:
-    """Embedders + token refiner (+ rotary embedding, computed once), each double block, each single block,
-    final norm/projection."""
-    from diffpipe_hunyuan import layers
-
-    return layers.split_into_layers(model)
-
-
-@hookimpl
-def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-    """Rectified flow on the video latents; see :func:`diffpipe_hunyuan.inputs.hunyuan_inputs`."""
-    from diffpipe_hunyuan.inputs import hunyuan_inputs
-
-    return hunyuan_inputs(batch, context, generator)
-
-
-@hookimpl
-def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE to the velocity ``noise - latents`` (mask-weighted when the dataset gives masks)."""
-    from diffpipe_hunyuan.inputs import hunyuan_loss
-
-    return hunyuan_loss(outputs, targets)
-
-
-@hookimpl
-def lora_targets(model_config: HunyuanConfig) -> list[str]:
-    """Every linear of the double- and single-stream blocks (attention, MLP, modulation), by full name: the
-    token refiner and the final layer use the same short names and are not adapted."""
-    from diffpipe_hunyuan import loading
-
-    config = loading.transformer_config(model_config)
-    n_double, n_single = int(config["num_layers"]), int(config["num_single_layers"])
-    doubles = [f"transformer_blocks.{i}.{m}" for i in range(n_double) for m in DOUBLE_BLOCK_LINEARS]
-    singles = [f"single_transformer_blocks.{i}.{m}" for i in range(n_single) for m in SINGLE_BLOCK_LINEARS]
-    return doubles + singles
-
-
-@hookimpl
-def adapter_key_prefix() -> str:
-    return "transformer"
-
-
-@hookimpl
-def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str):
-    """``diffusers`` (peft keys under ``transformer.``) and ``comfyui`` (native keys, fused q/k/v, ``.alpha``)."""
-    from diffpipe_hunyuan import export
-
-    return export.export_adapter(state_dict, alpha, format)
-
-
-@hookimpl
-def export_model(saved_dir: Path, model_config: HunyuanConfig, out_dir: Path, format: str) -> bool | None:
-    """``diffusers`` (a transformer folder) or ``single_file`` (one original-layout safetensors file),
-    converted from the core's saved shards."""
-    from diffpipe_hunyuan import export, loading
-
-    return export.export_model(saved_dir, loading.transformer_config(model_config), out_dir, format)
+plugin = HunyuanVideo()

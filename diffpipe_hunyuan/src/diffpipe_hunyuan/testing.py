@@ -11,15 +11,13 @@ the words of diffusers' prompt template, whose prefix it cuts into :func:`templa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from diffpipe_core.testing import tiny
 from diffpipe_core.testing.tokenizers import word_level_tokenizer
 
 CAPTION_WORDS = (
@@ -75,10 +73,7 @@ def llama_tokenizer():
 
 
 def clip_tokenizer():
-    specials = ["<pad>", "<unk>", "<s>", "</s>"]
-    return word_level_tokenizer(
-        CAPTION_WORDS, specials, "<s> $A </s>", 77, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
+    return tiny.clip_tokenizer(CAPTION_WORDS, ("<pad>", "<unk>", "<s>", "</s>"))
 
 
 def template_crop_start(tokenizer: Any) -> int:
@@ -110,57 +105,28 @@ def tiny_transformer(cfg: TinyHunyuanConfig):
     )
 
 
+def parts(cfg: TinyHunyuanConfig) -> dict[str, tiny.Part]:
+    """The ``HunyuanVideoPipeline`` components of ``cfg``, in build order."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    llama_tok, clip_tok = llama_tokenizer(), clip_tokenizer()
+    vae = dict(block_out_channels=cfg.vae_channels, layers_per_block=1, norm_num_groups=min(cfg.vae_channels) // 2)
+    return {
+        "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
+        "vae": tiny.Part(
+            lambda: AutoencoderKLHunyuanVideo(latent_channels=cfg.latent_channels, **vae), seed=cfg.seed + 1
+        ),
+        "text_encoder": tiny.Part(lambda: tiny.llama(llama_tok, cfg.text_dim, cfg.llama_layers)),
+        "text_encoder_2": tiny.Part(lambda: tiny.clip_text(clip_tok, cfg.clip_dim)),
+        "tokenizer": tiny.Part(lambda: llama_tok),
+        "tokenizer_2": tiny.Part(lambda: clip_tok),
+        "scheduler": tiny.Part(lambda: tiny.flow_scheduler(shift=7.0)),
+    }
+
+
 def tiny_pipeline(cfg: TinyHunyuanConfig):
     """A complete random-weight ``HunyuanVideoPipeline`` (not yet on disk)."""
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
-    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
-
-    transformer = tiny_transformer(cfg)
-    torch.manual_seed(cfg.seed + 1)
-    vae = AutoencoderKLHunyuanVideo(
-        latent_channels=cfg.latent_channels,
-        block_out_channels=cfg.vae_channels,
-        layers_per_block=1,
-        norm_num_groups=min(cfg.vae_channels) // 2,
-    )
-    llama_tok, clip_tok = llama_tokenizer(), clip_tokenizer()
-    llama = LlamaModel(
-        LlamaConfig(
-            vocab_size=len(llama_tok),
-            hidden_size=cfg.text_dim,
-            intermediate_size=2 * cfg.text_dim,
-            num_hidden_layers=cfg.llama_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-            pad_token_id=llama_tok.pad_token_id,
-            bos_token_id=llama_tok.bos_token_id,
-            eos_token_id=llama_tok.eos_token_id,
-        )
-    )
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tok),
-            hidden_size=cfg.clip_dim,
-            intermediate_size=2 * cfg.clip_dim,
-            num_attention_heads=2,
-            num_hidden_layers=2,
-            max_position_embeddings=77,
-            projection_dim=cfg.clip_dim,
-            pad_token_id=clip_tok.pad_token_id,
-            bos_token_id=clip_tok.bos_token_id,
-            eos_token_id=clip_tok.eos_token_id,
-        )
-    )
-    return HunyuanVideoPipeline(
-        text_encoder=llama.eval(),
-        tokenizer=llama_tok,
-        transformer=transformer.eval(),
-        vae=vae.eval(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=clip.eval(),
-        tokenizer_2=clip_tok,
-    )
+    return tiny.pipeline("HunyuanVideoPipeline", parts(cfg))
 
 
 def original_path(folder: Path) -> Path:
@@ -172,75 +138,31 @@ def original_path(folder: Path) -> Path:
 def write_tiny_hunyuan(folder: Path, cfg: TinyHunyuanConfig | None = None, single_file: Path | None = None) -> Path:
     """Save a tiny HunyuanVideo pipeline folder at ``folder`` and its transformer in the original Tencent layout
     at ``single_file`` (default :func:`original_path`). Returns ``folder``."""
-    from safetensors.torch import save_file
-
     from diffpipe_hunyuan.original import diffusers_to_original
 
-    cfg = cfg or TinyHunyuanConfig()
     folder = Path(folder)
-    pipe = tiny_pipeline(cfg)
-    pipe.save_pretrained(str(folder), safe_serialization=True)
-    state = {k: v.contiguous() for k, v in pipe.transformer.state_dict().items()}
-    save_file(diffusers_to_original(state), str(single_file or original_path(folder)), metadata={"format": "pt"})
+    pipe = tiny.write_pipeline("HunyuanVideoPipeline", parts(cfg or TinyHunyuanConfig()), folder)
+    tiny.save_single_file(
+        diffusers_to_original(pipe.transformer.state_dict()), Path(single_file or original_path(folder))
+    )
     return folder
 
 
 def apply_comfyui_lora(original: dict[str, torch.Tensor], comfy: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Original-layout weights with a ComfyUI-format LoRA merged the way ComfyUI merges it: for each module,
-    ``W += alpha / rows(lora_A) * lora_B @ lora_A`` (ComfyUI's native names mapped to the original ones)."""
-    from diffpipe_hunyuan.original import maps_for_original_keys
+    """Original-layout weights with a ComfyUI-format LoRA merged the way ComfyUI merges it (ComfyUI's native names
+    mapped to the original ones): :func:`diffpipe_core.testing.runs.apply_comfyui`."""
+    from diffpipe_core.testing.runs import apply_comfyui
+    from diffpipe_hunyuan.original import layout_for_original_keys
 
-    names = {m.comfy: m.original for m in maps_for_original_keys(list(original)) if m.comfy is not None}
-    out = dict(original)
-    for key, down in comfy.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            up, alpha = comfy[f"{module}.lora_B.weight"], float(comfy[f"{module}.alpha"])
-            weight = f"{names[module.removeprefix('diffusion_model.')]}.weight"
-            out[weight] = out[weight] + alpha / down.shape[0] * up @ down
-    return out
+    table = layout_for_original_keys(original)
+    return apply_comfyui(original, comfy, names={m.comfy_name: m.original for m in table.modules if m.comfy_name})
 
 
-def _codec() -> str:
-    import av
+def write_clip_dataset(folder: Path, frames, captions, size: tuple[int, int] = (64, 64), fps: int = 8) -> list[Path]:
+    """``clip_000.mp4``... (a drifting colour field) with ``.txt`` captions, one per entry of ``frames``."""
+    from diffpipe_core.testing.media import write_clip_dataset as write
 
-    try:
-        av.codec.Codec("libx264", "w")
-        return "libx264"
-    except Exception:
-        return "mpeg4"
-
-
-def write_clip(path: Path, frames: int, fps: int = 8, size: tuple[int, int] = (64, 64), seed: int = 0) -> Path:
-    """A short mp4 at ``path``: a smooth random colour field (``size`` = width, height) drifting sideways."""
-    import av
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = size
-    coarse = rng.integers(0, 256, size=(4, 8, 3), dtype=np.uint8)
-    field_ = np.asarray(Image.fromarray(coarse).resize((2 * w, h), Image.BILINEAR))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(_codec(), rate=Fraction(fps))
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        for i in range(frames):
-            frame = np.ascontiguousarray(field_[:, (2 * i) % w : (2 * i) % w + w])
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return path
-
-
-def write_clip_dataset(
-    folder: Path, frames: Sequence[int], captions: Sequence[str], size: tuple[int, int] = (64, 64), fps: int = 8
-) -> list[Path]:
-    """``clip_000.mp4``... with ``.txt`` captions in ``folder``, one clip per entry of ``frames``."""
-    paths = []
-    for i, (n, caption) in enumerate(zip(frames, captions, strict=True)):
-        path = write_clip(folder / f"clip_{i:03d}.mp4", n, fps, size, seed=i)
-        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write(folder, list(frames), list(captions), size, fps, drifting=True)
 
 
 def main(argv: list[str] | None = None) -> None:

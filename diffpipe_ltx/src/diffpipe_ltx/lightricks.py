@@ -1,54 +1,59 @@
-"""The original Lightricks (LTX-Video repository, ComfyUI) key layout of the transformer.
+"""The original Lightricks (LTX-Video repository, ComfyUI) key layout of the transformer, as a key table.
 
-It differs from diffusers' ``LTXVideoTransformer3DModel`` names only by plain renames, no fused tensors
-(the inverse of diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers``):
-
-- ``proj_in`` <-> ``patchify_proj``, ``time_embed`` <-> ``adaln_single`` (top-level modules),
-- ``attnN.norm_q`` / ``attnN.norm_k`` <-> ``attnN.q_norm`` / ``attnN.k_norm`` (inside the blocks).
-
-Downloaded checkpoints hold these keys under ``model.diffusion_model.`` and the VAE under ``vae.``.
+It differs from diffusers' ``LTXVideoTransformer3DModel`` only by renames, with no fused tensors (the inverse of
+diffusers' ``convert_ltx_transformer_checkpoint_to_diffusers``): ``proj_in`` = ``patchify_proj`` and ``time_embed`` =
+``adaln_single`` (whole subtrees), and each block's ``attnN.norm_q`` / ``norm_k`` = ``attnN.q_norm`` / ``k_norm``.
+Downloaded checkpoints hold the transformer under ``model.diffusion_model.`` (beside ``vae.*`` and other parts).
+Loading, per-stage loading, the ``single_file`` export and the ComfyUI LoRA export read this one table.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+from diffpipe_core.parts.layout import KeyTable, Module
 
 FILE_PREFIX = "model.diffusion_model."
-TOP_LEVEL = {"proj_in": "patchify_proj", "time_embed": "adaln_single"}
-IN_BLOCKS = {"norm_q": "q_norm", "norm_k": "k_norm"}
-_BLOCK_NORM = re.compile(r"^(transformer_blocks\.\d+\.attn\d\.)(\w+)(\..*)$")
 
 
-def _rename(name: str, top: dict[str, str], inner: dict[str, str]) -> str:
-    head, dot, rest = name.partition(".")
-    if head in top:
-        return top[head] + dot + rest
-    m = _BLOCK_NORM.match(name)
-    if m and m.group(2) in inner:
-        return m.group(1) + inner[m.group(2)] + m.group(3)
-    return name
+def layout(num_layers: int) -> KeyTable:
+    """The table of a transformer with ``num_layers`` blocks (only the in-block norm renames depend on it)."""
+    norms = [
+        Module(f"transformer_blocks.{i}.attn{a}.{orig}", (f"transformer_blocks.{i}.attn{a}.{ours}",), params=None)
+        for i in range(num_layers)
+        for a in (1, 2)
+        for orig, ours in (("q_norm", "norm_q"), ("k_norm", "norm_k"))
+    ]
+    return KeyTable(
+        tuple(norms),
+        name="original Lightricks",
+        model="LTX-Video transformer",
+        read_prefixes=(FILE_PREFIX,),
+        write_prefix=FILE_PREFIX,
+        renames=(("patchify_proj", "proj_in"), ("adaln_single", "time_embed")),
+        passthrough=True,
+    )
+
+
+def layout_for_config(config: Mapping[str, Any]) -> KeyTable:
+    return layout(int(config.get("num_layers", 28)))
+
+
+def to_original(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A diffusers transformer state dict in original key names (without the file prefix)."""
+    blocks = {int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")}
+    out = layout(max(blocks, default=-1) + 1).to_original(state)
+    return {k[len(FILE_PREFIX) :]: v for k, v in out.items()}
 
 
 def original_name(name: str) -> str:
-    """A diffusers parameter or module name -> its original Lightricks name."""
-    return _rename(name, TOP_LEVEL, IN_BLOCKS)
+    """A diffusers parameter name -> its original Lightricks name (no file prefix)."""
+    return layout(int(name.split(".")[1]) + 1 if name.startswith("transformer_blocks.") else 0).original_key(name)
 
 
 def diffusers_name(name: str) -> str:
     """An original Lightricks name (without ``model.diffusion_model.``) -> the diffusers name."""
-    return _rename(name, {v: k for k, v in TOP_LEVEL.items()}, {v: k for k, v in IN_BLOCKS.items()})
-
-
-def to_original(state: dict) -> dict:
-    """A diffusers transformer state dict in original key names (no file prefix)."""
-    return {original_name(k): v for k, v in state.items()}
-
-
-def key_map_for(file_keys: list[str]) -> Callable[[str], str | None]:
-    """The file key -> diffusers name map of one original single file. When the file holds its transformer under
-    ``model.diffusion_model.`` (as downloaded, beside ``vae.*`` and other parts), only those keys are the
-    transformer's; otherwise every key is."""
-    if any(k.startswith(FILE_PREFIX) for k in file_keys):
-        return lambda key: diffusers_name(key[len(FILE_PREFIX) :]) if key.startswith(FILE_PREFIX) else None
-    return diffusers_name
+    index = int(name.split(".")[1]) + 1 if name.startswith("transformer_blocks.") else 0
+    (target, _), *_ = layout(index).targets(name)
+    return target

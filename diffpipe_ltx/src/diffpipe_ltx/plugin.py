@@ -1,16 +1,20 @@
-"""Hook implementations of the LTX-Video model plugin (entry point ``ltx-video``).
+"""The LTX-Video model plugin (entry point ``ltx-video``) on the core's shared plugin parts.
 
-This module and ``model_spec`` import no torch, diffusers or transformers: ``diffpipe --help``, ``models`` and
-``validate`` load every plugin, so each hook imports the modules that do the work when it is called.
+``prepare_inputs`` gives the first pipeline layer ``(x_t, t, t5_embeds, t5_mask, grid)``: the packed noisy latents
+``(B, F*H*W, C)``, each latent frame's flow time ``(B, F)`` (the transformer sees ``1000 t``; a first frame kept clean
+by ``first_frame_conditioning_p`` has ``t = 0``), the T5 embeddings and bool mask, and the latent ``(F, H, W)`` for the
+rotary embedding; the loss targets are the packed velocity and a weight that is 0 on conditioned first frames (times
+the dataset's loss mask). This module imports no torch, diffusers or transformers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
+from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_ltx.config import LTXConfig
 
 if TYPE_CHECKING:
@@ -18,16 +22,25 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.parts.layout import KeyTable
+    from diffpipe_core.types import SampleRequest
 
-# attn1 (self) and attn2 (cross) projections and the feed-forward linears of every block; nothing else in the
-# model has modules of these names.
-ATTENTION_AND_FF = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+COMPONENTS = {
+    "transformer": "LTXVideoTransformer3DModel",
+    "vae": "AutoencoderKLLTXVideo",
+    "text_encoder": "T5EncoderModel",
+    "tokenizer": TOKENIZER,
+}
+SIZES = (
+    SizeMatch("text_encoder", "d_model", "caption_channels", 4096),
+    SizeMatch("vae", "latent_channels", "in_channels", 128),
+)
 
 
-@hookimpl
-def model_spec() -> ModelSpec:
-    """LTX-Video: video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
-    return ModelSpec(
+class LTXVideo(DiffusersModel, FlowSampling):
+    """LTX-Video: a video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
+
+    spec = ModelSpec(
         name="ltx-video",
         modality="video",
         config_schema=LTXConfig,
@@ -41,111 +54,164 @@ def model_spec() -> ModelSpec:
         model_formats=("diffusers", "single_file"),
         description="LTX-Video (diffusers folder or original Lightricks single-file transformer)",
     )
+    folder = DiffusersFolder(
+        "ltx-video",
+        ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
+        COMPONENTS,
+        sizes=SIZES,
+        single_file_example="ltx-video-2b-v0.9.safetensors",
+    )
+    model_class = "LTXVideoTransformer3DModel"
+    single_file_markers = ("patchify_proj.weight",)
+    single_file_name = "ltxv-transformer.safetensors"
+    # attn1 (self) and attn2 (cross) projections and the feed-forward linears of every block; nothing else in the
+    # model has modules of these names.
+    lora_target_names = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
+
+    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
+        from diffpipe_ltx.lightricks import layout_for_config
+
+        return layout_for_config(transformer_config)
+
+    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
+        from diffpipe_ltx.lightricks import layout
+
+        return layout(0)  # LoRA modules differ only by the top-level renames
+
+    def build_skeleton(self, model_config: LTXConfig, device: Any, dtype: torch.dtype) -> nn.Module:
+        config = self.model_folder_config(model_config)
+        patches = (config.get("patch_size", 1), config.get("patch_size_t", 1))
+        if patches != (1, 1):
+            raise ValueError(
+                f"{model_config.path / 'transformer' / 'config.json'}: patch_size {patches[0]}, patch_size_t "
+                f"{patches[1]}; diffpipe-ltx supports the released LTX-Video transformers (patch sizes 1)"
+            )
+        return super().build_skeleton(model_config, device, dtype)
+
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def load_encoders(self, model_config: LTXConfig, device: torch.device) -> Any:
+        """``AutoencoderKLLTXVideo``, the T5 encoder and its tokenizer, from the folder."""
+        from diffpipe_core.parts.encoders import load_components
+
+        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
+
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, C, F, H/32, W/32), ``(z - latents_mean) * scaling_factor / latents_std`` as the
+        inverse of ``LTXPipeline._denormalize_latents`` (images are one frame), ``mask`` (B, 1, h, w) when given.
+        Captions: ``t5_embeds`` (B, t5_max_length, d) and ``t5_mask`` (B, t5_max_length) bool, as
+        ``LTXPipeline.encode_prompt`` makes them (T5 runs without the mask; the cross-attention uses it)."""
+        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.text import TextEncoding, encode_text
+
+        out: dict[str, torch.Tensor] = {}
+        vae = encoders.vae
+        if batch.pixels is not None:
+            z = vae_mode(vae, batch.pixels, video=True)
+            out["latents"] = normalize(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+        if batch.captions is not None:
+            text = encode_text(
+                encoders.text_encoder, encoders.tokenizer, batch.captions, TextEncoding(encoders.config.t5_max_length)
+            )
+            out.update(t5_embeds=text.embeds, t5_mask=text.mask)
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: LTXConfig) -> list[nn.Module]:
+        """Embedders (patch, time, caption, rotary), each transformer block, final norm/projection."""
+        from diffpipe_ltx import layers
+        from diffpipe_ltx.geometry import rope_interpolation_scale
+
+        return layers.split_into_layers(model, rope_interpolation_scale(model_config))
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x_t, t, t5_embeds, t5_mask, grid), (target, weight))`` (module docstring); rectified flow
+        (:func:`diffpipe_core.parts.flow.flow_sample`) with ``shift`` or LTXPipeline's resolution shift, then the
+        first-frame conditioning draw; all randomness from ``generator``."""
+        import torch
+
+        from diffpipe_core.diffusion import flux_resolution_shift
+        from diffpipe_core.parts.flow import flow_sample
+        from diffpipe_ltx.geometry import shift_constants
+        from diffpipe_ltx.packing import pack
+
+        cfg: LTXConfig = context.model_config  # type: ignore[assignment]
+        latents = batch["latents"].float()
+        b, _, f, h, w = latents.shape
+        shift = flux_resolution_shift(f * h * w, *shift_constants(cfg)) if cfg.resolution_shift else cfg.shift
+        s = flow_sample(latents, cfg, context, generator, shift)
+        draw = torch.rand(b, generator=generator)  # drawn always, so p does not change the other draws
+        conditioned = (draw < cfg.first_frame_conditioning_p) & (f > 1) & (context.eval_quantile is None)
+        s.x_t[conditioned, :, 0] = latents[conditioned, :, 0]  # t = 0 on that frame: exactly the clean latents
+        frame_t = s.t[:, None].repeat(1, f)
+        frame_t[conditioned, 0] = 0.0
+        weight = torch.ones(b, 1, f, h, w)
+        weight[conditioned, :, 0] = 0.0
+        if "mask" in batch:
+            weight = weight * batch["mask"].float()[:, :, None]
+        grid = torch.tensor([f, h, w], dtype=torch.long)
+        inputs = (pack(s.x_t), frame_t, batch["t5_embeds"].float(), batch["t5_mask"].bool(), grid)
+        return inputs, (pack(s.target), pack(weight))
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: LTXConfig, generator: torch.Generator):
+        """Noise ``(1, C, (F - 1) / 8 + 1, H / 32, W / 32)`` and the folder's scheduler sigmas of
+        ``linspace(1, 1/steps, steps)`` with ``LTXPipeline``'s sequence-length shift (``shift_terminal`` too)."""
+        import numpy as np
+        import torch
+
+        from diffpipe_core.sampling.schedules import scheduler_flow_sigmas
+        from diffpipe_ltx.geometry import vae_compression
+
+        temporal, spatial = vae_compression(self.folder.config(model_config.path, "vae"))
+        channels = int(self.model_folder_config(model_config)["in_channels"])
+        f, h, w = (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        schedule = scheduler_flow_sigmas(model_config.path, sigmas, f * h * w)
+        return torch.randn((1, channels, f, h, w), generator=generator), schedule
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's ``(packed x_t, t per latent frame, t5_embeds, t5_mask, grid)``."""
+        import torch
+
+        from diffpipe_ltx.packing import pack
+
+        b, _, f, h, w = latents.shape
+        t = schedule[index].float().expand(b, f)
+        grid = torch.tensor([f, h, w], dtype=torch.long)
+        return pack(latents.float()), t, text["t5_embeds"].float(), text["t5_mask"].bool(), grid
+
+    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        from diffpipe_ltx.packing import unpack
+
+        return unpack(prediction, *latents.shape[2:])
+
+    def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
+        """``latents * latents_std / scaling_factor + latents_mean`` (``LTXPipeline._denormalize_latents``)."""
+        from diffpipe_core.parts.latents import per_channel
+
+        z = latents.float()
+        return z * per_channel(vae.latents_std, z) / vae.config.scaling_factor + per_channel(vae.latents_mean, z)
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`denormalize`, then the VAE (at decode timestep 0, ``LTXPipeline``'s default, when the VAE is
+        timestep-conditioned); float RGB in [-1, 1], ``(B, 3, F, H, W)``."""
+        import torch
+
+        with torch.no_grad():
+            z = self.denormalize(latents, decoder)
+            param = next(decoder.parameters())
+            temb = torch.zeros(z.shape[0], device=param.device, dtype=param.dtype)
+            timestep = temb if decoder.config.timestep_conditioning else None
+            return decoder.decode(z.to(param.device, param.dtype), timestep).sample.float().clamp(-1, 1)
 
 
-@hookimpl
-def validate_model_files(model_config: LTXConfig) -> list[str]:
-    """The diffusers LTX-Video folder (pipeline and component classes, tokenizer, transformer weights, component
-    sizes) and the original single file's keys, without reading weights."""
-    from diffpipe_ltx import files
-
-    return files.problems(model_config)
-
-
-@hookimpl
-def load_encoders(model_config: LTXConfig, device: torch.device) -> Any:
-    """The LTX-Video VAE and T5 with its tokenizer, from the diffusers folder."""
-    from diffpipe_ltx import encoding
-
-    return encoding.load_encoders(model_config, device)
-
-
-@hookimpl
-def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
-    """Media: ``latents`` (B, C, F, H/32, W/32), normalised like LTXPipeline's (images are one frame), and ``mask``
-    (B, 1, H/32, W/32) when given. Captions: ``t5_embeds`` (B, t5_max_length, d) and ``t5_mask`` (B, t5_max_length)."""
-    from diffpipe_ltx import encoding
-
-    out: dict[str, torch.Tensor] = {}
-    if batch.pixels is not None:
-        out["latents"] = encoding.encode_pixels(encoders, batch.pixels)
-        if batch.masks is not None:
-            out["mask"] = encoding.downsample_mask(batch.masks, tuple(out["latents"].shape[-2:]))
-    if batch.captions is not None:
-        out.update(encoding.encode_captions(encoders, batch.captions))
-    return out
-
-
-@hookimpl
-def load_diffusion_model(model_config: LTXConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The diffusers ``LTXVideoTransformer3DModel``, from the folder or the original single file. On ``meta``: a
-    skeleton in ``dtype`` whose weights :func:`diffusion_model_weights` locates (either layout)."""
-    import torch
-
-    from diffpipe_ltx import loading
-
-    if torch.device(device).type == "meta":
-        return loading.build_transformer(model_config, "meta", dtype)
-    return loading.load_transformer(model_config, device, dtype)
-
-
-@hookimpl
-def diffusion_model_weights(model_config: LTXConfig) -> list[tuple[Path, Callable[[str], str | None]]]:
-    """Per-stage loading from either layout: the folder's files with their own keys, or the single file with
-    its original names mapped to diffusers' (plain renames)."""
-    from diffpipe_ltx import loading
-
-    return loading.weight_sources(model_config)
-
-
-@hookimpl
-def split_into_layers(model: nn.Module, model_config: LTXConfig) -> list[nn.Module]:
-    """Embedders (patch, time, caption, rotary), each transformer block, final norm/projection."""
-    from diffpipe_ltx import layers, loading
-
-    return layers.split_into_layers(model, loading.rope_interpolation_scale(model_config))
-
-
-@hookimpl
-def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-    """Rectified flow on packed latents with first-frame conditioning; see :mod:`diffpipe_ltx.inputs`."""
-    from diffpipe_ltx.inputs import ltx_inputs
-
-    return ltx_inputs(batch, context, generator)
-
-
-@hookimpl
-def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """MSE to the velocity ``noise - latents``, weighted 0 on conditioned first frames and masked-out pixels."""
-    from diffpipe_ltx.inputs import ltx_loss
-
-    return ltx_loss(outputs, targets)
-
-
-@hookimpl
-def lora_targets(model_config: LTXConfig) -> list[str]:
-    """Self- and cross-attention projections and the feed-forward linears of every block."""
-    return list(ATTENTION_AND_FF)
-
-
-@hookimpl
-def adapter_key_prefix() -> str:
-    return "transformer"
-
-
-@hookimpl
-def export_adapter(state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str):
-    """``diffusers`` (peft keys under ``transformer.``) and ``comfyui`` (``diffusion_model.`` + original names,
-    ``.alpha`` per module)."""
-    from diffpipe_ltx import export
-
-    return export.export_adapter(state_dict, alpha, format)
-
-
-@hookimpl
-def export_model(saved_dir: Path, model_config: LTXConfig, out_dir: Path, format: str) -> bool | None:
-    """``diffusers`` (a transformer folder) or ``single_file`` (original Lightricks layout), converted from the
-    core's saved shards."""
-    from diffpipe_ltx import export
-
-    return export.export_model(saved_dir, model_config, out_dir, format)
+plugin = LTXVideo()

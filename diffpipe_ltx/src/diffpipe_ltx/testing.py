@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from diffpipe_ltx.lightricks import to_original
+from diffpipe_core.testing import tiny
+from diffpipe_ltx.lightricks import layout_for_config
 
 WORDS = (
     "a photo of cat dog red blue green house tree sky with on in the caption image clip video small large "
@@ -40,10 +40,7 @@ class TinyLTXConfig:
 
 def _tokenizer(max_length: int):
     """A T5-like tokenizer (``words </s>``, pad id 0) trained in-process; loads back with AutoTokenizer."""
-    from diffpipe_core.testing.tokenizers import word_level_tokenizer
-
-    specials = ["<pad>", "</s>", "<unk>"]
-    return word_level_tokenizer(WORDS, specials, "$A </s>", max_length, pad_token="<pad>", eos_token="</s>")
+    return tiny.t5_tokenizer(WORDS, max_length, specials=("<pad>", "</s>", "<unk>"))
 
 
 def tiny_transformer(cfg: TinyLTXConfig):
@@ -92,41 +89,31 @@ def tiny_vae(cfg: TinyLTXConfig):
     return vae.eval()
 
 
+def parts(cfg: TinyLTXConfig) -> dict[str, tiny.Part]:
+    """The ``LTXPipeline`` components of ``cfg``, in build order."""
+    tokenizer = _tokenizer(128)
+    return {
+        "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_vae(cfg)),
+        "text_encoder": tiny.Part(lambda: tiny.t5_encoder(tokenizer, cfg.text_dim), seed=cfg.seed + 2),
+        "tokenizer": tiny.Part(lambda: tokenizer),
+        # LTX-Video's own scheduler settings (scheduler/scheduler_config.json of Lightricks/LTX-Video)
+        "scheduler": tiny.Part(
+            lambda: tiny.flow_scheduler(
+                use_dynamic_shifting=True,
+                base_image_seq_len=1024,
+                max_image_seq_len=4096,
+                base_shift=0.95,
+                max_shift=2.05,
+                shift_terminal=0.1,
+            )
+        ),
+    }
+
+
 def tiny_pipeline(cfg: TinyLTXConfig):
     """A complete random-weight ``LTXPipeline`` (not yet on disk)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
-    from transformers import T5Config, T5EncoderModel
-
-    transformer = tiny_transformer(cfg)
-    vae = tiny_vae(cfg)
-    tokenizer = _tokenizer(128)
-    torch.manual_seed(cfg.seed + 2)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=cfg.text_dim,
-            d_kv=8,
-            d_ff=2 * cfg.text_dim,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
-    )
-    # LTX-Video's own scheduler settings (scheduler/scheduler_config.json of Lightricks/LTX-Video)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
-        base_image_seq_len=1024,
-        max_image_seq_len=4096,
-        base_shift=0.95,
-        max_shift=2.05,
-        shift_terminal=0.1,
-    )
-    return LTXPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=t5.eval(), tokenizer=tokenizer, transformer=transformer.eval()
-    )
+    return tiny.pipeline("LTXPipeline", parts(cfg))
 
 
 def single_file_path(folder: Path) -> Path:
@@ -138,27 +125,18 @@ def single_file_path(folder: Path) -> Path:
 def write_tiny_ltx(folder: Path, cfg: TinyLTXConfig | None = None, single_file: Path | None = None) -> Path:
     """Save a tiny LTX-Video pipeline folder at ``folder`` and its transformer in the original Lightricks layout
     (keys under ``model.diffusion_model.``) at ``single_file`` (default ``<folder>.ltxv.safetensors``)."""
-    cfg = cfg or TinyLTXConfig()
     folder = Path(folder)
-    pipe = tiny_pipeline(cfg)
-    pipe.save_pretrained(str(folder), safe_serialization=True)
-    state = {k: v.contiguous() for k, v in pipe.transformer.state_dict().items()}
-    original = {f"model.diffusion_model.{k}": v for k, v in to_original(state).items()}
-    save_file(original, str(single_file or single_file_path(folder)), metadata={"format": "pt"})
+    pipe = tiny.write_pipeline("LTXPipeline", parts(cfg or TinyLTXConfig()), folder)
+    original = layout_for_config(pipe.transformer.config).to_original(pipe.transformer.state_dict())
+    tiny.save_single_file(original, Path(single_file or single_file_path(folder)))
     return folder
 
 
 def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int]) -> list[Path]:
-    """``clip_000.mp4``, ... at 25 fps (the model's rate), ``size`` = (width, height), each with its caption file
-    (the mp4s are the core's :func:`~diffpipe_core.testing.media.write_video`)."""
-    from diffpipe_core.testing.media import write_video
+    """``clip_000.mp4``, ... at 25 fps (the model's rate), ``size`` = (width, height), each with its caption file."""
+    from diffpipe_core.testing.media import write_clip_dataset
 
-    paths = []
-    for i, caption in enumerate(captions):
-        path = write_video(Path(folder) / f"clip_{i:03d}.mp4", frames, fps=25, size=size, seed=i)
-        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write_clip_dataset(folder, frames, captions, size, fps=25)
 
 
 CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans over a mountain", "a dog running")

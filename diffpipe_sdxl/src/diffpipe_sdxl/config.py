@@ -46,14 +46,8 @@ class SDXLConfig(DDPMConfig):
     train_text_encoders: bool = Field(
         False,
         description="Train both CLIP text encoders with the UNet (LoRA or full fine-tuning, as the run trains the "
-        "UNet): captions are cached as token ids and the encoders run in the first pipeline stage.",
-    )
-    unet_lr: float | None = Field(None, gt=0, description="Peak learning rate of the UNet; absent: [optimizer] lr.")
-    text_encoder_1_lr: float | None = Field(
-        None, gt=0, description="Peak learning rate of text_encoder (CLIP-L) when trained; absent: [optimizer] lr."
-    )
-    text_encoder_2_lr: float | None = Field(
-        None, gt=0, description="Peak learning rate of text_encoder_2 (OpenCLIP-G) when trained; absent: [optimizer] lr"
+        "UNet): captions are cached as token ids and the encoders run in the first pipeline stage. Their learning "
+        "rates: [optimizer] group_lr = {text_encoder_1 = ..., text_encoder_2 = ..., unet = ...}.",
     )
 
     @model_validator(mode="after")
@@ -65,7 +59,4 @@ class SDXLConfig(DDPMConfig):
                 "that holds the component configs and tokenizers (e.g. stabilityai/stable-diffusion-xl-base-1.0 "
                 "downloaded without its weights)"
             )
-        for key in ("text_encoder_1_lr", "text_encoder_2_lr"):
-            if getattr(self, key) is not None and not self.train_text_encoders:
-                raise ValueError(f"{key} is set but train_text_encoders is false: set train_text_encoders = true")
         return self

@@ -132,17 +132,9 @@ class SDXL(DiffusersModel, DDPMSampling):
 
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
-    def parameter_groups(self, model_config: SDXLConfig) -> list[Any]:
-        """``text_encoder_1``, ``text_encoder_2`` and ``unet``, at ``text_encoder_1_lr``, ... (default ``[optimizer]
-        lr``)."""
-        from diffpipe_core.types import ParameterGroup
-
-        cfg = model_config
-        return [
-            ParameterGroup("text_encoder_1", ("text_encoder.",), cfg.text_encoder_1_lr),
-            ParameterGroup("text_encoder_2", ("text_encoder_2.",), cfg.text_encoder_2_lr),
-            ParameterGroup("unet", ("",), cfg.unet_lr),
-        ]
+    def parameter_groups(self, model_config: SDXLConfig) -> dict[str, list[str]]:
+        """``unet`` (everything else), ``text_encoder_1`` and ``text_encoder_2``, for ``[optimizer] group_lr``."""
+        return {"unet": [], "text_encoder_1": [r"text_encoder\."], "text_encoder_2": [r"text_encoder_2\."]}
 
     @hookimpl
     def split_into_layers(self, model: nn.Module, model_config: SDXLConfig) -> list[nn.Module]:

@@ -141,11 +141,13 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
 
 
 @hookimpl
-def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    from diffpipe_core.diffusion import masked_mse
+def compute_loss(
+    outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+) -> torch.Tensor:
+    from diffpipe_core.diffusion import training_loss
 
-    mask = targets[1] if len(targets) > 1 else None
-    return masked_mse(outputs[0], targets[0], mask)
+    # the run's loss (squared error, or pseudo_huber_c / huber_delta / smooth_l1_beta), mask-weighted
+    return training_loss(outputs[0], targets[0], targets[1] if len(targets) > 1 else None, context)
 
 
 @hookimpl
@@ -199,3 +201,9 @@ def lora_targets(model_config: ReferenceConfig) -> list[str]:
 @hookimpl
 def adapter_key_prefix() -> str:
     return "transformer"
+
+
+@hookimpl
+def parameter_groups(model_config: ReferenceConfig) -> dict[str, list[str]]:
+    """Per-component learning rates: ``attention`` (the blocks' q/k/v/out) and ``mlp`` (everything else)."""
+    return {"mlp": [], "attention": [r"blocks\.\d+\.attn\."]}

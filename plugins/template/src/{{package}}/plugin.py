@@ -115,10 +115,13 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
 
 
 @hookimpl
-def compute_loss(outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    from diffpipe_core.diffusion import masked_mse
+def compute_loss(
+    outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+) -> torch.Tensor:
+    from diffpipe_core.diffusion import training_loss
 
-    return masked_mse(outputs[0], targets[0], targets[1] if len(targets) > 1 else None)
+    # the run's loss (squared error, or pseudo_huber_c / huber_delta / smooth_l1_beta), mask-weighted
+    return training_loss(outputs[0], targets[0], targets[1] if len(targets) > 1 else None, context)
 
 
 @hookimpl

@@ -1,0 +1,571 @@
+"""What each key of a tdrussell/diffusion-pipe config becomes in diffpipe.
+
+One table serves both ``diffpipe import-config`` (which writes the changes) and ``diffpipe validate`` (which
+names the diffpipe key when it meets an anchor key, instead of guessing a spelling). A rule takes the anchor key,
+its value and a :class:`Context` (which diffpipe keys exist, the rest of the anchor config) and returns the
+:class:`Change` list: where the value goes in diffpipe, or that it has no equivalent, and why.
+
+Sections: ``run`` (run.toml's top level), ``model``, ``adapter``, ``optimizer``, ``dataset`` (the dataset
+TOML's top level) and ``directory`` (one ``[[directory]]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+RUN_FILE_SECTIONS = ("run", "model", "adapter", "optimizer")
+FLOAT8 = ("float8", "float8_e4m3fn", "float8_e5m2")
+SECRET_WORDS = ("key", "token", "password", "secret")
+
+
+@dataclass(frozen=True)
+class Change:
+    """What becomes of one anchor key: ``section.key = value`` in diffpipe, or (``section`` None) nothing.
+
+    ``why`` says what differs (empty when the key carries over as is); ``is_path`` marks a path the importer
+    resolves against where diffusion-pipe ran; ``needs_input`` marks a value diffpipe needs and the anchor
+    config does not give (written as a TODO)."""
+
+    section: str | None
+    key: str | None = None
+    value: Any = None
+    why: str = ""
+    is_path: bool = False
+    needs_input: bool = False
+
+    @property
+    def carried(self) -> bool:
+        return self.section is not None and self.key is not None
+
+
+@dataclass
+class Context:
+    """The keys diffpipe has per section (None: unknown, assume present), the anchor's whole run config and the
+    anchor table being converted (a ``[[directory]]`` entry merged over its dataset's top level)."""
+
+    fields: dict[str, set[str] | None] = field(default_factory=dict)
+    anchor: dict[str, Any] = field(default_factory=dict)
+    table: dict[str, Any] = field(default_factory=dict)
+    model_label: str = "this model"
+
+    def has(self, section: str, key: str) -> bool:
+        if section not in self.fields:
+            self.fields[section] = core_fields(section)
+        known = self.fields[section]
+        return known is None or key in known
+
+
+def core_fields(section: str) -> set[str] | None:
+    """The keys of the core's own schemas (the model table's come from its plugin: None here)."""
+    from diffpipe_core.config import AdapterConfig, OptimizerConfig, RunConfig
+    from diffpipe_core.data.dataset_config import DatasetConfig, DirectoryConfig
+
+    schema = {
+        "run": RunConfig,
+        "adapter": AdapterConfig,
+        "optimizer": OptimizerConfig,
+        "dataset": DatasetConfig,
+        "directory": DirectoryConfig,
+    }.get(section)
+    return set(schema.model_fields) if schema is not None else None
+
+
+Rule = Callable[[str, Any, Context], list[Change]]
+
+
+def _none(why: str) -> Rule:
+    return lambda key, value, ctx: [Change(None, why=why)]
+
+
+def _same(section: str, why: str = "", is_path: bool = False) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        if ctx.has(section, key):
+            return [Change(section, key, value, why, is_path)]
+        return [Change(None, why=f"{_label(section, ctx)} has no {key}")]
+
+    return rule
+
+
+def _rename(section: str, to: str, why: str = "", missing: str = "", is_path: bool = False) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        if ctx.has(section, to):
+            return [Change(section, to, value, why, is_path)]
+        return [Change(None, why=missing or f"{_label(section, ctx)} has no {to} ({key})")]
+
+    return rule
+
+
+def _label(section: str, ctx: Context) -> str:
+    return {"model": ctx.model_label, "run": "run.toml", "dataset": "the dataset TOML"}.get(section, f"[{section}]")
+
+
+# ------------------------------------------------------------------------------------------- run.toml top level
+def _every_n_examples(to: str) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        mbs = ctx.anchor.get("micro_batch_size_per_gpu", 1)
+        if isinstance(mbs, list):
+            mbs = mbs[0][1] if mbs and isinstance(mbs[0], list) else 1
+        per_step = int(mbs) * int(ctx.anchor.get("gradient_accumulation_steps", 1))
+        try:
+            steps = max(1, int(value) // per_step)
+        except (TypeError, ValueError):
+            return [Change(None, why=f"diffpipe counts steps ({to}), not examples")]
+        return [
+            Change(
+                "run",
+                to,
+                steps,
+                f"{key} = {value} divided by the samples per step ({per_step} = micro_batch_size_per_gpu x "
+                "gradient_accumulation_steps on one data-parallel rank; divide again by the ranks you train on)",
+            )
+        ]
+
+    return rule
+
+
+def _activation_checkpointing(key: str, value: Any, ctx: Context) -> list[Change]:
+    if value == "unsloth":
+        return [
+            Change(
+                "run",
+                key,
+                "offload",
+                "it keeps each checkpointed block's input in CPU memory until backward, as 'offload' does",
+            )
+        ]
+    return [Change("run", key, value)]
+
+
+def _partition_method(key: str, value: Any, ctx: Context) -> list[Change]:
+    if value in ("parameters", "uniform"):
+        return [Change("run", key, value)]
+    if value == "manual":
+        return [Change(None, why="diffpipe uses partition_split whenever it is set; no method to name")]
+    return [Change(None, why=f"diffpipe partitions by 'parameters' or 'uniform' (or partition_split), not {value!r}")]
+
+
+def _monitoring(key: str, value: Any, ctx: Context) -> list[Change]:
+    if ctx.has("run", "logging"):
+        why = "diffpipe's W&B settings are in [logging] (see docs/config.md); write them there"
+    else:
+        why = "diffpipe logs to TensorBoard and metrics.jsonl in the run folder; it has no W&B logging"
+    if isinstance(value, dict) and not value.get("enable_wandb"):
+        why = "W&B was off; " + why
+    return [Change(None, why=why)]
+
+
+def _moved_to_dataset(to: str = "") -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        target = to or key
+        return [Change("dataset", target, value)]
+
+    return rule
+
+
+RUN_RULES: dict[str, Rule] = {
+    "output_dir": _same("run", is_path=True),
+    "epochs": _same("run"),
+    "max_steps": _same("run"),
+    "micro_batch_size_per_gpu": _same("run"),
+    "image_micro_batch_size_per_gpu": _same("run"),
+    "pipeline_stages": _same("run"),
+    "gradient_accumulation_steps": _same("run"),
+    "gradient_clipping": _same("run"),
+    "warmup_steps": _same("run"),
+    "lr_scheduler": _same("run"),
+    "blocks_to_swap": _same("run"),
+    "pseudo_huber_c": _same("run"),
+    "huber_delta": _same("run"),
+    "smooth_l1_beta": _same("run"),
+    "eval_every_n_epochs": _same("run"),
+    "eval_every_n_steps": _same("run"),
+    "eval_before_first_step": _same("run"),
+    "save_every_n_epochs": _same("run"),
+    "save_every_n_steps": _same("run"),
+    "checkpoint_every_n_epochs": _same("run"),
+    "checkpoint_every_n_minutes": _same("run"),
+    "partition_split": _same("run"),
+    "save_dtype": _same("run"),
+    "caching_batch_size": _same("run"),
+    "compile": _same("run"),
+    "activation_checkpointing": _activation_checkpointing,
+    "partition_method": _partition_method,
+    "eval_every_n_examples": _every_n_examples("eval_every_n_steps"),
+    "save_every_n_examples": _every_n_examples("save_every_n_steps"),
+    "logging_steps": _rename("run", "log_every_n_steps"),
+    "video_clip_mode": _moved_to_dataset(),
+    "uncond_fraction": _moved_to_dataset(),
+    "steps_per_print": _none(
+        "it is DeepSpeed's console log interval; diffpipe shows a progress bar instead, and log_every_n_steps "
+        "sets the TensorBoard interval"
+    ),
+    "force_constant_lr": _none("set [optimizer] lr and lr_scheduler = 'constant' instead"),
+    "reentrant_activation_checkpointing": _none(
+        "diffpipe's activation checkpointing is always non-reentrant, which works with any number of stages"
+    ),
+    "map_num_proc": _none("diffpipe caches in its training processes; caching_batch_size sets the batch"),
+    "x_axis_examples": _none("diffpipe's logs are by step; metrics.jsonl has the epoch of every step"),
+    "eval_micro_batch_size_per_gpu": _none("diffpipe evaluates with micro_batch_size_per_gpu"),
+    "image_eval_micro_batch_size_per_gpu": _none("diffpipe evaluates with micro_batch_size_per_gpu"),
+    "eval_gradient_accumulation_steps": _none("diffpipe evaluates every eval micro-batch in one pass"),
+    "disable_block_swap_for_eval": _none("diffpipe swaps the same blocks in eval as in training"),
+    "resume_from_checkpoint": _none("resume with `diffpipe train --resume` (latest, a run folder or a checkpoint)"),
+    "regenerate_cache": _none("use `diffpipe train --regenerate-cache` (the cache is rebuilt when inputs change)"),
+    "monitoring": _monitoring,
+}
+
+
+# --------------------------------------------------------------------------------------------------- [model]
+def _transformer_dtype(key: str, value: Any, ctx: Context) -> list[Change]:
+    if value in FLOAT8:
+        why = "float8_e4m3 storage of the frozen base weights with a per-tensor scale, computed in dtype; LoRA only"
+        if value == "float8_e5m2":
+            why += "; there is no e5m2 variant"
+        return [Change("model", "quantize", "float8", why)]
+    if value in ("nf4", "int8"):
+        return [Change("model", "quantize", value, "quantized frozen base weights; LoRA only")]
+    return [Change("model", "dtype", value, "diffpipe's dtype is the diffusion model's; the encoders have their own")]
+
+
+def _model_dtype(key: str, value: Any, ctx: Context) -> list[Change]:
+    model = ctx.anchor.get("model", {}) if isinstance(ctx.anchor.get("model"), dict) else {}
+    if model.get("transformer_dtype", model.get("diffusion_model_dtype")) not in (None, *FLOAT8, "nf4", "int8"):
+        return [Change(None, why="transformer_dtype sets diffpipe's dtype (the diffusion model's)")]
+    return [Change("model", "dtype", value)]
+
+
+_FROM_PATH = "diffpipe reads the VAE and text encoders from path, a diffusers folder of the model"
+
+
+def _path_needed(key: str, value: Any, ctx: Context) -> list[Change]:
+    return [Change(None, why=_FROM_PATH)]
+
+
+MODEL_RULES: dict[str, Rule] = {
+    "dtype": _model_dtype,
+    "transformer_dtype": _transformer_dtype,
+    "diffusion_model_dtype": _transformer_dtype,
+    "diffusers_path": _rename("model", "path", is_path=True),
+    "transformer_path": _rename(
+        "model",
+        "transformer_file",
+        "a single-file transformer in the original key layout",
+        missing="this model's plugin reads the transformer from path",
+        is_path=True,
+    ),
+    "single_file_path": _rename(
+        "model",
+        "transformer_file",
+        "its transformer replaces path/transformer; the VAE and T5 still come from path",
+        is_path=True,
+    ),
+    "checkpoint_path": _rename(
+        "model",
+        "path",
+        "path takes a single-file checkpoint too; config_path names a diffusers SDXL folder for the configs",
+        is_path=True,
+    ),
+    "debiased_estimation_loss": _rename("model", "debiased_estimation"),
+    "ckpt_path": _path_needed,
+    "vae_path": _path_needed,
+    "llm_path": _path_needed,
+    "clip_path": _path_needed,
+    "t5_path": _path_needed,
+    "text_encoder_path": _path_needed,
+    "llama3_path": _path_needed,
+    "cache_text_embeddings": _none("diffpipe always caches the text embeddings"),
+    "bypass_guidance_embedding": _none("diffpipe always feeds the guidance input (model.guidance sets its value)"),
+    "unet_lr": _none("diffpipe trains the diffusion model at [optimizer] lr"),
+    "text_encoder_1_lr": _none("diffpipe does not train text encoders"),
+    "text_encoder_2_lr": _none("diffpipe does not train text encoders"),
+}
+
+
+# ------------------------------------------------------------------------------------------ [adapter], [optimizer]
+def _adapter_type(key: str, value: Any, ctx: Context) -> list[Change]:
+    from diffpipe_core.config import AdapterConfig
+
+    known = literal_values(AdapterConfig.model_fields["type"].annotation)
+    if known is None or value in known:
+        return [Change("adapter", key, value)]
+    offer = ", ".join(repr(k) for k in known)
+    return [Change("adapter", key, value, f"diffpipe has no {value!r} adapter; it offers {offer}", needs_input=True)]
+
+
+def _init_from_existing(key: str, value: Any, ctx: Context) -> list[Change]:
+    why = (
+        "diffpipe reads the LoRA tensors of a saved adapter folder or adapter_model.safetensors; a diffusion-pipe "
+        "LoRA whose keys do not match this model's layers is refused at the start of training"
+    )
+    return [Change("adapter", key, value, why, is_path=True)]
+
+
+ADAPTER_RULES: dict[str, Rule] = {
+    "type": _adapter_type,
+    "rank": _same("adapter"),
+    "alpha": _same("adapter"),
+    "dropout": _same("adapter"),
+    "dtype": _same("adapter"),
+    "init_from_existing": _init_from_existing,
+    "decompose_factor": _same("adapter"),  # LoKr's
+    "rank_dropout": _same("adapter"),
+    "fuse_adapters": _none("diffpipe does not merge other LoRAs into the base before training"),
+}
+
+OPTIMIZER_NAMES = {
+    "adamw": "adamw",
+    "adamw_optimi": "adamw",
+    "adamw8bit": "adamw8bit",
+    "adamw8bitkahan": "adamw8bit_kahan",
+    "adamw8bit_kahan": "adamw8bit_kahan",
+    "sgd": "sgd",
+}
+
+
+def _optimizer_type(key: str, value: Any, ctx: Context) -> list[Change]:
+    name = str(value)
+    mapped = OPTIMIZER_NAMES.get(name.lower())
+    if mapped == "adamw" and name.lower() == "adamw_optimi":
+        why = (
+            "diffpipe's 'adamw' is torch's AdamW; optimi's adds Kahan summation for bf16 weights, which diffpipe "
+            "offers as 'adamw8bit_kahan' (use it for a bf16 full fine-tune)"
+        )
+        return [Change("optimizer", key, mapped, why)]
+    if mapped is not None:
+        return [Change("optimizer", key, mapped)]
+    registered = _registered_optimizers()
+    for candidate in (name, name.lower()):
+        if registered is None or candidate in registered:
+            return [Change("optimizer", key, candidate)]
+    offer = ", ".join(repr(n) for n in sorted(registered or ()))
+    why = f"no optimizer {name!r} is installed in diffpipe; it has {offer} (plugins register more)"
+    return [Change("optimizer", key, name, why, needs_input=True)]
+
+
+def _registered_optimizers() -> set[str] | None:
+    try:
+        from diffpipe_core.optim import available_optimizers
+        from diffpipe_core.registry import get_registry
+
+        return set(available_optimizers(get_registry().pm))
+    except Exception:  # the plugins could not be loaded: do not guess
+        return None
+
+
+OPTIMIZER_RULES: dict[str, Rule] = {
+    "type": _optimizer_type,
+    "lr": _same("optimizer"),
+    "betas": _same("optimizer"),
+    "weight_decay": _same("optimizer"),
+    "eps": _same("optimizer"),
+    "gradient_release": _none("diffpipe steps the optimizer after the whole backward pass"),
+    "stabilize": _none("diffpipe's adamw8bit_kahan has no stabilize option"),
+}
+
+
+# ------------------------------------------------------------------------------------------------- dataset TOML
+def _cache_shuffle_num(section: str) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        if not isinstance(value, int) or value <= 0:
+            if ctx.table.get("shuffle_tags"):
+                return [Change(None, why="with shuffle_tags, diffusion-pipe caches one shuffled caption for 0")]
+            return [Change(None, why="0 keeps the captions as they are, diffpipe's default")]
+        return [
+            Change(section, "shuffle_tags", True, "diffusion-pipe shuffles tags whenever cache_shuffle_num > 0"),
+            Change(section, key, value),
+        ]
+
+    return rule
+
+
+def _skip_empty_caption(section: str) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        if value is False:
+            return [Change(section, "allow_empty_captions", True, "the inverse: keep items without a caption")]
+        return [Change(None, why="skipping items without a caption is diffpipe's default (allow_empty_captions)")]
+
+    return rule
+
+
+def _shuffle_tags(section: str) -> Rule:
+    def rule(key: str, value: Any, ctx: Context) -> list[Change]:
+        shuffle_num = ctx.table.get("cache_shuffle_num")
+        if isinstance(shuffle_num, int) and shuffle_num > 0:
+            return [Change(section, key, True, "" if value else "diffusion-pipe shuffles when cache_shuffle_num > 0")]
+        if value:
+            why = "diffusion-pipe caches one shuffled caption when cache_shuffle_num is not set"
+            return [Change(section, key, value), Change(section, "cache_shuffle_num", 1, why)]
+        return [Change(section, key, value)]
+
+    return rule
+
+
+def _dataset_rules(section: str) -> dict[str, Rule]:
+    rules: dict[str, Rule] = {
+        key: _same(section)
+        for key in (
+            "resolutions",
+            "enable_ar_bucket",
+            "min_ar",
+            "max_ar",
+            "num_ar_buckets",
+            "ar_buckets",
+            "frame_buckets",
+            "caption_prefix",
+            "video_clip_mode",
+        )
+    }
+    rules.update(
+        {
+            "cache_shuffle_num": _cache_shuffle_num(section),
+            "cache_shuffle_delimiter": _rename(section, "tag_delimiter"),
+            "skip_empty_caption": _skip_empty_caption(section),
+            "shuffle_tags": _shuffle_tags(section),
+            "size_buckets": _none(
+                "diffpipe buckets by resolutions x ar_buckets x frame_buckets: give the sizes as [width, height] "
+                "resolutions with matching ar_buckets"
+            ),
+            "shuffle_metadata": _none("diffpipe reshuffles the data every epoch"),
+            "online_captions": _none("diffpipe reads captions from .txt files beside the media"),
+            "subsample_ratio": _none("diffpipe has no subsampling; use num_repeats per [[directory]]"),
+            "control_path": _none("diffpipe has no edit/control training"),
+            "default_mask_file": _none("items without a mask train on the whole image"),
+        }
+    )
+    return rules
+
+
+DATASET_RULES = _dataset_rules("dataset")
+DATASET_RULES["num_repeats"] = lambda key, value, ctx: [
+    Change("directory", key, value, "the default of every [[directory]] that sets none")
+]
+DIRECTORY_RULES = _dataset_rules("directory")
+DIRECTORY_RULES.update(
+    {
+        "path": _same("directory", is_path=True),
+        "mask_path": _same("directory", is_path=True),
+        "num_repeats": _same("directory"),
+    }
+)
+
+RULES: dict[str, dict[str, Rule]] = {
+    "run": RUN_RULES,
+    "model": MODEL_RULES,
+    "adapter": ADAPTER_RULES,
+    "optimizer": OPTIMIZER_RULES,
+    "dataset": DATASET_RULES,
+    "directory": DIRECTORY_RULES,
+}
+
+
+def changes_for(section: str, key: str, value: Any, ctx: Context) -> list[Change]:
+    """What the anchor's ``key = value`` in ``section`` becomes; a key without a rule carries over under its own
+    name when diffpipe has it."""
+    rule = RULES[section].get(key)
+    if rule is None:
+        rule = _same(section)
+    return rule(key, value, ctx)
+
+
+# ---------------------------------------------------------------------------------------- hints for validate
+def _hint(section: str, key: str, value: Any, valid: list[str], file: str) -> str | None:
+    if key not in RULES[section]:
+        return None
+    ctx = Context(fields={section: set(valid)})
+    changes = changes_for(section, key, value, ctx)
+    if all(c.section == section and c.key == key and c.value == value for c in changes):
+        return None  # the same key and value in diffpipe: the problem is something else
+    shown = _anchor_text(key, value)
+    if key in valid:
+        lead = f"{shown} is diffusion-pipe's value"
+    elif shown != "the" and any(c.carried and c.value != value for c in changes):
+        lead = f"diffusion-pipe's {key} = {shown}"
+    else:
+        lead = "diffusion-pipe's key"
+    parts = []
+    for c in changes:
+        why = f" ({c.why})" if c.why else ""
+        if not c.carried:
+            parts.append(f"{lead} with no diffpipe equivalent: {c.why}. Remove it")
+            continue
+        shown = "<your choice>" if c.needs_input else toml_value(c.value)
+        if c.section == "directory" and section != "directory":
+            parts.append(f"{lead}; diffpipe sets it per [[directory]]: write {c.key} = {shown} in each{why}")
+        elif not _same_file(c.section, section):
+            other = "the dataset TOML" if file == "run" else "run.toml"
+            parts.append(f"{lead}; diffpipe reads it from {other}: write {_dotted(c)} = {shown} there{why}")
+        else:
+            parts.append(f"{lead}; write {_dotted(c)} = {shown} instead{why}")
+        lead = "and"
+    return "; ".join(parts)
+
+
+def _anchor_text(key: str, value: Any) -> str:
+    shown = toml_value(value)
+    return "the" if isinstance(value, dict) or is_secret(key) or len(shown) > 60 else shown
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    return (a in RUN_FILE_SECTIONS) == (b in RUN_FILE_SECTIONS)
+
+
+def _dotted(c: Change) -> str:
+    return f"{c.section}.{c.key}" if c.section in ("model", "adapter", "optimizer") else str(c.key)
+
+
+def literal_values(annotation: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a ``Literal[...]`` annotation, or None for any other type."""
+    import typing
+
+    return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+
+
+def run_hint(path: str, value: Any, valid: list[str]) -> str | None:
+    """For :func:`diffpipe_core.schema.validate` on run.toml: the diffpipe form of an anchor key, or None."""
+    section, _, key = path.rpartition(".")
+    if section == "":
+        return _hint("run", key, value, valid, "run")
+    if section in ("model", "adapter", "optimizer"):
+        return _hint(section, key, value, valid, "run")
+    return None
+
+
+def dataset_hint(path: str, value: Any, valid: list[str]) -> str | None:
+    """For :func:`diffpipe_core.schema.validate` on a dataset TOML: the diffpipe form of an anchor key, or None."""
+    section, _, key = path.rpartition(".")
+    if section == "":
+        return _hint("dataset", key, value, valid, "dataset")
+    if section == "directory":
+        return _hint("directory", key, value, valid, "dataset")
+    return None
+
+
+def toml_value(value: Any) -> str:
+    """``value`` written as TOML (strings single-quoted when they can be, like diffusion-pipe's examples)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        if "'" not in value and "\n" not in value:
+            return f"'{value}'"
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, float):
+        text = repr(value)
+        return {"inf": "inf", "-inf": "-inf", "nan": "nan"}.get(text, text)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return toml_value(str(value))
+
+
+def toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else toml_value(key)
+
+
+def is_secret(key: str) -> bool:
+    """Keys whose values never go into a comment or a message (API keys, tokens)."""
+    return any(word in key.lower() for word in SECRET_WORDS)

@@ -1,0 +1,1 @@
+"""diffpipe generic plugin: Prodigy and schedule-free AdamW through ``register_optimizers``."""
