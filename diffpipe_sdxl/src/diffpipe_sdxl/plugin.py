@@ -8,6 +8,7 @@ plugin); each hook imports what does the work when it is called.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
 #: each text-encoder layer's attention and MLP linears (kohya's, and ComfyUI's ``LORA_CLIP_MAP``)
 TEXT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+KOHYA_PREFIXES = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 # SSD-1B and Segmind Vega ship as StableDiffusionXLPipeline folders too.
 PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
 COMPONENTS = {"unet": "UNet2DConditionModel", "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel"}
@@ -198,16 +200,27 @@ class SDXL(DiffusersModel, DDPMSampling):
         ``lora_te2_<text_model module>`` ``.lora_down/lora_up.weight``, plus ``.alpha`` (ComfyUI, A1111, diffusers)."""
         from diffpipe_core.adapters import kohya_format
         from diffpipe_core.parts.export import lora_modules, split_components
-        from diffpipe_sdxl.sgm import lora_unet_table
 
         if format != "kohya":
             return super().export_adapter(state_dict, alpha, rank, format)
-        parts = split_components(state_dict, "unet", TEXT_ENCODERS)
-        unet = parts.get("unet", {})
-        out = kohya_format(unet, alpha, "lora_unet", rename=lora_unet_table(lora_modules(unet)).original_key)
-        for part, prefix in zip(TEXT_ENCODERS, ("lora_te1", "lora_te2")):  # transformers 5's CLIPTextModel drops the
-            out.update(kohya_format(parts.get(part, {}), alpha, prefix, rename=text_model))  # text_model. level
+        parts, out = split_components(state_dict, "unet", TEXT_ENCODERS), {}
+        for part, prefix in KOHYA_PREFIXES.items():
+            state = parts.get(part, {})
+            out.update(kohya_format(state, alpha, prefix, rename=kohya_rename(part, lora_modules(state))))
         return out
+
+    @hookimpl
+    def adapter_key_names(self, modules: list[str], format: str) -> dict[str, str] | None:
+        """LoKr/LoHa stems in ``kohya``: the kohya LoRA's module names (``lora_unet_<SGM module>``, ...)."""
+        from diffpipe_core.parts.export import split_components
+
+        if format != "kohya":
+            return None
+        parts, stems = split_components({m: m for m in modules}, "unet", TEXT_ENCODERS), {}
+        for part, prefix in KOHYA_PREFIXES.items():
+            rename = kohya_rename(part, list(parts.get(part, {})))
+            stems.update({m: f"{prefix}_{rename(k).replace('.', '_')}" for k, m in parts.get(part, {}).items()})
+        return stems
 
     @hookimpl
     def export_model(self, saved_dir: Path, model_config: SDXLConfig, out_dir: Path, format: str) -> bool | None:
@@ -238,9 +251,14 @@ class SDXL(DiffusersModel, DDPMSampling):
         return True
 
 
-def text_model(module: str) -> str:
-    """A CLIP module path under ``text_model.`` (as kohya names text-encoder LoRAs)."""
-    return module if module.startswith("text_model.") else "text_model." + module
+def kohya_rename(part: str, modules: list[str]) -> Callable[[str], str]:
+    """kohya's module path of ``part``'s adapted ``modules``: the SGM UNet's, or a CLIP's under ``text_model.``
+    (transformers 5's ``CLIPTextModel`` drops that level)."""
+    if part == "unet":
+        from diffpipe_sdxl.sgm import lora_unet_table
+
+        return lora_unet_table(modules).original_key
+    return lambda module: module if module.startswith("text_model.") else "text_model." + module
 
 
 plugin = SDXL()
