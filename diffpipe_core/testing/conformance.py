@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.adapters import lora_config
+from diffpipe_core.engine.adapter_layers import adapt_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers, meta_tensors
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
@@ -254,7 +255,7 @@ def check_lora_gradients(
     """LoRA on ``targets`` (``lora_B`` made non-zero), then for each ``(inputs, loss_targets)`` a finite loss whose
     gradient reaches every LoRA weight; a module whose weights get none is named with the cause: never called, its
     output read by nothing that reaches the loss (the last joint block's text side), or its weights cut off."""
-    apply_lora(model, lora_config(4, 4, 0.0, targets))
+    adapt_layers(model, layers, lora_config(4, 4, 0.0, targets), torch.float32)
     with torch.no_grad():
         for n_, p in model.named_parameters():
             if "lora_B" in n_:

@@ -102,6 +102,9 @@ def bfl_path(folder: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_flux.testing FOLDER``: write a tiny Flux (folder + ``FOLDER.bfl.safetensors``)."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
