@@ -92,7 +92,7 @@ def test_sdxl_samples_during_a_two_stage_run(sdxl_two_stages: Path, tiny_sdxl: t
     assert folders == ["step-0000000", "step-0000004"]
     for name in folders:
         files = sorted(p.name for p in (run / "samples" / name).iterdir())
-        assert files == ["00-a-red-cat.png", "latents.safetensors", "prompts.json"], files
+        assert files == ["00-a-red-cat.png", "contact-sheet.png", "latents.safetensors", "prompts.json"], files
         with Image.open(run / "samples" / name / "00-a-red-cat.png") as im:
             assert im.size == (64, 64) and im.mode == "RGB"
     first, last = (load_file(str(run / "samples" / f / "latents.safetensors"))["sample_00"] for f in folders)
