@@ -54,6 +54,7 @@ class SDXL(DiffusersModel, DDPMSampling):
         model_title="UNet", single_file_hint="or set path to an SGM single-file checkpoint (with config_path)"
     )
     model_class = "UNet2DConditionModel"
+    key_tables = "diffpipe_sdxl.sgm"
     single_file_markers = ("model.diffusion_model.input_blocks.0.0.weight",)
     single_file_name = "sdxl.safetensors"
     lora_target_names = tuple(LORA_TARGETS)
@@ -65,11 +66,6 @@ class SDXL(DiffusersModel, DDPMSampling):
     def model_folder(self, model_config: SDXLConfig) -> Path:
         """``config_path`` with a single file, else ``path``."""
         return model_config.config_path if model_config.path.is_file() else model_config.path  # type: ignore[return-value]
-
-    def original_layout(self, unet_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_sdxl.sgm import unet_table
-
-        return unet_table(unet_config)
 
     def component_layout(self, model_config: SDXLConfig, component: str) -> KeyTable | None:
         from diffpipe_sdxl.sgm import component_tables

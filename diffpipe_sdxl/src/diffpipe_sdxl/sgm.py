@@ -74,6 +74,9 @@ def unet_table(config: Mapping[str, Any]) -> KeyTable:
     return KeyTable((), "SGM", "SDXL UNet", (UNET,), UNET, tuple(renames))
 
 
+layout_for_config = unet_table  # the plugin's original layout (DiffusersModel.key_tables)
+
+
 def lora_unet_table(modules: list[str]) -> KeyTable:
     """The UNet table for a LoRA's module names (no config at hand): as many blocks as the names reach, attention
     wherever one is adapted, SDXL's two layers per block."""
