@@ -187,6 +187,21 @@ def test_text_encoder_run_samples_like_the_pipeline(te_run: Path, tiny_sdxl: tup
     torch.testing.assert_close(got, pipeline_latents(folder, texts), rtol=1e-4, atol=1e-5)
 
 
+def test_text_encoder_learning_rates_need_train_text_encoders(tiny_sdxl, tmp_path: Path) -> None:
+    from test_sdxl_train import make_project
+
+    from diffpipe_core.config import load_config
+    from diffpipe_core.schema import ConfigError
+
+    project = make_project(tmp_path, tiny_sdxl, 1, 1, single_file=False, lora=True, tables=GROUP_LR)
+    with pytest.raises(ConfigError) as err:
+        load_config(project, get_registry())
+    refused = [f"model 'sdxl' has no parameter group '{name}'; its groups: 'unet'" for name in LRS if name != "unet"]
+    assert [p.split("optimizer.group_lr: ")[-1] for p in err.value.problems] == refused
+    trained = sdxl.parameter_groups(te_config(tiny_sdxl[0]))
+    assert trained == {"unet": [], "text_encoder_1": [r"text_encoder\."], "text_encoder_2": [r"text_encoder_2\."]}
+
+
 def test_text_encoders_load_per_stage_from_the_single_file(tiny_sdxl: tuple[Path, Path]) -> None:
     folder, file = tiny_sdxl
     cfg = te_config(file, config_path=folder)

@@ -31,6 +31,7 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
 #: each text-encoder layer's attention and MLP linears (kohya's, and ComfyUI's ``LORA_CLIP_MAP``)
 TEXT_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+TEXT_GROUPS = {"text_encoder_1": [r"text_encoder\."], "text_encoder_2": [r"text_encoder_2\."]}  # parameter name regexes
 KOHYA_PREFIXES = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 # SSD-1B and Segmind Vega ship as StableDiffusionXLPipeline folders too.
 PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
@@ -131,8 +132,9 @@ class SDXL(DiffusersModel, DDPMSampling):
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
     def parameter_groups(self, model_config: SDXLConfig) -> dict[str, list[str]]:
-        """``unet`` (everything else), ``text_encoder_1`` and ``text_encoder_2``, for ``[optimizer] group_lr``."""
-        return {"unet": [], "text_encoder_1": [r"text_encoder\."], "text_encoder_2": [r"text_encoder_2\."]}
+        """``unet`` (everything else) and, with ``train_text_encoders``, ``text_encoder_1`` and ``text_encoder_2``, for
+        ``[optimizer] group_lr`` (``validate`` refuses a group the run does not train)."""
+        return {"unet": [], **(TEXT_GROUPS if model_config.train_text_encoders else {})}
 
     @hookimpl
     def split_into_layers(self, model: nn.Module, model_config: SDXLConfig) -> list[nn.Module]:
