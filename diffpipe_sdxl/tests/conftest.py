@@ -20,16 +20,11 @@ def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return folder, write_single_file(folder, root / "sdxl_tiny.safetensors")
 
 
-# Samples during the shared golden 2-stage run (issue 21): the base model before the first step, then at step 4.
-SAMPLE = {"prompts": '["a red cat"]', "before_first_step": "true", "every_n_steps": 4, "steps": 3, "seed": 5}
-SAMPLE_TABLE = "\n[sample]\n" + "".join(f"{key} = {value}\n" for key, value in {**SAMPLE, "resolution": 64}.items())
-
-
 @pytest.fixture(scope="session")
 def sdxl_two_stages(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The golden SDXL run: a LoRA on 2 pipeline stages from the single-file checkpoint, sampling as SAMPLE_TABLE
     says (test_sdxl_train's ``two_stages``, test_sdxl_sampling's run). Returns its run folder."""
-    from test_sdxl_train import make_project
+    from test_sdxl_train import SAMPLE_TABLE, make_project
 
     from diffpipe_core.testing.runs import train
 

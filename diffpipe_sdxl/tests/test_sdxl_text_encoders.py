@@ -55,8 +55,7 @@ def te_config(path: Path, **kw: object) -> SDXLConfig:
 @pytest.fixture(scope="module")
 def te_run(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """LoRA on the UNet and both text encoders, 2 pipeline stages, from the diffusers folder, sampling at step 0."""
-    from conftest import SAMPLE_TABLE
-    from test_sdxl_train import make_project
+    from test_sdxl_train import SAMPLE_TABLE, make_project
 
     root = tmp_path_factory.mktemp("text_encoders")
     tables = GROUP_LR + SAMPLE_TABLE.replace("every_n_steps = 4", "every_n_steps = 100")

@@ -48,6 +48,10 @@ alpha = 8
 save_formats = ["diffusers", "kohya"]
 """
 
+# Samples during the shared golden 2-stage run (issue 21): the base model before the first step, then at step 4.
+SAMPLE = {"prompts": '["a red cat"]', "before_first_step": "true", "every_n_steps": 4, "steps": 3, "seed": 5}
+SAMPLE_TABLE = "\n[sample]\n" + "".join(f"{key} = {value}\n" for key, value in {**SAMPLE, "resolution": 64}.items())
+
 
 def make_project(
     root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool, **more: str
