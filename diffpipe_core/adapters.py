@@ -12,7 +12,7 @@ the only place ComfyUI reads the strength from).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,10 +195,12 @@ def saved_adapter_config(config: PeftConfig) -> dict[str, Any]:
     return peft_adapter_config(config) if isinstance(config, LoraConfig) else saved_config(config)
 
 
-def diffusers_metadata(config: PeftConfig, prefix: str) -> dict[str, str]:
-    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the adapter config, keys prefixed
-    (diffusers' ``load_lora_adapter`` builds its ``LoraConfig`` or ``LoKrConfig`` from it)."""
-    packed = {f"{prefix}.{k}": v for k, v in saved_adapter_config(config).items()}
+def diffusers_metadata(config: PeftConfig, prefix: str | Sequence[str]) -> dict[str, str]:
+    """safetensors metadata as diffusers' ``save_lora_weights`` writes it: the adapter config, keys prefixed, once per
+    pipeline component the file adapts (``unet``, ``text_encoder``, ...; diffusers' ``load_lora_adapter`` builds its
+    ``LoraConfig`` or ``LoKrConfig`` from it)."""
+    prefixes = [prefix] if isinstance(prefix, str) else list(prefix)
+    packed = {f"{p}.{k}": v for p in prefixes for k, v in saved_adapter_config(config).items()}
     return {"format": "pt", "lora_adapter_metadata": json.dumps(packed)}
 
 
@@ -215,9 +217,10 @@ def save_adapter(
     refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    others = sorted({k.split(".", 1)[0] for k in files.get(ADAPTER_FILE, {})} - {prefix})  # e.g. text encoders
     for name, state in files.items():
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-        meta = diffusers_metadata(config, prefix) if name == ADAPTER_FILE else {"format": "pt"}
+        meta = diffusers_metadata(config, [prefix, *others]) if name == ADAPTER_FILE else {"format": "pt"}
         atomic_save_safetensors(tensors, out_dir / name, meta)
     atomic_write_text(out_dir / CONFIG_FILE, json.dumps(saved_adapter_config(config), indent=2))
 

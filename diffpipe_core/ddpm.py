@@ -25,17 +25,19 @@ def alphas_cumprod(
     beta_end: float = SD_BETA_END,
     schedule: BetaSchedule = "scaled_linear",
     zero_terminal_snr: bool = False,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """``alpha_bar_t`` for every integer timestep (float64), as diffusers' DDPMScheduler computes it.
+    """``alpha_bar_t`` for every integer timestep (float64), as diffusers' DDPMScheduler computes it (which does it
+    in float32: pass ``dtype=torch.float32`` to get its values bit for bit).
 
     ``scaled_linear``: betas linear in sqrt space (``linspace(sqrt(b0), sqrt(b1)) ** 2``); ``linear``: linear.
     With ``zero_terminal_snr`` the schedule is rescaled so that the last timestep has SNR exactly 0
     (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1).
     """
     if schedule == "scaled_linear":
-        betas = torch.linspace(beta_start**0.5, beta_end**0.5, num_train_timesteps, dtype=torch.float64) ** 2
+        betas = torch.linspace(beta_start**0.5, beta_end**0.5, num_train_timesteps, dtype=dtype) ** 2
     elif schedule == "linear":
-        betas = torch.linspace(beta_start, beta_end, num_train_timesteps, dtype=torch.float64)
+        betas = torch.linspace(beta_start, beta_end, num_train_timesteps, dtype=dtype)
     else:
         raise ValueError(f"unknown beta schedule {schedule!r}; valid: 'scaled_linear', 'linear'")
     abar = torch.cumprod(1.0 - betas, dim=0)

@@ -146,20 +146,26 @@ def safetensors_keys(path: Path) -> tuple[list[str] | None, str | None]:
 
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+#: the weight file stems of a diffusers component folder, in the order they are looked for (some hub downloads hold
+#: only the ``fp16`` variant)
+WEIGHT_STEMS = ("diffusion_pytorch_model", "diffusion_pytorch_model.fp16")
 
 
-def diffusers_weight_files(folder: Path, hint: str = "") -> list[Path]:
+def diffusers_weight_files(folder: Path, hint: str = "", what: str = "") -> list[Path]:
     """The safetensors files of a diffusers component folder (``transformer/``): the shards that
     ``diffusion_pytorch_model.safetensors.index.json`` names, sorted, or the single
-    ``diffusion_pytorch_model.safetensors``. Raises FileNotFoundError naming the folder when neither is there
-    (``hint`` is appended: what else the user could give), ValueError naming the index when it has no weight_map."""
-    index = folder / f"{DIFFUSERS_WEIGHTS}.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: no weight_map (tensor name -> shard file); not a safetensors shard index")
-        return sorted({folder / name for name in weight_map.values()})
-    single = folder / DIFFUSERS_WEIGHTS
-    if not single.is_file():
-        raise FileNotFoundError(f"{folder}: no {DIFFUSERS_WEIGHTS} (or .index.json)" + (f"; {hint}" if hint else ""))
-    return [single]
+    ``diffusion_pytorch_model.safetensors`` (else the ``.fp16`` variant of either). Raises FileNotFoundError naming the
+    folder (and ``what`` is missing, e.g. "UNet weights") when none is there (``hint`` is appended: what else the user
+    could give), ValueError naming the index when it has no weight_map."""
+    for stem in WEIGHT_STEMS:
+        index = folder / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index}: no weight_map (tensor name -> shard file); not a safetensors shard index")
+            return sorted({folder / name for name in weight_map.values()})
+        if (folder / f"{stem}.safetensors").is_file():
+            return [folder / f"{stem}.safetensors"]
+    files = f"{DIFFUSERS_WEIGHTS}, its .index.json or their .fp16 variant"
+    found = f"{what} ({files})" if what else f"{DIFFUSERS_WEIGHTS} (nor its .index.json or their .fp16 variant)"
+    raise FileNotFoundError(f"{folder}: no {found}" + (f"; {hint}" if hint else ""))

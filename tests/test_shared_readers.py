@@ -40,6 +40,19 @@ def test_diffusers_weight_files_single_sharded_and_missing(tmp_path: Path) -> No
         diffusers_weight_files(folder)
 
 
+def test_diffusers_weight_files_fall_back_to_the_fp16_variant(tmp_path: Path) -> None:
+    """Some hub downloads hold only ``diffusion_pytorch_model.fp16.safetensors``; the plain file wins when both are
+    there, and a folder with neither is named with what was looked for."""
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"unet: no UNet weights \(diffusion_pytorch_model\.safetensors, its "):
+        diffusers_weight_files(folder, what="UNet weights")
+    save_file({"a": torch.zeros(1)}, folder / "diffusion_pytorch_model.fp16.safetensors")
+    assert diffusers_weight_files(folder) == [folder / "diffusion_pytorch_model.fp16.safetensors"]
+    save_file({"a": torch.zeros(1)}, folder / "diffusion_pytorch_model.safetensors")
+    assert diffusers_weight_files(folder) == [folder / "diffusion_pytorch_model.safetensors"]
+
+
 def test_read_saved_model_reads_back_what_write_model_shards_wrote(tmp_path: Path) -> None:
     halves = [{"x.weight": torch.randn(3, 2)}, {"y.weight": torch.randn(4), "y.bias": torch.randn(1)}]
     saved = tmp_path / "saved"

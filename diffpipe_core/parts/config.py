@@ -76,3 +76,20 @@ class FlowMatchingConfig(ModelConfigBase):
                 f"({high}{'' if self.given('max_t') else ', the model default'})"
             )
         return low, high
+
+class DDPMConfig(ModelConfigBase):
+    """DDPM training (SD 1.x/2.x, SDXL): the noise schedule, epsilon or v-prediction, loss weights, noise offset
+    (:mod:`diffpipe_core.parts.ddpm`)."""
+
+    v_pred: bool = Field(False, description="Train a v-prediction model (target v) instead of epsilon prediction.")
+    zero_terminal_snr: bool = Field(
+        False, description="Rescale the noise schedule to zero terminal SNR (Lin et al. 2023); use with v_pred."
+    )
+    min_snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR-gamma loss weighting (Hang et al. 2023), e.g. 5. Absent: off."
+    )
+    debiased_estimation: bool = Field(False, description="Weight the loss by 1/sqrt(SNR) (kohya's debiased estimation)")
+    noise_offset: float = Field(0.0, ge=0, description="Add noise_offset * N(0, 1) per sample and channel to the noise")
+    num_train_timesteps: int = Field(1000, ge=2, description="DDPM timesteps (SDXL: 1000).")
+    beta_start: float = Field(0.00085, gt=0, description="First beta of the scaled-linear schedule (SDXL: 0.00085).")
+    beta_end: float = Field(0.012, gt=0, description="Last beta of the scaled-linear schedule (SDXL: 0.012).")

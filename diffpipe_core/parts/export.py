@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,17 @@ def lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
     if other:
         raise ValueError(f"LoRA key {other[0]!r} is not a peft lora_A/lora_B weight; it cannot be exported")
     return sorted(k[: -len(A)] for k in state if k.endswith(A))
+
+
+def split_components(state: dict[str, Any], model: str, components: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """A diffusion model's state dict (or LoRA) by pipeline component: keys under a held component's name
+    (``text_encoder.``; see :meth:`~diffpipe_core.parts.plugin.DiffusersModel.held_components`) without it, the
+    model's own under ``model`` (``"unet"``)."""
+    parts: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        part = next((c for c in components if c != model and key.startswith(c + ".")), model)
+        parts.setdefault(part, {})[key if part == model else key[len(part) + 1 :]] = value
+    return parts
 
 
 def comfyui_lora(state: dict[str, torch.Tensor], alpha: float, layout: KeyTable) -> dict[str, torch.Tensor]:

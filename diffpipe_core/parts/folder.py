@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core.model_files import (
     IMAGE_PROCESSOR,
     TOKENIZER,
+    WEIGHT_STEMS,
     check_diffusers_folder,
     diffusers_weight_files,
     read_json,
@@ -66,6 +67,9 @@ class DiffusersFolder:
             ``component`` arguments below.
         sizes: :class:`SizeMatch` checks between components.
         single_file_example: what an original-layout single file of this model is called, for messages.
+        title: how messages call the model ("SDXL"); default ``model_name``.
+        model_title: how messages call the diffusion model ("UNet"); default ``model``.
+        single_file_hint: what a missing weight file's message suggests instead.
     """
 
     model_name: str
@@ -74,6 +78,9 @@ class DiffusersFolder:
     model: str = "transformer"
     sizes: tuple[SizeMatch, ...] = ()
     single_file_example: str = ""
+    title: str = ""
+    model_title: str = ""
+    single_file_hint: str = "give transformer_file for an original-layout single file"
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,13 +98,10 @@ class DiffusersFolder:
         file = Path(path) / component / "config.json"
         data, problem = read_json(file)
         if data is None:
+            also = " (also needed with a single-file checkpoint, for the model's sizes)" * (component == self.model)
             raise FileNotFoundError(
-                f"{problem}; [model] path must be a diffusers {self.model_name} folder with {component}/config.json"
-                + (
-                    " (also needed with a single-file checkpoint, for the model's sizes)"
-                    if component == self.model
-                    else ""
-                )
+                f"{path}: not a diffusers {self.title or self.model_name} folder ({problem}); [model] path must be "
+                f"one, with {component}/config.json{also}"
             )
         return data
 
@@ -108,12 +112,11 @@ class DiffusersFolder:
 
     def weight_files(self, path: Path, component: str | None = None) -> list[Path]:
         """The diffusion model's (or ``component``'s) safetensors files in the folder (one file, or the shards of an
-        index)."""
+        index; the ``fp16`` variant where only it is there)."""
         component = component or self.model
-        return diffusers_weight_files(
-            Path(path) / component,
-            "give transformer_file for an original-layout single file" if component.startswith("transformer") else "",
-        )
+        what = f"{self.model_title or self.model} weights" if component == self.model else f"{component} weights"
+        hint = self.single_file_hint if component.startswith(self.model) else ""
+        return diffusers_weight_files(Path(path) / component, hint, what)
 
     # ------------------------------------------------------------------------------------------ checks
     def problems(
@@ -134,16 +137,19 @@ class DiffusersFolder:
         if single_file is not None:
             return found + self._single_file_problems(Path(single_file), layout, markers, component)
         folder = Path(path) / component
-        single = folder / "diffusion_pytorch_model.safetensors"
-        if single.is_file():
-            _, problem = safetensors_keys(single)
-            return found + ([f"{problem}; expected the {self.model_name} {component}'s weights"] if problem else [])
-        if not (folder / "diffusion_pytorch_model.safetensors.index.json").is_file():
-            hint = ", or give transformer_file for an original-layout single file" if markers else ""
-            found.append(
-                f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json); expected the {self.model_name} "
-                f"{component}'s weights{hint}"
-            )
+        for stem in WEIGHT_STEMS:
+            single = folder / f"{stem}.safetensors"
+            if single.is_file():
+                _, problem = safetensors_keys(single)
+                expected = f"; expected the {self.model_name} {component}'s weights"
+                return found + ([problem + expected] if problem else [])
+            if (folder / f"{stem}.safetensors.index.json").is_file():
+                return found
+        hint = f", or {self.single_file_hint}" if markers else ""
+        found.append(
+            f"{folder}: no diffusion_pytorch_model.safetensors (or .index.json, or their .fp16 variant); expected the "
+            f"{self.model_name} {component}'s weights{hint}"
+        )
         return found
 
     def _single_file_problems(
@@ -156,7 +162,7 @@ class DiffusersFolder:
         if problem:
             return [f"{problem}; expected {what}"]
         strip = layout.strip if layout is not None else (lambda k: k)
-        names = {strip(k) for k in keys}
+        names = {strip(k) for k in keys} | set(keys)  # a marker may name the file's prefix
         absent = [m for m in markers if m not in names]
         if not absent:
             return []
@@ -215,6 +221,59 @@ class DiffusersFolder:
         return module.eval().requires_grad_(False)
 
 
+    def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
+        """``component`` from its config with its parameters on the meta device and its buffers real (a buffer no
+        file holds, CLIP's ``position_ids``, keeps its value), cast as ``from_pretrained(torch_dtype=dtype)`` casts."""
+        from accelerate import init_empty_weights
+
+        from diffpipe_core.engine.model_loading import cast_skeleton
+
+        cls, where = find_class(self.component_class(component)), str(Path(path) / component)
+        with init_empty_weights():
+            if hasattr(cls, "config_class"):  # transformers
+                model = cls(cls.config_class.from_pretrained(where))
+            else:
+                model = cls.from_config(cls.load_config(where))
+        return cast_skeleton(model, dtype)
+
+    def load_original(
+        self, path: Path, component: str, file: Path, table: KeyTable, dtype: torch.dtype, device: Any = None
+    ) -> Any:
+        """``component`` (sized from ``path``'s config) from an original single file through its key table, frozen,
+        in eval mode, on ``device``. Missing, unexpected or misshapen tensors raise, naming the file and the key."""
+        from safetensors import safe_open
+
+        model = self.skeleton(path, component, dtype)
+        target = model.state_dict()
+        with safe_open(str(file), framework="pt") as f:
+            keys = [k for k in f.keys() if k.startswith(table.read_prefixes)]
+            if not keys:
+                raise ValueError(f"{file}: no {component} tensors (keys starting with {table.read_prefixes[0]!r})")
+            shapes = {k: tuple(v.shape) for k, v in target.items()}
+            state = table.to_model({k: f.get_tensor(k) for k in keys}, str(file), shapes)
+        model.load_state_dict({k: v.to(target[k].dtype) for k, v in state.items()}, assign=True)
+        return (model.to(device) if device is not None else model).eval().requires_grad_(False)
+
+    def original_state(self, path: Path, component: str, table: KeyTable) -> dict[str, torch.Tensor]:
+        """The folder's ``component`` in an original layout (``table.to_original``), for a single-file export."""
+        state = self.load(path, component).state_dict()
+        return table.to_original({k: v.contiguous() for k, v in state.items()})
+
+    def component_weights(self, path: Path, component: str) -> list[tuple[Path, Any]]:
+        """A component's safetensors files in the folder (transformers' ``model.safetensors`` or its shards, else the
+        diffusers files) with a key map naming its tensors under ``<component>.``, for per-stage loading of a
+        component held by the diffusion model (text encoders trained with it)."""
+        folder = Path(path) / component
+        index, _ = read_json(folder / "model.safetensors.index.json")
+        if index is not None:
+            files = [folder / f for f in sorted(set(index.get("weight_map", {}).values()))]
+        elif (folder / "model.safetensors").is_file():
+            files = [folder / "model.safetensors"]
+        else:
+            files = diffusers_weight_files(folder, what=f"{component} weights")
+        return [(f, lambda key, c=component: f"{c}.{key}") for f in files]
+
+
 def find_class(name: str) -> Any:
     """The class ``name`` names: ``"module:Class"`` (imported), or a diffusers, then transformers, class name."""
     module, _, attr = name.rpartition(":")
@@ -235,4 +294,4 @@ def find_class(name: str) -> Any:
     raise ValueError(f"no diffusers or transformers class named {name!r} (a class of your own: 'module:Class')")
 
 
-_find_class = find_class  # the name the shared parts used first
+

@@ -39,6 +39,11 @@ SCALE_NORM = (("scale", "weight"),)
 SAME = "="
 
 
+class LayoutError(KeyError, ValueError):
+    """A checkpoint's keys do not fit the key layout (an unexpected or a missing key): a KeyError (a key) that is
+    also a ValueError (a bad file), so callers may catch either."""
+
+
 @dataclass(frozen=True)
 class Module:
     """``original`` (a module path in the original layout) is the model's ``parts`` stacked along dim 0.
@@ -53,6 +58,9 @@ class Module:
         swap: dim 0 holds two halves in the opposite order in the original (Flux's final adaLN shift/scale).
         comfy: the module's name in ComfyUI's LoRA layout: :data:`SAME` (the original name), another name, or
             None when ComfyUI has no name a LoRA on this module could use.
+        form: how the original stores the module's tensors when not as the model does: ``"conv1x1"`` (a linear's
+            weight as a 1x1 convolution's, LDM VAEs' attention) or ``"transposed"`` (OpenCLIP's ``text_projection``).
+            ``original`` may be ``""`` for a parameter at the top of the original layout.
     """
 
     original: str
@@ -61,12 +69,15 @@ class Module:
     params: tuple[tuple[str, str], ...] | None = LINEAR
     swap: bool = False
     comfy: str | None = SAME
+    form: str = ""
 
     def __post_init__(self) -> None:
         if self.sizes and len(self.sizes) != len(self.parts):
             raise ValueError(f"{self.original}: {len(self.sizes)} sizes for {len(self.parts)} parts")
         if self.params is None and len(self.parts) != 1:
             raise ValueError(f"{self.original}: a fused module must list its parameters")
+        if self.form not in FORMS or (self.form and len(self.parts) != 1):
+            raise ValueError(f"{self.original}: form {self.form!r} needs one part and one of {list(FORMS)[1:]}")
 
     @property
     def comfy_name(self) -> str | None:
@@ -78,6 +89,26 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
 
     first, second = t.chunk(2, dim=0)
     return torch.cat([second, first], dim=0)
+
+
+def _to_conv1x1(t: torch.Tensor) -> torch.Tensor:
+    return t[:, :, None, None] if t.dim() == 2 else t
+
+
+def _from_conv1x1(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1) if t.dim() == 4 else t
+
+
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    return t.T.contiguous()
+
+
+#: ``Module.form`` -> (original tensor -> model tensor, model tensor -> original tensor)
+FORMS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]] = {
+    "": (None, None),
+    "conv1x1": (_from_conv1x1, _to_conv1x1),
+    "transposed": (_transpose, _transpose),
+}
 
 
 def _piece(index: int, count: int, sizes: tuple[int, ...]) -> Transform:
@@ -97,6 +128,15 @@ def _split_key(key: str) -> tuple[str, str]:
     return module, param
 
 
+def _join(module: str, param: str) -> str:
+    return f"{module}.{param}" if module else param
+
+
+def _single(entry: Module) -> Transform | None:
+    """The transform of a one-part module's tensor on read (its ``swap`` or ``form``), or None."""
+    return _swap_halves if entry.swap else FORMS[entry.form][0]
+
+
 @dataclass(frozen=True)
 class KeyTable:
     """A model's original key layout: its modules, the prefixes its files use, and what is not the model's.
@@ -108,7 +148,9 @@ class KeyTable:
         read_prefixes: prefixes a file may hold the model under (``"model.diffusion_model."``), stripped on read.
         write_prefix: the prefix :meth:`to_original` writes keys under (``"net."`` for Cosmos); default none.
         renames: ``(original prefix, model prefix)`` pairs renaming whole subtrees (LTX-Video's
-            ``adaln_single.*`` = ``time_embed.*``), for keys of modules not in ``modules``.
+            ``adaln_single.*`` = ``time_embed.*``) or single keys, for keys that are no parameter of a module in
+            ``modules``; the first match wins (list a more specific prefix first). A model of many modules whose
+            only difference is their names (the SGM UNet) is a table of renames alone.
         passthrough: keys of modules neither in ``modules`` nor under ``renames`` keep their names (layouts that
             differ by a few renames); False: such keys are unexpected.
         skip: a regular expression of original keys that are not the model's and are dropped on read
@@ -151,33 +193,41 @@ class KeyTable:
             return None
         module, param = _split_key(bare)
         entry = self._by_original.get(module)
-        if entry is None:
+        model_param = None if entry is None else param if entry.params is None else dict(entry.params).get(param)
+        if entry is None or model_param is None:  # not a table module's parameter: renamed, kept, or not the model's
             renamed = _rename(bare, self.renames)
             if renamed is not None:
                 return [(renamed, None)]
             return [(bare, None)] if self.passthrough else None
-        if entry.params is None:
-            return [(f"{entry.parts[0]}.{param}", _swap_halves if entry.swap else None)]
-        model_param = dict(entry.params).get(param)
-        if model_param is None:
-            return None
         if len(entry.parts) == 1:
-            return [(f"{entry.parts[0]}.{model_param}", _swap_halves if entry.swap else None)]
+            return [(f"{entry.parts[0]}.{model_param}", _single(entry))]
         count = len(entry.parts)
         return [(f"{p}.{model_param}", _piece(i, count, entry.sizes)) for i, p in enumerate(entry.parts)]
 
-    def key_map(self, file_keys: Iterable[str] | None = None) -> Callable[[str], Any]:
+    def key_map(self, file_keys: Iterable[str] | None = None, under: str = "") -> Callable[[str], Any]:
         """The per-stage loading key map of a file in this layout: a file key -> the model tensors it makes (see
-        :meth:`targets`), None for a key that is not the model's. With ``file_keys`` given and one of them under a
-        ``read_prefixes`` entry, keys under no prefix belong to other parts of the file and map to None."""
+        :meth:`targets`; a plain rename as the model's name), None for a key that is not the model's. With
+        ``file_keys`` given and one of them under a ``read_prefixes`` entry, keys under no prefix belong to other
+        parts of the file and map to None. ``under``: the names are of a submodule held there (``"text_encoder"``)."""
         prefixed = file_keys is not None and any(k.startswith(self.read_prefixes) for k in file_keys)
+        head = f"{under}." if under else ""
 
         def mapped(key: str) -> Any:
             if prefixed and not key.startswith(self.read_prefixes):
                 return None
-            return self.targets(self.strip(key))
+            made = self.targets(self.strip(key))
+            if made and len(made) == 1 and made[0][1] is None:
+                return head + made[0][0]
+            return made and [(head + name, fn) for name, fn in made]
 
         return mapped
+
+    def own_keys(self, file_keys: Iterable[str]) -> list[str]:
+        """The keys of a file that hold the model: those under a ``read_prefixes`` entry when the file has any (the
+        rest belong to other parts, a VAE or text encoders), else every key."""
+        keys = list(file_keys)
+        prefixed = [k for k in keys if k.startswith(self.read_prefixes)]
+        return prefixed or keys
 
     def to_model(
         self,
@@ -190,14 +240,10 @@ class KeyTable:
         A key that is not the model's raises a KeyError naming ``source`` and the key. With ``expected`` (the
         model's ``{key: shape}``), a missing tensor raises a KeyError naming its original key, and a tensor of the
         wrong shape a ValueError naming both keys and both shapes."""
-        keys = list(state)
-        prefixed = any(k.startswith(self.read_prefixes) for k in keys)
         out: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
         unexpected = []
-        for key in keys:
-            if prefixed and not key.startswith(self.read_prefixes):
-                continue
+        for key in self.own_keys(state):
             bare = self.strip(key)
             if self._skipped(bare):
                 continue
@@ -210,19 +256,19 @@ class KeyTable:
                 origin[name] = key
         if unexpected:
             more = f" (and {len(unexpected) - 1} more, e.g. {unexpected[1:4]})" if len(unexpected) > 1 else ""
-            raise KeyError(
+            raise LayoutError(
                 f"{source}: unexpected key {unexpected[0]!r}{more} for a {self.model} in the {self.name} layout"
             )
         if expected is not None:
             missing = sorted(set(expected) - set(out))
             if missing:
-                raise KeyError(
+                raise LayoutError(
                     f"{source}: missing key {self.original_key(missing[0])!r} ({missing[0]}; {len(missing)} missing "
                     f"in all); is this a {self.model} in the {self.name} layout?"
                 )
             extra = sorted(set(out) - set(expected))
             if extra:
-                raise KeyError(
+                raise LayoutError(
                     f"{source}: unexpected key {origin[extra[0]]!r} for a {self.model} of this config ({len(extra)} "
                     f"in all, e.g. {extra[:3]})"
                 )
@@ -244,8 +290,8 @@ class KeyTable:
             return _rename(model_key, tuple((m, o) for o, m in self.renames)) or model_key
         entry, _ = found
         if entry.params is None:
-            return f"{entry.original}.{param}"
-        return f"{entry.original}.{ {m: o for o, m in entry.params}.get(param, param) }"
+            return _join(entry.original, param)
+        return _join(entry.original, {m: o for o, m in entry.params}.get(param, param))
 
     def to_original(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's state dict in the original layout (fused parts stacked), keys under ``write_prefix``.
@@ -272,8 +318,8 @@ class KeyTable:
             if original_param is None:
                 unknown.append(key)
             elif len(entry.parts) == 1:
-                value = _swap_halves(value) if entry.swap else value
-                out[f"{self.write_prefix}{entry.original}.{original_param}"] = value
+                write = _swap_halves if entry.swap else FORMS[entry.form][1]
+                out[self.write_prefix + _join(entry.original, original_param)] = write(value) if write else value
             else:
                 groups[(entry.original, original_param)] = entry
         if unknown:
@@ -288,7 +334,7 @@ class KeyTable:
             if missing:
                 raise KeyError(f"{self.model} state dict lacks {missing[0]!r} (needed for {original}.{original_param})")
             value = torch.cat([state[n] for n in names], dim=0)
-            out[f"{self.write_prefix}{original}.{original_param}"] = _swap_halves(value) if entry.swap else value
+            out[self.write_prefix + _join(original, original_param)] = _swap_halves(value) if entry.swap else value
         return out
 
     # ------------------------------------------------------------------------------------------ LoRA

@@ -63,10 +63,11 @@ class DiffusersModel:
         joint_blocks: where those blocks are: ``(module list, config key of their count)``.
 
     and override :meth:`original_layout` when the model has an original single-file layout,
-    :meth:`default_lora_targets` when the default targets depend on the config otherwise,
-    :meth:`build_skeleton` when the model must be built differently from ``from_config``, and
-    :meth:`model_component` when the folder holds several diffusion models of which a run trains one (Wan 2.2 A14B's
-    ``transformer_2``).
+    :meth:`default_lora_targets` when the default targets depend on the config otherwise, :meth:`build_skeleton`
+    when the model must be built differently from ``from_config``, :meth:`single_file` / :meth:`model_folder` when
+    the ``[model]`` keys name the files differently (SDXL's ``path`` is a folder or a single file whose configs come
+    from ``config_path``), and :meth:`model_component` when the folder holds several diffusion models of which a run
+    trains one (Wan 2.2 A14B's ``transformer_2``).
     """
 
     spec: ClassVar[ModelSpec]
@@ -126,15 +127,58 @@ class DiffusersModel:
         ``transformer_file`` replaces its weights."""
         return self.folder.model
 
+    def model_folder(self, model_config: ModelConfigBase) -> Path:
+        """The diffusers folder the model's configs (and, without a single file, its weights) come from."""
+        return Path(model_config.path)  # type: ignore[attr-defined]
+
     def model_folder_config(self, model_config: ModelConfigBase) -> dict[str, Any]:
         """The diffusion model's ``config.json`` (diffusers' private keys left out)."""
-        return self.folder.model_config(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
+        return self.folder.model_config(self.model_folder(model_config), self.model_component(model_config))
 
     def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
         layout = self.original_layout(self.model_folder_config(model_config))
         if layout is None:
             raise ValueError(f"model {self.spec.name!r} has no original single-file layout")
         return layout
+
+    # ------------------------------------------------------------------------------------------ other components
+    def held_components(self, model_config: ModelConfigBase) -> tuple[str, ...]:
+        """Pipeline components the diffusion model holds as submodules of those names and trains with it (SDXL's text
+        encoders with ``train_text_encoders``); default none. Their parameters are named ``<component>.<name>``;
+        they load per stage from their folders (or the single file, through :meth:`component_layout`), and their
+        LoRA tensors export under their own pipeline prefix (:func:`~diffpipe_core.parts.export.split_components`)."""
+        return ()
+
+    def component_layout(self, model_config: ModelConfigBase, component: str) -> KeyTable | None:
+        """The key table of another component (a VAE, a text encoder) in the single file; None: it has none there."""
+        return None
+
+    def load_component(self, model_config: ModelConfigBase, component: str, dtype: torch.dtype, device: Any) -> Any:
+        """Another component, frozen, in eval mode, on ``device`` (a skeleton on ``meta``): from the single file through
+        :meth:`component_layout` when it has one, else from the folder."""
+        import torch
+
+        folder, single = self.model_folder(model_config), self.single_file(model_config)
+        if torch.device(device).type == "meta":
+            return self.folder.skeleton(folder, component, dtype)
+        layout = self.component_layout(model_config, component) if single is not None else None
+        if layout is None:
+            return self.folder.load(folder, component, dtype, device)
+        return self.folder.load_original(folder, component, Path(single), layout, dtype, device)  # type: ignore[arg-type]
+
+    def original_components(self, model_config: ModelConfigBase, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The base model's ``names`` components in their original layout (copied from the single file, or converted
+        from the folder through :meth:`component_layout`), for a single-file export of the whole pipeline."""
+        from safetensors import safe_open
+
+        layouts = {name: self.component_layout(model_config, name) for name in names}
+        single = self.single_file(model_config)
+        if single is None:
+            folder = self.model_folder(model_config)
+            return {k: v for n, t in layouts.items() if t for k, v in self.folder.original_state(folder, n, t).items()}
+        prefixes = tuple(p for t in layouts.values() if t for p in t.read_prefixes)
+        with safe_open(str(single), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(prefixes)}
 
     # ------------------------------------------------------------------------------------------ hooks
     @hookimpl
@@ -159,13 +203,8 @@ class DiffusersModel:
                 layout = self.layout_for(model_config)
             except (OSError, ValueError) as exc:
                 return [str(exc)]
-        return self.checked_folder(model_config).problems(
-            model_config.path,  # type: ignore[attr-defined]
-            single,
-            layout,
-            self.single_file_markers,
-            self.model_component(model_config),
-        )
+        folder, component = self.model_folder(model_config), self.model_component(model_config)
+        return self.checked_folder(model_config).problems(folder, single, layout, self.single_file_markers, component)
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
         """The diffusion model from its config, without weights, cast the way ``from_pretrained(torch_dtype=dtype)``
@@ -200,22 +239,25 @@ class DiffusersModel:
         otherwise the whole model with its weights, from the folder or converted from the single file. Missing,
         unexpected or misshapen tensors raise, naming the file and the keys."""
         import torch
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         if torch.device(device).type == "meta":
-            return self.build_skeleton(model_config, "meta", dtype)
+            return self._with_components(self.build_skeleton(model_config, "meta", dtype), model_config, device, dtype)
         model = self.build_skeleton(model_config, "meta", dtype)
         skeleton = model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in skeleton.items()}
         single = self.single_file(model_config)
         if single is not None:
-            state = self.layout_for(model_config).to_model(load_file(str(single)), str(single), shapes)
+            layout = self.layout_for(model_config)
+            with safe_open(str(single), framework="pt") as f:  # only the model's part of a file holding others too
+                state = layout.to_model({k: f.get_tensor(k) for k in layout.own_keys(f.keys())}, str(single), shapes)
         else:
             state = {}
             component = self.model_component(model_config)
-            for file in self.folder.weight_files(model_config.path, component):  # type: ignore[attr-defined]
+            for file in self.folder.weight_files(self.model_folder(model_config), component):
                 state.update(load_file(str(file)))
-            folder = model_config.path / component  # type: ignore[attr-defined]
+            folder = self.model_folder(model_config) / component
             missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
             if missing or unexpected:
                 raise KeyError(
@@ -228,22 +270,34 @@ class DiffusersModel:
                         f"{folder}: {key!r} has shape {tuple(value.shape)}, the config needs {shapes[key]}"
                     )
         model.load_state_dict({k: v.to(device, skeleton[k].dtype) for k, v in state.items()}, assign=True)
+        return self._with_components(model, model_config, device, dtype)
+
+    def _with_components(self, model: nn.Module, model_config: ModelConfigBase, device: Any, dtype: Any) -> nn.Module:
+        for name in self.held_components(model_config):
+            model.add_module(name, self.load_component(model_config, name, dtype, device))
         return model
 
     @hookimpl
     def diffusion_model_weights(self, model_config: ModelConfigBase) -> list[tuple[Path, Callable[[str], Any]]]:
         """Per-stage loading from the folder's weight files (keys are the model's own) or from the single file
         through :meth:`original_layout`'s key map (a fused tensor is cut only for a stage that holds its block)."""
-        single = self.single_file(model_config)
-        if single is not None:
-            from diffpipe_core.model_files import safetensors_keys
+        single, folder = self.single_file(model_config), self.model_folder(model_config)
+        held = self.held_components(model_config)
+        if single is None:
+            files = self.folder.weight_files(folder, self.model_component(model_config))
+            found = [(file, _same_key) for file in files]
+            return found + [entry for name in held for entry in self.folder.component_weights(folder, name)]
+        from diffpipe_core.model_files import safetensors_keys
 
-            keys, problem = safetensors_keys(Path(single))
-            if problem:
-                raise FileNotFoundError(problem)
-            return [(Path(single), self.layout_for(model_config).key_map(keys))]
-        files = self.folder.weight_files(model_config.path, self.model_component(model_config))  # type: ignore[attr-defined]
-        return [(file, _same_key) for file in files]
+        keys, problem = safetensors_keys(Path(single))
+        if problem:
+            raise FileNotFoundError(problem)
+        found = [(Path(single), self.layout_for(model_config).key_map(keys))]
+        for name in held:
+            layout = self.component_layout(model_config, name)
+            in_file = [(Path(single), layout.key_map(keys, name))] if layout else None
+            found += in_file or self.folder.component_weights(folder, name)
+        return found
 
     @hookimpl
     def lora_targets(self, model_config: ModelConfigBase) -> list[str]:
@@ -261,8 +315,11 @@ class DiffusersModel:
         writes, not as ``.alpha`` tensors) and, for a model with an original layout,
         ``comfyui`` (native module names under ``diffusion_model.``, fused where the native model fuses, with
         ``.alpha``). The layout is sized from the exported LoRA itself, so no model files are read."""
-        from diffpipe_core.parts.export import export_lora
+        from diffpipe_core.parts.export import export_lora, split_components
 
+        if format == "diffusers":  # held components (trained text encoders) under their own pipeline prefix
+            parts = split_components(state_dict, self.folder.model, tuple(self.folder.components))
+            return {f"{part}.{k}": v for part, state in parts.items() for k, v in state.items()}
         layout = self.lora_layout(state_dict) if format == "comfyui" else None
         return export_lora(state_dict, alpha, format, self.folder.model, layout)
 
@@ -310,7 +367,7 @@ class DiffusersModel:
         ``single_file`` (one safetensors file in that layout, :attr:`single_file_name`)."""
         from diffpipe_core.parts.export import export_diffusers_folder, export_single_file
 
-        folder = model_config.path / self.model_component(model_config)  # type: ignore[attr-defined]
+        folder = self.model_folder(model_config) / self.model_component(model_config)
         if format == "diffusers":
             export_diffusers_folder(saved_dir, folder / "config.json", out_dir)
             return True

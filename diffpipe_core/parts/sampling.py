@@ -1,7 +1,9 @@
-"""The sampling hooks every flow-matching model on a diffusers VAE shares: the Euler step, loading the VAE alone,
-and decoding. A plugin adds ``denoise_init`` and ``denoise_inputs`` (its noise layout and first-layer inputs), and
-overrides :meth:`FlowSampling.unpack_prediction` / :meth:`FlowSampling.denormalize` where its latents are packed or
-normalised differently from ``(z - shift_factor) * scaling_factor``."""
+"""The sampling hooks models on a diffusers VAE share: loading the VAE alone and decoding (:class:`VAEDecoding`), the
+flow-matching Euler step (:class:`FlowSampling`), and the start and the Euler step of a DDPM-trained epsilon or
+v-prediction model with its pipeline's ``EulerDiscreteScheduler`` (:class:`DDPMSampling`). A plugin adds
+``denoise_inputs`` (its first-layer inputs; a flow model also ``denoise_init``), and overrides
+:meth:`FlowSampling.unpack_prediction` / :meth:`VAEDecoding.denormalize` where its latents are packed or normalised
+differently from ``(z - shift_factor) * scaling_factor``."""
 
 from __future__ import annotations
 
@@ -12,15 +14,11 @@ from diffpipe_core import hookimpl
 if TYPE_CHECKING:
     import torch
 
-    from diffpipe_core.types import ModelConfigBase
+    from diffpipe_core.types import ModelConfigBase, SampleRequest
 
 
-class FlowSampling:
-    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose sampler is the flow-matching Euler step."""
-
-    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
-        """The last layer's prediction in the layout of ``latents`` (default: already in it)."""
-        return prediction
+class VAEDecoding:
+    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose samples are decoded by its VAE."""
 
     def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
         """Undo the cache's latent normalisation before decoding (default: ``z / scaling_factor + shift_factor``)."""
@@ -28,19 +26,12 @@ class FlowSampling:
         return latents.float() / vae.config.scaling_factor + shift
 
     @hookimpl
-    def denoise_step(self, latents, prediction, schedule, index, model_config):
-        """Euler on the flow ODE from ``schedule[index]`` to ``schedule[index + 1]``."""
-        from diffpipe_core.sampling.schedules import flow_euler_step
-
-        return flow_euler_step(latents, self.unpack_prediction(prediction, latents), schedule, index)
-
-    @hookimpl
     def load_decoder(self, model_config: ModelConfigBase, device: torch.device) -> Any:
         """The VAE alone (``encoder_dtype``), frozen, on ``device``."""
         from diffpipe_core.parts.encoders import torch_dtype
 
         dtype = torch_dtype(getattr(model_config, "encoder_dtype", "float32"))
-        return self.folder.load(model_config.path, "vae", dtype, device)  # type: ignore[attr-defined]
+        return self.folder.load(self.model_folder(model_config), "vae", dtype, device)  # type: ignore[attr-defined]
 
     @hookimpl
     def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
@@ -51,3 +42,77 @@ class FlowSampling:
             latents = self.denormalize(latents, decoder)
             param = next(decoder.parameters())
             return decoder.decode(latents.to(param.device, param.dtype)).sample.float().clamp(-1, 1)
+
+
+class FlowSampling(VAEDecoding):
+    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose sampler is the flow-matching Euler step."""
+
+    def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The last layer's prediction in the layout of ``latents`` (default: already in it)."""
+        return prediction
+
+    @hookimpl
+    def denoise_step(self, latents, prediction, schedule, index, model_config):
+        """Euler on the flow ODE from ``schedule[index]`` to ``schedule[index + 1]``."""
+        from diffpipe_core.sampling.schedules import flow_euler_step
+
+        return flow_euler_step(latents, self.unpack_prediction(prediction, latents), schedule, index)
+
+
+#: ``scheduler/scheduler_config.json`` keys :class:`DDPMSampling` reads, with SD's and SDXL's values as defaults
+EULER_DEFAULTS = {"timestep_spacing": "leading", "steps_offset": 1}
+
+
+class DDPMSampling(VAEDecoding):
+    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` trained with
+    :class:`~diffpipe_core.parts.config.DDPMConfig` (SD, SDXL): noise ``(1, C, H/f, W/f)`` from the VAE's config,
+    scaled as ``EulerDiscreteScheduler`` scales it, and its Euler steps on the schedule of the ``[model]`` table
+    (betas, ``zero_terminal_snr``; ``v_pred`` says what the model predicts), spaced as the folder's
+    ``scheduler/scheduler_config.json`` says (``timestep_spacing``, ``steps_offset``). The schedule the hooks carry is
+    the sigmas; :meth:`ddpm_timesteps` gives the model's timesteps for :func:`denoise_inputs`."""
+
+    def scheduler_settings(self, model_config: Any) -> dict[str, Any]:
+        """The spacing keys of the folder's scheduler config (SD's defaults where it has none); other sigma schedules
+        (Karras, exponential, ``log_linear``) are refused, naming the file."""
+        from diffpipe_core.model_files import read_json
+
+        file = self.model_folder(model_config) / "scheduler" / "scheduler_config.json"  # type: ignore[attr-defined]
+        found, _ = read_json(file)
+        found = found or {}
+        odd = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas") if found.get(k)]
+        if odd or found.get("interpolation_type", "linear") != "linear":
+            raise ValueError(f"{file}: {odd or 'interpolation_type'} is not supported for samples (linear sigmas only)")
+        return {k: found.get(k, v) for k, v in EULER_DEFAULTS.items()}
+
+    def ddpm_timesteps(self, model_config: Any, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(timesteps, sigmas)`` of ``steps`` Euler steps (:func:`diffpipe_core.sampling.schedules.ddpm_sigmas`)."""
+        import torch
+
+        from diffpipe_core.ddpm import alphas_cumprod
+        from diffpipe_core.sampling.schedules import ddpm_sigmas
+
+        cfg, spacing = model_config, self.scheduler_settings(model_config)
+        betas = (cfg.num_train_timesteps, cfg.beta_start, cfg.beta_end)
+        abar = alphas_cumprod(*betas, zero_terminal_snr=cfg.zero_terminal_snr, dtype=torch.float32)
+        return ddpm_sigmas(abar, steps, spacing["timestep_spacing"], spacing["steps_offset"])
+
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: Any, generator: torch.Generator):
+        """Noise ``(1, C, H/f, W/f)`` times the scheduler's ``init_noise_sigma``, and the sigmas."""
+        import torch
+
+        from diffpipe_core.sampling.schedules import ddpm_init_sigma
+
+        vae = self.folder.config(self.model_folder(model_config), "vae")  # type: ignore[attr-defined]
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        shape = (1, int(vae["latent_channels"]), request.height // factor, request.width // factor)
+        _, sigmas = self.ddpm_timesteps(model_config, request.steps)
+        spacing = self.scheduler_settings(model_config)["timestep_spacing"]
+        return torch.randn(shape, generator=generator) * ddpm_init_sigma(sigmas, spacing), sigmas
+
+    @hookimpl
+    def denoise_step(self, latents, prediction, schedule, index, model_config):
+        """The Euler step of an epsilon or (``v_pred``) v-prediction from ``schedule[index]`` to ``[index + 1]``."""
+        from diffpipe_core.sampling.schedules import ddpm_euler_step
+
+        return ddpm_euler_step(latents, prediction, schedule, index, model_config.v_pred)

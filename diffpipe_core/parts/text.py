@@ -93,3 +93,57 @@ def fixed_length(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> tuple
         return embeds[:, :length], mask[:, :length]
     pad = embeds.new_zeros(b, length - n, embeds.shape[-1])
     return torch.cat([embeds, pad], dim=1), torch.cat([mask, mask.new_zeros(b, length - n)], dim=1)
+
+
+#: CLIP's context: BOS, 75 tokens, EOS
+CLIP_CHUNK = 77
+
+
+def chunk_token_ids(
+    tokenizer: Any, captions: list[str], max_chunks: int, chunk: int = CLIP_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Long prompts as A1111 and kohya encode them for CLIP: token ids ``(B, max_chunks, chunk)`` and a chunk mask
+    ``(B, max_chunks)`` (bool).
+
+    Each caption's tokens are cut into pieces of ``chunk - 2``, each wrapped as ``BOS tokens EOS pad...``, at most
+    ``max_chunks`` (longer prompts are truncated). A caption that fits in one piece gives exactly diffusers'
+    ``padding="max_length", max_length=chunk`` ids in its first chunk. Unused chunks hold ``BOS EOS pad...`` and are
+    masked out.
+    """
+    body = chunk - 2
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokens = tokenizer(captions, add_special_tokens=False, truncation=False)["input_ids"]
+    ids = torch.full((len(captions), max_chunks, chunk), pad, dtype=torch.long)
+    ids[:, :, 0] = bos
+    mask = torch.zeros(len(captions), max_chunks, dtype=torch.bool)
+    for b, seq in enumerate(tokens):
+        seq = list(seq)[: body * max_chunks]
+        n_chunks = max(1, -(-len(seq) // body))
+        for c in range(max_chunks):
+            piece = seq[c * body : (c + 1) * body] if c < n_chunks else []
+            ids[b, c, 1 : 1 + len(piece)] = torch.tensor(piece, dtype=torch.long)
+            ids[b, c, 1 + len(piece)] = eos
+        mask[b, :n_chunks] = True
+    return ids, mask
+
+
+def encode_chunks(
+    encoder: Any, ids: torch.Tensor, chunk_mask: torch.Tensor, hidden_layer: int = -2, pooled: str | None = None
+) -> TextOutput:
+    """Run ``encoder`` on the valid chunks of :func:`chunk_token_ids`' output, on the encoder's device, with autograd
+    (wrap in ``torch.no_grad()`` while caching): ``embeds`` ``(B, k * chunk, d)`` float32, hidden layer
+    ``hidden_layer`` of each chunk side by side (zeros for unused chunks); ``mask`` ``(B, k * chunk)``, whole chunks;
+    ``pooled``: the output attribute ``pooled`` (``"text_embeds"``) of each caption's first chunk."""
+    n, k, chunk = ids.shape
+    device = next(encoder.parameters()).device
+    valid = chunk_mask.reshape(-1).to(device)
+    out = encoder(ids.reshape(-1, chunk).to(device)[valid], output_hidden_states=True)
+    states = out.hidden_states[hidden_layer].float()
+    full = torch.zeros(n * k, chunk, states.shape[-1], dtype=torch.float32, device=states.device)
+    full[valid.to(states.device)] = states
+    first = None
+    if pooled is not None:  # chunk 0 is always valid: caption b's is row `valid chunks before b`
+        counts = chunk_mask.sum(1)
+        first = getattr(out, pooled).float()[(counts.cumsum(0) - counts).to(states.device)]
+    mask = chunk_mask.to(device).repeat_interleave(chunk, dim=1)
+    return TextOutput(full.reshape(n, k * chunk, -1), mask, first)

@@ -102,3 +102,56 @@ def edm_euler_step(latents: torch.Tensor, denoised: torch.Tensor, sigmas: torch.
     sigma, sigma_next = sigmas[index].float(), sigmas[index + 1].float()
     x = latents.float()
     return x + (x - denoised.float().to(x.device)) / sigma * (sigma_next - sigma)
+
+
+SPACINGS = ("leading", "trailing", "linspace")
+
+
+def ddpm_sigmas(
+    alphas_cumprod: torch.Tensor, steps: int, spacing: str = "leading", offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``steps`` timesteps and ``steps + 1`` sigmas (``sqrt((1 - abar) / abar)``, noisiest first, then 0) of a
+    DDPM-trained model, in float32, as ``EulerDiscreteScheduler.set_timesteps`` makes them (linear interpolation,
+    ``timestep_spacing`` ``spacing``, ``steps_offset`` ``offset``). A zero terminal SNR's last ``alpha_bar`` is taken as
+    2^-24, as diffusers does, so the first sigma is finite."""
+    n = len(alphas_cumprod)
+    if steps < 1 or spacing not in SPACINGS:
+        raise ValueError(f"steps must be at least 1 (got {steps}) and timestep_spacing one of {SPACINGS} ({spacing!r})")
+    if spacing == "leading":
+        t = (torch.arange(steps, dtype=torch.float64) * (n // steps)).flip(0) + offset
+    elif spacing == "trailing":
+        t = torch.round(n - torch.arange(steps, dtype=torch.float64) * (n / steps)) - 1
+    else:
+        t = torch.linspace(0, n - 1, steps, dtype=torch.float64).flip(0)
+    abar = alphas_cumprod.float().clone()
+    if abar[-1] == 0:
+        abar[-1] = 2**-24
+    table = (((1 - abar) / abar) ** 0.5).double()
+    low = t.floor().long().clamp(0, n - 1)
+    sigmas = table[low] + (t - low) * (table[(low + 1).clamp(max=n - 1)] - table[low])  # numpy's interp
+    return t.float(), torch.cat([sigmas.float(), torch.zeros(1)])
+
+
+def ddpm_init_sigma(sigmas: torch.Tensor, spacing: str = "leading") -> torch.Tensor:
+    """What the starting noise is scaled by: the largest sigma (``linspace``, ``trailing``), or ``sqrt(max^2 + 1)``."""
+    top = sigmas.max()
+    return top if spacing in ("linspace", "trailing") else (top**2 + 1) ** 0.5
+
+
+def ddpm_model_input(latents: torch.Tensor, sigmas: torch.Tensor, index: int) -> torch.Tensor:
+    """The model's input at step ``index``: ``latents / sqrt(sigma^2 + 1)`` (the scheduler's ``scale_model_input``)."""
+    return latents / ((sigmas[index] ** 2 + 1) ** 0.5)
+
+
+def ddpm_euler_step(
+    latents: torch.Tensor, prediction: torch.Tensor, sigmas: torch.Tensor, index: int, v_prediction: bool = False
+) -> torch.Tensor:
+    """One Euler step from ``sigmas[index]`` to ``sigmas[index + 1]`` of an epsilon- or v-prediction model, in float32
+    (``EulerDiscreteScheduler.step`` without churn)."""
+    sample, pred = latents.float(), prediction.float().to(latents.device)
+    sigma = sigmas[index].to(latents.device)
+    if v_prediction:
+        original = pred * (-sigma / (sigma**2 + 1) ** 0.5) + (sample / (sigma**2 + 1))
+    else:
+        original = sample - sigma * pred
+    return sample + (sample - original) / sigma * (sigmas[index + 1].to(latents.device) - sigma)

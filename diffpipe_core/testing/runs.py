@@ -121,8 +121,9 @@ def library_warnings(name: str = "diffusers") -> Iterator[list[str]]:
 
 
 def load_lora_into(pipe: Any, lora_file: Path, adapter_name: str = "trained") -> list[str]:
-    """``pipe.load_lora_weights(folder, weight_name=file)``; asserts every LoRA tensor of the file landed in the
-    pipeline's diffusion model unchanged and nothing was left over. Returns diffusers' warnings."""
+    """``pipe.load_lora_weights(folder, weight_name=file)``; asserts every LoRA tensor of the file landed unchanged in
+    the pipeline component its key prefix names (the diffusion model; trained text encoders) and nothing was left
+    over. Returns diffusers' warnings."""
     from safetensors.torch import load_file as read
 
     with library_warnings() as warnings:
@@ -131,13 +132,13 @@ def load_lora_into(pipe: Any, lora_file: Path, adapter_name: str = "trained") ->
     # encoder got no LoRA keys is no problem for a LoRA of the diffusion model alone
     assert not [m for m in warnings if re.search(r"(unexpected|missing)( lora)? keys", m, re.I)], warnings
     state = read(str(lora_file))
-    prefix = next(iter(state)).split(".", 1)[0]
-    model = getattr(pipe, prefix)
-    loaded = {n.replace(f".{adapter_name}", ""): p for n, p in model.named_parameters() if "lora_" in n}
-    file_keys = {k[len(prefix) + 1 :] for k in state if not k.endswith(".alpha")}
-    assert set(loaded) == file_keys, sorted(set(loaded) ^ file_keys)[:5]
-    for key in file_keys:
-        assert torch.equal(loaded[key].detach(), state[f"{prefix}.{key}"].float()), key
+    for prefix in sorted({k.split(".", 1)[0] for k in state}):
+        model = getattr(pipe, prefix)
+        loaded = {n.replace(f".{adapter_name}", ""): p for n, p in model.named_parameters() if "lora_" in n}
+        file_keys = {k[len(prefix) + 1 :] for k in state if k.startswith(prefix + ".") and not k.endswith(".alpha")}
+        assert set(loaded) == file_keys, (prefix, sorted(set(loaded) ^ file_keys)[:5])
+        for key in file_keys:
+            assert torch.equal(loaded[key].detach(), state[f"{prefix}.{key}"].float()), key
     return warnings
 
 

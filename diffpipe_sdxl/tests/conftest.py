@@ -1,21 +1,13 @@
-"""Shared test fixtures: HF libraries stay offline and write nothing outside the test's tmp dir."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny SDXL written to disk per session, as a
+diffusers folder and as an original-layout single file (same weights)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read by datasets at import time
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # session fixtures run before the per-test monkeypatch
-
-
-@pytest.fixture(autouse=True)
-def _hf_offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +18,16 @@ def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny_sdxl")
     folder = write_tiny_sdxl(root / "model")
     return folder, write_single_file(folder, root / "sdxl_tiny.safetensors")
+
+
+@pytest.fixture(scope="session")
+def sdxl_two_stages(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The golden SDXL run: a LoRA on 2 pipeline stages from the single-file checkpoint, sampling as SAMPLE_TABLE
+    says (test_sdxl_train's ``two_stages``, test_sdxl_sampling's run). Returns its run folder."""
+    from test_sdxl_train import SAMPLE_TABLE, make_project
+
+    from diffpipe_core.testing.runs import train
+
+    root = tmp_path_factory.mktemp("two_stages")
+    project = make_project(root, tiny_sdxl, stages=2, steps=4, single_file=True, lora=True, tables=SAMPLE_TABLE)
+    return train(root, project, procs=2, timeout=400)

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import diffpipe_sdxl.plugin as sdxl_plugin
 from diffpipe_core.registry import Registry
+from diffpipe_sdxl.plugin import plugin as sdxl_plugin
 
 
 def _check(**keys) -> list[str]:

@@ -19,7 +19,7 @@ from diffpipe_core.engine.saving import write_adapter
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.comfy import apply_file, merged_weights
 from diffpipe_sdxl.plugin import LORA_TARGETS
-from diffpipe_sdxl.sgm_layout import UNetLayout, unet_to_sgm
+from diffpipe_sdxl.sgm import unet_table
 
 
 def comfy_sdxl_key_map(sgm_keys: list[str]) -> dict[str, str]:
@@ -43,7 +43,7 @@ def adapted(unet_dir: Path, kind: str, **options):
 
 
 def sgm(state: dict[str, torch.Tensor], unet: UNet2DConditionModel) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("model."): v for k, v in unet_to_sgm(state, UNetLayout.from_config(unet.config)).items()}
+    return {k.removeprefix("model."): v for k, v in unet_table(unet.config).to_original(state).items()}
 
 
 @pytest.mark.parametrize("kind, options", [("lokr", {"factor": 4}), ("lokr", {"rank": 64}), ("loha", {})])

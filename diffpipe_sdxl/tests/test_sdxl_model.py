@@ -9,17 +9,21 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 from diffusers.training_utils import compute_snr
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import diffpipe_sdxl.plugin as plugin
 from diffpipe_core import EncodeBatch, TrainingContext, ddpm
 from diffpipe_core.data.decode import load_media
 from diffpipe_core.data.items import Bucket, MediaItem
+from diffpipe_core.parts.text import chunk_token_ids
+from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.conformance import check_model_plugin
 from diffpipe_core.testing.media import write_png
+from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+from diffpipe_sdxl import sgm
 from diffpipe_sdxl.config import SDXLConfig
-from diffpipe_sdxl.encoding import chunk_token_ids
 from diffpipe_sdxl.layers import split_unet
+from diffpipe_sdxl.plugin import plugin
 
 
 def folder_cfg(folder: Path, **kw: object) -> SDXLConfig:
@@ -46,15 +50,20 @@ def test_folder_and_single_file_load_the_same_weights(tiny_sdxl: tuple[Path, Pat
     assert_same_state(a, b, "unet")
     ea, eb = plugin.load_encoders(folder_cfg(folder), cpu), plugin.load_encoders(file_cfg(folder, file), cpu)
     assert_same_state(ea.vae, eb.vae, "vae")
-    for i in range(2):
-        assert_same_state(ea.text_encoders[i], eb.text_encoders[i], f"text_encoder {i + 1}")
+    for name in ("text_encoder", "text_encoder_2"):
+        assert_same_state(getattr(ea, name), getattr(eb, name), name)
     # and the diffusers pipeline itself reads our folder
     pipe = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
     assert_same_state(pipe.unet, a, "pipeline unet")
 
 
 def test_per_stage_key_map_covers_the_single_file(tiny_sdxl: tuple[Path, Path]) -> None:
+    """Each of 2 stages reads from the single file only its own UNet tensors (counted on the real reader), the two
+    together exactly the file's UNet tensors, and gets the weights a whole load gives."""
     folder, file = tiny_sdxl
+    stages = assert_stages_read_their_own(get_registry().model("sdxl"), file_cfg(folder, file))
+    with safe_open(str(file), "pt") as f:
+        assert set(stages[0].reads) | set(stages[1].reads) == {k for k in f.keys() if k.startswith(sgm.UNET)}
     [(path, key_map)] = plugin.diffusion_model_weights(file_cfg(folder, file))
     unet = plugin.load_diffusion_model(folder_cfg(folder), torch.device("cpu"), torch.float32).state_dict()
     mapped = {key_map(k): v for k, v in load_file(str(path)).items() if key_map(k) is not None}
@@ -126,8 +135,8 @@ def test_text_encoding_matches_diffusers_and_chunks_long_prompts(tiny_sdxl: tupl
     assert torch.allclose(out["text_embeds"][0, :77], embeds[0], atol=1e-6)
     assert torch.allclose(out["pooled"][0], pooled[0], atol=1e-6)
     assert (out["text_embeds"][0, 77:] == 0).all()
-    ids, mask = chunk_token_ids(encoders.tokenizers[0], [long], 3)
-    tok = encoders.tokenizers[0]
+    ids, mask = chunk_token_ids(encoders.tokenizer, [long], 3)
+    tok = encoders.tokenizer
     body = tok(long, add_special_tokens=False)["input_ids"]
     assert len(body) == 100
     assert mask.tolist() == [[True, True, False]]
@@ -239,17 +248,15 @@ def test_sdxl_topology_layers_and_single_file_names(tmp_path: Path) -> None:
         }
     ).eval()
     assert len(split_unet(unet)) == 1 + 6 + 2 + 9 + 1
-    sgm = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 16, 8), tmp_path)
-    assert "model.diffusion_model.output_blocks.2.2.conv.weight" in sgm  # upsampler after an attention
-    assert "model.diffusion_model.input_blocks.6.0.op.weight" in sgm
+    original = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 16, 8), tmp_path)
+    assert "model.diffusion_model.output_blocks.2.2.conv.weight" in original  # upsampler after an attention
+    assert "model.diffusion_model.input_blocks.6.0.op.weight" in original
 
 
 def assert_layers_and_sgm_names_round_trip(unet, x: torch.Tensor, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The pipeline layers reproduce the UNet's forward, and its original-layout (SGM) state dict loads back
     through diffusers' single-file converter to the same weights. Returns that state dict."""
     from diffusers import UNet2DConditionModel
-
-    from diffpipe_sdxl.sgm_layout import UNetLayout, unet_to_sgm
 
     t = torch.tensor([321])
     text, pooled = torch.randn(1, 77, 64), torch.randn(1, 32)
@@ -263,13 +270,13 @@ def assert_layers_and_sgm_names_round_trip(unet, x: torch.Tensor, tmp_path: Path
     assert torch.allclose(state[0], expected, atol=1e-5)
 
     unet.save_pretrained(tmp_path / "cfg" / "unet")
-    sgm = unet_to_sgm(unet.state_dict(), UNetLayout.from_config(unet.config))
-    save_file({k: v.contiguous() for k, v in sgm.items()}, str(tmp_path / "unet.safetensors"))
+    original = sgm.unet_table(unet.config).to_original(unet.state_dict())
+    save_file({k: v.contiguous() for k, v in original.items()}, str(tmp_path / "unet.safetensors"))
     loaded = UNet2DConditionModel.from_single_file(
         str(tmp_path / "unet.safetensors"), config=str(tmp_path / "cfg"), subfolder="unet", local_files_only=True
     )
     assert_same_state(loaded, unet, "unet")
-    return sgm
+    return original
 
 
 @pytest.mark.parametrize("mid_block_type", ["UNetMidBlock2D", None])
@@ -283,6 +290,6 @@ def test_sdxl_family_unets_without_a_cross_attention_mid_block(mid_block_type: s
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**{**TINY_UNET, "mid_block_type": mid_block_type}).eval()
     assert len(split_unet(unet)) == 1 + 2 * 2 + (1 if mid_block_type else 0) + 2 * 3 + 1
-    sgm = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 8, 8), tmp_path)
-    assert any(k.startswith("model.diffusion_model.middle_block.0.") for k in sgm) == (mid_block_type is not None)
-    assert not any(k.startswith("model.diffusion_model.middle_block.1.") for k in sgm)
+    original = assert_layers_and_sgm_names_round_trip(unet, torch.randn(1, 4, 8, 8), tmp_path)
+    assert any(k.startswith("model.diffusion_model.middle_block.0.") for k in original) == (mid_block_type is not None)
+    assert not any(k.startswith("model.diffusion_model.middle_block.1.") for k in original)

@@ -11,11 +11,11 @@ import torch
 from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
+from diffpipe_core.adapters import read_adapter
 from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_sdxl.plugin import LORA_TARGETS
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,15 @@ alpha = 8
 save_formats = ["diffusers", "kohya"]
 """
 
+# Samples during the shared golden 2-stage run (issue 21): the base model before the first step, then at step 4.
+SAMPLE = {"prompts": '["a red cat"]', "before_first_step": "true", "every_n_steps": 4, "steps": 3, "seed": 5}
+SAMPLE_TABLE = "\n[sample]\n" + "".join(f"{key} = {value}\n" for key, value in {**SAMPLE, "resolution": 64}.items())
 
-def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool) -> Path:
+
+def make_project(
+    root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool, **more: str
+) -> Path:
+    """The tiny project (data and run.toml) in ``root``; ``more``: ``model`` (more ``[model]`` keys), ``tables``."""
     folder, file = tiny
     root.mkdir(parents=True, exist_ok=True)
     # mixed sizes: the 96x64 ones are center-cropped into the 64x64 bucket
@@ -57,21 +64,21 @@ def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_f
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64], enable_ar_bucket=False)
     model = f'path = "{file}"\nconfig_path = "{folder}"' if single_file else f'path = "{folder}"'
     toml = RUN_TOML.format(
-        steps=steps, stages=stages, model=model, lr=5e-3 if lora else 1e-3, adapter=ADAPTER if lora else ""
+        steps=steps,
+        stages=stages,
+        model=model + more.get("model", ""),
+        lr=5e-3 if lora else 1e-3,
+        adapter=ADAPTER if lora else "",
     )
-    toml = toml if lora else FULL + toml
-    (root / "run.toml").write_text(toml)
-    result = run_diffpipe(
-        ["train", "--config", str(root / "run.toml"), "--num-procs", str(stages)], cwd=root, timeout=400
-    )
-    assert result.returncode == 0, result.output[-4000:]
-    [run] = [p for p in (root / "out").iterdir() if p.is_dir()]
-    return run
+    (root / "run.toml").write_text((toml if lora else FULL + toml) + more.get("tables", ""))
+    return root / "run.toml"
+
+
+def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_file: bool, lora: bool) -> Path:
+    return runs.train(root, make_project(root, tiny, stages, steps, single_file, lora), procs=stages, timeout=400)
 
 
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
-
-losses = train_losses
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +88,20 @@ def one_stage(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture(scope="module")
-def two_stages(tiny_sdxl: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """LoRA, 2 pipeline stages, from the single-file checkpoint."""
-    return train(tmp_path_factory.mktemp("two_stages"), tiny_sdxl, stages=2, steps=4, single_file=True, lora=True)
+def two_stages(sdxl_two_stages: Path) -> Path:
+    """LoRA, 2 pipeline stages, from the single-file checkpoint; shared, see conftest.py."""
+    return sdxl_two_stages
 
 
 def test_loss_falls_and_two_stages_match_one(one_stage: Path, two_stages: Path) -> None:
-    one, two = losses(one_stage), losses(two_stages)
-    assert sorted(one) == list(range(1, 11)) and sorted(two) == [1, 2, 3, 4]
-    first, last = sum(one[s] for s in (1, 2, 3)) / 3, sum(one[s] for s in (8, 9, 10)) / 3
-    assert last < 0.85 * first, f"loss did not fall: {one}"
+    assert sorted(train_losses(one_stage)) == list(range(1, 11)) and sorted(train_losses(two_stages)) == [1, 2, 3, 4]
+    one, two = runs.assert_loss_falls(one_stage, 10, 3), runs.losses(two_stages)
     # Same seed, same weights (folder vs single file), same data, and a fresh LoRA (lora_B = 0) leaves the UNet
     # unchanged: the first step's loss must not depend on the pipeline split or the load path.
-    assert two[1] == pytest.approx(one[1], rel=1e-5)
+    assert two[0] == pytest.approx(one[0], rel=1e-5)
     # gradients crossed the stage boundary: the LoRA weights of both stages were trained
     ckpt = sorted((two_stages / "checkpoints").glob("step-*"))[-1]
+    assert runs.stage_files(two_stages) == ["params-stage0.safetensors", "params-stage1.safetensors"]
     for stage in (0, 1):
         trained = load_file(str(ckpt / f"params-stage{stage}.safetensors"))
         lora_b = [v for k, v in trained.items() if "lora_B" in k]
@@ -125,14 +131,7 @@ def trained_outputs(two_stages: Path, tiny_sdxl: tuple[Path, Path]) -> torch.Ten
     """The trained UNet's outputs, rebuilt from the checkpoint's trainable tensors (all stages) with peft."""
     trained = UNet2DConditionModel.from_pretrained(tiny_sdxl[0], subfolder="unet", local_files_only=True)
     untrained = _run(trained)
-    apply_lora(trained, lora_config(4, 8, 0.0, LORA_TARGETS))
-    ckpt = sorted((two_stages / "checkpoints").glob("step-*"))[-1]
-    params: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("params-stage*.safetensors")):
-        params.update(load_file(str(f)))
-    missing, unexpected = trained.load_state_dict(params, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    expected = _run(trained.eval())
+    expected = _run(runs.with_trained_lora(trained, two_stages, 4, 8, LORA_TARGETS))
     assert (expected - untrained).abs().max() > 1e-3, "training did not change the UNet"
     return expected
 
@@ -182,7 +181,10 @@ def test_saved_files_load_by_path(
     name: str, two_stages: Path, tiny_sdxl: tuple[Path, Path], trained_outputs: torch.Tensor
 ) -> None:
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl[0], local_files_only=True)
-    pipe.load_lora_weights(str(two_stages / "saved" / "final"), weight_name=name)
+    if name == "adapter_model.safetensors":  # every tensor lands unchanged, nothing left over
+        runs.load_lora_into(pipe, two_stages / "saved" / "final" / name)
+    else:
+        pipe.load_lora_weights(str(two_stages / "saved" / "final"), weight_name=name)
     _assert_close(_run(pipe.unet.eval()), trained_outputs, name)
 
 

@@ -1,23 +1,22 @@
-"""The ``[model]`` table of an SDXL run."""
+"""The ``[model]`` table of an SDXL run (pydantic and the standard library only: imported at start-up)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
-from diffpipe_core import ModelConfigBase
-
-Dtype = Literal["float32", "bfloat16", "float16"]
+from diffpipe_core.parts.config import DDPMConfig, Dtype
 
 
-class SDXLConfig(ModelConfigBase):
-    """``[model]`` keys of the SDXL plugin."""
+class SDXLConfig(DDPMConfig):
+    """``[model]`` keys of the SDXL plugin (the DDPM objective's are :class:`~diffpipe_core.parts.config.DDPMConfig`'s).
+    ``path`` is a diffusers folder or an SGM single file."""
 
     path: Path = Field(
         description="A diffusers SDXL folder (model_index.json, unet/, vae/, text_encoder/, text_encoder_2/, "
-        "tokenizer/, tokenizer_2/) or a single-file .safetensors checkpoint in the original SGM/ComfyUI layout."
+        "tokenizer/, tokenizer_2/) or a single-file .safetensors checkpoint in the original SGM/ComfyUI layout "
+        "(then set config_path)."
     )
     config_path: Path | None = Field(
         None,
@@ -44,18 +43,12 @@ class SDXLConfig(ModelConfigBase):
         "kohya do), at most this many; the text is cached as max_prompt_chunks * 77 tokens with a mask so that "
         "unused chunks are ignored by cross-attention. 1 truncates at 77 tokens like diffusers.",
     )
-    v_pred: bool = Field(False, description="Train a v-prediction model (target v) instead of epsilon prediction.")
-    zero_terminal_snr: bool = Field(
-        False, description="Rescale the noise schedule to zero terminal SNR (Lin et al. 2023); use with v_pred."
+    train_text_encoders: bool = Field(
+        False,
+        description="Train both CLIP text encoders with the UNet (LoRA or full fine-tuning, as the run trains the "
+        "UNet): captions are cached as token ids and the encoders run in the first pipeline stage. Their learning "
+        "rates: [optimizer] group_lr = {text_encoder_1 = ..., text_encoder_2 = ..., unet = ...}.",
     )
-    min_snr_gamma: float | None = Field(
-        None, gt=0, description="Min-SNR-gamma loss weighting (Hang et al. 2023), e.g. 5. Absent: off."
-    )
-    debiased_estimation: bool = Field(False, description="Weight the loss by 1/sqrt(SNR) (kohya's debiased estimation)")
-    noise_offset: float = Field(0.0, ge=0, description="Add noise_offset * N(0, 1) per sample and channel to the noise")
-    num_train_timesteps: int = Field(1000, ge=2, description="DDPM timesteps (SDXL: 1000).")
-    beta_start: float = Field(0.00085, gt=0, description="First beta of the scaled-linear schedule (SDXL: 0.00085).")
-    beta_end: float = Field(0.012, gt=0, description="Last beta of the scaled-linear schedule (SDXL: 0.012).")
 
     @model_validator(mode="after")
     def _single_file_needs_config(self, info: ValidationInfo) -> SDXLConfig:

@@ -1,6 +1,6 @@
 """The SDXL UNet as a list of pipeline layers: embed (conv_in + time/added-condition embedding), one layer per
 resnet of every down, mid and up block (with the transformer that follows it and the block's down/upsampler),
-and the output head. SDXL: 1 + 6 + 2 + 9 + 1 = 19 layers.
+and the output head. SDXL: 1 + 6 + 2 + 9 + 1 = 19 layers; with the text encoders trained, their layer first.
 
 Every layer takes and returns one tuple ``(h, [emb], [text, text_mask], *skips)``: the hidden state, the
 time embedding (until the last up block), the text embeddings and their mask (until the last block with
@@ -15,42 +15,23 @@ import torch
 from torch import nn
 
 Tensors = tuple[torch.Tensor, ...]
-
-
-def _attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean token mask ``(B, L)`` -> the additive bias ``(B, 1, L)`` diffusers' UNet builds from
-    ``encoder_attention_mask``."""
-    return ((1 - mask.to(dtype)) * -10000.0).unsqueeze(1)
+Optional = torch.Tensor | None
+Module = nn.Module | None
 
 
 class _Layer(nn.Module):
     def __init__(self, takes_emb: bool, takes_text: bool, gives_emb: bool, gives_text: bool) -> None:
         super().__init__()
-        self.takes_emb, self.takes_text = takes_emb, takes_text
-        self.gives_emb, self.gives_text = gives_emb, gives_text
+        self.takes_emb, self.takes_text, self.gives_emb, self.gives_text = takes_emb, takes_text, gives_emb, gives_text
 
-    def unpack(
-        self, inputs: Tensors
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[torch.Tensor]]:
+    def unpack(self, inputs: Tensors) -> tuple[torch.Tensor, Optional, Optional, Optional, list[torch.Tensor]]:
         h, rest = inputs[0], list(inputs[1:])
         emb = rest.pop(0) if self.takes_emb else None
         text, mask = (rest.pop(0), rest.pop(0)) if self.takes_text else (None, None)
         return h, emb, text, mask, rest
 
-    def pack(
-        self,
-        h: torch.Tensor,
-        emb: torch.Tensor | None,
-        text: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        skips: list[torch.Tensor],
-    ) -> Tensors:
-        out = [h]
-        if self.gives_emb:
-            out.append(emb)
-        if self.gives_text:
-            out += [text, mask]
-        return tuple(out + skips)  # type: ignore[arg-type]
+    def pack(self, h: torch.Tensor, emb: Optional, text: Optional, mask: Optional, skips: list) -> Tensors:
+        return (h, *([emb] if self.gives_emb else []), *([text, mask] if self.gives_text else []), *skips)
 
 
 class EmbedLayer(_Layer):
@@ -80,45 +61,49 @@ class UnitLayer(_Layer):
     - ``mid``: (attention, then) resnet: the mid block's first unit is its first resnet alone.
     """
 
-    def __init__(
-        self,
-        kind: str,
-        resnet: nn.Module,
-        attention: nn.Module | None,
-        sampler: nn.Module | None,
-        takes_text: bool,
-        gives_text: bool,
-        gives_emb: bool,
-    ) -> None:
-        super().__init__(True, takes_text, gives_emb, gives_text)
+    def __init__(self, kind: str, resnet: nn.Module, attention: Module, sampler: Module, *flags: bool) -> None:
+        """``flags``: takes text, gives text, gives the time embedding."""
+        super().__init__(True, flags[0], flags[2], flags[1])
         self.kind, self.resnet, self.attention, self.sampler = kind, resnet, attention, sampler
 
-    def _attend(self, h: torch.Tensor, text: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        assert self.attention is not None and text is not None and mask is not None
-        bias = _attention_bias(mask, h.dtype)
+    def _attend(self, h: torch.Tensor, text: Optional, mask: Optional) -> torch.Tensor:
+        if self.attention is None:
+            return h
+        assert text is not None and mask is not None
+        bias = ((1 - mask.to(h.dtype)) * -10000.0).unsqueeze(1)  # the UNet's encoder_attention_mask bias
         return self.attention(h, encoder_hidden_states=text, encoder_attention_mask=bias, return_dict=False)[0]
 
     def forward(self, inputs: Tensors) -> Tensors:
         h, emb, text, mask, skips = self.unpack(inputs)
         if self.kind == "mid":
-            if self.attention is not None:
-                h = self._attend(h, text, mask)
-            h = self.resnet(h, emb)
+            h = self.resnet(self._attend(h, text, mask), emb)
         elif self.kind == "down":
-            h = self.resnet(h, emb)
-            if self.attention is not None:
-                h = self._attend(h, text, mask)
+            h = self._attend(self.resnet(h, emb), text, mask)
             skips.append(h)
             if self.sampler is not None:
                 h = self.sampler(h)
                 skips.append(h)
         else:
-            h = self.resnet(torch.cat([h, skips.pop()], dim=1), emb)
-            if self.attention is not None:
-                h = self._attend(h, text, mask)
+            h = self._attend(self.resnet(torch.cat([h, skips.pop()], dim=1), emb), text, mask)
             if self.sampler is not None:
                 h = self.sampler(h, skips[-1].shape[2:] if skips else None)
         return self.pack(h, emb, text, mask, skips)
+
+
+class TextLayer(nn.Module):
+    """With the text encoders trained: ``(x_t, t, ids, chunks, ids_2, chunks_2, time_ids)`` -> ``(x_t, t, text,
+    text_mask, pooled, time_ids)``, both encoders run as caching runs them (``encoding.conditioning``)."""
+
+    def __init__(self, text_encoder: nn.Module, text_encoder_2: nn.Module) -> None:
+        super().__init__()
+        self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        from diffpipe_sdxl.encoding import conditioning
+
+        x, t, ids, chunks, ids_2, chunks_2, time_ids = inputs
+        text, mask, pooled = conditioning((self.text_encoder, self.text_encoder_2), (ids, ids_2), (chunks, chunks_2))
+        return x, t, text, mask, pooled, time_ids
 
 
 class OutLayer(nn.Module):
@@ -135,20 +120,13 @@ class OutLayer(nn.Module):
 
 # UNetMidBlock2D (a mid block of one resnet, no attention) and no mid block at all are SDXL-family variants:
 # Segmind Vega and SSD-1B, which ComfyUI and diffusers load as SDXL.
-SUPPORTED_BLOCKS = {
-    "DownBlock2D",
-    "CrossAttnDownBlock2D",
-    "UNetMidBlock2DCrossAttn",
-    "UNetMidBlock2D",
-    "UpBlock2D",
-    "CrossAttnUpBlock2D",
-}
+SUPPORTED_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "UNetMidBlock2DCrossAttn", "UNetMidBlock2D", "UpBlock2D")
+SUPPORTED_BLOCKS += ("CrossAttnUpBlock2D",)
 
 
 def check_supported(unet: nn.Module) -> None:
     """The layers replicate ``UNet2DConditionModel.forward`` and its blocks for SDXL-style configs only."""
-    cfg = unet.config
-    problems = []
+    cfg, problems = unet.config, []
     if cfg.addition_embed_type != "text_time":
         problems.append(f"addition_embed_type={cfg.addition_embed_type!r} (need 'text_time')")
     for key in ("class_embed_type", "encoder_hid_dim_type", "time_embedding_act_fn"):
@@ -156,12 +134,12 @@ def check_supported(unet: nn.Module) -> None:
             problems.append(f"{key}={getattr(cfg, key)!r} (need None)")
     if unet.conv_norm_out is None:
         problems.append("no conv_norm_out")
-    mid = [unet.mid_block] if unet.mid_block is not None else []
-    for block in [*unet.down_blocks, *mid, *unet.up_blocks]:
-        if type(block).__name__ == "UNetMidBlock2D" and any(a is not None for a in block.attentions):
+    for block in [*unet.down_blocks, *([unet.mid_block] if unet.mid_block is not None else []), *unet.up_blocks]:
+        name = type(block).__name__
+        if name == "UNetMidBlock2D" and any(a is not None for a in block.attentions):
             problems.append("UNetMidBlock2D with self-attention (diffusers' UNet2DConditionModel builds it without)")
-        if type(block).__name__ not in SUPPORTED_BLOCKS:
-            problems.append(f"block type {type(block).__name__} (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
+        if name not in SUPPORTED_BLOCKS:
+            problems.append(f"block type {name} (supported: {', '.join(sorted(SUPPORTED_BLOCKS))})")
         if getattr(block, "s1", None) is not None:
             problems.append("FreeU is enabled")
     if problems:
@@ -186,23 +164,12 @@ def _units(unet: nn.Module) -> list[tuple[str, nn.Module, nn.Module | None, nn.M
 
 
 def split_unet(unet: nn.Module) -> list[nn.Module]:
-    """The pipeline layers of an SDXL UNet (see the module docstring): embed, one layer per resnet (with its
-    transformer and the block's sampler), the output head."""
+    """The pipeline layers of an SDXL UNet (see the module docstring); first the text encoders' layer when the UNet
+    holds them (``text_encoder``, ``text_encoder_2``: they train with it)."""
     check_supported(unet)
     units = _units(unet)
-    last_text = max((i for i, u in enumerate(units) if u[2] is not None), default=-1)
-    layers: list[nn.Module] = [EmbedLayer(unet, gives_text=last_text >= 0)]
-    for i, (kind, resnet, attention, sampler) in enumerate(units):
-        layers.append(
-            UnitLayer(
-                kind,
-                resnet,
-                attention,
-                sampler,
-                takes_text=i <= last_text,
-                gives_text=i < last_text,
-                gives_emb=i < len(units) - 1,
-            )
-        )
-    layers.append(OutLayer(unet))
-    return layers
+    last = max((i for i, u in enumerate(units) if u[2] is not None), default=-1)  # the last unit with text
+    text = [TextLayer(unet.text_encoder, unet.text_encoder_2)] if hasattr(unet, "text_encoder_2") else []
+    layers: list[nn.Module] = [*text, EmbedLayer(unet, gives_text=last >= 0)]
+    layers += [UnitLayer(*u, i <= last, i < last, i < len(units) - 1) for i, u in enumerate(units)]
+    return [*layers, OutLayer(unet)]

@@ -9,11 +9,11 @@ text_encoder, text_encoder_2, CLIP tokenizers, scheduler, model_index.json);
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from diffpipe_sdxl.sgm_layout import UNetLayout, unet_to_sgm
+from diffpipe_core.testing import tiny
 
 TINY_UNET = dict(
     block_out_channels=(32, 64),
@@ -68,13 +68,11 @@ def tiny_clip_tokenizer(pad_token: str) -> object:
     return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad_token, model_max_length=77)
 
 
-def write_tiny_sdxl(folder: Path | str, seed: int = 0) -> Path:
-    """Write a random-weight tiny SDXL as a diffusers pipeline folder and return it."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+def parts(seed: int = 0) -> dict[str, tiny.Part]:
+    """The ``StableDiffusionXLPipeline`` components, in build order (one random stream from ``seed``)."""
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    folder = Path(folder)
-    torch.manual_seed(seed)
     tok1, tok2 = tiny_clip_tokenizer("<|endoftext|>"), tiny_clip_tokenizer("!")
     common = dict(
         vocab_size=len(tok1),
@@ -85,39 +83,50 @@ def write_tiny_sdxl(folder: Path | str, seed: int = 0) -> Path:
         eos_token_id=tok1.eos_token_id,
         pad_token_id=1,
     )
-    te1 = CLIPTextModel(CLIPTextConfig(hidden_size=24, intermediate_size=48, hidden_act="quick_gelu", **common))
-    te2 = CLIPTextModelWithProjection(
-        CLIPTextConfig(hidden_size=40, intermediate_size=80, hidden_act="gelu", projection_dim=32, **common)
-    )
-    pipe = StableDiffusionXLPipeline(
-        vae=AutoencoderKL(**TINY_VAE),
-        text_encoder=te1,
-        text_encoder_2=te2,
-        tokenizer=tok1,
-        tokenizer_2=tok2,
-        unet=UNet2DConditionModel(**TINY_UNET),
-        scheduler=EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            num_train_timesteps=1000,
-            steps_offset=1,
-            timestep_spacing="leading",
+    te1 = CLIPTextConfig(hidden_size=24, intermediate_size=48, hidden_act="quick_gelu", **common)
+    te2 = CLIPTextConfig(hidden_size=40, intermediate_size=80, hidden_act="gelu", projection_dim=32, **common)
+    return {
+        "text_encoder": tiny.Part(lambda: CLIPTextModel(te1), seed=seed),
+        "text_encoder_2": tiny.Part(lambda: CLIPTextModelWithProjection(te2)),
+        "vae": tiny.Part(lambda: AutoencoderKL(**TINY_VAE)),
+        "unet": tiny.Part(lambda: UNet2DConditionModel(**TINY_UNET)),
+        "tokenizer": tiny.Part(lambda: tok1),
+        "tokenizer_2": tiny.Part(lambda: tok2),
+        "scheduler": tiny.Part(
+            lambda: EulerDiscreteScheduler(
+                beta_start=0.00085,
+                beta_end=0.012,
+                beta_schedule="scaled_linear",
+                num_train_timesteps=1000,
+                steps_offset=1,
+                timestep_spacing="leading",
+            )
         ),
-    )
-    pipe.save_pretrained(folder)
-    return folder
+    }
+
+
+def write_tiny_sdxl(folder: Path | str, seed: int = 0) -> Path:
+    """Write a random-weight tiny SDXL as a diffusers pipeline folder and return it."""
+    tiny.write_pipeline("StableDiffusionXLPipeline", parts(seed), Path(folder))
+    return Path(folder)
+
+
+def sgm_state(pipe: Any) -> dict[str, torch.Tensor]:
+    """A ``StableDiffusionXLPipeline``'s UNet, VAE and text encoders as one SGM-layout state dict."""
+    from diffpipe_sdxl import sgm
+
+    tables = {"unet": sgm.unet_table(pipe.unet.config)}
+    configs = {"vae": pipe.vae.config, "text_encoder_2": pipe.text_encoder_2.config.to_dict()}
+    tables.update(sgm.component_tables(configs.get))
+    state: dict[str, torch.Tensor] = {}
+    for name, table in tables.items():
+        state.update(table.to_original(getattr(pipe, name).state_dict()))
+    return state
 
 
 def write_single_file(folder: Path | str, file: Path | str) -> Path:
     """Write the weights of the diffusers folder ``folder`` as one original-layout SDXL checkpoint ``file``."""
-    from diffusers import UNet2DConditionModel
+    from diffusers import StableDiffusionXLPipeline
 
-    from diffpipe_sdxl.export import folder_components
-
-    folder, file = Path(folder), Path(file)
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True)
-    state = unet_to_sgm(unet.state_dict(), UNetLayout.from_config(unet.config))
-    state.update(folder_components(folder))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
-    return file
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(folder), local_files_only=True)
+    return tiny.save_single_file(sgm_state(pipe), Path(file))
