@@ -21,50 +21,85 @@ TTE = "time_text_embed"
 MLP_RATIO = 4  # FluxSingleTransformerBlock's mlp_ratio
 
 
-def layout(num_double: int, num_single: int, guidance: bool, inner: int) -> KeyTable:
-    """Every module of a Flux transformer of these sizes (``inner``: heads x head dim)."""
-    qkv = (inner,) * 3
+def double_attention(b: str, d: str, qkv: tuple[int, ...] = ()) -> list[Module]:
+    """A double block's joint attention (Flux.1, Chroma and Flux 2 alike): the fused image and text q/k/v, the two
+    output projections and the four q/k RMS norms (``b``: the block in the original layout, ``d``: in diffusers')."""
+    return [
+        Module(f"{b}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), qkv),
+        Module(f"{b}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"), qkv),
+        Module(f"{b}.img_attn.proj", (f"{d}.attn.to_out.0",)),
+        Module(f"{b}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
+        Module(f"{b}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=SCALE_NORM, comfy=None),
+    ]
+
+
+def double_mlps(b: str, d: str, linear_in: str = "net.0.proj", linear_out: str = "net.2") -> list[Module]:
+    """A double block's image and text MLPs (``img_mlp.0``/``.2`` = ``ff.<linear_in>``/``ff.<linear_out>``)."""
+    return [
+        Module(f"{b}.img_mlp.0", (f"{d}.ff.{linear_in}",)),
+        Module(f"{b}.img_mlp.2", (f"{d}.ff.{linear_out}",)),
+        Module(f"{b}.txt_mlp.0", (f"{d}.ff_context.{linear_in}",)),
+        Module(f"{b}.txt_mlp.2", (f"{d}.ff_context.{linear_out}",)),
+    ]
+
+
+def single_linears(b: str, d: str, inner: int) -> list[Module]:
+    """A Flux.1 (or Chroma) single block's ``linear1`` (q, k, v and the MLP input fused) and ``linear2``."""
+    linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
+    return [
+        Module(f"{b}.linear1", linear1, (inner, inner, inner, MLP_RATIO * inner)),
+        Module(f"{b}.linear2", (f"{d}.proj_out",)),
+    ]
+
+
+def single_norms(b: str, d: str) -> list[Module]:
+    """A single block's q/k RMS norms."""
+    return [
+        Module(f"{b}.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
+    ]
+
+
+def embedders(time_embed: str, guidance: bool, vector: bool = True) -> list[Module]:
+    """Image and text input projections, the timestep MLP (diffusers' ``<time_embed>.timestep_embedder``), the pooled
+    text vector's (``vector_in``, Flux.1) and the guidance MLP (guidance-distilled models)."""
     modules = [
         Module("img_in", ("x_embedder",)),
         Module("txt_in", ("context_embedder",)),
-        Module("time_in.in_layer", (f"{TTE}.timestep_embedder.linear_1",)),
-        Module("time_in.out_layer", (f"{TTE}.timestep_embedder.linear_2",)),
-        Module("vector_in.in_layer", (f"{TTE}.text_embedder.linear_1",)),
-        Module("vector_in.out_layer", (f"{TTE}.text_embedder.linear_2",)),
+        Module("time_in.in_layer", (f"{time_embed}.timestep_embedder.linear_1",)),
+        Module("time_in.out_layer", (f"{time_embed}.timestep_embedder.linear_2",)),
     ]
+    if vector:
+        modules += [
+            Module("vector_in.in_layer", (f"{time_embed}.text_embedder.linear_1",)),
+            Module("vector_in.out_layer", (f"{time_embed}.text_embedder.linear_2",)),
+        ]
     if guidance:
         modules += [
-            Module("guidance_in.in_layer", (f"{TTE}.guidance_embedder.linear_1",)),
-            Module("guidance_in.out_layer", (f"{TTE}.guidance_embedder.linear_2",)),
+            Module("guidance_in.in_layer", (f"{time_embed}.guidance_embedder.linear_1",)),
+            Module("guidance_in.out_layer", (f"{time_embed}.guidance_embedder.linear_2",)),
         ]
+    return modules
+
+
+def layout(num_double: int, num_single: int, guidance: bool, inner: int) -> KeyTable:
+    """Every module of a Flux transformer of these sizes (``inner``: heads x head dim)."""
+    qkv = (inner,) * 3
+    modules = embedders(TTE, guidance)
     for i in range(num_double):
         b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         modules += [
             Module(f"{b}.img_mod.lin", (f"{d}.norm1.linear",)),
             Module(f"{b}.txt_mod.lin", (f"{d}.norm1_context.linear",)),
-            Module(f"{b}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), qkv),
-            Module(f"{b}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"), qkv),
-            Module(f"{b}.img_attn.proj", (f"{d}.attn.to_out.0",)),
-            Module(f"{b}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
-            Module(f"{b}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.img_mlp.0", (f"{d}.ff.net.0.proj",)),
-            Module(f"{b}.img_mlp.2", (f"{d}.ff.net.2",)),
-            Module(f"{b}.txt_mlp.0", (f"{d}.ff_context.net.0.proj",)),
-            Module(f"{b}.txt_mlp.2", (f"{d}.ff_context.net.2",)),
+            *double_attention(b, d, qkv),
+            *double_mlps(b, d),
         ]
     for i in range(num_single):
         b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
-        modules += [
-            Module(f"{b}.modulation.lin", (f"{d}.norm.linear",)),
-            Module(f"{b}.linear1", linear1, (*qkv, MLP_RATIO * inner)),
-            Module(f"{b}.linear2", (f"{d}.proj_out",)),
-            Module(f"{b}.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
-        ]
+        modules += [Module(f"{b}.modulation.lin", (f"{d}.norm.linear",)), *single_linears(b, d, inner), *single_norms(b, d)]
     modules += [
         Module("final_layer.linear", ("proj_out",)),
         Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True),
@@ -118,3 +153,97 @@ def bfl_to_diffusers(state: Mapping[str, Any], source: str = "BFL checkpoint") -
         any(k.startswith("guidance_in.") for k in keys),
         inner,
     ).to_model(state, source)
+
+
+# ---------------------------------------------------------------------------------------------- Chroma, Flux 2
+APPROXIMATOR = "distilled_guidance_layer"
+
+
+def chroma_layout(num_double: int, num_single: int, approximator_layers: int, inner: int) -> KeyTable:
+    """Chroma's original layout (lodestones' checkpoints, as ComfyUI loads them): Flux.1's blocks without their
+    modulation linears (Chroma computes every modulation in one ``distilled_guidance_layer``), no timestep, guidance
+    or pooled-vector MLPs, and a final layer without adaLN."""
+    g = APPROXIMATOR
+    modules = [
+        Module("img_in", ("x_embedder",)),
+        Module("txt_in", ("context_embedder",)),
+        Module(f"{g}.in_proj", (f"{g}.in_proj",)),
+        Module(f"{g}.out_proj", (f"{g}.out_proj",)),
+    ]
+    for i in range(approximator_layers):
+        modules += [
+            Module(f"{g}.layers.{i}.in_layer", (f"{g}.layers.{i}.linear_1",)),
+            Module(f"{g}.layers.{i}.out_layer", (f"{g}.layers.{i}.linear_2",)),
+            Module(f"{g}.norms.{i}", (f"{g}.norms.{i}",), params=SCALE_NORM, comfy=None),
+        ]
+    for i in range(num_double):
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        modules += [*double_attention(b, d, (inner,) * 3), *double_mlps(b, d)]
+    for i in range(num_single):
+        b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        modules += [*single_linears(b, d, inner), *single_norms(b, d)]
+    modules.append(Module("final_layer.linear", ("proj_out",)))
+    return KeyTable(tuple(modules), name="Chroma", model="Chroma transformer")
+
+
+def flux2_layout(num_double: int, num_single: int, guidance: bool, inner: int = 0) -> KeyTable:
+    """FLUX.2's original layout (BFL's, as ComfyUI's ``flux2`` single files hold it): one modulation per block kind
+    shared by all blocks, SwiGLU MLPs under Flux.1's names, and a single block whose ``linear1``/``linear2`` are
+    diffusers' ``attn.to_qkv_mlp_proj``/``attn.to_out`` unchanged (diffusers fuses them too). No biases."""
+    modules = embedders("time_guidance_embed", guidance, vector=False)
+    modules += [
+        Module(f"{m}.lin", (f"{m}.linear",))
+        for m in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")
+    ]
+    for i in range(num_double):
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        modules += [*double_attention(b, d, (inner,) * 3 if inner else ()), *double_mlps(b, d, "linear_in", "linear_out")]
+    for i in range(num_single):
+        b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        modules += [
+            Module(f"{b}.linear1", (f"{d}.attn.to_qkv_mlp_proj",)),
+            Module(f"{b}.linear2", (f"{d}.attn.to_out",)),
+            *single_norms(b, d),
+        ]
+    modules += [
+        Module("final_layer.linear", ("proj_out",)),
+        Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True),
+    ]
+    return KeyTable(tuple(modules), name="FLUX.2 (BFL/ComfyUI)", model="FLUX.2 transformer")
+
+
+def inner_dim(config: Mapping[str, Any], heads: int = 24, head_dim: int = 128) -> int:
+    return int(config.get("num_attention_heads", heads)) * int(config.get("attention_head_dim", head_dim))
+
+
+def chroma_layout_for_config(config: Mapping[str, Any]) -> KeyTable:
+    """The Chroma table of a ``ChromaTransformer2DModel`` config."""
+    return chroma_layout(
+        int(config.get("num_layers", 19)),
+        int(config.get("num_single_layers", 38)),
+        int(config.get("approximator_layers", 5)),
+        inner_dim(config),
+    )
+
+
+def flux2_layout_for_config(config: Mapping[str, Any]) -> KeyTable:
+    """The FLUX.2 table of a ``Flux2Transformer2DModel`` config (dev: guidance embedding; Klein: none)."""
+    return flux2_layout(
+        int(config.get("num_layers", 8)),
+        int(config.get("num_single_layers", 48)),
+        bool(config.get("guidance_embeds", True)),
+        inner_dim(config, heads=48),
+    )
+
+
+def lora_inner_dim(state: Mapping[str, Any]) -> int:
+    """The inner dim of a Chroma or FLUX.2 LoRA's model: the input width of its first adapted attention q/k/v (0 when
+    none is adapted, and then no fused module needs it)."""
+    pattern = re.compile(r"blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_qkv_mlp_proj)\.lora_A")
+    return next((int(v.shape[1]) for k, v in state.items() if pattern.search(k)), 0)
+
+
+def lora_blocks(state: Mapping[str, Any]) -> tuple[int, int]:
+    """Double and single blocks a LoRA's module names reach."""
+    keys = list(state)
+    return count_blocks(keys, r"transformer_blocks\.(\d+)\."), count_blocks(keys, r"single_transformer_blocks\.(\d+)\.")
