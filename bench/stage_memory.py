@@ -1,28 +1,134 @@
-"""Host memory per rank with 2 pipeline stages against 1: what per-stage loading saves.
+"""Host memory per worker with 1, 2 and 4 pipeline stages, for any installed model: how evenly the stages split.
 
-    python bench/stage_memory.py [--dim 1536] [--depth 12] [--pairs 2]
+    python bench/stage_memory.py --model hunyuan-video [--rounds 3] [--layouts 1,2,4] [--threads 1]
+    python bench/stage_memory.py --model flux --smoke        # one round, the tiny model: checks the bench runs
 
-Writes a reference model of several hundred MB (random weights, its real on-disk format), then runs
-`diffpipe train` for one step with 1 stage on 1 process and with 2 stages on 2 processes, alternately, sampling
-every worker's anonymous RSS (``RssAnon`` in /proc/PID/status, so memory-mapped weight files don't count) and
-keeping each worker's peak. An idle worker's baseline (the same run on the default tiny reference model) is
-subtracted to give the model's share. Target for the model's share of a 2-stage rank: <= 0.55 of 1 stage.
+For the model type named by ``--model``, a random-weight model of the size in :data:`SIZES` is written to disk in
+its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with two 64x64
+captioned images; the dataset is cached once (``diffpipe cache``). Then ``diffpipe train`` runs one LoRA step
+(rank 4, micro-batch 1) with 1, 2 and 4 stages on as many processes, the layouts taken in turn and in reverse order
+in every other round (alternating, as the other benches), while every worker's anonymous RSS (``RssAnon`` in
+/proc, so memory-mapped files don't count) is sampled every 20 ms and its peak kept. An idle worker's baseline
+(the same layout on the tiny model of the same type) is subtracted to give the model's memory; per round, the
+largest stage's model memory over the 1-stage run's is its share. Reported: each worker's peak, the share's median
+and spread per layout, and, from the last round, where each stage's memory goes (the workers'
+``DIFFPIPE_MEMORY_REPORT``: anonymous RSS after caching, after building the stage and after the step, and every
+live tensor by what holds it) beside the stage plan's estimate. Targets for HunyuanVideo, Flux (and Wan) at
+>= 0.6 B parameters: share <= 0.55 for 2 stages and <= 0.30 for 4; estimated peak within 15% of the measured model
+memory of each stage.
+
+Adding a model (e.g. Wan, once its plugin is installed) is one :data:`SIZES` entry: a function writing the model
+at the bench size (or the tiny one) and returning its ``[model]`` keys.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from diffpipe_core.engine.memory_report import ENV as REPORT_ENV
+from diffpipe_core.engine.memory_report import rss_anon
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import kill_group, start_diffpipe
-from diffpipe_reference.model import TinyDiTConfig, write_tiny_model
+from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe
+
+MiB = 2**20
+
+
+# ------------------------------------------------------------------------------------------------ the size table
+def _reference(folder: Path, big: bool) -> dict:
+    from diffpipe_reference.model import TinyDiTConfig, write_tiny_model
+
+    write_tiny_model(folder, TinyDiTConfig(dim=1024, depth=12, heads=16) if big else TinyDiTConfig())
+    return {}
+
+
+def _flux(folder: Path, big: bool) -> dict:
+    from diffpipe_flux.testing import TinyFluxConfig, tiny_pipeline
+
+    size = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128,
+                axes_dims_rope=(16, 56, 56))  # fmt: skip
+    tiny_pipeline(TinyFluxConfig(**size) if big else TinyFluxConfig()).save_pretrained(folder, safe_serialization=True)
+    return {"t5_max_length": 16}
+
+
+def _hunyuan(folder: Path, big: bool) -> dict:
+    from diffpipe_hunyuan.testing import TinyHunyuanConfig, llama_tokenizer, template_crop_start, tiny_pipeline
+
+    size = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128,
+                rope_axes_dim=(16, 56, 56))  # fmt: skip
+    cfg = TinyHunyuanConfig(**size) if big else TinyHunyuanConfig()
+    tiny_pipeline(cfg).save_pretrained(folder, safe_serialization=True)
+    return {"text_max_length": 8, "text_crop_start": template_crop_start(llama_tokenizer())}
+
+
+def _ltx(folder: Path, big: bool) -> dict:
+    from diffpipe_ltx.testing import TinyLTXConfig, tiny_pipeline
+
+    cfg = TinyLTXConfig(num_layers=16, num_attention_heads=16, attention_head_dim=64) if big else TinyLTXConfig()
+    tiny_pipeline(cfg).save_pretrained(folder, safe_serialization=True)
+    return {"t5_max_length": 16}
+
+
+def _cosmos(variant: str) -> Callable[[Path, bool], dict]:
+    def write(folder: Path, big: bool) -> dict:
+        from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, write_tiny_cosmos
+
+        size = dict(num_layers=16, num_attention_heads=16, attention_head_dim=64, mlp_ratio=4.0) if big else {}
+        write_tiny_cosmos(folder, TinyCosmosConfig(variant=variant, **size))
+        original_path(folder).unlink()  # the original-layout copy: not used here
+        return {"t5_max_length": 16}
+
+    return write
+
+
+def _sdxl(folder: Path, big: bool) -> dict:
+    from diffusers import UNet2DConditionModel
+
+    from diffpipe_sdxl.testing import TINY_UNET, write_tiny_sdxl
+
+    write_tiny_sdxl(folder)
+    if big:  # three levels at 256/512/1024 channels; text encoders stay tiny (cross-attention width 64)
+        unet = UNet2DConditionModel(**{
+            **TINY_UNET, "block_out_channels": (256, 512, 1024), "attention_head_dim": (4, 8, 16),
+            "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            "transformer_layers_per_block": (1, 1, 1), "norm_num_groups": 32,
+        })  # fmt: skip
+        unet.save_pretrained(folder / "unet", safe_serialization=True)
+    return {}
+
+
+@dataclass(frozen=True)
+class Size:
+    """How the bench writes one model type: ``write(folder, big)`` writes the bench-size model (``big``) or the
+    tiny one (the idle baseline) and returns its ``[model]`` keys besides type, path and dtype; ``note`` says what
+    the bench size is."""
+
+    write: Callable[[Path, bool], dict]
+    note: str
+
+
+SIZES: dict[str, Size] = {
+    "reference": Size(_reference, "TinyDiT width 1024, 12 blocks"),
+    "flux": Size(_flux, "Flux width 1024 (8 x 128), 10 double + 20 single blocks (half Flux.1's counts)"),
+    "sdxl": Size(_sdxl, "SDXL-like UNet 256/512/1024 channels, 1 transformer per attention block"),
+    "hunyuan-video": Size(_hunyuan, "HunyuanVideo width 1024 (8 x 128), 10 double + 20 single blocks (half the real)"),
+    "ltx-video": Size(_ltx, "LTX-Video width 1024 (16 x 64), 16 blocks"),
+    "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
+    "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
+    # "wan": Size(_wan, "Wan 2.1-like width 1536, 12 blocks"),  # one entry like these once diffpipe-wan exists
+}
 
 RUN = """
 output_dir = "out"
@@ -31,29 +137,72 @@ max_steps = 1
 micro_batch_size_per_gpu = 1
 pipeline_stages = {stages}
 [model]
-type = "reference"
-path = "{model}"
+type = "{model}"
+path = "{path}"
 dtype = "bfloat16"
+{keys}
 [adapter]
 rank = 4
 """
 
 
-def rss_anon(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, str) else repr(value)
 
 
-def peak_worker_rss(root: Path, model: Path, dataset: Path, stages: int, timeout: float = 900) -> int:
-    """The largest peak anonymous RSS of any worker of one `diffpipe train` run."""
-    config = root / f"run{stages}.toml"
-    config.write_text(RUN.format(dataset=dataset, model=model, stages=stages))
-    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", str(stages)], cwd=root)
+@dataclass
+class Project:
+    root: Path
+    model: str
+    path: Path
+    keys: dict
+
+    def config(self, stages: int) -> Path:
+        keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
+        path = self.root / f"run{stages}.toml"
+        path.write_text(RUN.format(dataset=self.root.parent / "dataset.toml", model=self.model, path=self.path,
+                                   stages=stages, keys=keys))
+        return path
+
+
+def write_project(root: Path, model: str, big: bool) -> Project:
+    """The model (bench size or tiny) under ``root`` and its run configs; the dataset is ``root/../dataset.toml``.
+    A model written before into the same folder (``--keep``) is reused."""
+    root.mkdir(parents=True, exist_ok=True)
+    written = root / "model-keys.json"
+    if written.is_file() and json.loads(written.read_text()).get("model") == model:
+        keys = json.loads(written.read_text())["keys"]
+    else:
+        keys = SIZES[model].write(root / "model", big)
+        written.write_text(json.dumps({"model": model, "keys": keys}))
+    return Project(root, model, root / "model", keys)
+
+
+def write_dataset(root: Path) -> Path:
+    write_image_dataset(root / "images", 2, size=(64, 64), captions=["a red cat", "a blue dog"])
+    return write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+@dataclass
+class Workers:
+    peaks: list[int]  # per stage (the largest worker of each stage)
+    reports: list[dict]  # the workers' memory reports, by stage
+
+
+def run_workers(project: Project, stages: int, threads: int, timeout: float = 1800) -> Workers:
+    """One `diffpipe train` of ``stages`` stages on as many processes; each worker's peak anonymous RSS by stage."""
+    config = project.config(stages)
+    reports = project.root / f"reports-{stages}"
+    for old in reports.glob("*.json"):
+        old.unlink()
+    env = cli_env(**{REPORT_ENV: str(reports), "OMP_NUM_THREADS": str(threads)})
+    log = (project.root / f"train{stages}.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "diffpipe_core.cli", "train", "--config", str(config),
+                             "--num-procs", str(stages)], cwd=project.root, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     peaks: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -65,47 +214,109 @@ def peak_worker_rss(root: Path, model: Path, dataset: Path, stages: int, timeout
                 except psutil.NoSuchProcess:
                     continue
             time.sleep(0.02)
-        out, err = proc.communicate(timeout=60)
     finally:
         kill_group(proc)
+        log.close()
     if proc.returncode != 0:
-        raise RuntimeError(f"diffpipe train ({stages} stages) failed:\n{out[-2000:]}\n{err[-3000:]}")
-    return max(peaks.values())
+        tail = (project.root / f"train{stages}.log").read_text()[-3000:]
+        sys.exit(f"diffpipe train ({project.model}, {stages} stages) failed:\n{tail}")
+    by_rank = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["rank"])
+    if len(by_rank) != stages or any(r["pid"] not in peaks for r in by_rank):
+        sys.exit(f"{stages} stages: {len(by_rank)} memory reports for {len(peaks)} sampled workers")
+    return Workers([peaks[r["pid"]] for r in by_rank], by_rank)
+
+
+def cache(project: Project) -> None:
+    result = run_diffpipe(["cache", "--config", str(project.config(1))], cwd=project.root, timeout=1800)
+    if result.returncode != 0:
+        sys.exit(f"diffpipe cache ({project.model}) failed:\n{result.output[-3000:]}")
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+def _mib(n: float) -> str:
+    return f"{n / MiB:,.0f}"
+
+
+def breakdown(stages: Workers, baseline: int) -> list[str]:
+    """Per stage: measured peak (model memory), the estimate, RSS by phase and live tensors after the step."""
+    lines = []
+    for stage, (peak, report) in enumerate(zip(stages.peaks, stages.reports)):
+        phases = {p["phase"]: p for p in report["phases"]}
+        est = report.get("estimate", {})
+        after = phases.get("step 1", {})
+        tensors = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(after.get("bytes", {}).items(), key=lambda kv: -kv[1]))
+        rss = ", ".join(f"{name} {_mib(p['rss_anon'])}" for name, p in phases.items())
+        measured = peak - baseline
+        ratio = est.get("peak_bytes", 0) / measured if measured > 0 else float("nan")
+        lines.append(
+            f"  stage {stage} (layers {est.get('start')}-{est.get('stop', 0) - 1}): peak {_mib(peak)} MiB, model "
+            f"{_mib(measured)} MiB; estimated {_mib(est.get('peak_bytes', 0))} MiB (weights "
+            f"{_mib(est.get('weight_bytes', 0))}, trainable {_mib(est.get('state_bytes', 0))}, activations "
+            f"{_mib(est.get('activation_bytes', 0) + est.get('transient_bytes', 0))}), estimate/measured {ratio:.2f}"
+        )
+        lines.append(f"    RssAnon MiB by phase: {rss}")
+        lines.append(f"    live tensors after the step, MiB: {tensors}")
+        if after.get("largest_other"):
+            lines.append(f"    largest other tensors: {'; '.join(after['largest_other'][:3])}")
+    return lines
+
+
+TARGETS = {2: 0.55, 4: 0.30}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dim", type=int, default=1536)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--model", required=True, choices=sorted(SIZES))
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all layouts (at least 3)")
+    parser.add_argument("--layouts", default="1,2,4", help="stage counts; 1 is always measured")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (OMP_NUM_THREADS)")
+    parser.add_argument("--smoke", action="store_true", help="one round of the tiny model: checks the bench runs")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="work in this folder and keep it (a model written there before is reused)")
     args = parser.parse_args()
+    layouts = sorted({1, *(int(s) for s in args.layouts.split(","))})
+    if not args.smoke and args.rounds < 3:
+        sys.exit("--rounds: at least 3 rounds are needed for a median and a spread")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="diffpipe-stage-memory-") as tmp:
-        root = Path(tmp)
-        big = write_tiny_model(root / "big", TinyDiTConfig(dim=args.dim, depth=args.depth, heads=16))
-        tiny = write_tiny_model(root / "tiny")
-        size = (big / "transformer.safetensors").stat().st_size
-        write_image_dataset(root / "images", 2, size=(64, 64))
-        write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
-        dataset = root / "dataset.toml"
-        print(f"model: {size / 2**20:.0f} MiB of float32 weights on disk, trained in bfloat16", flush=True)
-        baseline = peak_worker_rss(root, tiny, dataset, 1)
-        print(f"idle worker baseline (tiny model, 1 stage): {baseline / 2**20:.0f} MiB", flush=True)
-        raw, share = [], []
-        for pair in range(args.pairs):
-            one = peak_worker_rss(root, big, dataset, 1)
-            two = peak_worker_rss(root, big, dataset, 2)
-            raw.append(two / one)
-            share.append((two - baseline) / (one - baseline))
-            print(
-                f"pair {pair + 1}: 1 stage {one / 2**20:.0f} MiB, 2 stages {two / 2**20:.0f} MiB per rank (peak); "
-                f"raw {raw[-1]:.3f}, model's share {share[-1]:.3f}",
-                flush=True,
-            )
-        print(
-            f"2 stages / 1 stage, peak anonymous RSS per rank: raw {statistics.median(raw):.3f} "
-            f"(spread {min(raw):.3f}-{max(raw):.3f}); model's share {statistics.median(share):.3f} "
-            f"(spread {min(share):.3f}-{max(share):.3f}); target for the share <= 0.55"
-        )
+        root = args.keep or Path(tmp)
+        write_dataset(root)
+        t0 = time.monotonic()
+        big = write_project(root / "big", args.model, big=not args.smoke)
+        tiny = write_project(root / "tiny", args.model, big=False)
+        cache(big)
+        cache(tiny)
+        print(f"model: {args.model}, {SIZES[args.model].note if not args.smoke else 'tiny (smoke)'}; written and "
+              f"cached in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs, {args.threads} thread(s) per worker", flush=True)
+        baselines = {n: max(run_workers(tiny, n, args.threads).peaks) for n in layouts}
+        print("idle worker baseline (tiny model), largest worker MiB: "
+              + ", ".join(f"{n} stage{'s' if n > 1 else ''} {_mib(b)}" for n, b in baselines.items()), flush=True)
+        shares: dict[int, list[float]] = {n: [] for n in layouts if n > 1}
+        last: dict[int, Workers] = {}
+        for r in range(1 if args.smoke else args.rounds):
+            order = layouts if r % 2 == 0 else layouts[::-1]
+            got = {n: run_workers(big, n, args.threads) for n in order}
+            last = got
+            one = got[1].peaks[0] - baselines[1]
+            parts = [f"1 stage {_mib(got[1].peaks[0])}"]
+            for n in shares:
+                share = (max(got[n].peaks) - baselines[n]) / one
+                shares[n].append(share)
+                parts.append(f"{n} stages [{' '.join(_mib(p) for p in got[n].peaks)}] share {share:.3f}")
+            print(f"round {r + 1} ({'->'.join(map(str, order))}), peak RssAnon per worker MiB: " + "; ".join(parts)
+                  + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+        for n, values in shares.items():
+            target = f"; target <= {TARGETS[n]:.2f}" if n in TARGETS else ""
+            print(f"{n} stages: largest stage's share of the 1-stage model memory: median "
+                  f"{statistics.median(values):.3f} over {len(values)} rounds "
+                  f"(spread {min(values):.3f}-{max(values):.3f}){target}")
+        print("where the memory goes (last round; MiB; model memory = peak - idle baseline of that layout):")
+        for n in layouts:
+            print(f" {n} stage{'s' if n > 1 else ''}:")
+            for line in breakdown(last[n], baselines[n]):
+                print(line)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,14 @@ leftover, which the next write replaces.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -76,8 +81,11 @@ def atomic_save_safetensors(
         save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, 0o666 & ~current_umask())  # safetensors writes through its own 0600 temporary file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        code = re.search(r"\(os error (\d+)\)", str(exc)) if not isinstance(exc, OSError) else None
+        if code:  # safetensors reports a failed write as SafetensorError; keep it an OSError with its errno
+            raise OSError(int(code.group(1)), f"{path}: {exc}") from exc
         raise
     _fsync_dir(path.parent)
 
@@ -101,3 +109,49 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
     _fsync_dir(final_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceError(OSError):
+    """A save that did not fit on its disk; the message names the folder and the sizes."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+@contextlib.contextmanager
+def space_checked(tmp_dir: Path, needed: int, what: str, kept: str) -> Iterator[None]:
+    """Around writes into ``tmp_dir`` (about ``needed`` bytes): on a full disk (or quota), remove ``tmp_dir`` and
+    raise one OSError naming the folder, what was needed and what is free, and ``kept`` (what stays intact)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        try:
+            free = human_bytes(shutil.disk_usage(tmp_dir.parent).free)
+        except OSError:
+            free = "unknown"
+        raise NoSpaceError(
+            exc.errno,
+            f"no space left on the device of {tmp_dir.parent} while writing {what}: it needs about "
+            f"{human_bytes(needed)}, {free} is free; removed the partial {tmp_dir.name}, {kept}",
+        ) from None
+
+
+def file_digest(path: Path) -> dict[str, int | str]:
+    """``{"sha256": hex, "bytes": size}`` of a file."""
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"sha256": digest, "bytes": path.stat().st_size}

@@ -10,13 +10,14 @@ import click
 
 from diffpipe_core.cli_common import USER_ERRORS, fail, load_checked
 from diffpipe_core.plugin_cli import plugin as plugin_commands
-from diffpipe_core.quiet import VERBOSE_ENV, quiet_libraries
+from diffpipe_core.quiet import VERBOSE_ENV, log_through_bars, quiet_libraries
 from diffpipe_core.registry import PluginError, get_registry
 from diffpipe_core.sampling.command import sample as sample_command
 
 if "--verbose" in sys.argv[1:]:  # plugins are imported below, before click parses the flag
     os.environ[VERBOSE_ENV] = "1"
 quiet_libraries()
+log_through_bars()
 
 CONFIG = click.option(
     "--config", "config_path", required=True, type=click.Path(path_type=Path), help="The run config (TOML)."
@@ -76,8 +77,10 @@ def models() -> None:
 @CONFIG
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Also check pipeline_stages against this many processes.")
-def validate(config_path: Path, model: str | None, num_procs: int | None) -> None:
-    """Check the run config and its dataset config without loading any model."""
+@click.option("--plan", "show_plan", is_flag=True, help="Print the stage plan for a single stage too.")
+def validate(config_path: Path, model: str | None, num_procs: int | None, show_plan: bool) -> None:
+    """Check the run config and its dataset config without reading any weights; with several pipeline stages (or
+    --plan), print the stage plan (the model built on the meta device)."""
     cfg = load_checked(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
     if num_procs is None:
@@ -87,6 +90,14 @@ def validate(config_path: Path, model: str | None, num_procs: int | None) -> Non
             f"pipeline_stages = {stages}: train with a multiple of {stages} processes ({fits}, ...); "
             "each group of pipeline stages is one data-parallel replica"
         )
+    if cfg.run.pipeline_stages > 1 or show_plan:
+        _echo_plan(cfg)
+
+
+def _echo_plan(cfg) -> None:
+    from diffpipe_core.engine.plan_build import plan_report
+
+    click.echo("\n".join(plan_report(cfg, get_registry().model(cfg.model_name))))
 
 
 @main.command()
@@ -131,7 +142,8 @@ def train(
         launch_workers,
         launched_externally,
     )
-    from diffpipe_core.engine.run_dir import resolve_resume, start_run
+    from diffpipe_core.engine.resume import prepare_resume
+    from diffpipe_core.engine.run_dir import start_run
 
     external = launched_externally()
     if external is not None:
@@ -141,11 +153,13 @@ def train(
     else:
         n = default_num_procs(num_procs)
     cfg = load_checked(config_path, model, n, check_work=True)
-    args = ["--config", str(cfg.path), "--model", cfg.model_name]
+    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--scanned"]
     if resume:
-        run_dir, resume_from = resolve_resume(cfg.run.output_dir, resume)  # a bad path: one line, see _Main
-        click.echo(f"diffpipe: resuming {run_dir} from {resume_from.name}")
-        args += ["--run-dir", str(run_dir), "--resume-from", str(resume_from)]
+        primary = external is None or os.environ.get("RANK") == "0"
+        chosen = prepare_resume(cfg, resume, n, click.echo, primary)  # a bad path or edit: one message, see _Main
+        if chosen is None:
+            return  # finished: nothing to do
+        args += ["--run-dir", str(chosen.run_dir), "--resume-from", str(chosen.checkpoint)]
     elif external is not None:
         args += ["--new-run"]  # rank 0 creates the run folder and tells the others
     else:
@@ -166,20 +180,20 @@ def train(
 @CONFIG
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Worker processes sharing the encoding.")
-@click.option("--regenerate", is_flag=True, help="Re-encode everything.")
+@click.option("--regenerate-cache", is_flag=True, help="Re-encode the whole dataset.")
 @click.option("--strict", is_flag=True, help="Key the cache on file hashes rather than size and mtime.")
 @click.option(
     "--prune", is_flag=True, help="Then delete (and list) cached encodings of other encoder settings or model files."
 )
-def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate: bool, strict: bool,
+def cache(config_path: Path, model: str | None, num_procs: int | None, regenerate_cache: bool, strict: bool,
           prune: bool) -> None:
     """Encode the dataset into the latent/text cache (what train does first)."""
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
 
     n = default_num_procs(num_procs)
-    cfg = load_checked(config_path, model, check_work=True)
-    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only"]
-    args += ["--regenerate"] * regenerate + ["--strict"] * strict + ["--prune"] * prune
+    cfg = load_checked(config_path, model, check_work=True, training=False)
+    args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only", "--scanned"]
+    args += ["--regenerate"] * regenerate_cache + ["--strict"] * strict + ["--prune"] * prune
     sys.exit(launch_workers(args, n))
 
 
@@ -188,7 +202,7 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Data-parallel processes the table assumes.")
 def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
-    """Show buckets, micro-batches per epoch, and every file left out with why."""
+    """Show buckets, micro-batches per epoch, every file left out with why, and the stage plan."""
     from diffpipe_core.data.dataset_config import load_dataset_config
     from diffpipe_core.data.report import format_report
     from diffpipe_core.data.scan import DatasetError, scan_dataset
@@ -210,6 +224,7 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
     except Exception as exc:
         fail([f"{cfg.run.dataset}: {exc}"])
     click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages))
+    _echo_plan(cfg)
 
 
 @main.command("import-config")

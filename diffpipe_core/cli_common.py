@@ -30,16 +30,26 @@ def fail(problems: list[str], note: str | None = None) -> None:
     sys.exit(1)
 
 
+def primary() -> bool:
+    """Whether this process prints what every rank would (not a rank > 0 that an external launcher started)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def load_checked(
     config_path: Path,
     model: str | None,
     world_size: int | None = None,
     check_work: bool = False,
     purpose: str = "train",
+    training: bool = True,
 ):
     """The validated config, or exit listing every problem. ``check_work`` also checks what the work needs
-    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of
-    every dataset (an empty one fails). ``purpose="sample"`` (``diffpipe sample``) reads no dataset."""
+    before any is done: the model files' structure (the plugin's ``validate_model_files``) and a scan of every
+    dataset (an empty one fails), and for ``training`` (not ``diffpipe cache``) enough micro-batches for
+    ``gradient_accumulation_steps`` and enough model layers for ``pipeline_stages``; it says how the model rounds
+    the resolutions. ``purpose="sample"`` (``diffpipe sample``) reads no dataset."""
     from diffpipe_core.config import check_world_size, load_config
     from diffpipe_core.data.dataset_config import load_dataset_config
 
@@ -64,21 +74,31 @@ def load_checked(
             except ConfigError as exc:
                 problems.extend(exc.problems)
         if check_work and not problems:
-            problems.extend(work_problems(cfg, datasets))
+            problems.extend(work_problems(cfg, datasets, world_size, training))
     if problems:
         fail(problems)
     return cfg
 
 
-def work_problems(cfg, datasets: list) -> list[str]:
+def work_problems(cfg, datasets: list, world_size: int | None = None, training: bool = True) -> list[str]:
     from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.model_files import model_file_problems
+    from diffpipe_core.preflight import layer_problems, micro_batch_problems, resolution_notes
 
     plugin = get_registry().model(cfg.model_name)
     problems = model_file_problems(plugin, cfg.model)
-    for dataset in datasets:
+    dp = world_size // cfg.run.pipeline_stages if world_size else None
+    for i, dataset in enumerate(datasets):
         try:
-            scan_dataset(dataset, plugin.spec)
+            scan = scan_dataset(dataset, plugin.spec, report_skipped=primary())
         except (DatasetError, ConfigError) as exc:
             problems.extend(getattr(exc, "problems", None) or [f"{dataset.source}: {exc}"])
+            continue
+        if i == 0 and training:
+            problems.extend(micro_batch_problems(cfg.run, scan, dp, str(cfg.path)))
+        if primary():
+            for note in resolution_notes(dataset, plugin.spec):
+                click.echo(f"diffpipe: {note}")
+    if training and not problems:
+        problems.extend(layer_problems(cfg, plugin))
     return problems

@@ -7,6 +7,7 @@ against the directory of the file that names them. Every key is documented in do
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,9 +189,12 @@ class RunConfig(Strict):
         1, ge=1, description="Micro-batches per optimizer step (they flow through the pipeline together)."
     )
     pipeline_stages: int = Field(1, ge=1, description="Pipeline stages; must divide the number of processes.")
-    partition_method: Literal["parameters", "uniform"] = Field(
-        "parameters",
-        description="How layers are spread over stages: by parameter count (frozen ones included) or by layer count.",
+    partition_method: Literal["memory", "parameters", "uniform"] = Field(
+        "memory",
+        description="How layers are spread over stages: 'memory' balances each stage's estimated peak (weights in "
+        "their real dtypes, quantized or swapped where set, trainable tensors with gradients and optimizer state, "
+        "and activations of a micro-batch of the largest bucket); 'parameters' by parameter count (frozen ones "
+        "included); 'uniform' by layer count. `diffpipe data` (and `validate` with several stages) prints the plan.",
     )
     partition_split: list[int] | None = Field(
         None,
@@ -443,6 +447,7 @@ def load_config(
                     f"{source}: {key}: model {spec.name!r} computes its own loss (its compute_loss takes no context), "
                     "so this key would change nothing; remove it"
                 )
+            problems.extend(_unknown_optimizer(run, registry, source))
             if run.sample is not None:
                 when = purpose == "train"
                 problems.extend(sample_problems(run.sample, registry.model(model_cfg.type), source, when))
@@ -464,6 +469,15 @@ def _training_paths(run: RunConfig, source: str) -> list[str]:
         if not ev.config.is_file():
             problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
     return problems
+def _unknown_optimizer(run: RunConfig, registry: Registry, source: str) -> list[str]:
+    from diffpipe_core.optimizer_names import optimizer_names
+
+    names = optimizer_names(registry.pm)
+    if run.optimizer.type in names:
+        return []
+    close = difflib.get_close_matches(run.optimizer.type, names, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return [f"{source}: optimizer.type: unknown optimizer {run.optimizer.type!r}.{hint} Available: {', '.join(names)}"]
 
 
 def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:

@@ -56,6 +56,33 @@ def loss_weight(sigma: torch.Tensor, sigma_data: float = 0.5) -> torch.Tensor:
     return ((sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2).float()
 
 
+@dataclass(frozen=True)
+class EdmSample:
+    """One micro-batch's training draw: ``x = x_0 + sigma * noise``, the per-sample ``sigma``, the noise and the
+    preconditioning at ``sigma``."""
+
+    x: torch.Tensor
+    sigma: torch.Tensor
+    noise: torch.Tensor
+    pre: Preconditioning
+
+
+def edm_sample(
+    latents: torch.Tensor,
+    generator: torch.Generator,
+    p_mean: float,
+    p_std: float,
+    sigma_data: float = 0.5,
+    quantile: float | None = None,
+) -> EdmSample:
+    """Noise and then the noise levels (this order, from ``generator``) for ``latents`` (float32, batch first);
+    ``quantile``: every sample at that quantile of the level distribution (evaluation)."""
+    latents = latents.float()
+    noise = torch.randn(latents.shape, generator=generator)
+    sigma = sample_sigmas(latents.shape[0], generator, p_mean, p_std, quantile=quantile)
+    return EdmSample(noisy(latents, noise, sigma), sigma, noise, preconditioning(sigma, sigma_data))
+
+
 def _bcast(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.view(-1, *([1] * (like.dim() - 1))).to(like.device, like.dtype)
 

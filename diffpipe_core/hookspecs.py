@@ -56,7 +56,10 @@ def load_encoders(model_config: ModelConfigBase, device: torch.device) -> Any:
     """*model* Load the VAE and text encoders from local files onto ``device``.
 
     Returns an opaque object that is handed back to :func:`encode_batch`; the core drops it (and
-    empties the device cache) before loading the diffusion model.
+    empties the device cache) before loading the diffusion model. :func:`encode_batch` gets no model config, so
+    whatever settings it needs (a token length, a prompt template) travel inside this object: the shared
+    ``diffpipe_core.parts.encoders.load_components`` returns an ``Encoders`` holding the components by folder
+    name and the ``[model]`` table as ``encoders.config``.
     """
 
 
@@ -67,7 +70,8 @@ def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
     A media batch (``batch.pixels`` set) returns latents and anything derived from the pixels
     (e.g. ``"latents"``, ``"time_ids"``); a caption batch (``batch.captions`` set) returns text
     tensors (e.g. ``"text_embeds"``, ``"pooled"``, ``"text_mask"``). Every tensor has the batch as
-    its first dimension; the core stores each sample's slice. Keys must not start with ``_``.
+    its first dimension; the core stores each sample's slice. Keys must not start with ``_``. There is no
+    ``model_config`` argument: read settings from ``encoders`` (``encoders.config`` for ``load_components``).
 
     Conditioned models (see ``ModelSpec``) get three more kinds of input, each cached by content like the rest:
     a batch of control images of edit pairs (``batch.control_index`` set: encode them as the target's latents
@@ -147,8 +151,12 @@ def compute_loss(outputs: Tensors, targets: Tensors, context: TrainingContext) -
 
 @hookspec(firstresult=True)
 def lora_targets(model_config: ModelConfigBase) -> list[str]:
-    """*model* Module names (regex suffixes accepted by peft's ``target_modules``) to adapt with LoRA.
+    """*model* The modules to adapt with LoRA: exact module names or dotted suffixes, not regexes.
 
+    peft's rule for a list of ``target_modules``: a module matches ``attn.to_q`` when its full name (as
+    ``named_modules`` gives it) is ``attn.to_q`` or ends with ``.attn.to_q``; ``to_q`` matches ``blocks.0.attn.to_q``
+    but not ``blocks.0.attn.add_to_q``. Leave out modules whose output nothing reaching the loss reads (the text
+    side of an MMDiT's last joint block): their LoRA would get no gradient, and the conformance kit names them.
     The user's ``[adapter] target_modules`` overrides this list.
     """
 
@@ -162,7 +170,10 @@ def export_adapter(
 
     ``format`` is ``"diffusers"``, ``"comfyui"``, ``"kohya"`` or a plugin-specific name from
     ``[adapter] save_formats``. Return None for a format the plugin does not know. Without an
-    implementation the core writes diffusers/peft keys (``<prefix>.<key>``) with ``.alpha`` tensors.
+    implementation the core writes diffusers/peft keys (``<prefix>.<key>``) and no ``.alpha`` tensors: the
+    diffusers file carries alpha (and the rest of the LoRA config) in its safetensors metadata,
+    ``lora_adapter_metadata``, as diffusers' ``save_lora_weights`` writes it. Formats ComfyUI reads (kohya,
+    ``comfyui``) carry a scalar ``<module>.alpha`` tensor per module instead.
     Called for LoRA only; a LoKr or LoHa is laid out by the core from :func:`adapter_key_names`.
     """
 

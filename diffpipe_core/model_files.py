@@ -70,7 +70,25 @@ def check_component(folder: Path, expected: tuple[str, ...], what: str) -> list[
     found = config_class(folder)
     if found not in expected:
         return [f"{folder / 'config.json'}: the {what} is {found!r}; expected {_names(expected)}"]
-    return []
+    return pickle_only_problems(folder, what)
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickle_only_problems(folder: Path, what: str) -> list[str]:
+    """A component folder whose weights exist only as pickle files (``pytorch_model.bin``): refused, since
+    loading a pickle runs whatever code the file holds (diffpipe reads and writes safetensors only)."""
+    if any(folder.glob("*.safetensors")):
+        return []
+    pickles = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix in PICKLE_SUFFIXES)
+    if not pickles:
+        return []
+    return [
+        f"{folder}: the {what}'s weights are only pickle files ({', '.join(pickles[:3])}); loading a pickle runs "
+        "code from the file, so diffpipe loads safetensors only: convert them (load the folder once where you "
+        "trust it, then save_pretrained(..., safe_serialization=True)) or download the safetensors version"
+    ]
 
 
 def check_diffusers_folder(

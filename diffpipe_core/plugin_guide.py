@@ -3,8 +3,9 @@
 The guide's prose is written by hand; the blocks between ``<!-- generated: NAME -->`` and
 ``<!-- end generated -->`` are produced here from ``hookspecs.py`` (hook signatures and docstrings),
 ``types.py`` (``ModelSpec``, ``EncodeBatch``, ``TrainingContext``) and ``diffusion.py``, so the guide
-cannot drift from the contract. ``diffpipe plugin guide plugins/README.md`` refreshes them; a test fails
-when the file is stale.
+cannot drift from the contract; the example plugin is what ``diffpipe plugin new`` renders (its config and plugin
+modules, which the template's own tests run), so the example cannot drift either.
+``diffpipe plugin guide plugins/README.md`` refreshes them; a test fails when the file is stale.
 """
 
 from __future__ import annotations
@@ -166,7 +167,37 @@ def _public_functions(module: ModuleType) -> list[tuple[str, Callable]]:
     ]
 
 
+EXAMPLE_NAME = "mymodel"
+EXAMPLE_FILES = ("config.py", "plugin.py")
+
+
+def example_files() -> dict[str, str]:
+    """``{file: source}`` of the plugin ``diffpipe plugin new mymodel`` renders (an image model)."""
+    import tempfile
+    from pathlib import Path
+
+    from diffpipe_core.scaffold import render_plugin
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pkg = render_plugin(EXAMPLE_NAME, Path(tmp)) / "src" / f"diffpipe_{EXAMPLE_NAME}"
+        return {name: (pkg / name).read_text(encoding="utf-8") for name in EXAMPLE_FILES}
+
+
+def example_markdown() -> str:
+    files = example_files()
+    lines = sum(len(source.splitlines()) for source in files.values())
+    parts = [
+        f"`diffpipe plugin new {EXAMPLE_NAME}` renders these two modules, {lines} lines together: the whole plugin "
+        "beside the model's own code (`model.py`, a diffusers `ModelMixin`, and `layers.py`, its pipeline layers; "
+        "for a model diffusers has, name its class and drop `model.py`):\n"
+    ]
+    for name, source in files.items():
+        parts.append(f"`src/diffpipe_{EXAMPLE_NAME}/{name}`:\n\n```python\n{source}```\n")
+    return "\n".join(parts)
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
+    "example": example_markdown,
     "hooks": hooks_markdown,
     "types": types_markdown,
     "diffusion": diffusion_markdown,

@@ -59,6 +59,33 @@ class Float8Linear(nn.Linear):
         return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
 
 
+def quantizable_linears(model: nn.Module, layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
+    """The linears of block layer ``layer`` that ``quantize`` replaces, and those it leaves (fewer than
+    :data:`MIN_ELEMENTS` weights, or kept in float32 by the model), each module once."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    chosen: list[nn.Linear] = []
+    left: list[nn.Linear] = []
+    seen: set[int] = set()
+    for module in layer.modules():
+        if type(module) is not nn.Linear or id(module) in seen:
+            continue
+        seen.add(id(module))
+        small = module.weight.numel() < MIN_ELEMENTS
+        (left if small or keeps_float32(model, f"{names.get(id(module), '')}.weight") else chosen).append(module)
+    return chosen, left
+
+
+def quantized_weight_bytes(mode: str, out_features: int, in_features: int) -> int:
+    """Bytes a ``mode`` quantized weight of that shape takes, scales included (its bias keeps its dtype)."""
+    n = out_features * in_features
+    if mode == "nf4":  # two weights a byte, one uint8 absmax per 64 (nested: float32 per 256 blocks), code tables
+        blocks = -(-n // 64)
+        return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256)
+    if mode == "int8":  # plus one float32 scale per output row
+        return n + 4 * out_features
+    return n + 4  # float8: one float32 scale
+
+
 def _quantized(linear: nn.Linear, mode: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
     if mode == "float8":
         return Float8Linear(linear, compute_dtype)
@@ -97,18 +124,12 @@ def quantize_stage(
         return None
     layer_indices = [i for i in layer_indices if type(stage.layers[i]).__name__ in block_layers]
     compute_dtype = DTYPES[model_config.dtype]
-    names = {id(m): n for n, m in stage.model.named_modules(remove_duplicate=False)}
     targets: dict[int, nn.Linear] = {}
     kept = 0
     for i in layer_indices:
-        for module in stage.layers[i].modules():
-            if type(module) is not nn.Linear or id(module) in targets:
-                continue
-            name = names.get(id(module), "")
-            if module.weight.numel() < MIN_ELEMENTS or keeps_float32(stage.model, f"{name}.weight"):
-                kept += 1
-                continue
-            targets[id(module)] = module
+        chosen, left = quantizable_linears(stage.model, stage.layers[i])
+        kept += sum(1 for m in left if id(m) not in targets)
+        targets.update((id(m), m) for m in chosen)
     replaced: dict[int, nn.Module] = {}
     before = after = 0
     parents = [stage.model, *(stage.layers[i] for i in layer_indices)]

@@ -54,6 +54,15 @@ def quiet_libraries(cuda: bool | None = None) -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def quiet_script() -> None:
+    """What the ``diffpipe`` commands do about library chatter, for a script that imports the libraries itself
+    (the tiny-model writers of the demo and tests, the benches): call it first, before diffusers, transformers,
+    DeepSpeed or bitsandbytes are imported. A no-op with ``DIFFPIPE_VERBOSE=1``."""
+    import torch
+
+    quiet_libraries(cuda=torch.cuda.is_available())
+
+
 @contextlib.contextmanager
 def library_prints() -> Iterator[None]:
     """Swallow what a library ``print``s to stdout inside the block (DeepSpeed's ``SEED_LAYERS=...`` and
@@ -64,3 +73,25 @@ def library_prints() -> Iterator[None]:
     with contextlib.redirect_stdout(io.StringIO()):
         yield
     sys.stdout.flush()
+
+
+class _BarSafeHandler(logging.Handler):
+    """Writes log records with ``tqdm.write``: a warning printed while a progress bar is drawn (a model plugin's,
+    during caching) gets its own line instead of landing inside the bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
+def log_through_bars() -> None:
+    """Route warnings (what Python's last-resort handler would print) through :class:`_BarSafeHandler`, once."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _BarSafeHandler) for h in root.handlers):
+        handler = _BarSafeHandler(logging.WARNING)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pluggy
 
-from diffpipe_core import hookspecs
+from diffpipe_core import CONTRACT_VERSION, __version__, hookspecs
 from diffpipe_core.types import ModelSpec
 
 ENTRY_POINT_GROUP = "diffpipe.models"
@@ -61,6 +61,12 @@ class Registry:
                 raise PluginError(f"model_spec() returned {type(spec).__name__}, expected ModelSpec")
             if spec.name != name:
                 raise PluginError(f"model_spec().name is {spec.name!r} but the entry point is named {name!r}")
+            if spec.contract > CONTRACT_VERSION:
+                raise PluginError(
+                    f"model plugin {name!r} needs plugin contract {spec.contract}, but this diffpipe-core "
+                    f"({__version__}) implements contract {CONTRACT_VERSION}: upgrade diffpipe-core (its CHANGELOG.md "
+                    "says what each contract version added)"
+                )
             info.spec = spec
         except Exception as exc:  # a broken plugin must not take the others down
             if self.pm.is_registered(plugin):
@@ -85,7 +91,7 @@ class Registry:
                 try:
                     module = ep.load()
                 except Exception as exc:
-                    tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                    tb = traceback.format_exception_only(type(exc), exc)[-1].strip() + _newer_core_hint(exc)
                     self.plugins[ep.name] = PluginInfo(ep.name, dist_name, version, error=tb, is_model=is_model)
                     continue
                 if is_model:
@@ -159,6 +165,16 @@ class ModelPlugin:
         if result is None:
             raise PluginError(f"model plugin {self.name!r} does not implement required hook {hook!r}")
         return result
+
+
+def _newer_core_hint(exc: Exception) -> str:
+    """A plugin that fails to import a name from ``diffpipe_core`` was most likely written for a newer core."""
+    if isinstance(exc, (ImportError, AttributeError)) and "diffpipe_core" in str(exc):
+        return (
+            f" (the plugin may need a newer diffpipe-core: this one, {__version__}, implements plugin contract "
+            f"{CONTRACT_VERSION}; see its CHANGELOG.md)"
+        )
+    return ""
 
 
 _default: Registry | None = None

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 
@@ -30,22 +30,35 @@ def template_dir() -> Path:
 
 
 def template_values(name: str, video: bool) -> dict[str, str]:
-    """The placeholder values for model ``name``; raises ValueError for a name that cannot be a package."""
-    if not NAME_RE.match(name):
+    """The placeholder values for model ``name``; raises ValueError for a name that cannot be a package.
+
+    ``name`` stays the entry-point (model) name users type, ``-`` included (``qwen-image``, like the bundled
+    ``hunyuan-video``); the package is ``diffpipe_<name>`` with ``-`` as ``_`` (``diffpipe_qwen_image``)."""
+    if not NAME_RE.match(name) or name.endswith(("-", "_")) or "--" in name:
         raise ValueError(
-            f"model name {name!r} is not valid: use up to 32 lowercase letters, digits and '_', starting with a "
-            "letter (it becomes the entry-point name and the package diffpipe_<name>)"
+            f"model name {name!r} is not valid: use up to 32 lowercase letters, digits, '-' and '_', starting with a "
+            "letter and ending with a letter or digit (it becomes the entry-point name and the package "
+            "diffpipe_<name>, '-' read as '_')"
         )
+    from diffpipe_core import CONTRACT_VERSION
+
+    module = name.replace("-", "_")
     modality = "video" if video else "image"
     return {
         "name": name,
-        "package": f"diffpipe_{name}",
-        "distribution": f"diffpipe-{name.replace('_', '-')}",
+        "module": module,
+        "package": f"diffpipe_{module}",
+        "distribution": f"diffpipe-{module.replace('_', '-')}",
+        "class_name": "".join(part.capitalize() for part in module.split("_")),
         "modality": modality,
+        "video": str(video),
         "frame_multiple": "4" if video else "1",
         "frame_offset": "1" if video else "0",
         "video_fps": "16.0" if video else "None",
-        "description": f"tiny pure-PyTorch DiT ({modality}) from diffpipe's plugin template",
+        "vae_class": "AutoencoderKLHunyuanVideo" if video else "AutoencoderKL",
+        "vae_builder": "hunyuan_video_vae" if video else "autoencoder_kl",
+        "contract": str(CONTRACT_VERSION),
+        "description": f"tiny {modality} DiT on diffusers parts, from diffpipe's plugin template",
     }
 
 

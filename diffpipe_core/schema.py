@@ -210,11 +210,84 @@ def validate(
     context: Any = None,
     hints: KeyHint | None = None,
 ) -> M:
-    """Validate ``data`` against ``cls``; raise ConfigError listing every problem (see :func:`format_errors`)."""
+    """Validate ``data`` against ``cls``; raise ConfigError listing every problem (see :func:`format_errors`). A
+    string where a number is expected (``lr = "1e-4"``) is one: pydantic would quietly convert it."""
+    strings = string_numbers(cls, data)
+    problems = [f"{source}: {prefix}{key}: {msg}" for key, msg in strings]
     try:
-        return cls.model_validate(data, context=context)
+        result = cls.model_validate(data, context=context)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, cls, source, prefix, hints)) from None
+        said = tuple(f"{source}: {prefix}{key}: " for key, _ in strings)  # pydantic's word on the same key
+        problems += [p for p in format_errors(exc, cls, source, prefix, hints) if not p.startswith(said)]
+        raise ConfigError(problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return result
+
+
+_NUMBERS = (int, float)
+
+
+def _takes_number_not_string(annotation: Any) -> bool:
+    """Whether a field of this type takes numbers and no strings (``float``, ``int | None``; not ``int | str``
+    nor ``Literal['auto'] | int``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        kinds = [a for a in args if a is not type(None)]
+        return any(_takes_number_not_string(a) for a in kinds) and not any(_takes_string(a) for a in kinds)
+    return isinstance(annotation, type) and issubclass(annotation, _NUMBERS) and annotation is not bool
+
+
+def _takes_string(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return any(isinstance(a, str) for a in typing.get_args(annotation))
+    if origin is not None:
+        return False
+    return isinstance(annotation, type) and (issubclass(annotation, (str, Path)) or annotation is Any)
+
+
+def _items_type(annotation: Any) -> list[Any]:
+    """The element types of a list/tuple field (``Optional`` unwrapped); empty for anything else."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return [t for a in args if a is not type(None) for t in _items_type(a)]
+    if origin in (list, tuple):
+        return [a for a in args if a is not Ellipsis]
+    return []
+
+
+def string_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tuple[str, str]]:
+    """``(key path, message)`` for every string given where ``cls`` (and its nested tables) expects a number."""
+    found: list[tuple[str, str]] = []
+    if not isinstance(data, dict):
+        return found
+
+    def check(value: Any, annotation: Any, key: str) -> None:
+        if isinstance(value, str) and _takes_number_not_string(annotation):
+            bare = key.rsplit(".", 1)[-1]
+            try:
+                float(value)
+                fix = "; write it without quotes" + ("" if "[" in bare else f" ({bare} = {value})")
+            except ValueError:
+                fix = ""
+            found.append((key, f"invalid value {value!r}: a string, where {describe_type(annotation)} is expected"
+                               f"{fix}"))
+        elif isinstance(value, (list, tuple)):
+            kinds = _items_type(annotation)
+            for i, item in enumerate(value):
+                if kinds:
+                    check(item, kinds[i] if len(kinds) == len(value) and len(kinds) > 1 else kinds[0], f"{key}[{i}]")
+        elif isinstance(value, dict):
+            sub = _unwrap_model(annotation)
+            if sub is not None:
+                found.extend(string_numbers(sub, value, f"{key}."))
+
+    for name, field in cls.model_fields.items():
+        key = field.alias or name
+        if key in data:
+            check(data[key], field.annotation, f"{path}{key}")
+    return found
 
 
 def reference_markdown(cls: type[BaseModel], heading: str, table: str = "") -> str:

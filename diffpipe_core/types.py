@@ -70,6 +70,10 @@ class ModelSpec:
             batches carry ``EncodeBatch.first_frames``, image items train as before); ``"required"`` (an
             image-to-video-only model: an image in its dataset is an error naming the file). What ``encode_batch``
             returns for the first frame (image latents, image-encoder embeddings, or both) is cached with the clip.
+        contract: the plugin contract version the plugin is written against and needs
+            (``diffpipe_core.CONTRACT_VERSION`` when it was written; ``CHANGELOG.md`` lists the versions). A core
+            implementing an older contract refuses the plugin by name, saying which version it needs, instead of
+            failing somewhere inside a hook.
     """
 
     name: str
@@ -91,6 +95,7 @@ class ModelSpec:
     control_size: Literal["target", "own"] = "target"
     control_in_captions: bool = False
     first_frame: Literal["none", "optional", "required"] = "none"
+    contract: int = 1
 
     def __post_init__(self) -> None:
         choices = {"control_images": ("none", "optional", "required"), "control_size": ("target", "own"),

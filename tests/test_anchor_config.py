@@ -194,7 +194,7 @@ def test_the_anchors_main_example_imports_and_validates(tmp_path: Path, hunyuan_
     assert "moved here: diffusion-pipe had video_clip_mode = 'single_beginning' in its run config" in comments
     assert "was transformer_dtype = 'float8'" in comments and "not carried: [monitoring]" in comments
     # the one thing it cannot know: a diffusers folder for the VAE and text encoders diffusion-pipe took from files
-    assert "1 to fill in before training" in output and "model.path: A diffusers HunyuanVideo folder" in output
+    assert "1 to fill in before training" in output and "model.path: The model's diffusers folder" in output
     code, text = _validate(out / "run.toml")
     assert code == 1 and "model.path: required key is missing" in text and text.count("problem") <= 1
     run_toml = out / "run.toml"

@@ -44,7 +44,8 @@ def test_crash_during_checkpoint_keeps_the_previous_one(tmp_path: Path, monkeypa
     latest = latest_checkpoint(tmp_path)
     assert latest is not None and latest.name == "step-0000002"
     assert torch.equal(ckpt.read_params(latest)["w"], torch.full((2,), 1.0))
-    assert resolve_resume(tmp_path.parent, str(tmp_path)) == (tmp_path, latest)
+    chosen = resolve_resume(tmp_path.parent, str(tmp_path))
+    assert (chosen.run_dir, chosen.checkpoint, chosen.notes) == (tmp_path, latest, ())
     # the next good write replaces the leftover and prunes beyond keep=2
     write(tmp_path, 6, 3.0)
     write(tmp_path, 8, 4.0)

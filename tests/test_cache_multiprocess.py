@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 
 import diffpipe_reference.plugin as reference_plugin
 from diffpipe_core.data import prepare_cache
+from diffpipe_core.data.cache_store import list_shards
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_reference.model import write_tiny_model
@@ -145,3 +149,84 @@ def test_two_processes_cache_disjoint_halves_and_read_everything(tmp_path: Path)
     config = plugin.spec.config_schema(type="reference", path=model_dir)
     ds = prepare_cache(toml, plugin, config, decode_workers=0, progress=False)
     assert ds.summary["encoded_media"] == 0 and ds.summary["reused_media"] == n and len(ds) == n
+
+
+ONE_RUN = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+
+    import diffpipe_reference.plugin as reference_plugin
+    from diffpipe_core import hookimpl
+    from diffpipe_core.data import prepare_cache
+    from diffpipe_core.registry import Registry
+
+    toml, model_dir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+
+    class HeldCounter:  # the first run's encoder waits for the test's go, so the second starts while it encodes
+        media = 0
+
+        @hookimpl(wrapper=True)
+        def encode_batch(self, encoders, batch):
+            (out.parent / "encoding").touch()
+            deadline = time.monotonic() + 120
+            while not (out.parent / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if batch.pixels is not None:
+                self.media += batch.pixels.shape[0]
+            return (yield)
+
+    registry = Registry()
+    registry.register_model("reference", reference_plugin)
+    counter = HeldCounter()
+    registry.register_generic("counter", counter)
+    plugin = registry.model("reference")
+    config = plugin.spec.config_schema(type="reference", path=model_dir)
+    ds = prepare_cache(toml, plugin, config, batch_size=2, decode_workers=0, progress=False)
+    out.write_text(json.dumps({"media": counter.media, "summary": ds.summary, "items": len(ds)}))
+    """
+)
+
+
+def test_two_runs_caching_the_same_dataset_at_once_encode_it_once(tmp_path: Path):
+    """Issue 20.15: the second run waits for the first's entries and reuses them, saying why it waits."""
+    n = 4
+    write_image_dataset(tmp_path / "data", n, size=(64, 64))
+    toml = write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "data", resolutions=[64])
+    model_dir = write_tiny_model(tmp_path / "model")
+    script = tmp_path / "one_run.py"
+    script.write_text(ONE_RUN)
+
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(toml), str(model_dir), str(tmp_path / name)],
+                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = start("first.json")
+    second = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "encoding").exists():  # the first run holds its turn, encoding
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            time.sleep(0.05)
+        second = start("second.json")
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in second.stdout], daemon=True).start()
+        said = []
+        while not any("waiting for it" in line for line in said):  # the second says it waits, and why
+            said.append(lines.get(timeout=120))
+        (tmp_path / "go").touch()
+        first_out = first.communicate(timeout=240)[0]
+        second.wait(timeout=240)
+    finally:
+        (tmp_path / "go").touch()
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert first.returncode == 0 and second.returncode == 0, first_out[-3000:]
+    assert f"{tmp_path / 'cache' / 'reference' / 'dataset'}" in said[-1] and "pid" in said[-1], said
+    one, two = (json.loads((tmp_path / name).read_text()) for name in ("first.json", "second.json"))
+    assert one["media"] == n and two["media"] == 0, (one, two)
+    assert two["summary"]["reused_media"] == n and two["items"] == n
+    fp_dir = next(p for p in (tmp_path / "cache" / "reference").glob("*/*") if (p / "media").is_dir())
+    stored = [k for shard in list_shards(fp_dir / "media") for k in shard.keys]
+    assert len(stored) == len(set(stored)) == n  # each entry stored once

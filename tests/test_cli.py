@@ -34,6 +34,21 @@ def test_data_command_lists_buckets_and_left_out_files(project: Path) -> None:
     result = run_diffpipe(["data", "--config", "run.toml"], cwd=project, timeout=120)
     assert result.returncode == 0, result.output
     assert "64x64" in result.stdout and "broken.png" in result.stdout
+    # issue 28: and the stage plan (the dataset is not cached yet: weights and trainable state only)
+    assert "stage plan (memory, 1 stage; activations: not estimated: the dataset is not cached yet" in result.stdout
+    assert "0-5 (EmbedLayer, BlockLayer x4, FinalLayer)" in result.stdout
+
+
+def test_validate_prints_the_stage_plan_and_warns_of_an_uneven_split(project: Path) -> None:
+    (project / "run2.toml").write_text(RUN.replace("[model]", "pipeline_stages = 2\npartition_split = [1]\n[model]"))
+    result = run_diffpipe(["validate", "--config", "run2.toml"], cwd=project, timeout=120)
+    assert result.returncode == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage plan (explicit, 2 stages"))
+    assert lines[header + 2].startswith("  0 ") and lines[header + 2].endswith("0 (EmbedLayer)")
+    assert lines[header + 3].endswith("1-5 (BlockLayer x4, FinalLayer)")
+    assert lines[header + 4].startswith("  warning: stage 1 is estimated at")
+    assert "above the mean of the stages" in lines[header + 4]
 
 
 @pytest.mark.slow
@@ -41,6 +56,12 @@ def test_cache_command_encodes_once_then_reuses(project: Path) -> None:
     first = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "2"], cwd=project, timeout=300)
     assert first.returncode == 0, first.output[-3000:]
     assert "media encoded 5, reused 0" in first.output and "captions encoded 5, reused 0" in first.output
+    assert first.output.count("broken.png") == 1, first.output  # issue 20.13: warned once, not once per scan
+    assert "caching 3 media + 3 captions" in first.output  # issue 20.21: rank 0's share, both kinds counted
     second = run_diffpipe(["cache", "--config", "run.toml", "--num-procs", "1"], cwd=project, timeout=300)
     assert second.returncode == 0, second.output[-3000:]
     assert "media encoded 0, reused 5" in second.output and "captions encoded 0, reused 5" in second.output
+    # issue 28: once cached, the plan estimates activations for a micro-batch of the largest bucket
+    data = run_diffpipe(["data", "--config", "run.toml"], cwd=project, timeout=120)
+    assert data.returncode == 0, data.output
+    assert "stage plan (memory, 1 stage; activations: micro-batch of 2 in bucket 128x64)" in data.stdout

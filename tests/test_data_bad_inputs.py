@@ -168,7 +168,7 @@ def test_file_names_with_spaces_and_non_ascii_are_used(tmp_path: Path) -> None:
 def test_video_shorter_than_every_frame_bucket(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     video(tmp_path / "data" / "short.mp4", 6)  # 6 frames at 8 fps; buckets 9 and 17
     reason = only_skip(scan(tmp_path, VIDEO), "short.mp4", "too short", caplog)
-    assert "6 frames at 8 fps" in reason and "smallest frame bucket is 9" in reason
+    assert "6 frames at 8 fps" in reason and "a video needs at least 9 frames" in reason
 
 
 def test_missing_directory_is_a_validation_error_before_anything_runs(tmp_path: Path) -> None:

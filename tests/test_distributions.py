@@ -13,7 +13,7 @@ that one, and a model appearing in it mid-run would change what their ``diffpipe
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import re
@@ -226,13 +226,14 @@ def write_mixed_dataset(root: Path) -> Path:
     )
 
 
-def load_rendered_module(path: Path, name: str):
-    """A rendered module by file path (the package is installed in the clean venv, not in this process)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def rendered_module(pkg: Path, name: str):
+    """A rendered package's module, imported in this process from its sources (it is installed only in the clean
+    venv); its uniquely named package stays importable, no entry point of it is seen here."""
+    sys.path.insert(0, str(pkg / "src"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(pkg / "src"))
 
 
 def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanVenv, tmp_path: Path) -> None:
@@ -266,12 +267,12 @@ def test_template_renders_installs_trains_two_stages_and_uninstalls(venv: CleanV
     ping = run_diffpipe(["observer-ping"], tmp_path, timeout=120, env=env, program=venv.diffpipe)
     assert ping.returncode == 0 and "observer: pong" in ping.stdout, ping.output  # register_commands
 
-    model = load_rendered_module(pkgs["video"] / "src" / "diffpipe_tplvideo" / "model.py", "tplvideo_model")
-    model.write_tiny_model(tmp_path / "model")
+    rendered_module(pkgs["video"], "diffpipe_tplvideo.testing").write_tiny_model(tmp_path / "model")
     write_mixed_dataset(tmp_path)
     (tmp_path / "run.toml").write_text(
         'output_dir = "out"\ndataset = "dataset.toml"\nmax_steps = 4\nmicro_batch_size_per_gpu = 1\n'
-        'gradient_accumulation_steps = 2\npipeline_stages = 2\n\n[model]\ntype = "tplvideo"\npath = "model"\n\n'
+        'gradient_accumulation_steps = 2\npipeline_stages = 2\n\n[model]\ntype = "tplvideo"\npath = "model"\n'
+        'dtype = "float32"\nencoder_dtype = "float32"\n\n'
         "[adapter]\nrank = 4\nalpha = 4\n\n[optimizer]\nlr = 1e-3\n"
     )
     result = run_diffpipe(

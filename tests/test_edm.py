@@ -77,3 +77,27 @@ def test_sigma_sampling_is_log_normal_and_seeded() -> None:
     assert torch.allclose(median, torch.full((4,), math.exp(-0.4)))
     q = edm.sample_sigmas(1, torch.Generator(), p_mean=0.0, p_std=1.0, quantile=0.8413447)
     assert q.item() == pytest.approx(math.e, rel=1e-4)
+
+
+@pytest.mark.parametrize("final", ["sigma_min", "zero"])
+def test_karras_sigmas_and_euler_step_are_edm_euler_schedulers(final: str) -> None:
+    """diffpipe_core.sampling.schedules: the Karras levels and the EDM Euler step (from the denoised latents) are
+    EDMEulerScheduler's with the same settings, step for step."""
+    from diffusers import EDMEulerScheduler
+
+    from diffpipe_core.sampling.schedules import edm_euler_step, karras_sigmas
+
+    sched = EDMEulerScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5, final_sigmas_type=final)
+    sched.set_timesteps(6)
+    sigmas = karras_sigmas(6, 0.002, 80.0, 7.0, final_zero=final == "zero")
+    assert torch.equal(sigmas, sched.sigmas)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 2, 3, 3, generator=g) * 80.0
+    ours = x.clone()
+    for i, t in enumerate(sched.timesteps):
+        out = torch.randn(x.shape, generator=g)
+        denoised = edm.denoise(out, ours, sigmas[i], 0.5)
+        sched.scale_model_input(x, t)
+        x = sched.step(out, t, x, return_dict=False)[0]
+        ours = edm_euler_step(ours, denoised, sigmas, i)
+        torch.testing.assert_close(ours, x, rtol=1e-5, atol=1e-5)

@@ -60,3 +60,15 @@ def test_lr_schedules() -> None:
     cosine = lr_lambda("cosine", 2, 12)
     assert cosine(2) == 1.0 and cosine(7) == pytest.approx(0.5) and cosine(12) == pytest.approx(0.0, abs=1e-12)
     assert cosine(4) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
+
+
+def test_the_low_precision_warning_on_a_lora_run_names_the_adapter_dtype_fix(capsys) -> None:
+    """Issue 20.22: LoRA weights in bf16 are not a full fine-tune; the fix is the default float32 adapter dtype."""
+    lora = [torch.nn.Parameter(torch.randn(8, 4).to(torch.bfloat16))]
+    build_optimizer(OptimizerConfig(type="adamw", lr=1e-4), lora, Registry().pm, lora=True)
+    said = capsys.readouterr().out
+    assert "the bfloat16 LoRA weights ([adapter] dtype = 'bfloat16')" in said and "full fine-tune" not in said
+    assert "leave [adapter] dtype out (its default 'float32'" in said
+    build_optimizer(OptimizerConfig(type="adamw", lr=1e-4), lora, Registry().pm)  # a full fine-tune's weights
+    said = capsys.readouterr().out
+    assert "a full fine-tune of a bfloat16 model" in said and "adamw8bit_kahan" in said

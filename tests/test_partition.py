@@ -9,7 +9,7 @@ import pytest
 from deepspeed.runtime import utils as ds_utils
 from torch import nn
 
-from diffpipe_core.engine.partition import balanced_parts, layer_param_counts, stage_parts
+from diffpipe_core.engine.partition import balanced_parts, layer_param_counts, min_max_parts, stage_parts
 
 
 def heaviest(weights: list[int], parts: list[int]) -> int:
@@ -97,3 +97,46 @@ def test_lora_model_is_split_by_total_size_not_trainable_size() -> None:
     deepspeeds = [int(b) for b in ds_utils.partition_balanced(weights=trainable, num_parts=2)]
     assert deepspeeds == [0, 4, 6]
     assert heaviest(total, deepspeeds) > 1.3 * heaviest(total, ours)
+
+
+def brute_force_min_max(n: int, num_stages: int, cost, valid) -> tuple[int, int]:
+    """(least max cost, least sum of squares among those) over every split all of whose stages are valid."""
+    best = None
+    for cuts in itertools.combinations(range(1, n), num_stages - 1):
+        parts = [0, *cuts, n]
+        if not all(valid(a, b) for a, b in itertools.pairwise(parts)):
+            continue
+        costs = [cost(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(parts))]
+        key = (max(costs), sum(c * c for c in costs))
+        best = key if best is None or key < best else best
+    return best
+
+
+def test_min_max_parts_is_optimal_for_stage_dependent_costs_and_then_most_even() -> None:
+    rng = random.Random(1)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        stages = rng.randint(1, n)
+        weights = [rng.choice([0, 1, 2, 5, 9, 40]) for _ in range(n)]
+        extra = [rng.choice([0, 3, 10]) for _ in range(n)]
+        trainable = [rng.random() < 0.6 for _ in range(n)]
+
+        def cost(s: int, i: int, j: int, weights=weights, extra=extra, stages=stages) -> int:
+            return sum(weights[i:j]) + (stages - s) * sum(extra[i:j])  # a first stage holds more micro-batches
+
+        def valid(i: int, j: int, trainable=trainable) -> bool:
+            return any(trainable[i:j])
+
+        parts = min_max_parts(n, stages, cost, valid)
+        assert_valid(parts, n, stages)
+        want = brute_force_min_max(n, stages, cost, valid) or brute_force_min_max(n, stages, cost, lambda i, j: True)
+        got = [cost(s, a, b) for s, (a, b) in enumerate(itertools.pairwise(parts))]
+        assert (max(got), sum(c * c for c in got)) == want, (weights, extra, trainable, stages, parts)
+
+
+def test_min_max_parts_keeps_a_trainable_layer_on_every_stage() -> None:
+    # a heavy frozen embedder alone on stage 0 would balance best, but that stage would train nothing
+    weights, trainable = [10, 3, 3, 3, 3], [False, True, True, True, True]
+    parts = min_max_parts(5, 2, lambda s, i, j: sum(weights[i:j]), lambda i, j: any(trainable[i:j]))
+    assert parts == [0, 2, 5]
+    assert min_max_parts(5, 2, lambda s, i, j: sum(weights[i:j])) == [0, 1, 5]

@@ -107,7 +107,7 @@ def test_template_has_no_unknown_placeholder(tmp_path: Path) -> None:
     assert (template_dir() / "pyproject.toml").is_file()
 
 
-@pytest.mark.parametrize(("name", "video"), [("mine", False), ("a" * 32, True)])  # the longest name allowed
+@pytest.mark.parametrize(("name", "video"), [("mine-too", False), ("a" * 32, True)])  # a '-'; the longest name
 def test_rendered_template_is_ruff_clean(tmp_path: Path, name: str, video: bool) -> None:
     """The template is kept out of the repository's ruff run (it holds placeholders); what it renders
     to is checked here under the rendered package's own ruff config."""
@@ -118,5 +118,16 @@ def test_rendered_template_is_ruff_clean(tmp_path: Path, name: str, video: bool)
             [sys.executable, "-m", "ruff", *args, "--no-cache", "."], cwd=pkg, capture_output=True, text=True
         )
         assert out.returncode == 0, out.stdout + out.stderr
-    spec = (pkg / "src" / f"diffpipe_{name}" / "plugin.py").read_text()
+    spec = (pkg / "src" / f"diffpipe_{name.replace('-', '_')}" / "plugin.py").read_text()
     assert f'modality="{"video" if video else "image"}"' in spec
+
+
+def test_the_guide_shows_the_rendered_template_a_complete_plugin_in_under_150_lines(tmp_path: Path) -> None:
+    """The example block is the template's config and plugin modules as rendered (so it is the tested code), and
+    it is short: what a diffusers-backed plugin on the shared parts takes."""
+    block = GUIDE.read_text().split("<!-- generated: example -->\n", 1)[1].split("<!-- end generated -->", 1)[0]
+    pkg = render_plugin("mymodel", tmp_path) / "src" / "diffpipe_mymodel"
+    sources = [(pkg / name).read_text() for name in ("config.py", "plugin.py")]
+    assert all(f"```python\n{source}```" in block for source in sources)
+    assert sum(len(source.splitlines()) for source in sources) < 150
+    assert "class Mymodel(DiffusersModel, FlowSampling):" in sources[1] and "@hookimpl" in sources[1]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -90,6 +93,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One uninterrupted 1-process run, shared by several tests."""
     root = tmp_path_factory.mktemp("single")
     config = make_project(root, stages=1, max_steps=30, ckpt=10, extra="save_every_n_epochs = 5\n")
+    write_image_dataset(root / "uncaptioned", 1, size=(64, 64))
+    (root / "uncaptioned" / "img_000.png").rename(root / "images" / "uncaptioned.png")  # left out: no caption
     (root / "train.log").write_text(train(root, config, "--num-procs", "1"))
     return run_dirs(root)[0]
 
@@ -112,6 +117,12 @@ def test_single_process_overfits(single: Path) -> None:
     assert first_q == pytest.approx(sum(seq30[:7]) / 7) and last_q == pytest.approx(sum(seq30[-7:]) / 7)
     log = (single.parent.parent / "train.log").read_text()
     assert f"mean loss {first_q:.4f} in the first quarter of steps -> {last_q:.4f} in the last" in log
+    # issue 20.13: the file left out is warned about once; 20.21: one bar redraw per step (the log is not a
+    # terminal), one line per save
+    assert log.count("uncaptioned.png") == 1, log[-3000:]
+    assert log.count("\rtrain:") <= 30 + 2, log.count("\rtrain:")
+    for step in (10, 20):
+        assert log.count(f"diffpipe: step {step}: saved {single}/saved/step-{step:07d}") == 1
     # issue 9.11: the libraries' own chatter stays behind --verbose
     for noise in ("Setting accelerator", "SEED_LAYERS", "Using topology", "built successfully", "UserWarning",
                   "gemm_4bit", "kept in float32", "torchvision"):
@@ -164,10 +175,13 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     # the eval set is the training set here, so held-out loss must fall as the model overfits
     assert evals[16]["held/loss"] < evals[8]["held/loss"]
     samples = sorted(p.name for p in (run / "samples" / "step-0000016").iterdir())
-    assert samples == ["00-one.png", "01-two.png", "02-three.png", "latents.safetensors", "prompts.json"]
+    assert samples == [
+        "00-one.png", "01-two.png", "02-three.png", "contact-sheet.png", "latents.safetensors", "prompts.json"
+    ]
 
 
 def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
+    """SIGKILL to every process, a damaged newest checkpoint, then --resume: the uninterrupted run's losses."""
     killed_root = tmp_path / "killed"
     expected = losses(two_stages)
 
@@ -188,8 +202,15 @@ def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) ->
         kill_group(proc)  # SIGKILL to the launcher and every worker
         proc.communicate()
     run = run_dirs(killed_root)[0]
-    assert (run / "checkpoints" / "latest").read_text().strip() in {"step-0000006", "step-0000009"}
-    train(killed_root, config, "--num-procs", "2", "--resume")
+    newest = (run / "checkpoints" / "latest").read_text().strip()
+    assert newest in {"step-0000006", "step-0000009"}
+    # issue 20.4: the newest checkpoint is damaged too (cut short): the resume names it and takes the one before
+    damaged = run / "checkpoints" / newest / "params-stage1.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    out = train(killed_root, config, "--num-procs", "2", "--resume")
+    previous = f"step-{int(newest[5:]) - 3:07d}"
+    assert f"checkpoint {newest} is damaged: {damaged}: 100 bytes" in out, out[-3000:]
+    assert f"resuming run {run} from step {int(previous[5:])} ({previous})" in out
     assert len(run_dirs(killed_root)) == 1
     got = losses(run)
     assert sorted(got) == sorted(expected)
@@ -198,6 +219,94 @@ def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) ->
     # issue 9.10: the resume dropped the records after its checkpoint, so each step is logged once
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 13))
     assert len(step_seconds(run)) == 12
+
+
+def test_sigterm_checkpoints_the_step_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
+    """Issue 20.1: SIGTERM (a scheduler's notice) to a 2-stage run mid-epoch: the step in progress finishes, is
+    checkpointed, one line gives the resume command, the exit code is 143; resuming repeats the uninterrupted
+    run's losses (``two_stages``, the same config)."""
+    config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3)
+    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = next((tmp_path / "out").glob("*/metrics.jsonl"), None) if (tmp_path / "out").exists() else None
+            if metrics and len(metrics.read_text().splitlines()) >= 4:
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        else:
+            pytest.fail("training did not reach step 4 in time")
+        proc.send_signal(signal.SIGTERM)  # to the launcher only, as Kubernetes does
+        out, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, (out + err)[-3000:]
+    run = run_dirs(tmp_path)[0]
+    done = [r["step"] for r in read_metrics(run) if "loss" in r]
+    stop_step = done[-1]
+    assert done == list(range(1, stop_step + 1)) and 4 <= stop_step < 12
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stop_step:07d}"  # nothing lost
+    lines = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 1 and f"after step {stop_step} of 12" in lines[0], out + err
+    command = shlex.split(lines[0].split("Resume with: ", 1)[1])
+    assert command[:2] == ["diffpipe", "train"] and "--resume" in command
+    train(tmp_path, Path(command[command.index("--config") + 1]), *command[command.index("--config") + 2 :])
+    expected, got = losses(two_stages), losses(run)
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
+
+
+OBSERVER = """
+import json
+from diffpipe_core import hookimpl
+
+@hookimpl
+def on_train_end(run_dir, summary):
+    (run_dir / "observer.json").write_text(json.dumps(summary))
+"""
+
+
+def test_resume_after_editing_the_config(single: Path, tmp_path: Path) -> None:
+    """Issue 20.2 and 20.19 on a copy of the finished ``single`` run (30 steps): resuming it unchanged says it is
+    finished and changes nothing; a changed LoRA rank is refused naming the key and both values; a higher max_steps
+    and a new lr apply (the logged lr is the new one), are announced, and the run folder records the new config."""
+    old_root, root = single.parent.parent, tmp_path / "project"
+    shutil.copytree(old_root, root, symlinks=True)
+    run = root / "out" / single.name
+    resolved = run / "resolved_config.json"
+    resolved.write_text(resolved.read_text().replace(str(old_root), str(root)))  # as if trained here
+    config = root / "run.toml"
+    text = config.read_text()
+    final = run / "saved" / "final" / "adapter_model.safetensors"
+    stamp = final.stat().st_mtime_ns
+    # the run's bare name, given from another folder, is found in output_dir
+    done = run_diffpipe(["train", "--config", str(config), "--resume", single.name], cwd=tmp_path, timeout=120)
+    assert done.returncode == 0 and f"run {run} is finished" in done.stdout, done.output[-2000:]
+    assert "step 30 of 30" in done.stdout and final.stat().st_mtime_ns == stamp
+    assert "run folder" not in done.output and "caching" not in done.output  # no worker started
+
+    config.write_text(text.replace("rank = 8", "rank = 16"))
+    refused = run_diffpipe(["train", "--config", str(config), "--resume"], cwd=root, timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in refused.output
+    assert "adapter.rank: 8 when the run was trained, 16 now: cannot apply to a resumed run" in refused.stderr
+
+    edited = text.replace("max_steps = 30", "max_steps = 32").replace("lr = 3e-3", "lr = 1e-3")
+    config.write_text(edited)
+    site = write_plugin_distribution(tmp_path / "site", "diffpipe-observer", {"diffpipe.plugins": {"o": "observer"}},
+                                     {"observer": OBSERVER})
+    out = train(root, config, "--num-procs", "1", "--resume", env=cli_env([site]))
+    assert json.loads((run / "observer.json").read_text())["steps"] == 2  # generic plugins observe the run's end
+    assert "optimizer.lr: 0.003 -> 0.001 from step 30" in out and "max_steps: 30 -> 32 from step 30" in out
+    factor = lr_lambda("cosine", 2, 32)
+    records = {r["step"]: r for r in read_metrics(run) if "loss" in r}
+    assert sorted(records) == list(range(1, 33))
+    for step in (31, 32):
+        assert records[step]["lr"] == pytest.approx(1e-3 * factor(step - 1), rel=1e-9), records[step]
+    assert (run / "config.toml").read_text() == edited
+    assert (run / "config.until-step-0000030.toml").read_text() == text
+    assert json.loads(resolved.read_text())["run"]["optimizer"]["lr"] == 1e-3
 
 
 def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:
@@ -245,37 +354,68 @@ import json
 import torch
 from diffpipe_core import hookimpl
 
+POISON = {}
+
 @hookimpl
-def on_train_end(run_dir, summary):
-    (run_dir / "observer.json").write_text(json.dumps(summary["skipped_steps"]))
+def on_train_step_end(step, metrics):
+    with open("observed.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, "loss": metrics["loss"]}) + "\\n")
 
 @hookimpl(wrapper=True)
 def prepare_inputs(batch, context, generator):
     inputs, targets = yield
     if context.step == 3:
         inputs = (inputs[0] * float("nan"),) + tuple(inputs[1:])
+    POISON["now"] = context.step == 5  # the last step: its update makes the weights NaN
     return inputs, targets
+
+class Poisoned(torch.optim.AdamW):  # AdamW whose update of the last step writes NaN (a bug, an overflow)
+    def step(self, closure=None):
+        out = super().step(closure)
+        if POISON.get("now"):
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.fill_(float("nan"))
+        return out
+
+@hookimpl
+def register_optimizers(register):
+    register("poisoned_adamw", lambda params, **kw: Poisoned(params, **kw))
 """
 
 
-def test_non_finite_loss_is_reported_and_skipped(tmp_path: Path) -> None:
+def test_non_finite_loss_is_skipped_and_non_finite_weights_never_saved(tmp_path: Path) -> None:
+    """A non-finite loss skips its step; weights that became NaN (issue 20.6) are not saved over the last finite
+    save: the run stops non-zero naming the tensors."""
     site = write_plugin_distribution(
         tmp_path / "site",
         "diffpipe-nan-injector",
         {"diffpipe.plugins": {"nan": "nan_injector"}},
         {"nan_injector": NAN_PLUGIN},
     )
-    config = make_project(tmp_path, stages=1, max_steps=6, ckpt=2)
-    out = train(tmp_path, config, "--num-procs", "1", env=cli_env([site]))
+    config = make_project(tmp_path, stages=1, max_steps=6, ckpt=2, extra="save_every_n_steps = 2\n")
+    config.write_text(config.read_text().replace("[optimizer]\n", '[optimizer]\ntype = "poisoned_adamw"\n'))
+    result = run_diffpipe(["train", "--config", str(config), "--num-procs", "1"], cwd=tmp_path, timeout=400,
+                          env=cli_env([site]))
+    out = result.output
     assert "non-finite loss" in out and "at step 4" in out  # context.step is 0-based; the log counts from 1
     assert "img_0" in out.split("non-finite loss", 1)[1].splitlines()[0]  # names the samples
     run = run_dirs(tmp_path)[0]
     seq = losses(run)
-    assert json.loads((run / "observer.json").read_text()) == [4]  # generic plugins observe the run
+    observed = [json.loads(line) for line in (tmp_path / "observed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in observed] == list(range(1, 7))  # generic plugins observe the run
     assert math.isnan(seq[4]) and all(math.isfinite(seq[s]) for s in (1, 2, 3, 5, 6))
-    state, _ = read_adapter(run / "saved" / "final")
+    # the weights went NaN in step 6's update: saved/final is not written, the step-4 save and checkpoint stay
+    assert result.returncode == 1, out[-3000:]
+    error = [line for line in result.stderr.splitlines() if "NaN or infinite" in line]
+    assert len(error) == 1 and "NonFiniteWeights" in error[0] and "lora_B.default.weight" in error[0], out[-3000:]
+    assert "saved/final not written, saved/step-0000004 is the last finite save" in error[0]
+    assert sorted(p.name for p in (run / "saved").iterdir()) == ["step-0000002", "step-0000004"]
+    state, _ = read_adapter(run / "saved" / "step-0000004")
     assert all(torch.isfinite(v.float()).all() for v in state.values())
-    ckpt = load_file(str(sorted((run / "checkpoints").glob("step-*"))[-1] / "params-stage0.safetensors"))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000004"
+    ckpt = load_file(str(run / "checkpoints" / "step-0000004" / "params-stage0.safetensors"))
     assert all(torch.isfinite(v).all() for v in ckpt.values())
 
 

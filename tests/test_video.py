@@ -198,3 +198,6 @@ def test_frame_counts_take_every_frame_time_before_the_end(tmp_path: Path, spec:
     assert len(got) == 9 and abs(got[-1] - 9 * 24) <= 3, got  # the frame at 1.0 s is source frame 24
     (skipped,) = result.skipped
     assert skipped.path.name == "one.mp4" and skipped.reason.startswith("too short: 1 frame at 8 fps"), skipped
+    # issue 20.13: frame_buckets holds 1, so say why that bucket does not take it
+    assert skipped.reason.endswith("a video needs at least 5 frames, the smallest video frame bucket (frame bucket "
+                                   "1 is for images: save a single frame as an image to train on it)"), skipped

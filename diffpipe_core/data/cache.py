@@ -53,7 +53,7 @@ from diffpipe_core.data.cache_keys import (
     mask_content_key,
     media_key,
 )
-from diffpipe_core.data.cache_lock import gate, in_use, other_users, take_lease
+from diffpipe_core.data.cache_lock import encoding_turn, end_encoding_turn, gate, in_use, other_users, take_lease
 from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
 from diffpipe_core.data.items import Bucket, MediaItem
 from diffpipe_core.data.scan_index import gc_paused
@@ -256,6 +256,7 @@ def prepare_cache(
     decode_workers: int | None = None,
     shard_batches: int = DEFAULT_SHARD_BATCHES,
     prune: bool = False,
+    report_skipped: bool = True,
 ) -> CachedDataset:
     """Scan the dataset, encode what the cache lacks (this rank's share), and open the whole cache.
 
@@ -279,6 +280,8 @@ def prepare_cache(
         shard_batches: batches per shard file; an interrupted run keeps every finished shard.
         prune: after caching, delete (and list) the folders of other encoder fingerprints that no live
             process is using; ``summary["pruned"]`` lists them.
+        report_skipped: warn (on rank 0) about each file the scan leaves out; False when the command's own
+            scan already did.
     """
     from diffpipe_core.data.dataset_config import load_dataset_config
     from diffpipe_core.model_files import model_file_problems
@@ -337,14 +340,14 @@ def prepare_cache(
 
     if rank != 0:
         barrier()  # rank 0 scans first and updates the scan index; the other ranks then only stat the files
-    scan = scan_dataset(cfg, spec, strict=strict, progress=show)
+    scan = scan_dataset(cfg, spec, strict=strict, progress=show, report_skipped=report_skipped and rank == 0)
     if rank == 0:
         barrier()
     plan = plan_digest(scan, fingerprint, strict, empty_key)
     fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
                                                              empty_key, start)
     if fresh is not None:  # nothing changed since the index was written (the same on every rank)
-        for _ in range(3):  # as many barriers as the caching path below, so that ranks stay in step regardless
+        for _ in range(4):  # as many barriers as the caching path below, so that ranks stay in step regardless
             barrier()
         _report(fresh.summary, show)
         return fresh
@@ -370,6 +373,9 @@ def prepare_cache(
     if empty_key is not None:
         texts[empty_key] = ""
 
+    if rank == 0:  # another run encoding into this folder goes first; what it encodes is then reused
+        encoding_turn(fp_dir, lambda line: log.warning("%s", line))
+    barrier()
     cached_media = {k for shard in list_shards(fp_dir / "media") for k in shard.keys}
     cached_captions = {k for shard in list_shards(fp_dir / "captions") for k in shard.keys}
     cached_controls = {k for shard in list_shards(fp_dir / "controls") for k in shard.keys} if first_control else set()
@@ -411,6 +417,7 @@ def prepare_cache(
     if rank == 0:
         pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune, set(first_control))
         _write_index(index_path, fingerprint, entries, skipped, plan)
+        end_encoding_turn(fp_dir)
     barrier()
     if not entries:
         raise CacheError(f"{dataset_toml}: every item failed to decode; see the warnings above")
@@ -428,6 +435,25 @@ def prepare_cache(
     summary["seconds"] = round(time.perf_counter() - start, 3)
     _report(summary, show)
     return dataset
+
+
+def open_cached(dataset_toml: Path, plugin: Any, model_config: ModelConfigBase) -> CachedDataset | None:
+    """The dataset's cache for these encoder settings as its index last listed it, read only (no scan, no lease,
+    nothing encoded), or None when there is none yet or it lacks entries. For reports (``diffpipe validate`` and
+    ``data`` estimate activations from cached shapes), never for training."""
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    cfg = load_dataset_config(Path(dataset_toml))
+    fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(plugin.spec.encoder_settings))
+    root = cache_root(cfg.cache_dir, plugin.name, Path(dataset_toml))
+    index = _read_index(root / "index.json", fingerprint)
+    if index is None or not index["entries"]:
+        return None
+    empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+    try:
+        return CachedDataset(index["entries"], root / fingerprint[:16], cfg.uncond_fraction, empty_key)
+    except CacheError:
+        return None
 
 
 def _workers(requested: int | None) -> int:
@@ -452,8 +478,11 @@ def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir:
     # Held in a dict so that clearing it drops the only reference, whatever closures exist.
     held = {"encoders": plugin.require("load_encoders", model_config=model_config, device=device)}
     my_controls = my_controls or []
-    bar = tqdm(total=len(my_media) + len(my_captions) + len(my_controls), unit="item", desc="caching",
-               disable=not show, dynamic_ncols=True)
+    # the bar counts encodings: each item's media, caption and control images are encoded apart (rank 0's share)
+    controls = f" + {len(my_controls)} control images" if my_controls else ""
+    bar = tqdm(total=len(my_media) + len(my_captions) + len(my_controls), unit="encoding",
+               desc=f"caching {len(my_media)} media + {len(my_captions)} captions{controls}", disable=not show,
+               dynamic_ncols=True)
     prefix = f"r{rank:03d}-{time.time_ns()}"
     stream = None
     try:

@@ -92,8 +92,8 @@ class _Overridable(_Strict):
     )
     drop_outside_ar: bool | None = Field(
         None,
-        description="Leave out items whose aspect ratio is outside min_ar..max_ar instead of cropping them into "
-        "the nearest bucket (as diffusion-pipe does). Default false.",
+        description="Leave out items whose aspect ratio is outside min_ar..max_ar. Default false: they go to the "
+        "nearest bucket, center-cropped, as in diffusion-pipe.",
     )
     num_ar_buckets: int | None = Field(
         None,

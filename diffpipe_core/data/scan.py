@@ -275,10 +275,12 @@ def _scan_file(
             video_buckets = [f for f in settings.frame_buckets if f > 1]
             if not video_buckets:
                 raise _Skip("too short: frame_buckets has no count above 1, so no video fits; add e.g. 33")
+            images = " (frame bucket 1 is for images: save a single frame as an image to train on it)" if (
+                1 in settings.frame_buckets) else ""
             raise _Skip(
                 f"too short: {available} frame{'s' if available != 1 else ''} at {fps:g} fps "
-                f"({info.duration:.2f}s); the smallest frame "
-                f"bucket is {min(video_buckets)}"
+                f"({info.duration:.2f}s); a video needs at least {min(video_buckets)} frames, the smallest "
+                f"video frame bucket{images}"
             )
         frames = chosen
         starts = [s / fps for s in clip_starts(available, chosen, settings.video_clip_mode)]
@@ -365,7 +367,8 @@ def _id_base(path: Path, settings: DirectorySettings, anchor: Path | None) -> st
 
 
 def scan_dataset(
-    cfg: DatasetConfig, spec: ModelSpec, strict: bool = False, workers: int | None = None, progress: bool = True
+    cfg: DatasetConfig, spec: ModelSpec, strict: bool = False, workers: int | None = None, progress: bool = True,
+    report_skipped: bool = True,
 ) -> ScanResult:
     """Find every usable item of the dataset for model ``spec``; list every file left out, with why.
 
@@ -374,12 +377,15 @@ def scan_dataset(
     file costs one ``stat``; new and changed files are read, on ``workers`` processes (default: every core)
     when there are many. ``result.stats`` counts them. Raises :class:`DatasetError` when nothing is left,
     saying which filter removed how many files, and ``ConfigError`` when frame_buckets do not fit the model.
+    ``report_skipped``: warn about each file left out (once per run: a command's own scan does, its workers' not).
     """
     with gc_paused():  # a scan allocates millions of small objects and makes no reference cycles
-        return _scan(cfg, spec, strict, workers, progress)
+        return _scan(cfg, spec, strict, workers, progress, report_skipped)
 
 
-def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None, progress: bool) -> ScanResult:
+def _scan(
+    cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None, progress: bool, report_skipped: bool
+) -> ScanResult:
     settings = [cfg.settings_for(i) for i in range(len(cfg.directory))]
     problems = spec_problems(cfg, settings, spec)
     if spec.modality == "video":
@@ -438,7 +444,8 @@ def _scan(cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None
     for (_path, _key, _ext, s, *_), outcome in zip(jobs, map(run, jobs)):
         if isinstance(outcome, SkippedFile):
             result.skipped.append(outcome)
-            log.warning("left out %s: %s", outcome.path, outcome.reason)
+            if report_skipped:
+                log.warning("left out %s: %s", outcome.path, outcome.reason)
             continue
         for item in outcome:
             if item.id in seen_ids:  # the same file listed by two [[directory]] entries

@@ -166,7 +166,7 @@ EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 BUILD_LOCK_TIMEOUT_ENV = "DIFFPIPE_OP_BUILD_TIMEOUT"
 
 
-class OpBuildLockTimeout(RuntimeError):
+class OpBuildLockTimeout(TimeoutError):
     """A DeepSpeed op build waited on another build's lock file for longer than the timeout."""
 
 

@@ -18,10 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 PEER_FAILED = 75
 """Exit code of a worker whose communication failed because another worker had died."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_CODES = tuple(128 + s for s in STOP_SIGNALS)
+"""Exit codes of a worker that a signal stopped (diffpipe_core.engine.stopping)."""
+STOPPED = (0, PEER_FAILED, *STOP_CODES, *(-s for s in STOP_SIGNALS))
+"""How workers end when a run is stopped by a signal: done, stopped, or let down by a stopped peer."""
 
 ERROR_DIR_ENV = "DIFFPIPE_ERROR_DIR"
 
@@ -46,13 +50,26 @@ def report_error(rank: int, message: str, detail: str = "") -> None:
         print(f"diffpipe: rank {rank}: {message}\n{detail}".rstrip(), file=sys.stderr, flush=True)
 
 
-def _first_error(folder: Path, codes: list[int | None]) -> str:
-    for rank in range(len(codes)):
-        file = folder / f"rank{rank}.txt"
-        if file.is_file():
-            return f"diffpipe: worker rank {rank} failed: {file.read_text().rstrip()}"
-    rank, code = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0, PEER_FAILED)), (0, codes[0]))
-    return f"diffpipe: worker rank {rank} exited with code {code}"
+def _first_error(folder: Path, codes: list[int | None], first: int) -> str:
+    """The error of the rank that failed first (``first``, the one whose exit was seen first): its report, or how
+    it ended when a signal ended it or nobody left a report, else the lowest rank's report."""
+    reports = [r for r in range(len(codes)) if (folder / f"rank{r}.txt").is_file()]
+    code = codes[first]
+    signalled = code is not None and (code < 0 or code in STOP_CODES)
+    if first not in reports and (signalled or not reports):
+        if code is not None and code < 0:
+            return f"diffpipe: worker rank {first} was killed by {signal.Signals(-code).name}"
+        if signalled:
+            return f"diffpipe: worker rank {first} was stopped by {signal.Signals(code - 128).name}"
+        return f"diffpipe: worker rank {first} exited with code {code}"
+    rank = first if first in reports else reports[0]
+    return f"diffpipe: worker rank {rank} failed: {(folder / f'rank{rank}.txt').read_text().rstrip()}"
+
+
+def _blame(code: int) -> int:
+    """Which of several failed workers brought the others down: killed or stopped by a signal (0) before failed
+    on its own (1) before failed because a peer died (2)."""
+    return 0 if code < 0 or code in STOP_CODES else 2 if code == PEER_FAILED else 1
 
 
 def launched_externally() -> int | None:
@@ -108,6 +125,8 @@ def free_port() -> int:
 def default_num_procs(requested: int | None) -> int:
     if requested:
         return requested
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
@@ -119,15 +138,24 @@ def _die_with_parent() -> None:
         pass
 
 
-def launch_workers(worker_args: list[str], num_procs: int, log_dir: Path | None = None) -> int:
-    """Run ``python -m diffpipe_core.engine.worker *worker_args`` on ``num_procs`` ranks; return the exit code."""
+WORKER = (sys.executable, "-m", "diffpipe_core.engine.worker")
+
+
+def launch_workers(
+    worker_args: list[str], num_procs: int, worker: tuple[str, ...] = WORKER, backend: str | None = None
+) -> int:
+    """Run ``python -m diffpipe_core.engine.worker *worker_args`` (or ``worker *worker_args``) on ``num_procs``
+    ranks (``backend``: default NCCL with GPUs, else gloo); return the exit code."""
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
-        return _supervise(worker_args, num_procs, Path(errors))
+        return _supervise([*worker, *worker_args], num_procs, Path(errors), backend)
 
 
-def _supervise(worker_args: list[str], num_procs: int, errors: Path) -> int:
+def _supervise(cmd: list[str], num_procs: int, errors: Path, backend: str) -> int:
     port = free_port()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     procs: list[subprocess.Popen] = []
     for rank in range(num_procs):
         env = dict(os.environ)
@@ -144,7 +172,6 @@ def _supervise(worker_args: list[str], num_procs: int, errors: Path) -> int:
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # N CPU workers each using every core slow each other down many times over
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_procs))
-        cmd = [sys.executable, "-m", "diffpipe_core.engine.worker", *worker_args]
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=preexec))
 
@@ -153,16 +180,39 @@ def _supervise(worker_args: list[str], num_procs: int, errors: Path) -> int:
             if p.poll() is None:
                 p.send_signal(sig)
 
+    received: list[int] = []
+
     def on_signal(signum: int, _frame: object) -> None:
-        stop_all(signal.SIGTERM)
-        raise KeyboardInterrupt
+        """The first SIGTERM or SIGINT asks the workers to checkpoint and stop (the tty's Ctrl-C reached them
+        already; a scheduler's SIGTERM may have reached only us); a second SIGINT stops them at once."""
+        if received and signum == signal.SIGINT:
+            stop_all(signal.SIGKILL)
+            raise KeyboardInterrupt
+        if not received:
+            received.append(signum)
+            stop_all(signal.SIGTERM)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            if all(c == 0 for c in codes):
+                return 0
+            stopping = received or any(c in STOP_CODES for c in codes)  # each worker checkpoints, then exits
+            if stopping and all(c is None or c in STOPPED for c in codes):
+                if any(c is None for c in codes):
+                    time.sleep(0.2)
+                    continue
+                if received:
+                    return 128 + received[0]
+                rank, code = next((r, c) for r, c in enumerate(codes) if c in STOP_CODES)
+                print(f"diffpipe: worker rank {rank} was stopped by {signal.Signals(code - 128).name}",
+                      file=sys.stderr, flush=True)
+                return code
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                # the one that brought the others down: killed, else failed on its own, else a peer's victim
+                first = min(failed, key=lambda r: (_blame(codes[r]), r))
                 # give the others a moment to fail on their own (their errors are quiet), then stop them
                 deadline = time.monotonic() + 3
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
@@ -175,15 +225,13 @@ def _supervise(worker_args: list[str], num_procs: int, errors: Path) -> int:
                 for p in procs:
                     p.wait()
                 codes = [p.returncode for p in procs]
-                print(_first_error(errors, codes), file=sys.stderr, flush=True)
+                print("\n" + _first_error(errors, codes, first), file=sys.stderr, flush=True)
                 own = [c for c in codes if c not in (0, PEER_FAILED, -signal.SIGTERM)]
                 return own[0] if own and own[0] > 0 else 1
-            if all(c == 0 for c in codes):
-                return 0
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop_all(signal.SIGKILL)
-        return 130
+        return 128 + signal.SIGINT
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -7,7 +7,8 @@ host RAM per rank falls with the number of stages. Otherwise the plugin loads th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,46 @@ def keeps_float32(model: nn.Module, name: str) -> bool:
     """Whether diffusers' ``from_pretrained`` keeps tensor ``name`` in float32 (``_keep_in_fp32_modules``)."""
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     return any(part in keep for part in name.split("."))
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules the way diffusers' ``from_pretrained`` builds them before reading weights (accelerate's
+    ``init_empty_weights``): every parameter on the meta device, while buffers and plain tensor attributes (RoPE
+    tables a model computes in ``__init__`` and keeps as attributes, like Qwen-Image's) are computed for real on the
+    CPU, since no weight file holds them. Parameters are moved to meta as they are registered, so their
+    initialisation costs nothing."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def meta_tensors(model: nn.Module) -> list[str]:
+    """Every tensor of ``model`` still on the meta device: parameters, buffers, and tensors modules keep as plain
+    attributes (or in a list, tuple or dict attribute), by their path (``pos_embed.pos_freqs``)."""
+    found = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            where = f"{module_name}.{attr}" if module_name else attr
+            if isinstance(value, dict):
+                items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+            else:
+                items = [(where, value)]
+            found += [path for path, t in items if torch.is_tensor(t) and t.is_meta]
+    return found
 
 
 def cast_skeleton(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -7,6 +7,7 @@ has a non-finite gradient keeps a bad batch away from the weights and the optimi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,9 +25,13 @@ class OptimizerGuard:
         self.optimizer, self.params, self.clip, self.dp, self.device = optimizer, params, clip, dp, device
         self.grad_norm: float | None = None
         self.nonfinite = False
+        self.first_step_check: Callable[[], None] | None = None  # called once, before the first step
         original = optimizer.step
 
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if self.first_step_check is not None:
+                check, self.first_step_check = self.first_step_check, None
+                check()
             grads = [p.grad for p in self.params if p.grad is not None]
             self.grad_norm = global_grad_norm(grads, self.dp, self.device)
             if not math.isfinite(self.grad_norm):

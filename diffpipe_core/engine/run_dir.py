@@ -6,6 +6,7 @@ import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from diffpipe_core.atomic import atomic_write_text
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+TRAIN_STATE_FILE = "train_state.json"
 
 
 def new_run_dir(output_dir: Path) -> Path:
@@ -72,27 +74,83 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpt if ckpt.is_dir() else None
 
 
-def resolve_resume(output_dir: Path, resume: str) -> tuple[Path, Path]:
-    """``(run_dir, checkpoint_dir)`` for ``--resume latest``, a run folder, or a checkpoint folder."""
-    if resume == "latest":
-        runs = (
-            sorted((p for p in output_dir.iterdir() if p.is_dir()), key=lambda p: p.name) if output_dir.is_dir() else []
-        )
-        for run in reversed(runs):
-            ckpt = latest_checkpoint(run)
-            if ckpt is not None:
-                return run, ckpt
-        raise FileNotFoundError(f"--resume latest: no run under {output_dir} has a checkpoint yet")
-    path = Path(resume).resolve()
-    if (path / "train_state.json").is_file():
-        return path.parent.parent, path
-    ckpt = latest_checkpoint(path) if path.is_dir() else None
-    if ckpt is None:
+@dataclass(frozen=True)
+class Resume:
+    """Where ``--resume`` continues: the run folder, its checkpoint, and what the choice skipped (one line each)."""
+
+    run_dir: Path
+    checkpoint: Path
+    notes: tuple[str, ...] = ()
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / "run_info.json").is_file() or (path / CHECKPOINTS).is_dir())
+
+
+def _newest_whole_checkpoint(run: Path, what: str) -> Resume:
+    """The newest checkpoint of ``run`` that is whole, saying why each newer one was passed over; or a
+    FileNotFoundError naming what is missing or damaged."""
+    from diffpipe_core.engine.checkpoint_check import checkpoint_problems, step_of
+
+    root = run / CHECKPOINTS
+    marker = root / LATEST
+    candidates = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and step_of(p) is not None), key=step_of, reverse=True
+    ) if root.is_dir() else []
+    notes: list[str] = []
+    if marker.is_file():
+        named = marker.read_text().strip()
+        if not (root / named).is_dir():
+            notes.append(f"{marker} names {named}, which is missing")
+    elif candidates:
+        notes.append(f"{marker}: missing")
+    for ckpt in candidates:
+        problems = checkpoint_problems(ckpt)
+        if not problems:
+            return Resume(run, ckpt, tuple(notes))
+        notes.append(f"checkpoint {ckpt.name} is damaged: {'; '.join(problems)}")
+    if not candidates:
         raise FileNotFoundError(
-            f"--resume {resume}: not a run folder with checkpoints/{LATEST} "
+            f"{what}: run {run} has no checkpoint" + (f" ({notes[0]})" if notes else "")
+            + "; name another run folder to resume it, or train without --resume"
+        )
+    raise FileNotFoundError(f"{what}: no complete checkpoint in {run}: " + "; ".join(notes))
+
+
+def resolve_resume(output_dir: Path, resume: str) -> Resume:
+    """What ``--resume`` continues: ``latest`` (the newest run under ``output_dir``), a run folder (a bare name is
+    looked up in ``output_dir`` first, as in the anchor's ``--resume_from_checkpoint NAME``) or a checkpoint folder.
+
+    A run's newest checkpoint that is damaged or missing gives way to the one before it, and the returned
+    ``notes`` say so; a checkpoint folder named outright must itself be whole."""
+    from diffpipe_core.engine.checkpoint_check import checkpoint_problems
+
+    what = f"--resume {resume}"
+    if resume == "latest":
+        runs = sorted((p for p in output_dir.iterdir() if is_run_dir(p)), key=lambda p: p.name) if (
+            output_dir.is_dir()
+        ) else []
+        if not runs:
+            raise FileNotFoundError(f"{what}: no run folder under {output_dir}")
+        return _newest_whole_checkpoint(runs[-1], what)
+    given = Path(resume).expanduser()
+    bare = not given.is_absolute() and len(given.parts) == 1
+    places = [output_dir / given, given] if bare else [given, output_dir / given]
+    path = next((p.resolve() for p in places if p.exists()), None)
+    if path is None:
+        looked = " nor ".join(str(p.resolve()) for p in dict.fromkeys(places))
+        raise FileNotFoundError(f"{what}: not a run folder nor a checkpoint folder: no {looked}")
+    if (path / TRAIN_STATE_FILE).is_file() or path.parent.name == CHECKPOINTS:
+        problems = checkpoint_problems(path)
+        if problems:
+            raise FileNotFoundError(f"{what}: checkpoint {path} is damaged: {'; '.join(problems)}")
+        return Resume(path.parent.parent, path)
+    if not is_run_dir(path):
+        raise FileNotFoundError(
+            f"{what}: {path} is not a run folder (no run_info.json or {CHECKPOINTS}/) "
             "nor a checkpoint folder with train_state.json"
         )
-    return path, ckpt
+    return _newest_whole_checkpoint(path, what)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

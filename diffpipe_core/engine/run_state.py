@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from diffpipe_core.adapters import lora_state_dict
-from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.config import OptimizerConfig, ResolvedConfig
 from diffpipe_core.engine import checkpoint as ckpt_io
+from diffpipe_core.engine.finite_weights import check_finite
 from diffpipe_core.engine.saving import export_model_formats, gather_to_rank0, write_adapter, write_model_shards
 from diffpipe_core.engine.stage_build import DTYPES, Layout, Stage
 from diffpipe_core.registry import ModelPlugin
@@ -27,7 +28,11 @@ def write_checkpoint(
     micro_index: int,
     total_steps: int,
 ) -> None:
-    """``checkpoints/step-N/``: this stage's trainable tensors, optimizer and schedule state, the data position."""
+    """``checkpoints/step-N/``: this stage's trainable tensors, optimizer and schedule state, the data position.
+    Refused (:class:`NonFiniteWeights`) when a trainable tensor is not finite."""
+    latest = run_dir / "checkpoints" / "latest"
+    kept = f"checkpoints/{latest.read_text().strip()} stays" if latest.is_file() else "there is no older checkpoint"
+    check_finite(stage.trainable, f"checkpoint at step {step}", kept, _device(stage))
     state = {
         "step": step,
         "micro_index": micro_index,
@@ -51,8 +56,14 @@ def write_checkpoint(
     )
 
 
-def restore_checkpoint(ckpt: Path, layout: Layout, stage: Stage, sampler: Any) -> dict[str, Any]:
-    """Load a checkpoint into this stage (optimizer state only under the same process layout); the train state."""
+def restore_checkpoint(
+    ckpt: Path, layout: Layout, stage: Stage, sampler: Any, optimizer_cfg: OptimizerConfig
+) -> dict[str, Any]:
+    """Load a checkpoint into this stage (optimizer state only under the same process layout); the train state.
+
+    The optimizer's hyperparameters (lr, betas, weight decay, eps) are those of ``optimizer_cfg``, the config in
+    force now, not the saved ones: a resume after editing them applies the edit (the LR schedule too, being
+    rebuilt from the config)."""
     state = ckpt_io.read_train_state(ckpt)
     params = ckpt_io.read_params(ckpt)
     missing = [n for n in stage.trainable if n not in params]
@@ -60,15 +71,35 @@ def restore_checkpoint(ckpt: Path, layout: Layout, stage: Stage, sampler: Any) -
         raise ValueError(f"checkpoint {ckpt} lacks {len(missing)} trainable tensors, e.g. {missing[:3]}")
     with torch.no_grad():
         for name, p in stage.trainable.items():
-            p.copy_(params[name].to(p.dtype))
+            saved = params[name]
+            if saved.shape != p.shape:
+                raise ckpt_io.CheckpointError(
+                    f"checkpoint {ckpt}: {name} has shape {tuple(saved.shape)}, the model's is {tuple(p.shape)}"
+                )
+            p.copy_(saved.to(p.dtype))
     if state.get("pipeline_stages") == layout.stages and state.get("world_size") == layout.world:
         optim = ckpt_io.read_optimizer_state(ckpt, layout.stage_id)
         stage.optimizer.load_state_dict(optim["optimizer"])
         stage.scheduler.load_state_dict(optim["scheduler"])
+        apply_optimizer_config(stage, optimizer_cfg)
     elif layout.rank == 0:
         print(f"diffpipe: process layout changed since {ckpt.name}; optimizer state starts fresh", flush=True)
     sampler.load_state_dict(state["sampler"])
     return state
+
+
+def apply_optimizer_config(stage: Stage, cfg: OptimizerConfig) -> None:
+    """Give the loaded optimizer and LR schedule the hyperparameters of ``cfg`` (the loaded state dicts hold the
+    old ones), keeping the schedule's position."""
+    scheduler = stage.scheduler
+    scheduler.base_lrs = [cfg.lr for _ in stage.optimizer.param_groups]
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(stage.optimizer.param_groups, lrs, strict=True):
+        group["lr"], group["initial_lr"] = lr, cfg.lr
+        for key in ("betas", "weight_decay", "eps"):
+            if key in group:
+                group[key] = getattr(cfg, key)
+    scheduler._last_lr = lrs
 
 
 def save_trained(
@@ -78,6 +109,7 @@ def save_trained(
     shards (one per stage) plus the plugin's model formats."""
     run = cfg.run
     out = run_dir / "saved" / name
+    check_finite(stage.trainable, f"saved/{name}", _last_save(run_dir, name), _device(stage))
     save_dtype = DTYPES[run.save_dtype]
     if stage.lora is not None:
         merged = gather_to_rank0(lora_state_dict(stage.model), include=layout.dp_rank == 0)
@@ -108,3 +140,15 @@ def save_trained(
 def _report_save_problems(out: Path, problems: list[str]) -> None:
     for problem in problems:
         print(f"diffpipe: ERROR saving {out}: {problem}", file=sys.stderr, flush=True)
+
+
+def _device(stage: Stage) -> torch.device:
+    return next(iter(stage.trainable.values())).device
+
+
+def _last_save(run_dir: Path, name: str) -> str:
+    folders = sorted((p for p in (run_dir / "saved").glob("*") if p.is_dir() and not p.name.startswith(".")),
+                     key=lambda p: p.stat().st_mtime) if (run_dir / "saved").is_dir() else []
+    if (run_dir / "saved" / name).is_dir():
+        return f"saved/{name} keeps its previous content"
+    return f"saved/{folders[-1].name} is the last finite save" if folders else "nothing was saved before"

@@ -14,7 +14,7 @@ from peft import PeftConfig
 
 from diffpipe_core.adapter_kinds import alpha_and_rank, keyed_format, kind_of, modules_of
 from diffpipe_core.adapters import ADAPTER_FILE, diffusers_format, save_adapter
-from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text, replace_dir
+from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text, replace_dir, space_checked
 from diffpipe_core.registry import ModelPlugin
 
 
@@ -67,7 +67,9 @@ def write_adapter(
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    save_adapter(tmp, files, config, dtype, prefix)
+    needed = sum(v.numel() * dtype.itemsize for tensors in files.values() for v in tensors.values())
+    with space_checked(tmp, needed, f"the adapter {out_dir}", _kept(out_dir)):
+        save_adapter(tmp, files, config, dtype, prefix)
     replace_dir(tmp, out_dir)
     return problems
 
@@ -90,6 +92,8 @@ def _lycoris_file(
         return None
     stems = plugin.call("adapter_key_names", modules=modules_of(state, kind_of(config)), format=fmt)
     return None if stems is None else keyed_format(state, config, stems)
+def _kept(out_dir: Path) -> str:
+    return f"{out_dir} keeps its previous content" if out_dir.exists() else f"{out_dir} was not written"
 
 
 SAVED_INDEX = "model.safetensors.index.json"  # the index write_model_shards writes next to its shards
@@ -117,8 +121,10 @@ def write_model_shards(
     name = f"model-{stage_id + 1:05d}-of-{num_stages:05d}.safetensors"
     if dp_rank == 0:
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in local.items()}
-        atomic_save_safetensors(tensors, tmp / name, {"format": "pt"})
-        atomic_write_text(tmp / f".keys-{stage_id}.json", json.dumps(sorted(tensors)))
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        with space_checked(tmp, needed, f"stage {stage_id}'s shard of {out_dir}", _kept(out_dir)):
+            atomic_save_safetensors(tensors, tmp / name, {"format": "pt"})
+            atomic_write_text(tmp / f".keys-{stage_id}.json", json.dumps(sorted(tensors)))
     barrier()
     if rank == 0:
         weight_map = {}

@@ -14,8 +14,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param, kind_of
-from diffpipe_core.adapters import apply_adapter, read_adapter
+from diffpipe_core.adapters import read_adapter
 from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     keep_compiled_backward_buffers,
@@ -24,7 +25,8 @@ from diffpipe_core.engine.ds_patches import (
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
-from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.engine.plan_build import make_plan
+from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
@@ -81,6 +83,7 @@ class Stage:
     guard: OptimizerGuard
     engine: Any
     loss: LossFunction
+    plan: StagePlan | None = None
 
 
 @dataclass
@@ -94,18 +97,28 @@ class StageModule:
     lora: PeftConfig | None  # the adapter's peft config (LoRA, LoKr or LoHa); None for a full fine-tune
     module: ExplicitPartitionPipelineModule
     loss: LossFunction
+    plan: StagePlan
 
 
 def build_stage_module(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, trainable: bool = True
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    layout: Layout,
+    device: torch.device,
+    trainable: bool = True,
+    dataset: Any = None,
 ) -> StageModule:
-    """Load and partition the model, fill in this stage's weights, quantize, apply the adapter (or start it from
-    a saved one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only)
-    every parameter is frozen and activation checkpointing is left out."""
+    """Load and partition the model by the stage plan (printed by rank 0; it estimates activations from
+    ``dataset``, the cache), fill in this stage's weights, quantize, apply the adapter (or start it from a saved
+    one), wrap the memory savers and build the PipelineModule. With ``trainable=False`` (sampling only) every
+    parameter is frozen and activation checkpointing is left out."""
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
-    parts = stage_parts(stage.layers, layout.stages, run.partition_method, run.partition_split)
+    plan = make_plan(cfg, plugin, stage.model, stage.layers, dataset, on_gpu=device.type == "cuda")
+    parts = plan.parts
+    if layout.rank == 0:
+        print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
     if stage.per_stage_loading:  # swapped blocks are read straight into host memory
@@ -121,7 +134,7 @@ def build_stage_module(
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
         lora = from_adapter_table(run.adapter, list(targets))
-        apply_adapter(model, lora, DTYPES[run.adapter.dtype])
+        adapt_layers(model, stage.layers, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
             init_adapter_from(model, plugin, run.adapter.init_from_existing, lora)
     if not trainable:
@@ -147,16 +160,22 @@ def build_stage_module(
             loss_fn=loss,
             dynamic_shape=True,
         )
-    return StageModule(model, layer_names, parts, own, lora, module, loss)
+    return StageModule(model, layer_names, parts, own, lora, module, loss, plan)
 
 
 def build_stage(
-    cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device, total_steps: int
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    layout: Layout,
+    device: torch.device,
+    total_steps: int,
+    dataset: Any = None,
 ) -> Stage:
-    """The training stage: :func:`build_stage_module`, then the optimizer, LR schedule and DeepSpeed engine."""
+    """The training stage: :func:`build_stage_module` (its plan's activations from ``dataset``, the cache), then
+    the optimizer, LR schedule and DeepSpeed engine."""
     run = cfg.run
-    built = build_stage_module(cfg, plugin, layout, device)
-    model, own = built.model, built.own
+    built = build_stage_module(cfg, plugin, layout, device, dataset=dataset)
+    model, own, lora = built.model, built.own, built.lora
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad and p.device.type != "meta"}
     if not trainable:
         raise ValueError(
@@ -164,9 +183,11 @@ def build_stage(
             "change partition_split or the adapter's target_modules"
         )
     groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
-    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm)
+    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
     scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
+    if lora is not None:
+        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)
     ds_config = {
         "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
@@ -185,7 +206,8 @@ def build_stage(
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
     return Stage(
-        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss
+        model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
+        built.plan,
     )
 
 
@@ -261,3 +283,15 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
             loaded += 1
     if loaded == 0 and any(p.device.type != "meta" for p in named.values()):
         raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")
+
+
+def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int) -> None:
+    """After the first step's backward: an adapter tensor without a gradient is not in the forward path."""
+    unused = lora_without_gradient(trainable)
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ValueError(
+            f"pipeline stage {stage_id}: the adapter tensors {shown} got no gradient in the first step: their modules "
+            "are not in the model's forward path (the plugin's layers never call them), so they would never train; "
+            "leave them out of [adapter] target_modules"
+        )

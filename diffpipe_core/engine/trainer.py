@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine import memory_report, stopping
+from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
+from diffpipe_core.engine.launcher import ERROR_DIR_ENV
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
-from diffpipe_core.engine.run_dir import truncate_metrics
+from diffpipe_core.engine.run_dir import CHECKPOINTS, truncate_metrics
 from diffpipe_core.engine.run_state import restore_checkpoint, save_trained, write_checkpoint
 from diffpipe_core.engine.stage_build import Layout, build_stage
 from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
@@ -69,8 +75,15 @@ class Trainer:
             )
         self.steps_per_epoch = len(self.sampler) // gas
         self.total_steps = self.run.max_steps or self.run.epochs * self.steps_per_epoch
-        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps)
+        memory_report.record("cached", self.stage_id)
+        self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps, dataset)
         self.engine, self.model = self.stage.engine, self.stage.model
+        self._memory_report("built")
+
+    def _memory_report(self, phase: str) -> None:
+        plan = self.stage.plan
+        estimate = plan.stages[self.stage_id] if plan is not None else None
+        memory_report.record(phase, self.stage_id, self.model, self.stage.optimizer, self.engine, estimate)
 
     # ----------------------------------------------------------------------------- state
     def _checkpoint(self, step: int, micro_index: int) -> None:
@@ -84,19 +97,36 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- loop
     def train(self, resume_from: Path | None = None) -> TrainSummary:
-        run = self.run
+        """Train to ``total_steps`` and save; a signal stops it after a step with a checkpoint
+        (:mod:`diffpipe_core.engine.stopping`, raising :class:`~diffpipe_core.engine.stopping.Stopped`)."""
         start_step, micro_index = 0, 0
         if resume_from is not None:
-            state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler)
+            state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler, self.run.optimizer)
             start_step, micro_index = state["step"], state["micro_index"]
+            if start_step >= self.total_steps:
+                if self.rank == 0:
+                    print(f"diffpipe: run {self.run_dir} is finished (step {start_step} of {self.total_steps}); "
+                          "nothing to train, nothing changed", flush=True)
+                return TrainSummary()
+            if self.rank == 0:
+                truncate_metrics(self.run_dir, start_step)  # the steps after the checkpoint are logged again
+        with stopping.graceful():
+            return self._train(start_step, micro_index, resumed=resume_from is not None)
+
+    def _train(self, start_step: int, micro_index: int, resumed: bool) -> TrainSummary:
+        run = self.run
         context = TrainingContext(model_config=self.cfg.model, loss=run.loss)
         self.stage.loss.context = context
         batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
         summary = TrainSummary()
         writer = self._writer() if self.rank == 0 else None
-        if self.rank == 0 and resume_from is not None:
-            truncate_metrics(self.run_dir, start_step)  # the steps after the checkpoint are logged again
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None
+        if self.rank == 0 and self.sampler.remainder:
+            print(
+                f"diffpipe: {self.sampler.remainder} samples per epoch do not fill a micro-batch in their bucket; "
+                "they are carried into later epochs by the reshuffle",
+                flush=True,
+            )
         bar = tqdm(
             total=self.total_steps,
             initial=start_step,
@@ -105,21 +135,35 @@ class Trainer:
             disable=self.rank != 0,
             dynamic_ncols=True,
         )
-        if self.rank == 0 and self.sampler.remainder:
-            print(
-                f"diffpipe: {self.sampler.remainder} samples per epoch do not fill a micro-batch in their bucket; "
-                "they are carried into later epochs by the reshuffle",
-                flush=True,
-            )
-        if self.samples is not None:  # before any step the evaluation weights are the training ones
-            self.samples.before_training(start_step, writer)
-        if run.eval_before_first_step and self.eval_datasets and resume_from is None:
-            self._log_eval(0, writer, metrics_file)
+        try:
+            if self.samples is not None:  # before any step the evaluation weights are the training ones
+                self.samples.before_training(start_step, writer)
+            if run.eval_before_first_step and self.eval_datasets and not resumed:
+                self._log_eval(0, writer, metrics_file)
+            self._loop(start_step, batches, context, summary, writer, metrics_file, bar)
+        finally:
+            bar.close()  # ends the bar's line: whatever is printed next (an error too) starts on its own
+        step = self.total_steps
+        final = self._save("final")
+        self._checkpoint(step, batches.micro_index)
+        if self.rank == 0:
+            writer.close()
+            metrics_file.close()
+            summary.first_quarter_loss, summary.last_quarter_loss = quarter_means(self.run_dir)
+            self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
+            print(f"diffpipe: {format_summary(summary)}; saved to {final}", flush=True)
+        return summary
+
+    def _loop(
+        self, step: int, batches: MicroBatches, context: TrainingContext, summary: TrainSummary, writer: Any,
+        metrics_file: Any, bar: Any,
+    ) -> None:
+        run = self.run
+        first_step = step
         last_ckpt_time = time.monotonic()
         started = time.monotonic()
         consecutive_bad = 0
         guard, scheduler = self.stage.guard, self.stage.scheduler
-        step = start_step
         while step < self.total_steps:
             torch.manual_seed(mix_seed(run.seed, step, self.rank))
             batches.step_ids = []
@@ -131,15 +175,16 @@ class Trainer:
             loss = float(self.engine.train_batch(data_iter=batches))
             dt = time.perf_counter() - t0
             step += 1
+            if step == first_step + 1:
+                self._memory_report("step 1")
             grad_norm = guard.grad_norm
             if guard.nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
                 summary.skipped_steps.append(step)
                 ids = ", ".join(batches.step_ids) or "(held by the first stage)"
                 if self.rank == 0 or self.stage_id == 0:
-                    print(
-                        f"diffpipe: non-finite loss ({loss}) at step {step}; optimizer step skipped; samples: {ids}",
-                        flush=True,
+                    tqdm.write(
+                        f"diffpipe: non-finite loss ({loss}) at step {step}; optimizer step skipped; samples: {ids}"
                     )
                 if consecutive_bad >= MAX_CONSECUTIVE_NONFINITE:
                     raise FloatingPointError(
@@ -154,6 +199,7 @@ class Trainer:
             samples_per_step = len(batches.step_ids) * self.dp
             summary.steps += 1
             summary.samples += samples_per_step
+            summary.seconds = time.monotonic() - started
             if self.rank == 0:
                 record = {
                     "step": step,
@@ -176,14 +222,16 @@ class Trainer:
                         for group, group_lr in zip(groups, step_lrs, strict=True):
                             writer.add_scalar(f"train/lr_{group.get('name', 'model')}", group_lr, step)
                     self.plugin.registry.pm.hook.on_train_step_end(step=step, metrics=record)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)  # one redraw per step: update's
                 bar.update(1)
             epoch_done = step % self.steps_per_epoch == 0
             if (run.save_every_n_steps and step % run.save_every_n_steps == 0) or (
                 epoch_done and run.save_every_n_epochs and self._epoch(step) % run.save_every_n_epochs == 0
             ):
                 if step < self.total_steps:
-                    self._save(f"step-{step:07d}")
+                    saved = self._save(f"step-{step:07d}")
+                    if self.rank == 0:
+                        tqdm.write(f"diffpipe: step {step}: saved {saved}")
             if self.eval_datasets and (
                 (run.eval_every_n_steps and step % run.eval_every_n_steps == 0)
                 or (epoch_done and run.eval_every_n_epochs and self._epoch(step) % run.eval_every_n_epochs == 0)
@@ -192,20 +240,26 @@ class Trainer:
             if self.samples is not None and self.samples.sampler.due(step, epoch_done, self._epoch(step)):
                 with evaluation_weights(self.stage.optimizer):
                     self.samples.after_step(step, epoch_done, self._epoch(step), writer)
+            checkpointed = False
             if step < self.total_steps and self._checkpoint_due(step, epoch_done, last_ckpt_time):
                 self._checkpoint(step, batches.micro_index)
-                last_ckpt_time = time.monotonic()
-        bar.close()
-        summary.seconds = time.monotonic() - started
-        final = self._save("final")
-        self._checkpoint(step, batches.micro_index)
+                last_ckpt_time, checkpointed = time.monotonic(), True
+            signum = stopping.requested(self.device)
+            if signum and step < self.total_steps:
+                self._stop(step, batches.micro_index, signum, checkpointed)
+
+    def _stop(self, step: int, micro_index: int, signum: int, checkpointed: bool) -> None:
+        """Every rank, after ``step``: checkpoint it (unless just done) and leave with :class:`Stopped`."""
+        if not checkpointed:
+            self._checkpoint(step, micro_index)
         if self.rank == 0:
-            writer.close()
-            metrics_file.close()
-            summary.first_quarter_loss, summary.last_quarter_loss = quarter_means(self.run_dir)
-            self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
-            print(f"diffpipe: {format_summary(summary)}; saved to {final}", flush=True)
-        return summary
+            procs = f" --num-procs {self.world}" if os.environ.get(ERROR_DIR_ENV) else ""
+            tqdm.write(
+                f"diffpipe: stopped by {signal.Signals(signum).name} after step {step} of {self.total_steps}; "
+                f"checkpoint {CHECKPOINTS}/{checkpoint_name(step)} written. Resume with: diffpipe train --config "
+                f"{shlex.quote(str(self.cfg.path))}{procs} --resume {shlex.quote(str(self.run_dir))}"
+            )
+        raise stopping.Stopped(signum, agreed=True)
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:
         with evaluation_weights(self.stage.optimizer):

@@ -19,6 +19,24 @@ import torch
 from diffpipe_core.engine.launcher import PEER_FAILED, is_peer_failure, report_error
 
 
+def describe_failure(exc: BaseException, debug: bool) -> tuple[str, str]:
+    """``(one-line message, detail)`` of a worker's error: what the user's files and settings cause, or the
+    machine does to a decode worker, needs no traceback (``--debug`` adds it); a bug keeps its traceback."""
+    from diffpipe_core.data.cache import CacheError
+    from diffpipe_core.data.scan import DatasetError
+    from diffpipe_core.schema import ConfigError
+
+    user_errors = (ValueError, OSError, KeyError, FloatingPointError, CacheError, DatasetError, ConfigError)
+    message = f"{type(exc).__name__}: {exc}"
+    expected = isinstance(exc, user_errors)
+    if isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader worker"):
+        expected = True  # killed (or out of memory) while decoding; torch adds a long chained traceback
+        first = str(exc).strip().splitlines()[0]
+        message = (f"a decode worker died: {first} It was killed or ran out of memory (fewer decode workers: "
+                   "DIFFPIPE_DECODE_WORKERS=N); caching resumes where it stopped")
+    return message, "" if expected and not debug else "".join(traceback.format_exception(exc))
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -66,6 +84,7 @@ def _cache_and_train(args: argparse.Namespace, cfg, plugin, device: torch.device
             trust_cache=args.trust_cache,
             progress=rank == 0,
             prune=args.prune,
+            report_skipped=not args.scanned,
         )
 
     dataset = cache(cfg.run.dataset)
@@ -89,6 +108,17 @@ def _cache_and_train(args: argparse.Namespace, cfg, plugin, device: torch.device
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one worker; its exit code (128 + the signal when SIGTERM or Ctrl-C stopped it)."""
+    from diffpipe_core.engine import stopping
+
+    stopping.install()  # SIGTERM / Ctrl-C: stop quietly now, or after the step while training
+    try:
+        return _main(argv)
+    except stopping.Stopped as stop:  # before training (or after it): nothing to save
+        return stop.code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="diffpipe-worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--model")
@@ -100,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--trust-cache", action="store_true")
     parser.add_argument("--prune", action="store_true")
+    parser.add_argument("--scanned", action="store_true", help="the command's scan already warned about left-out files")
     parser.add_argument("--sample-request", help="diffpipe sample: a JSON file with the prompts and output")
     args = parser.parse_args(argv)
 
-    from diffpipe_core.quiet import library_prints, quiet_libraries
+    from diffpipe_core.engine import stopping
+    from diffpipe_core.quiet import library_prints, log_through_bars, quiet_libraries
 
     quiet_libraries(cuda=torch.cuda.is_available())
     import torch.distributed as dist
@@ -111,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffpipe_core.engine import ds_patches
 
     quiet_libraries()  # again: importing DeepSpeed set its logger's level
+    log_through_bars()
 
     from diffpipe_core.config import load_config
     from diffpipe_core.registry import get_registry
@@ -120,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     with library_prints():
         ds_patches.init_distributed(_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    code = 0
+    code, agreed = 0, False
     try:
         registry = get_registry()
         purpose = "sample" if args.sample_request else "train"
@@ -133,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             run_sample_request(cfg, plugin, device, args.sample_request)  # no dataset, no cache
         else:
             _cache_and_train(args, cfg, plugin, device, rank, world)
+    except stopping.Stopped as stop:  # while training, every rank checkpointed the same step (agreed)
+        code, agreed = stop.code, stop.agreed
     except Exception as exc:  # the launcher prints the first failing rank's error, once, after all stopped
         debug = bool(os.environ.get("DIFFPIPE_DEBUG"))
         if is_peer_failure(exc):
@@ -140,17 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             if debug:
                 traceback.print_exc()
         else:
-            from diffpipe_core.data.cache import CacheError
-            from diffpipe_core.data.scan import DatasetError
-            from diffpipe_core.schema import ConfigError
-
-            # what the user's files and settings cause: the message is enough (--debug adds the traceback)
-            user_errors = (ValueError, OSError, KeyError, FloatingPointError, CacheError, DatasetError, ConfigError)
-            expected = isinstance(exc, user_errors)
-            detail = "" if expected and not debug else traceback.format_exc()
-            report_error(rank, f"{type(exc).__name__}: {exc}", detail)
+            report_error(rank, *describe_failure(exc, debug))
             code = 1
-    if code == 0:
+    stopping.uninstall()
+    if code == 0 or agreed:
         dist.barrier()
     dist.destroy_process_group()
     return code

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from diffpipe_core.config import OptimizerConfig
+from diffpipe_core.optimizer_names import BUILTIN_OPTIMIZERS
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -29,12 +30,14 @@ def _adamw8bit_kahan(params: Iterable[torch.nn.Parameter], **kw: Any) -> torch.o
 
 
 def builtin_optimizers() -> dict[str, OptimizerFactory]:
-    return {
+    table: dict[str, OptimizerFactory] = {
         "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
         "adamw8bit": _adamw8bit,
         "adamw8bit_kahan": _adamw8bit_kahan,
         "sgd": lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
     }
+    assert tuple(table) == BUILTIN_OPTIMIZERS  # the names validate checks, kept torch-free in optimizer_names
+    return table
 
 
 def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
@@ -66,17 +69,17 @@ def parameter_groups(
     return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``cfg.type`` names over ``groups`` (:func:`parameter_groups`; or a plain list of parameters:
     one group at ``cfg.lr``). One group is passed as a plain parameter list, so its state is laid out as before
-    groups existed."""
+    groups existed. ``lora``: the parameters are an adapter's (for the low-precision warning)."""
     if groups and not isinstance(groups[0], dict):
         groups = [{"name": DEFAULT_GROUP, "params": list(groups), "lr": cfg.lr}]
     table = available_optimizers(pm)
     if cfg.type not in table:
         raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
     params = [p for g in groups for p in g["params"]]
-    _warn_low_precision_adamw(cfg.type, params)
+    _warn_low_precision_adamw(cfg.type, params, lora)
     lr = groups[0]["lr"] if len(groups) == 1 else cfg.lr
     given: Any = params if len(groups) == 1 else groups
     kwargs = {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps, **cfg.kwargs}
@@ -106,20 +109,26 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter]) -> None:
-    """Plain AdamW on bf16/fp16 weights (a full fine-tune of a bf16 model) rounds away every update below the
-    weights' resolution; say so once, on rank 0, and name the optimizer that keeps them."""
+def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter], lora: bool = False) -> None:
+    """Plain AdamW on bf16/fp16 weights (LoRA weights in ``[adapter] dtype = 'bfloat16'``, or a full fine-tune of a
+    bf16 model) rounds away every update below the weights' resolution; say so once, on rank 0, with the fix."""
     if name not in ("adamw", "adamw8bit") or not any(p.dtype in LOW_PRECISION for p in params):
         return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    dtype = next(p.dtype for p in params if p.dtype in LOW_PRECISION)
+    dtype = str(next(p.dtype for p in params if p.dtype in LOW_PRECISION)).removeprefix("torch.")
+    if lora:
+        what = f"the {dtype} LoRA weights ([adapter] dtype = {dtype!r})"
+        fix = ("leave [adapter] dtype out (its default 'float32' costs little memory: LoRA weights are small), or "
+               "use [optimizer] type = 'adamw8bit_kahan'")
+    else:
+        what = f"{dtype} weights (a full fine-tune of a {dtype} model)"
+        fix = "use [optimizer] type = 'adamw8bit_kahan' (Kahan-compensated updates) for a low-precision full fine-tune"
     print(
-        f"diffpipe: warning: optimizer {name!r} updates {str(dtype).removeprefix('torch.')} weights in place, so "
-        "updates smaller than the weights' resolution (about |w|/256 in bf16) are lost and training can stall; "
-        "use [optimizer] type = 'adamw8bit_kahan' (Kahan-compensated updates) for a low-precision full fine-tune",
+        f"diffpipe: warning: optimizer {name!r} updates {what} in place, so updates smaller than the weights' "
+        f"resolution (about |w|/256 in bf16) are lost and training can stall; {fix}",
         flush=True,
     )
 

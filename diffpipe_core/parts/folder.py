@@ -56,7 +56,9 @@ class DiffusersFolder:
         model_name: the model (entry-point) name, for messages.
         pipelines: the ``model_index.json`` ``_class_name`` values accepted (the first is the usual one).
         components: component folder -> accepted class name(s), or :data:`TOKENIZER` for a tokenizer folder. The
-            first class of each is the one :meth:`load` builds.
+            first class of each is the one :meth:`load` builds. A name is a diffusers or transformers class
+            (``"AutoencoderKL"``) or ``"module:Class"`` for a class of the plugin's own (a diffusers ``ModelMixin`` /
+            ``ConfigMixin`` saved with ``save_pretrained``); the folder's ``config.json`` names it ``"Class"``.
         model: the diffusion model's component (``"transformer"`` or ``"unet"``); also the LoRA key prefix.
         sizes: :class:`SizeMatch` checks between components.
         single_file_example: what an original-layout single file of this model is called, for messages.
@@ -73,6 +75,10 @@ class DiffusersFolder:
     def __post_init__(self) -> None:
         classes = {k: (v,) if isinstance(v, str) else tuple(v) for k, v in self.components.items()}
         object.__setattr__(self, "_classes", classes)
+
+    def _config_names(self) -> dict[str, tuple[str, ...]]:
+        """The table as ``config.json`` names the classes (``"module:Class"`` -> ``"Class"``)."""
+        return {k: tuple(c.rpartition(":")[2] for c in v) for k, v in self._classes.items()}
 
     # ------------------------------------------------------------------------------------------ reading
     def config(self, path: Path, component: str | None = None) -> dict[str, Any]:
@@ -107,7 +113,7 @@ class DiffusersFolder:
         self, path: Path, single_file: Path | None = None, layout: KeyTable | None = None, markers: Sequence[str] = ()
     ) -> list[str]:
         """Everything wrong with the folder (and the single file), without reading a weight: one line each."""
-        found = check_diffusers_folder(Path(path), self.pipelines, self._classes, self.model_name)
+        found = check_diffusers_folder(Path(path), self.pipelines, self._config_names(), self.model_name)
         if found:
             return found
         found = self._size_problems(Path(path))
@@ -178,7 +184,7 @@ class DiffusersFolder:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        cls = _find_class(name)
+        cls = find_class(name)
         kwargs: dict[str, Any] = {"local_files_only": True}
         if dtype is not None:
             kwargs["dtype"] = dtype
@@ -188,7 +194,16 @@ class DiffusersFolder:
         return module.eval().requires_grad_(False)
 
 
-def _find_class(name: str) -> Any:
+def find_class(name: str) -> Any:
+    """The class ``name`` names: ``"module:Class"`` (imported), or a diffusers, then transformers, class name."""
+    module, _, attr = name.rpartition(":")
+    if module:
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"class {name!r} cannot be imported: {exc}") from exc
     import diffusers
     import transformers
 
@@ -196,4 +211,7 @@ def _find_class(name: str) -> Any:
         cls = getattr(library, name, None)
         if cls is not None:
             return cls
-    raise ValueError(f"no diffusers or transformers class named {name!r}")
+    raise ValueError(f"no diffusers or transformers class named {name!r} (a class of your own: 'module:Class')")
+
+
+_find_class = find_class  # the name the shared parts used first

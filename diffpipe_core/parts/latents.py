@@ -27,14 +27,31 @@ def shift_and_scale(z: torch.Tensor, vae_config: Any) -> torch.Tensor:
 
 
 def per_channel(values: Any, like: torch.Tensor) -> torch.Tensor:
-    """Per-channel statistics shaped to broadcast over ``like`` (channels at dim 1)."""
+    """Latent statistics shaped to broadcast over ``like`` (channels at dim 1): one value per channel, or for video
+    latents ``(B, C, T, h, w)`` one per channel and latent frame (``C x N`` values, ``N >= T``, channel-major: the
+    Cosmos-1.0 VAE's), of which the first ``T`` frames are used; a single number applies to every channel."""
     stats = torch.as_tensor(values, dtype=like.dtype, device=like.device)
-    return stats.view(1, -1, *([1] * (like.dim() - 2)))
+    channels = like.shape[1]
+    if stats.numel() in (1, channels) or like.dim() != 5:
+        return stats.view(1, -1, *([1] * (like.dim() - 2)))
+    frames = stats.view(1, channels, -1, 1, 1)
+    if frames.shape[2] < like.shape[2]:
+        raise ValueError(
+            f"latents_mean/latents_std hold statistics for {frames.shape[2]} latent frames; these latents have "
+            f"{like.shape[2]} (use fewer frames)"
+        )
+    return frames[:, :, : like.shape[2]]
 
 
 def normalize(z: torch.Tensor, mean: Any, std: Any, scale: float = 1.0) -> torch.Tensor:
-    """``(z - mean) * scale / std`` per channel: the inverse of the pipelines' ``latents * std / scale + mean``."""
+    """``(z - mean) * scale / std`` (:func:`per_channel` statistics): the inverse of :func:`denormalize`."""
     return (z - per_channel(mean, z)) * scale / per_channel(std, z)
+
+
+def denormalize(z: torch.Tensor, mean: Any, std: Any, scale: float = 1.0) -> torch.Tensor:
+    """``z * std / scale + mean`` (:func:`per_channel` statistics), as the pipelines undo the normalisation before
+    decoding."""
+    return z * per_channel(std, z) / scale + per_channel(mean, z)
 
 
 def latent_mask(masks: torch.Tensor, latent_hw: tuple[int, ...], video: bool = False) -> torch.Tensor:

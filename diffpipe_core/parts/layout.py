@@ -203,7 +203,7 @@ class KeyTable:
                 continue
             made = self.targets(bare)
             if made is None:
-                unexpected.append(key)
+                unexpected.append(bare)  # named as the layout's tables name it, without the file's prefix
                 continue
             for name, transform in made:
                 out[name] = transform(state[key]) if transform else state[key]

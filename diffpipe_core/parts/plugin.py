@@ -11,7 +11,7 @@
             return layout(transformer_config)
 
         @hookimpl
-        def encode_batch(self, encoders, batch, model_config): ...
+        def encode_batch(self, encoders, batch): ...      # settings: encoders.config (load_components)
         ...
 
     plugin = Flux()        # the entry point names this object: flux = "diffpipe_flux.plugin:plugin"
@@ -49,14 +49,24 @@ class DiffusersModel:
     Declare:
         spec: the :class:`~diffpipe_core.types.ModelSpec`.
         folder: the :class:`~diffpipe_core.parts.folder.DiffusersFolder` (components, pipeline classes).
-        model_class: the diffusers class of the diffusion model (``"FluxTransformer2DModel"``).
+        model_class: the class of the diffusion model: a diffusers class name (``"FluxTransformer2DModel"``) or
+            ``"module:Class"`` for a model of the plugin's own (a diffusers ``ModelMixin`` + ``ConfigMixin``).
         single_file_key: the ``[model]`` key of an original-layout single file (None: the model has none).
         single_file_markers: original keys (without a file prefix) every such file holds; ``validate`` checks them.
         single_file_name: the file name of a ``single_file`` export.
-        lora_target_names: the default ``lora_targets`` (exact module names or dotted suffixes, peft's rule).
+        lora_target_names: the default ``lora_targets``: exact module names or dotted suffixes (a module matches
+            ``attn.to_q`` when its name is ``attn.to_q`` or ends with ``.attn.to_q``: peft's rule for a list), not
+            regexes.
+        last_block_unused: those of :attr:`lora_target_names` whose output the model's last joint block computes
+            for nothing: nothing after it reads the block's text stream, so its text queries and text-side outputs
+            are dead ends (Qwen-Image's ``attn.add_q_proj``, ``attn.to_add_out``, ``txt_mlp.net.0.proj``,
+            ``txt_mlp.net.2``). The default targets then name those modules in every joint block but the last, by
+            full name (a LoRA on them in the last block would get no gradient).
+        joint_blocks: where those blocks are: ``(module list, config key of their count)``.
 
-    and override :meth:`original_layout` when the model has an original single-file layout, and
-    :meth:`default_lora_targets` when the default targets depend on the config.
+    and override :meth:`original_layout` when the model has an original single-file layout,
+    :meth:`default_lora_targets` when the default targets depend on the config otherwise, and
+    :meth:`build_skeleton` when the model must be built differently from ``from_config``.
     """
 
     spec: ClassVar[ModelSpec]
@@ -66,6 +76,8 @@ class DiffusersModel:
     single_file_markers: ClassVar[tuple[str, ...]] = ()
     single_file_name: ClassVar[str] = "transformer.safetensors"
     lora_target_names: ClassVar[tuple[str, ...]] = ()
+    last_block_unused: ClassVar[tuple[str, ...]] = ()
+    joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -86,8 +98,19 @@ class DiffusersModel:
         return None
 
     def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
-        """The default LoRA targets; :attr:`lora_target_names` unless overridden."""
-        return list(self.lora_target_names)
+        """The default LoRA targets: :attr:`lora_target_names`, those in :attr:`last_block_unused` expanded to
+        their full names in every joint block but the last (the list is unchanged when nothing is left out)."""
+        if not self.last_block_unused:
+            return list(self.lora_target_names)
+        blocks, count_key = self.joint_blocks
+        count = int(self.model_folder_config(model_config)[count_key])
+        targets: list[str] = []
+        for name in self.lora_target_names:
+            if name in self.last_block_unused:
+                targets += [f"{blocks}.{i}.{name}" for i in range(count - 1)]
+            else:
+                targets.append(name)
+        return targets
 
     def single_file(self, model_config: ModelConfigBase) -> Path | None:
         """The configured original-layout single file, if any."""
@@ -122,16 +145,28 @@ class DiffusersModel:
         return self.folder.problems(model_config.path, single, layout, self.single_file_markers)  # type: ignore[attr-defined]
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
-        """The diffusion model from its config with uninitialised (or meta) weights, cast the way
-        ``from_pretrained(torch_dtype=dtype)`` casts (float32-kept modules stay float32)."""
+        """The diffusion model from its config, without weights, cast the way ``from_pretrained(torch_dtype=dtype)``
+        casts (float32-kept modules stay float32).
+
+        On ``meta`` it is built as ``from_pretrained`` builds it (:func:`~diffpipe_core.engine.model_loading.
+        parameters_on_meta`): parameters on meta, to be filled from the weight files, and buffers and plain tensor
+        attributes (RoPE tables) computed on the CPU, since no file holds them. Override it to check the config
+        first (call ``super().build_skeleton``), or to build a model ``from_config`` cannot; whatever it builds,
+        every tensor that is not in the weight files must be on a real device (the conformance kit names those
+        left on meta)."""
         import torch
 
-        from diffpipe_core.engine.model_loading import cast_skeleton
-        from diffpipe_core.parts.folder import _find_class
+        from diffpipe_core.engine.model_loading import cast_skeleton, parameters_on_meta
+        from diffpipe_core.parts.folder import find_class
 
-        cls = _find_class(self.model_class)
-        with torch.device(device):
-            model = cls.from_config(self.model_folder_config(model_config))
+        cls = find_class(self.model_class)
+        config = self.model_folder_config(model_config)
+        if torch.device(device).type == "meta":
+            with parameters_on_meta():
+                model = cls.from_config(config)
+        else:
+            with torch.device(device):
+                model = cls.from_config(config)
         return cast_skeleton(model, dtype)
 
     @hookimpl
@@ -197,7 +232,8 @@ class DiffusersModel:
 
     @hookimpl
     def export_adapter(self, state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str) -> Any:
-        """``diffusers`` (peft keys under the pipeline prefix) and, for a model with an original layout,
+        """``diffusers`` (peft keys under the pipeline prefix; alpha travels in the file's metadata, which the core
+        writes, not as ``.alpha`` tensors) and, for a model with an original layout,
         ``comfyui`` (native module names under ``diffusion_model.``, fused where the native model fuses, with
         ``.alpha``). The layout is sized from the exported LoRA itself, so no model files are read."""
         from diffpipe_core.parts.export import export_lora
@@ -262,7 +298,7 @@ class DiffusersModel:
         self,
         outputs: tuple[torch.Tensor, ...],
         targets: tuple[torch.Tensor, ...],
-        context: TrainingContext | None = None,
+        context: TrainingContext,
     ) -> torch.Tensor:
         """The run's loss (squared error, or run.toml's ``pseudo_huber_c``/``huber_delta``/``smooth_l1_beta``) of
         the prediction to ``targets[0]``, weighted by ``targets[1]`` (a mask or weights) when present."""

@@ -222,8 +222,10 @@ class TrainingSamples:
     def _sample(self, step: int, writer: Any) -> None:
         started = time.perf_counter()
         point = self.sampler.sample(self.run_dir / "samples" / f"step-{step:07d}", step, writer)
-        if point is not None:
-            print(f"diffpipe: {describe_point(point)} ({time.perf_counter() - started:.1f} s)", flush=True)
+        if point is not None:  # rank 0: one console line per sampling point, below the progress bar
+            from tqdm import tqdm
+
+            tqdm.write(f"diffpipe: {describe_point(point)} ({time.perf_counter() - started:.1f} s)")
 
 
 def describe_point(point: SamplingPoint) -> str:

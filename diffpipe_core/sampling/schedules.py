@@ -55,3 +55,26 @@ def scheduler_flow_sigmas(model_path: Path, base_sigmas: Any, image_seq_len: int
         mu = image_seq_len * slope + (c.get("base_shift", 0.5) - slope * c.get("base_image_seq_len", 256))
     scheduler.set_timesteps(sigmas=np.asarray(base_sigmas), mu=mu, device="cpu")
     return scheduler.sigmas.float()
+
+
+def karras_sigmas(
+    steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0, final_zero: bool = False
+) -> torch.Tensor:
+    """``steps + 1`` float32 EDM noise levels: Karras et al.'s ramp from ``sigma_max`` down to ``sigma_min``
+    (computed in float64), then ``sigma_min`` again (``final_sigmas_type="sigma_min"``: the last step only
+    re-evaluates the model, as ``EDMEulerScheduler`` and the Cosmos pipelines do), or 0 with ``final_zero``."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    ramp = torch.linspace(0, 1, steps, dtype=torch.float64)
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    sigmas = ((hi + ramp * (lo - hi)) ** rho).float()
+    return torch.cat([sigmas, torch.zeros(1) if final_zero else sigmas[-1:]])
+
+
+def edm_euler_step(latents: torch.Tensor, denoised: torch.Tensor, sigmas: torch.Tensor, index: int) -> torch.Tensor:
+    """One Euler step of the EDM probability-flow ODE from ``sigmas[index]`` to ``sigmas[index + 1]`` given the
+    denoiser's output, in float32: ``x + (x - D) / sigma * (sigma_next - sigma)`` (``EDMEulerScheduler.step`` without
+    churn; the Cosmos-Predict2 pipelines' epsilon step)."""
+    sigma, sigma_next = sigmas[index].float(), sigmas[index + 1].float()
+    x = latents.float()
+    return x + (x - denoised.float().to(x.device)) / sigma * (sigma_next - sigma)

@@ -148,7 +148,11 @@ def bench_parser(steps: int = 20, warmup: int = 4, batch: int = 1, pairs: str = 
                  threads: bool = False) -> argparse.ArgumentParser:
     """The options every overhead bench has: ``--steps``, ``--warmup``, ``--batch``, the pair count (``pairs``,
     e.g. ``--pairs`` or ``--rounds``, default 3), ``--smoke`` and, with ``threads``, ``--threads`` (see
-    :func:`use_threads`)."""
+    :func:`use_threads`). Keeps the libraries' chatter behind ``DIFFPIPE_VERBOSE=1`` from here on, as the CLI
+    does (:func:`diffpipe_core.quiet.quiet_script`)."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)

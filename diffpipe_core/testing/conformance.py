@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffpipe_core.adapters import apply_lora, lora_config
-from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
+from diffpipe_core.adapters import lora_config
+from diffpipe_core.engine.adapter_layers import adapt_layers
+from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers, meta_tensors
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.imports import check_light_imports
@@ -60,7 +61,9 @@ def _check_per_stage_loading(plugin: Any, cfg: ModelConfigBase, dtype: torch.dty
     if not stage.per_stage_loading:
         return stage
     materialise_layers(plugin, cfg, stage, range(len(stage.layers)), device)
+    _check_nothing_on_meta(stage.model, "a meta build and per-stage loading")
     full = plugin.require("load_diffusion_model", model_config=cfg, device=device, dtype=dtype)
+    _check_nothing_on_meta(full, f"load_diffusion_model(device=cpu, dtype={dtype})")
     mine, theirs = stage.model.state_dict(), full.state_dict()
     assert mine.keys() == theirs.keys(), f"per-stage loading ({dtype}): keys differ from a full load"
     for key in mine:
@@ -69,6 +72,16 @@ def _check_per_stage_loading(plugin: Any, cfg: ModelConfigBase, dtype: torch.dty
         )
         assert torch.equal(mine[key], theirs[key]), f"per-stage loading ({dtype}): {key!r} differs from a full load"
     return stage
+
+
+def _check_nothing_on_meta(model: nn.Module, after: str) -> None:
+    left = meta_tensors(model)
+    assert not left, (
+        f"load_diffusion_model: after {after}, {len(left)} tensors are still on the meta device: {', '.join(left)}. "
+        "No weight file fills a buffer or a tensor a module keeps as a plain attribute (a RoPE table): build the "
+        "skeleton the way from_pretrained does, parameters on meta and everything else on a real device "
+        "(DiffusersModel.build_skeleton does; diffpipe_core.engine.model_loading.parameters_on_meta for your own)"
+    )
 
 
 def _check_layers_share_the_model(model: nn.Module, layers: list[nn.Module]) -> None:
@@ -229,13 +242,26 @@ def check_model_plugin(
     _check_sampling(plugin, cfg, layers, text, pixels, seed)
 
     targets = plugin.require("lora_targets", model_config=cfg)
-    apply_lora(model, lora_config(4, 4, 0.0, list(targets)))
+    check_lora_gradients(model, layers, prepared, list(targets), loss_of)
+
+
+def check_lora_gradients(
+    model: nn.Module,
+    layers: list[nn.Module],
+    prepared: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
+    targets: list[str],
+    loss_of: Any,
+) -> None:
+    """LoRA on ``targets`` (``lora_B`` made non-zero), then for each ``(inputs, loss_targets)`` a finite loss whose
+    gradient reaches every LoRA weight; a module whose weights get none is named with the cause: never called, its
+    output read by nothing that reaches the loss (the last joint block's text side), or its weights cut off."""
+    adapt_layers(model, layers, lora_config(4, 4, 0.0, targets), torch.float32)
     with torch.no_grad():
         for n_, p in model.named_parameters():
             if "lora_B" in n_:
                 p.normal_(std=0.01)
     for inputs, loss_targets in prepared:
-        outputs = _run_layers(layers, tuple(t.clone() for t in inputs))
+        outputs, watched = _run_watched(model, layers, tuple(t.clone() for t in inputs))
         loss = loss_of(loss_targets)(outputs)
         assert torch.is_tensor(loss) and loss.dim() == 0 and torch.isfinite(loss), f"compute_loss returned {loss!r}"
         model.zero_grad()
@@ -243,4 +269,68 @@ def check_model_plugin(
         lora_params = [(n_, p) for n_, p in model.named_parameters() if "lora_" in n_]
         assert lora_params, f"lora_targets {targets} matched no module"
         without_grad = [n_ for n_, p in lora_params if p.grad is None or not p.grad.abs().sum() > 0]
-        assert not without_grad, f"LoRA weights get no gradient through the layers, e.g. {without_grad[:3]}"
+        assert not without_grad, (
+            f"LoRA weights get no gradient through the layers, e.g. {without_grad[:3]}; "
+            + "; ".join(_no_gradient_causes(without_grad, watched))
+        )
+
+
+class _Watched:
+    """What one LoRA-adapted module did in a forward and backward pass."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.output_grads: list[torch.Tensor | None] = []
+
+
+def _run_watched(
+    model: nn.Module, layers: list[nn.Module], inputs: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], dict[str, _Watched]]:
+    """The layers' outputs, with a forward hook on every LoRA-adapted module recording whether it ran and, after
+    ``backward``, whether its output got a gradient (retained on the output tensors)."""
+    watched: dict[str, _Watched] = {}
+    handles = []
+
+    def hook(name: str):
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            entry = watched[name]
+            entry.calls += 1
+            if torch.is_tensor(output) and output.requires_grad:
+                index = len(entry.output_grads)
+                entry.output_grads.append(None)
+                output.register_hook(lambda g: entry.output_grads.__setitem__(index, g))
+
+        return record
+
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            watched[name] = _Watched()
+            handles.append(module.register_forward_hook(hook(name)))
+    try:
+        return _run_layers(layers, inputs), watched
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _no_gradient_causes(without_grad: list[str], watched: dict[str, _Watched]) -> list[str]:
+    """Why each adapted module whose LoRA weights got no gradient got none, one line per module."""
+    causes = []
+    for module in dict.fromkeys(n.split(".lora_")[0] for n in without_grad):
+        entry = watched.get(module)
+        if entry is None or entry.calls == 0:
+            causes.append(f"{module} is never called by the layers (leave it out of lora_targets)")
+        elif all(g is None or not g.abs().sum() > 0 for g in entry.output_grads):
+            causes.append(
+                f"{module}'s output is used by no later layer: nothing that reaches the loss reads it (the text side "
+                "of the last joint block of an MMDiT, whose text stream nothing after that block reads). Leave it out "
+                "of lora_targets: DiffusersModel.last_block_unused declares such modules"
+            )
+        else:
+            causes.append(
+                f"{module}'s output gets a gradient but its LoRA weights do not (is it called under torch.no_grad, "
+                "or on a detached copy of its weights?)"
+            )
+    return causes

@@ -95,8 +95,10 @@ def heavy_imports(
 
 
 @functools.cache
-def _check_target(target: str, model_name: str) -> None:
-    found = heavy_imports(target, model_name, heavy=("torch", "diffusers", "transformers"))
+def _check_target(target: str, model_name: str, root: str | None = None) -> None:
+    found = heavy_imports(
+        target, model_name, heavy=("torch", "diffusers", "transformers"), extra_paths=[Path(root)] if root else ()
+    )
     if found:
         lines = [f"{pkg} while {where['stage']} ({' -> '.join(where['chain'])})" for pkg, where in found.items()]
         raise AssertionError(
@@ -113,11 +115,27 @@ def check_light_imports(plugin_obj: Any, model_name: str) -> None:
     diffusers or transformers, in a fresh interpreter (checked once per plugin per process).
 
     What is imported is what the installed entry point ``model_name`` names (``module`` or ``module:object``);
-    without one, ``plugin_obj`` itself if it is a module. An object registered in-process by a test, with no
-    entry point, cannot be re-created in another interpreter and is not checked.
+    without one, ``plugin_obj`` itself if it is a module, or ``module:name`` when the module that defines
+    ``plugin_obj``'s class holds it as ``name`` (``plugin = Flux()``). Any other object registered in-process by a
+    test cannot be re-created in another interpreter and is not checked.
     """
     ep = next((e for e in entry_points(group=ENTRY_POINT_GROUP) if e.name == model_name), None)
     if ep is not None:
         _check_target(ep.value, model_name)
     elif isinstance(plugin_obj, ModuleType):
-        _check_target(plugin_obj.__name__, model_name)
+        _check_target(plugin_obj.__name__, model_name, _import_root(plugin_obj))
+    else:
+        module = sys.modules.get(type(plugin_obj).__module__)
+        name = next((k for k, v in vars(module).items() if v is plugin_obj), None) if module is not None else None
+        if name:
+            _check_target(f"{module.__name__}:{name}", model_name, _import_root(module))
+
+
+def _import_root(module: ModuleType) -> str | None:
+    """The ``sys.path`` folder ``module`` was imported from (so a fresh interpreter finds a package that a test put
+    on ``sys.path`` rather than installed)."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    depth = module.__name__.count(".") + (1 if Path(file).name == "__init__.py" else 0)
+    return str(Path(file).resolve().parents[depth])

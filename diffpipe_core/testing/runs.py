@@ -73,6 +73,24 @@ def stage_files(run: Path) -> list[str]:
     return sorted(p.name for p in ckpt.glob("params-stage*.safetensors"))
 
 
+def write_saved_model(state: dict[str, torch.Tensor], folder: Path, stages: int = 2) -> Path:
+    """``state`` as the core saves a full fine-tune over ``stages`` pipeline stages (``write_model_shards``): shards
+    ``model-0000k-of-0000n.safetensors`` keyed by ``state_dict`` names, and their index. Returns ``folder``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    keys, weight_map = sorted(state), {}
+    for i in range(stages):
+        shard = f"model-{i + 1:05d}-of-{stages:05d}.safetensors"
+        part = keys[i * len(keys) // stages : (i + 1) * len(keys) // stages]
+        save_file({k: state[k].contiguous() for k in part}, str(folder / shard))
+        weight_map.update({k: shard for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
 def with_trained_lora(model: torch.nn.Module, run: Path, rank: int, alpha: float, targets: list[str]) -> Any:
     """``model`` (the untrained diffusion model) with peft LoRA on ``targets`` holding the trained tensors of the run's
     last checkpoint: the reference a saved adapter must reproduce."""

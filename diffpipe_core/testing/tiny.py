@@ -66,6 +66,26 @@ def write_pipeline(pipeline_class: str, parts: dict[str, Part], folder: Path) ->
     return pipe
 
 
+def write_folder(pipeline_class: str, parts: dict[str, Part], folder: Path) -> Path:
+    """Build the components and save each with its own ``save_pretrained`` under ``folder/<name>``, plus the
+    ``model_index.json`` diffusers writes, naming ``pipeline_class``: a diffusers folder for a model diffusers has no
+    pipeline class for (a plugin's own diffusion model). Returns ``folder``."""
+    import json
+
+    import diffusers
+
+    folder = Path(folder)
+    index: dict[str, Any] = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
+    for name, component in build_components(parts).items():
+        kwargs = {"safe_serialization": True} if isinstance(component, torch.nn.Module) else {}
+        component.save_pretrained(str(folder / name), **kwargs)
+        module = type(component).__module__
+        top = module.partition(".")[0]
+        index[name] = [top if top in ("diffusers", "transformers") else module, type(component).__name__]
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return folder
+
+
 def save_single_file(state: dict[str, torch.Tensor], file: Path) -> Path:
     """``state`` (e.g. a key table's ``to_original`` of the transformer) as one safetensors file."""
     from safetensors.torch import save_file
@@ -92,18 +112,48 @@ def t5_tokenizer(
     return word_level_tokenizer(words, specials, "$A </s>", max_length, **names)
 
 
-def bpe_tokenizer(texts: Sequence[str], specials: Sequence[str], template: str, max_length: int, **names: str) -> Any:
-    """A tiny byte-level BPE tokenizer (the kind Qwen, Llama-3 and GPT-style encoders use) trained on ``texts``, so a
-    prompt template's prefix tokenizes the way a real BPE tokenizer cuts it. ``template`` is the post-processor
-    (``"$A"`` for none); ``names`` are the special-token roles."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+#: the pre-tokenizer split (regex) of Qwen2 / Qwen2.5(-VL) tokenizers
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+#: Llama-3's: numbers in runs of up to three digits
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+
+
+def bpe_tokenizer(
+    texts: Sequence[str],
+    specials: Sequence[str],
+    template: str,
+    max_length: int,
+    split: str | None = None,
+    vocab_size: int = 4096,
+    **names: str,
+) -> Any:
+    """A tiny byte-level BPE tokenizer (the kind Qwen, Llama-3 and GPT-style encoders use) trained on ``texts``.
+
+    Trained on a model's prompt template (and the test captions) with room for every merge, it cuts each
+    pre-token of the template into one token, as a real BPE tokenizer cuts common words, so the template's prefix
+    has the real tokenizer's token count (Qwen-Image's 34 with :data:`QWEN2_SPLIT`, HunyuanVideo's 95 with
+    :data:`LLAMA3_SPLIT`: what their pipelines drop) and ``drop_tokens`` computed from it is the real one.
+    ``split``: the real tokenizer's pre-tokenizer regex, else GPT-2's byte-level one. ``specials`` stay single
+    tokens; ``template`` is the post-processor (``"$A"`` for none); ``names`` are the special-token roles
+    (``pad_token="<|endoftext|>"``, ...)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(list(texts), trainer)
     if template != "$A":
@@ -202,6 +252,17 @@ def autoencoder_kl(
         shift_factor=shift_factor,
         use_quant_conv=quant_conv,
         use_post_quant_conv=quant_conv,
+    )
+
+
+def hunyuan_video_vae(latent_channels: int = 4, channels: tuple[int, ...] = (8, 8, 8, 8)) -> Any:
+    """A causal video VAE (``AutoencoderKLHunyuanVideo``): 8x spatial and 4x temporal compression with 4 levels
+    (frames ``4k + 1``; an image is one frame), ``latents * scaling_factor`` normalisation."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    groups = min(channels) // 2
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=latent_channels, block_out_channels=channels, layers_per_block=1, norm_num_groups=groups
     )
 
 

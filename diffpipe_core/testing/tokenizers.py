@@ -1,5 +1,7 @@
-"""Tiny word-level tokenizers for tests: built in-process (no hub access), saved and loaded back with
-``AutoTokenizer`` like the real ones (see /work/shared/notes/cpu-recipes.md)."""
+"""Tiny word-level tokenizers for tests: built in-process (no hub access) with the ``tokenizers`` library and
+wrapped in ``PreTrainedTokenizerFast``, so they save and load back with ``AutoTokenizer`` like the real ones
+(transformers' model-specific classes such as ``CLIPTokenizer`` do not load such a folder faithfully). For a
+byte-level BPE tokenizer (Qwen, Llama-3), see :func:`diffpipe_core.testing.tiny.bpe_tokenizer`."""
 
 from __future__ import annotations
 

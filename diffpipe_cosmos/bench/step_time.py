@@ -29,13 +29,14 @@ from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_times
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
-from diffpipe_cosmos import cosmos1_plugin, predict2_plugin, resize
+from diffpipe_cosmos import resize
+from diffpipe_cosmos.plugin import cosmos1, predict2
 from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
 
 T5_LEN, LATENT = 64, 32
 ENTRIES = {
-    "cosmos": {"hooks": cosmos1_plugin.hooks, "variant": "1.0", "frames": 9, "pixels": 256},
-    "cosmos-predict2": {"hooks": predict2_plugin.hooks, "variant": "predict2", "frames": 1, "pixels": 256},
+    "cosmos": {"hooks": cosmos1, "variant": "1.0", "frames": 9, "pixels": 256},
+    "cosmos-predict2": {"hooks": predict2, "variant": "predict2", "frames": 1, "pixels": 256},
 }
 
 
@@ -78,7 +79,7 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
     latents = torch.randn(args.batch, 16, frames, LATENT, LATENT)
     text = torch.randn(args.batch, T5_LEN, 64)
     padding = torch.zeros(1, 1, e["pixels"], e["pixels"])
-    fps = hooks.gen.default_fps if frames > 1 else None
+    fps = hooks.default_fps if frames > 1 else None
 
     def loss(gen: torch.Generator) -> torch.Tensor:
         noise = torch.randn(latents.shape, generator=gen)

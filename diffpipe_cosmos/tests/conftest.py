@@ -1,22 +1,13 @@
-"""Shared fixtures: HF libraries stay offline and write nothing outside the test's tmp dir; one tiny model per
-Cosmos generation written to disk per session (diffusers folder + original NVIDIA single file)."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny model per Cosmos generation written to
+disk per session (diffusers folder + original NVIDIA single file)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read by datasets at import time
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(autouse=True)
-def _hf_offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +30,37 @@ def tiny_predict2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_models(tiny_cosmos1: Path, tiny_predict2: Path) -> dict[str, Path]:
     """Model folder by entry-point name."""
     return {"cosmos": tiny_cosmos1, "cosmos-predict2": tiny_predict2}
+
+
+# Samples during the shared cosmos-predict2 run (issue 21): the base model's, before the first step.
+SAMPLE_TABLE = """
+[sample]
+prompts = ["a red cat"]
+before_first_step = true
+steps = 3
+seed = 5
+resolution = [48, 32]
+"""
+
+
+@pytest.fixture(scope="session")
+def predict2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``cosmos-predict2``: 2 pipeline stages over 2 processes, per stage from NVIDIA's single file, sampling as
+    SAMPLE_TABLE says (a 5-frame video). Returns its run folder."""
+    from test_cosmos_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("predict2-run")
+    return runs.train(root, make_project(root, "cosmos-predict2", 2, True, SAMPLE_TABLE), procs=2, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def cosmos1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``cosmos``: 1 stage in 1 process from the diffusers folder. Returns its run folder."""
+    from test_cosmos_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("cosmos1-run")
+    return runs.train(root, make_project(root, "cosmos", 1, False), procs=1, timeout=600)

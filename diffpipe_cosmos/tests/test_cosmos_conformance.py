@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cosmos_common import PLUGINS
 
 from diffpipe_core.testing.conformance import check_model_plugin
-from diffpipe_cosmos import cosmos1_plugin, predict2_plugin
 from diffpipe_cosmos.testing import original_path
-
-PLUGINS = {"cosmos": cosmos1_plugin.hooks, "cosmos-predict2": predict2_plugin.hooks}
 
 
 @pytest.mark.parametrize(("name", "layout"), [("cosmos", "original"), ("cosmos-predict2", "diffusers")])

@@ -3,37 +3,35 @@ NVIDIA single file that load back to the same weights (for both entry points).""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from cosmos_common import PLUGINS
+from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
 from diffpipe_core.schema import validate
-from diffpipe_cosmos import cosmos1_plugin, predict2_plugin
-from diffpipe_cosmos.hooks import LORA_TARGETS
+from diffpipe_core.testing.runs import write_saved_model
+from diffpipe_cosmos.plugin import LORA_TARGETS, cosmos1, predict2
 from diffpipe_cosmos.testing import TinyCosmosConfig, tiny_transformer
-
-PLUGINS = {"cosmos": cosmos1_plugin.hooks, "cosmos-predict2": predict2_plugin.hooks}
 
 
 def test_lora_formats_and_unknown_format() -> None:
     model = tiny_transformer(TinyCosmosConfig(variant="1.0"))
-    apply_lora(model, lora_config(4, 6.0, 0.0, LORA_TARGETS))
+    apply_lora(model, lora_config(4, 6.0, 0.0, list(LORA_TARGETS)))
     state = lora_state_dict(model)
-    hooks = cosmos1_plugin.hooks
-    out = hooks.export_adapter(state_dict=state, alpha=6.0, rank=4, format="diffusers")
+    plugin = cosmos1
+    out = plugin.export_adapter(state_dict=state, alpha=6.0, rank=4, format="diffusers")
     assert set(out) == {f"transformer.{k}" for k in state}
-    comfy = hooks.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
+    comfy = plugin.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
     assert torch.equal(
         comfy["diffusion_model.blocks.block1.blocks.1.block.attn.to_out.0.lora_B.weight"],
         state["transformer_blocks.1.attn2.to_out.0.lora_B.weight"],
     )
     assert float(comfy["diffusion_model.blocks.block0.blocks.2.block.layer1.alpha"]) == 6.0
-    assert hooks.export_adapter(state_dict=state, alpha=6.0, rank=4, format="kohya") is None
-    p2 = predict2_plugin.hooks.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
+    assert plugin.export_adapter(state_dict=state, alpha=6.0, rank=4, format="kohya") is None
+    p2 = predict2.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
     assert "diffusion_model.blocks.1.cross_attn.output_proj.lora_B.weight" in p2
     assert "diffusion_model.blocks.0.mlp.layer2.alpha" in p2
 
@@ -41,36 +39,28 @@ def test_lora_formats_and_unknown_format() -> None:
 def test_comfyui_rejects_modules_without_an_original_counterpart() -> None:
     state = {"rope.foo.lora_A.weight": torch.zeros(4, 8), "rope.foo.lora_B.weight": torch.zeros(8, 4)}
     with pytest.raises(ValueError, match="rope.foo"):
-        predict2_plugin.hooks.export_adapter(state_dict=state, alpha=4.0, rank=4, format="comfyui")
+        predict2.export_adapter(state_dict=state, alpha=4.0, rank=4, format="comfyui")
 
 
 @pytest.mark.parametrize("name", ["cosmos", "cosmos-predict2"])
 def test_full_model_exports_load_back(tiny_models: dict[str, Path], tmp_path: Path, name: str) -> None:
-    hooks = PLUGINS[name]
+    plugin = PLUGINS[name]
     table = {"type": name, "path": tiny_models[name], "dtype": "float32"}
-    cfg = validate(hooks.model_spec().config_schema, table, "test")
-    model = hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    cfg = validate(plugin.spec.config_schema, table, "test")
+    model = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     with torch.no_grad():
         model.transformer_blocks[0].attn1.to_q.weight.add_(1.0)  # "fine-tuned"
     # what the core's write_model_shards leaves for 2 stages: shards keyed by state_dict names + an index
-    saved = tmp_path / "saved"
-    saved.mkdir()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    keys = sorted(state)
-    weight_map = {}
-    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :])):
-        shard = f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({k: state[k] for k in part}, str(saved / shard))
-        weight_map.update({k: shard for k in part})
-    (saved / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    saved = write_saved_model(state, tmp_path / "saved")
 
     for fmt in ("single_file", "diffusers"):
-        assert hooks.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)
-    assert hooks.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
+        assert plugin.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)
+    assert plugin.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
     single = next((saved / "single_file").glob("*.safetensors"))
     assert all(k.startswith("net.") for k in load_file(str(single)))
-    assert hooks.validate_model_files(validate(type(cfg), {**table, "transformer_file": single}, "test")) == []
-    from_single = hooks.load_diffusion_model(
+    assert plugin.validate_model_files(validate(type(cfg), {**table, "transformer_file": single}, "test")) == []
+    from_single = plugin.load_diffusion_model(
         validate(type(cfg), {**table, "transformer_file": single}, "test"), torch.device("cpu"), torch.float32
     )
     from diffusers import CosmosTransformer3DModel

@@ -12,9 +12,8 @@ import torch
 
 from diffpipe_core import TrainingContext, edm
 from diffpipe_core.schema import validate
-from diffpipe_cosmos import cosmos1_plugin, predict2_plugin
 from diffpipe_cosmos.config import Cosmos1Config, Predict2Config
-from diffpipe_cosmos.inputs import nvidia_weight
+from diffpipe_cosmos.plugin import cosmos1, nvidia_weight, predict2
 
 
 def batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -25,9 +24,9 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("quantile", [0.05, 0.5, 0.95])
 def test_cosmos1_inputs_and_loss_are_the_edm_formulas(quantile: float) -> None:
     cfg = validate(Cosmos1Config, {"type": "cosmos", "path": Path("x"), "p_mean": 0.3, "p_std": 1.4}, "test")
-    hooks, data = cosmos1_plugin.hooks, batch()
+    plugin, data = cosmos1, batch()
     context = TrainingContext(cfg, eval_quantile=quantile)
-    (model_in, c_noise, text), targets = hooks.prepare_inputs(data, context, torch.Generator().manual_seed(5))
+    (model_in, c_noise, text), targets = plugin.prepare_inputs(data, context, torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(5)
     noise = torch.randn(data["latents"].shape, generator=g)
     sigma = math.exp(0.3 + 1.4 * math.sqrt(2) * torch.erfinv(torch.tensor(2 * quantile - 1)).item())
@@ -39,14 +38,14 @@ def test_cosmos1_inputs_and_loss_are_the_edm_formulas(quantile: float) -> None:
     out = torch.randn(model_in.shape, generator=g)
     denoised = sd**2 / (s * s + sd * sd) * x + s * sd / math.sqrt(s * s + sd * sd) * out
     expected = ((s * s + sd * sd) / (s * sd) ** 2 * (denoised - data["latents"]) ** 2).mean()
-    loss = hooks.compute_loss((out,), targets)
+    loss = plugin.compute_loss((out,), targets)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
 
 
 def test_cosmos1_sigmas_are_log_normal_when_training() -> None:
     cfg = validate(Cosmos1Config, {"type": "cosmos", "path": Path("x")}, "test")
     data = {"latents": torch.zeros(4000, 1, 1, 1, 1), "t5_embeds": torch.zeros(4000, 1, 1)}
-    _, targets = cosmos1_plugin.hooks.prepare_inputs(data, TrainingContext(cfg), torch.Generator().manual_seed(0))
+    _, targets = cosmos1.prepare_inputs(data, TrainingContext(cfg), torch.Generator().manual_seed(0))
     logs = targets[2].log()
     assert logs.mean().item() == pytest.approx(0.0, abs=0.06) and logs.std().item() == pytest.approx(1.0, abs=0.05)
 
@@ -55,8 +54,8 @@ def test_cosmos1_sigmas_are_log_normal_when_training() -> None:
 def test_predict2_is_nvidias_edm_parameterisation_as_rectified_flow(nvidia_weighting: bool) -> None:
     table = {"type": "cosmos-predict2", "path": Path("x"), "nvidia_weighting": nvidia_weighting}
     cfg = validate(Predict2Config, table, "test")
-    hooks, data = predict2_plugin.hooks, batch()
-    (x_t, t, _), targets = hooks.prepare_inputs(data, TrainingContext(cfg), torch.Generator().manual_seed(5))
+    plugin, data = predict2, batch()
+    (x_t, t, _), targets = plugin.prepare_inputs(data, TrainingContext(cfg), torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(5)
     noise = torch.randn(data["latents"].shape, generator=g)
     t_b = t.view(-1, 1, 1, 1, 1)
@@ -75,7 +74,7 @@ def test_predict2_is_nvidias_edm_parameterisation_as_rectified_flow(nvidia_weigh
     denoised = (1 - t_b) * x_sigma - t_b * out
     edm_weight = edm.loss_weight(sigma.flatten(), sigma_data=1.0).view(-1, 1, 1, 1, 1)
     nvidia_loss = (edm_weight * (denoised - x0) ** 2).mean()
-    loss = hooks.compute_loss((out,), targets)
+    loss = plugin.compute_loss((out,), targets)
     plain = ((out - targets[0]) ** 2).mean()
     if nvidia_weighting:
         assert loss.item() == pytest.approx(nvidia_loss.item(), rel=1e-4)
@@ -94,10 +93,10 @@ def test_masks_weight_the_loss() -> None:
     data = batch()
     data["mask"] = torch.zeros(3, 1, 1, 4, 6)
     data["mask"][..., :3] = 1
-    (x_t, _, _), targets = predict2_plugin.hooks.prepare_inputs(data, TrainingContext(cfg), torch.Generator())
+    (x_t, _, _), targets = predict2.prepare_inputs(data, TrainingContext(cfg), torch.Generator())
     out = targets[0].clone()
     out[..., 3:] += 100.0  # errors only where the mask is 0
-    assert predict2_plugin.hooks.compute_loss((out,), targets).item() == pytest.approx(0.0, abs=1e-10)
+    assert predict2.compute_loss((out,), targets).item() == pytest.approx(0.0, abs=1e-10)
     assert x_t.shape == data["latents"].shape
 
 

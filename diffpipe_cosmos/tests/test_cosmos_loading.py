@@ -11,27 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from cosmos_common import PLUGINS, config
 from safetensors.torch import load_file, save_file
 
 from diffpipe_core import EncodeBatch, TrainingContext
-from diffpipe_core.schema import validate
-from diffpipe_cosmos import cosmos1_plugin, predict2_plugin, resize
-from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, tiny_transformer
-
-PLUGINS = {"cosmos": cosmos1_plugin.hooks, "cosmos-predict2": predict2_plugin.hooks}
-
-
-def config(name: str, path: Path, **kw):
-    table = {"type": name, "path": path, "dtype": "float32", "encoder_dtype": "float32", "t5_max_length": 16, **kw}
-    return validate(PLUGINS[name].model_spec().config_schema, table, "test")
+from diffpipe_cosmos import resize
+from diffpipe_cosmos.plugin import cosmos1, predict2
+from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, tiny_transformer, to_diffusers
 
 
 @pytest.mark.parametrize("name", ["cosmos", "cosmos-predict2"])
 def test_both_layouts_load_the_same_weights(tiny_models: dict[str, Path], name: str) -> None:
-    folder, hooks = tiny_models[name], PLUGINS[name]
-    a = hooks.load_diffusion_model(config(name, folder), torch.device("cpu"), torch.float32).state_dict()
+    folder, plugin = tiny_models[name], PLUGINS[name]
+    a = plugin.load_diffusion_model(config(name, folder), torch.device("cpu"), torch.float32).state_dict()
     cfg = config(name, folder, transformer_file=original_path(folder))
-    b = hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32).state_dict()
+    b = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32).state_dict()
     assert a.keys() == b.keys() and len(a) > 40
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -48,11 +42,9 @@ def test_predict2_original_keys_match_diffusers_converter(tiny_predict2: Path) -
     """diffusers converts Predict2 files correctly (its 1.0 branch is unreachable); compare key for key."""
     from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
 
-    from diffpipe_cosmos.original import original_to_diffusers
-
     original = load_file(str(original_path(tiny_predict2)))
     theirs = convert_cosmos_transformer_checkpoint_to_diffusers(dict(original))
-    ours = original_to_diffusers(original, "predict2")
+    ours = to_diffusers(original, "predict2")
     assert set(ours) == set(theirs) - {"logvar.1.weight"}
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -61,8 +53,8 @@ def test_original_file_of_the_other_generation_is_refused(tiny_models: dict[str,
     cfg = config("cosmos", tiny_models["cosmos"], transformer_file=original_path(tiny_models["cosmos-predict2"]))
     expected = r"predict2\d*/tiny\.original\.safetensors: this is a Cosmos predict2 checkpoint"
     with pytest.raises(KeyError, match=expected):
-        cosmos1_plugin.hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    problems = cosmos1_plugin.hooks.validate_model_files(cfg)
+        cosmos1.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    problems = cosmos1.validate_model_files(cfg)
     assert len(problems) == 1
     assert "a Cosmos predict2 transformer" in problems[0] and "expected a Cosmos 1.0" in problems[0]
 
@@ -72,15 +64,15 @@ def test_bad_single_file_names_file_and_key(tiny_predict2: Path, tmp_path: Path)
     bad["net.blocks.0.self_attn.extra.weight"] = torch.zeros(2)
     file = tmp_path / "bad.safetensors"
     save_file(bad, str(file))
-    hooks = predict2_plugin.hooks
+    plugin = predict2
     cfg = config("cosmos-predict2", tiny_predict2, transformer_file=file)
     with pytest.raises(KeyError, match=r"bad\.safetensors: unexpected key 'blocks\.0\.self_attn\.extra\.weight'"):
-        hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+        plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     del bad["net.blocks.0.self_attn.extra.weight"]
     bad["net.blocks.0.mlp.layer1.weight"] = torch.zeros(3, 3)
     save_file(bad, str(file))
     with pytest.raises(ValueError, match=r"bad\.safetensors: 'transformer_blocks\.0\.ff\.net\.0\.proj\.weight' has"):
-        hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+        plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
 
 
 def test_validate_model_files(tiny_models: dict[str, Path], tmp_path: Path) -> None:
@@ -88,7 +80,7 @@ def test_validate_model_files(tiny_models: dict[str, Path], tmp_path: Path) -> N
         assert PLUGINS[name].validate_model_files(config(name, folder)) == []
         assert PLUGINS[name].validate_model_files(config(name, folder, transformer_file=original_path(folder))) == []
     # a Predict2 folder given to the 1.0 entry point: the pipeline class says so, alone
-    problems = cosmos1_plugin.hooks.validate_model_files(config("cosmos", tiny_models["cosmos-predict2"]))
+    problems = cosmos1.validate_model_files(config("cosmos", tiny_models["cosmos-predict2"]))
     assert len(problems) == 1 and "'Cosmos2TextToImagePipeline'" in problems[0]
     assert "'CosmosTextToWorldPipeline'" in problems[0] and "model_index.json" in problems[0]
     # a 1.0 folder whose VAE was swapped for the Wan VAE, and whose transformer weights are gone
@@ -96,13 +88,13 @@ def test_validate_model_files(tiny_models: dict[str, Path], tmp_path: Path) -> N
     shutil.copytree(tiny_models["cosmos"], broken)
     shutil.rmtree(broken / "vae")
     shutil.copytree(tiny_models["cosmos-predict2"] / "vae", broken / "vae")
-    problems = cosmos1_plugin.hooks.validate_model_files(config("cosmos", broken))
+    problems = cosmos1.validate_model_files(config("cosmos", broken))
     vae_config = broken / "vae" / "config.json"
     assert problems == [f"{vae_config}: the vae is 'AutoencoderKLWan'; expected 'AutoencoderKLCosmos'"]
     (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
     shutil.rmtree(broken / "vae")
     shutil.copytree(tiny_models["cosmos"] / "vae", broken / "vae")
-    problems = cosmos1_plugin.hooks.validate_model_files(config("cosmos", broken))
+    problems = cosmos1.validate_model_files(config("cosmos", broken))
     assert len(problems) == 1 and "no diffusion_pytorch_model.safetensors" in problems[0]
 
 
@@ -120,16 +112,16 @@ def test_layers_compute_the_diffusers_forward(name: str, condition_channel: bool
         from diffusers import CosmosTransformer3DModel
 
         model = CosmosTransformer3DModel.from_config({**model.config, "in_channels": 5}).eval()
-    hooks = PLUGINS[name]
+    plugin = PLUGINS[name]
     cfg = config(name, Path("unused"))
     g = torch.Generator().manual_seed(0)
     batch = {"latents": torch.randn(2, 4, frames, 4, 6, generator=g), "t5_embeds": torch.randn(2, 16, 16, generator=g)}
-    inputs, targets = hooks.prepare_inputs(batch, TrainingContext(cfg), torch.Generator().manual_seed(1))
+    inputs, targets = plugin.prepare_inputs(batch, TrainingContext(cfg), torch.Generator().manual_seed(1))
     x = inputs
     with torch.no_grad():
-        for layer in hooks.split_into_layers(model, cfg):
+        for layer in plugin.split_into_layers(model, cfg):
             x = layer(x)
-        fps = hooks.gen.default_fps if frames > 1 else None
+        fps = plugin.default_fps if frames > 1 else None
         kwargs = {"condition_mask": torch.zeros(2, 1, frames, 4, 6)} if condition_channel else {}
         expected = model(
             hidden_states=inputs[0],
@@ -146,7 +138,7 @@ def test_layers_compute_the_diffusers_forward(name: str, condition_channel: bool
 def test_latents_larger_than_max_size_are_refused_by_name() -> None:
     model = tiny_transformer(TinyCosmosConfig(variant="predict2"))  # max_size (8, 32, 32)
     cfg = config("cosmos-predict2", Path("unused"))
-    layers = predict2_plugin.hooks.split_into_layers(model, cfg)
+    layers = predict2.split_into_layers(model, cfg)
     inputs = (torch.zeros(1, 4, 1, 40, 8), torch.zeros(1), torch.zeros(1, 16, 16))
     with pytest.raises(ValueError, match=r"latents of 1x40x8 .* exceed the transformer's max_size 8x32x32"):
         layers[0](inputs)
@@ -162,12 +154,12 @@ def test_resize_nearest_matches_nearest_interpolation() -> None:
 def test_encoders_match_the_pipelines(tiny_models: dict[str, Path], name: str, caplog) -> None:
     import diffusers
 
-    folder, hooks = tiny_models[name], PLUGINS[name]
-    enc = hooks.load_encoders(config(name, folder), torch.device("cpu"))
+    folder, plugin = tiny_models[name], PLUGINS[name]
+    enc = plugin.load_encoders(config(name, folder), torch.device("cpu"))
     captions = ["a red cat", "a photo of a dog on a tree with a river"]
-    text = hooks.encode_batch(enc, EncodeBatch(captions=captions))["t5_embeds"]
+    text = plugin.encode_batch(enc, EncodeBatch(captions=captions))["t5_embeds"]
     pipeline = diffusers.CosmosTextToWorldPipeline if name == "cosmos" else diffusers.Cosmos2TextToImagePipeline
-    fake = type("P", (), {"tokenizer": enc.tokenizer, "text_encoder": enc.t5, "_execution_device": "cpu"})()
+    fake = type("P", (), {"tokenizer": enc.tokenizer, "text_encoder": enc.text_encoder, "_execution_device": "cpu"})()
     expected = pipeline._get_t5_prompt_embeds(fake, captions, max_sequence_length=16)
     assert text.shape == (2, 16, 16) and torch.equal(text, expected)
     assert text[0, 4:].abs().sum() == 0 and text[0, :4].abs().sum() > 0  # "a red cat </s>", then zeros
@@ -177,7 +169,7 @@ def test_encoders_match_the_pipelines(tiny_models: dict[str, Path], name: str, c
     masks = torch.zeros(2, 1, 32, 48)
     masks[..., :16] = 1
     with caplog.at_level(logging.WARNING, logger="diffpipe.cosmos"):
-        media = hooks.encode_batch(enc, EncodeBatch(pixels=pixels, masks=masks))
+        media = plugin.encode_batch(enc, EncodeBatch(pixels=pixels, masks=masks))
     assert f"training on {frames} frames at 48x32" in caplog.text
     latents = media["latents"]
     assert latents.shape == (2, 4, 2, 4, 6) and media["mask"].shape == (2, 1, 1, 4, 6)
@@ -190,20 +182,37 @@ def test_encoders_match_the_pipelines(tiny_models: dict[str, Path], name: str, c
     std = torch.tensor(c.latents_std).view(1, 4, -1, 1, 1)[:, :, :2]
     sigma_data = 0.5 if name == "cosmos" else 1.0
     assert torch.allclose(latents * std / sigma_data + mean, raw, atol=1e-5)
-    image = hooks.encode_batch(enc, EncodeBatch(pixels=pixels[:, :, 0]))["latents"]
+    image = plugin.encode_batch(enc, EncodeBatch(pixels=pixels[:, :, 0]))["latents"]
     assert image.shape == (2, 4, 1, 4, 6)
 
 
 def test_missing_folder_is_reported(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    for name, hooks in PLUGINS.items():
+    for name, plugin in PLUGINS.items():
         with pytest.raises(FileNotFoundError, match=r"empty/transformer/config\.json"):
-            hooks.load_diffusion_model(config(name, tmp_path / "empty"), torch.device("cpu"), torch.float32)
+            plugin.load_diffusion_model(config(name, tmp_path / "empty"), torch.device("cpu"), torch.float32)
         with pytest.raises(FileNotFoundError, match=r"empty/vae"):
-            hooks.load_encoders(config(name, tmp_path / "empty"), torch.device("cpu"))
-        assert "model_index.json" in hooks.validate_model_files(config(name, tmp_path / "empty"))[0]
+            plugin.load_encoders(config(name, tmp_path / "empty"), torch.device("cpu"))
+        assert "model_index.json" in plugin.validate_model_files(config(name, tmp_path / "empty"))[0]
 
 
 def test_model_index_names_the_pipeline(tiny_models: dict[str, Path]) -> None:
     index = json.loads((tiny_models["cosmos"] / "model_index.json").read_text())
     assert index["_class_name"] == "CosmosTextToWorldPipeline" and index["vae"] == ["diffusers", "AutoencoderKLCosmos"]
+
+
+def test_original_file_is_read_per_stage(tiny_models: dict[str, Path]) -> None:
+    """Each of 2 stages reads only its own tensors from NVIDIA's file (once), never the training-only ones."""
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+
+    folder = tiny_models["cosmos"]
+    cfg = config("cosmos", folder, transformer_file=original_path(folder))
+    first, second = (set(s.reads) for s in assert_stages_read_their_own(get_registry().model("cosmos"), cfg))
+    assert first and second and all(k.startswith("net.") for k in first | second)
+    assert "net.blocks.block0.blocks.0.block.attn.to_q.0.weight" in first
+    assert "net.final_layer.linear.weight" in second
+    assert set(load_file(str(original_path(folder)))) - (first | second) == {
+        "net.pos_embedder.seq",
+        "net.logvar.1.weight",
+    }

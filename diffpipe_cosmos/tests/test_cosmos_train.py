@@ -1,5 +1,5 @@
 """End-to-end through the real CLI (DeepSpeed on gloo, the real cache, peft), issue points 2 and 4, one shared
-run per entry point (session fixtures):
+run per entry point (session fixtures in conftest.py):
 
 - ``cosmos-predict2``: generated images and mp4 clips cached, then 2 pipeline stages over 2 processes,
   the transformer read per stage from NVIDIA's original single file;
@@ -7,27 +7,26 @@ run per entry point (session fixtures):
 
 For each: the loss falls; the diffusers-format LoRA, loaded into a fresh ``CosmosTransformer3DModel`` with
 peft's loader (``load_lora_adapter``; these pipelines have no ``load_lora_weights``), reproduces the trained
-transformer; the ComfyUI file applied to the original weights equals the trained LoRAs merged.
+transformer; the ComfyUI file applied to the original weights equals the trained LoRAs merged. (Their samples:
+test_cosmos_sampling.py.)
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
+from cosmos_common import VARIANTS
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, read_adapter
-from diffpipe_core.engine.run_dir import train_losses
+from diffpipe_core.adapters import read_adapter
+from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
-from diffpipe_core.testing.processes import run_diffpipe
 from diffpipe_cosmos import resize
-from diffpipe_cosmos.original import original_to_diffusers
-from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, write_tiny_cosmos
+from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, to_diffusers, write_tiny_cosmos
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +64,11 @@ FRAMES = {"cosmos": 9, "cosmos-predict2": 5}  # 8k+1 (Cosmos-1.0 VAE) and 4k+1 (
 # cosmos: noise levels the tiny model can learn in 20 steps (memorising the clean latents at high sigma), so that
 # the per-step loss, which swings with the sampled level, falls clearly.
 OBJECTIVE = {"cosmos": "p_mean = 1.0\np_std = 0.5", "cosmos-predict2": ""}
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
-def make_project(root: Path, name: str, stages: int, single_file: bool) -> Path:
-    variant = "1.0" if name == "cosmos" else "predict2"
-    write_tiny_cosmos(root / "model", TinyCosmosConfig(variant=variant))
+def make_project(root: Path, name: str, stages: int, single_file: bool, extra: str = "") -> Path:
+    write_tiny_cosmos(root / "model", TinyCosmosConfig(variant=VARIANTS[name]))
     media = root / "media"
     write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
     for i in range(4):
@@ -86,30 +85,9 @@ def make_project(root: Path, name: str, stages: int, single_file: bool) -> Path:
         frame_buckets=[1, FRAMES[name]],
     )
     line = f'transformer_file = "{original_path(root / "model").name}"' if single_file else ""
-    (root / "run.toml").write_text(
-        RUN_TOML.format(stages=stages, name=name, transformer_file=line, objective=OBJECTIVE[name])
-    )
+    text = RUN_TOML.format(stages=stages, name=name, transformer_file=line, objective=OBJECTIVE[name])
+    (root / "run.toml").write_text(text + extra)
     return root / "run.toml"
-
-
-def train(root: Path, config: Path, procs: int) -> Path:
-    result = run_diffpipe(["train", "--config", str(config), "--num-procs", str(procs)], cwd=root, timeout=600)
-    assert result.returncode == 0, result.output[-4000:]
-    return next(p for p in (root / "out").iterdir() if p.is_dir())
-
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
-
-
-@pytest.fixture(scope="session")
-def predict2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("predict2-run")
-    return train(root, make_project(root, "cosmos-predict2", stages=2, single_file=True), procs=2)
-
-
-@pytest.fixture(scope="session")
-def cosmos1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("cosmos1-run")
-    return train(root, make_project(root, "cosmos", stages=1, single_file=False), procs=1)
 
 
 @pytest.fixture(params=["cosmos", "cosmos-predict2"])
@@ -120,15 +98,11 @@ def run(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 def test_loss_falls_and_both_media_kinds_trained(run: tuple[str, Path]) -> None:
     name, path = run
-    losses = [loss for _, loss in sorted(train_losses(path).items())]
-    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses)
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    assert last < 0.85 * first, f"{name}: loss did not fall: first 5 steps {first:.4f}, last 5 {last:.4f}"
+    runs.assert_loss_falls(path, STEPS, 5)
     info = json.loads((path / "run_info.json").read_text())
     assert info["num_procs"] == (2 if name == "cosmos-predict2" else 1)
-    ckpt = sorted((path / "checkpoints").glob("step-*"))[-1]
-    stages = sorted(p.name for p in ckpt.glob("params-stage*.safetensors"))
-    assert stages == (["params-stage0.safetensors", "params-stage1.safetensors"][: 2 if "predict2" in name else 1])
+    stages = ["params-stage0.safetensors", "params-stage1.safetensors"]
+    assert runs.stage_files(path) == stages[: 2 if "predict2" in name else 1]
     # images (1 latent frame) and clips (2 latent frames) were both cached
     frames = {shape[1] for shape in cached_latent_shapes(path)}
     assert frames == {1, 2}, frames
@@ -153,16 +127,11 @@ def trained_reference(run_dir: Path, model_dir: Path, target_modules: list[str])
     """The diffusers transformer with the trained LoRA tensors from the last checkpoint, applied by peft."""
     from diffusers import CosmosTransformer3DModel
 
-    model = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    apply_lora(model, lora_config(RANK, ALPHA, 0.0, target_modules))
-    params: dict[str, torch.Tensor] = {}
-    for file in sorted((run_dir / "checkpoints").glob("step-*"))[-1].glob("params-stage*.safetensors"):
-        params.update(load_file(str(file)))
+    params = runs.checkpoint_params(run_dir)
     assert "transformer_blocks.0.attn1.to_q.lora_A.default.weight" in params
     assert "transformer_blocks.1.ff.net.2.lora_B.default.weight" in params
-    missing, unexpected = model.load_state_dict(params, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    return model.eval(), params
+    model = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
+    return runs.with_trained_lora(model, run_dir, RANK, ALPHA, target_modules), params
 
 
 def transformer_inputs(frames: int) -> dict:
@@ -190,8 +159,7 @@ def test_diffusers_lora_loads_with_peft_loader_and_reproduces(run: tuple[str, Pa
     reference, _ = trained_reference(path, model_dir, cfg["target_modules"])
 
     fresh = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer")).eval()
-    with torch.no_grad():
-        untrained = fresh(**transformer_inputs(2)).sample
+    untrained = runs.outputs(fresh, transformer_inputs(2))
     # alpha != rank: reproducing the outputs also proves the trained strength (read from the file's metadata)
     # folder + weight_name: then diffusers reads the LoRA config from the file's metadata (a bare file path does not)
     fresh.load_lora_adapter(
@@ -201,44 +169,26 @@ def test_diffusers_lora_loads_with_peft_loader_and_reproduces(run: tuple[str, Pa
     assert set(loaded) == {k[len("transformer.") :] for k in state}
     assert fresh.peft_config["trained"].lora_alpha == ALPHA
     for frames in (1, 2):
-        with torch.no_grad():
-            got = fresh(**transformer_inputs(frames)).sample
-            expected = reference(**transformer_inputs(frames)).sample
+        inputs = transformer_inputs(frames)
+        got, expected = runs.outputs(fresh, inputs), runs.outputs(reference, inputs)
         assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-    assert (expected - untrained).abs().max() > 100 * (got - expected).abs().max()
+    runs.assert_reproduces(got, expected, untrained)
 
 
 def test_comfyui_lora_applies_to_the_original_weights(run: tuple[str, Path]) -> None:
     name, path = run
-    variant = "1.0" if name == "cosmos" else "predict2"
     model_dir = path.parent.parent / "model"
     comfy = load_file(str(path / "saved" / "final" / "adapter_model.comfyui.safetensors"))
-    native = "blocks.block0.blocks.0.block.attn.to_q.0" if variant == "1.0" else "blocks.0.self_attn.q_proj"
+    native = "blocks.block0.blocks.0.block.attn.to_q.0" if name == "cosmos" else "blocks.0.self_attn.q_proj"
     assert f"diffusion_model.{native}.lora_A.weight" in comfy
     assert float(comfy[f"diffusion_model.{native}.alpha"]) == ALPHA
     assert all(k.startswith("diffusion_model.") and "transformer_blocks" not in k for k in comfy)
     assert len(comfy) == 3 * 10 * 2  # lora_A, lora_B, alpha x 10 linears x 2 blocks
 
-    # Apply it to NVIDIA's layout as ComfyUI does (W += alpha / rank * B @ A) ...
-    base = load_file(str(original_path(model_dir)))
-    applied = dict(base)
-    for key in comfy:
-        if key.endswith(".lora_A.weight"):
-            module = key[len("diffusion_model.") : -len(".lora_A.weight")]
-            down, up = comfy[key], comfy[f"diffusion_model.{module}.lora_B.weight"]
-            scale = float(comfy[f"diffusion_model.{module}.alpha"]) / down.shape[0]
-            applied[f"net.{module}.weight"] = base[f"net.{module}.weight"] + scale * up @ down
-    # ... and compare with the trained diffusers LoRAs merged one by one.
-    cfg = read_adapter(path / "saved" / "final")[1]
-    _, params = trained_reference(path, model_dir, cfg["target_modules"])
-    merged = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
-    for key, lora_a in params.items():
-        if ".lora_A.default.weight" in key:
-            module = key[: -len(".lora_A.default.weight")]
-            merged[f"{module}.weight"] = (
-                merged[f"{module}.weight"] + (ALPHA / RANK) * params[f"{module}.lora_B.default.weight"] @ lora_a
-            )
-    got = original_to_diffusers(applied, variant)
-    assert got.keys() == merged.keys()
-    for key in merged:
-        assert torch.allclose(got[key], merged[key], atol=1e-6), key
+    # Applied to NVIDIA's layout as ComfyUI does (W += alpha / rank * B @ A), it equals the trained diffusers
+    # LoRAs merged one by one.
+    base = {k.removeprefix("net."): v for k, v in load_file(str(original_path(model_dir))).items()}
+    applied = runs.apply_comfyui(base, comfy)
+    original = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    merged = runs.merge_peft(original, runs.checkpoint_params(path), ALPHA / RANK)
+    runs.assert_state_close(to_diffusers(applied, VARIANTS[name]), merged)

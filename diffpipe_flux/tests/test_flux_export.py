@@ -3,12 +3,11 @@ and full fine-tunes written as a diffusers folder or a BFL single file that load
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
 from diffpipe_core.schema import validate
@@ -78,16 +77,8 @@ def test_full_model_exports_load_back(tiny_flux: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         model.transformer_blocks[0].attn.to_q.weight.add_(1.0)  # "fine-tuned"
     # what the core's write_model_shards leaves for 2 stages: shards keyed by state_dict names + an index
-    saved = tmp_path / "saved"
-    saved.mkdir()
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    keys = sorted(state)
-    weight_map = {}
-    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2 :])):
-        name = f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({k: state[k] for k in part}, str(saved / name))
-        weight_map.update({k: name for k in part})
-    (saved / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    saved = runs.write_saved_model(state, tmp_path / "saved")
 
     for fmt in ("single_file", "diffusers"):
         assert flux.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)

@@ -81,7 +81,7 @@ def test_inputs_equal_the_kontext_pipelines(tiny_flux: Path) -> None:
     assert torch.equal(ids[:12], image_ids(8, 6))
     # the loss covers the target's tokens: a prediction wrong only on the control's tokens costs nothing
     prediction = torch.cat([velocity, torch.full((2, 6, 16), 100.0)], dim=1)
-    assert kontext.compute_loss((prediction,), (velocity,)) == 0
+    assert kontext.compute_loss((prediction,), (velocity,), TrainingContext(cfg)) == 0
 
 
 def make_project(root: Path) -> Path:

@@ -157,7 +157,7 @@ def test_a_module_comfyui_has_no_name_for_is_reported(tmp_path: Path) -> None:
 
 
 def test_key_names_hook() -> None:
-    import diffpipe_flux.plugin as flux
+    from diffpipe_flux.plugin import plugin as flux
 
     modules = ["transformer_blocks.0.attn.to_q", "single_transformer_blocks.1.proj_mlp", "norm_out.linear"]
     assert flux.adapter_key_names(modules=modules, format="comfyui") == {m: f"transformer.{m}" for m in modules}

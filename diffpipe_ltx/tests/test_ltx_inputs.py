@@ -43,8 +43,9 @@ def test_p_one_keeps_every_first_frame_clean_and_out_of_the_loss(tiny_ltx: Path)
     # what the model predicts on the conditioned frame does not count
     wrong_first = unpack(target, 3, H, W).clone()
     wrong_first[:, :, 0] += 5.0
-    assert ltx.compute_loss(outputs=(pack(wrong_first),), targets=(target, weight)) == 0
-    assert ltx.compute_loss(outputs=(target + 1.0,), targets=(target, weight)) == pytest.approx(1.0)
+    context = TrainingContext(model_config=validate(LTXConfig, {"type": "ltx-video", "path": tiny_ltx}, "test"))
+    assert ltx.compute_loss(outputs=(pack(wrong_first),), targets=(target, weight), context=context) == 0
+    assert ltx.compute_loss(outputs=(target + 1.0,), targets=(target, weight), context=context) == pytest.approx(1.0)
 
 
 def test_p_zero_never_and_p_changes_no_other_draw(tiny_ltx: Path) -> None:

@@ -9,19 +9,16 @@ What flows between layers (a tuple of tensors; every float tensor is used by a l
 - the last block passes on only ``(tokens, embedded_timestep, temb, grid)``
 - out of the final layer: ``(prediction (B, C, T, H, W),)`` in float32.
 
-The layers wrap the model's own submodules and call them as ``CosmosTransformer3DModel.forward`` does,
-with an all-zero padding mask (no padded pixels; the pipelines pass zeros too) and, for models whose
-``in_channels`` has one more channel than the output (Predict2 video-to-world), an all-zero condition mask
-(no conditioning frames). The padding mask is made on the latent grid with a torch-only nearest resize
-instead of diffusers' torchvision call.
+The layers wrap the model's own submodules and call them as ``CosmosTransformer3DModel.forward`` does, with an
+all-zero padding mask (no padded pixels; the pipelines pass zeros too, so its nearest resize to the latent grid,
+diffusers' one torchvision call, is zeros as well) and, for models whose ``in_channels`` has one more channel than
+the output (Predict2 video-to-world), an all-zero condition mask (no conditioning frames).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from diffpipe_cosmos.resize import resize_nearest
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -34,11 +31,9 @@ class EmbedLayer(nn.Module):
         self.patch_embed, self.rope, self.time_embed = model.patch_embed, model.rope, model.time_embed
         self.learnable_pos_embed = model.learnable_pos_embed
         self.crossattn_proj = getattr(model, "crossattn_proj", None)
-        self.patch_size = tuple(model.config.patch_size)
-        self.condition_channel = model.config.in_channels == model.config.out_channels + 1
-        self.padding_mask = bool(model.config.concat_padding_mask)
-        self.max_size = tuple(model.config.max_size)
-        self.fps = fps
+        config = model.config
+        self.patch_size, self.max_size, self.fps = tuple(config.patch_size), tuple(config.max_size), fps
+        self.extra_channels = int(config.in_channels == config.out_channels + 1) + int(config.concat_padding_mask)
 
     def forward(self, inputs: Tensors) -> Tensors:
         x, timestep, text = inputs
@@ -49,12 +44,7 @@ class EmbedLayer(nn.Module):
                 f"{'x'.join(map(str, self.max_size))} (transformer/config.json); use smaller sizes or fewer frames"
             )
         dtype = self.patch_embed.proj.weight.dtype
-        x = x.to(dtype)
-        if self.condition_channel:
-            x = torch.cat([x, x.new_zeros(b, 1, t, h, w)], dim=1)
-        if self.padding_mask:
-            mask = resize_nearest(x.new_zeros(1, 1, h, w), (h, w))
-            x = torch.cat([x, mask.unsqueeze(2).expand(b, 1, t, h, w)], dim=1)
+        x = torch.cat([x.to(dtype), x.new_zeros(b, self.extra_channels, t, h, w, dtype=dtype)], dim=1)
         cos, sin = self.rope(x, fps=self.fps if t > 1 else None)
         extra = (self.learnable_pos_embed(x),) if self.learnable_pos_embed is not None else ()
         p_t, p_h, p_w = self.patch_size

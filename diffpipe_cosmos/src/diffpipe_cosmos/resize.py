@@ -1,12 +1,8 @@
-"""A torch-only stand-in for the one torchvision call in diffusers' Cosmos transformer.
-
-``CosmosTransformer3DModel.forward`` resizes its padding mask with
-``torchvision.transforms.functional.resize(mask, size, interpolation=NEAREST)``; for tensors torchvision
-does that with ``torch.nn.functional.interpolate(mode="nearest")``. torchvision is not a dependency
-(its wheels do not import beside every torch build), so the pipeline layers call :func:`resize_nearest`
-directly, and :func:`install` lets the unmodified diffusers forward run without torchvision (tests and
-inference scripts call it before ``transformer(...)``).
-"""
+"""A torch-only stand-in for the one torchvision call in diffusers' Cosmos transformer, for running its unmodified
+forward (inference scripts, the tests) where torchvision is not installed (its wheels do not import beside every
+torch build). ``CosmosTransformer3DModel.forward`` resizes its padding mask with
+``torchvision.transforms.functional.resize(mask, size, interpolation=NEAREST)``, which for tensors is
+``torch.nn.functional.interpolate(mode="nearest")``. The pipeline layers need none of it (their mask is zeros)."""
 
 from __future__ import annotations
 
@@ -19,11 +15,9 @@ import torch.nn.functional as F
 
 def resize_nearest(mask: torch.Tensor, size: list[int] | tuple[int, int]) -> torch.Tensor:
     """``(..., H, W)`` -> ``(..., size[0], size[1])`` by nearest neighbour, like torchvision's NEAREST resize."""
-    lead = mask.shape[:-2]
     flat = mask.reshape(-1, 1, *mask.shape[-2:])
-    dtype = flat.dtype
-    out = F.interpolate(flat.float() if not flat.is_floating_point() else flat, size=list(size), mode="nearest")
-    return out.to(dtype).reshape(*lead, *out.shape[-2:])
+    out = F.interpolate(flat if flat.is_floating_point() else flat.float(), size=list(size), mode="nearest")
+    return out.to(mask.dtype).reshape(*mask.shape[:-2], *out.shape[-2:])
 
 
 class InterpolationMode(enum.Enum):
@@ -36,12 +30,11 @@ def _resize(img: torch.Tensor, size: list[int], interpolation: InterpolationMode
     return resize_nearest(img, size)
 
 
-transforms = SimpleNamespace(functional=SimpleNamespace(resize=_resize), InterpolationMode=InterpolationMode)
-
-
 def install() -> None:
     """Give diffusers' Cosmos transformer module this resize when torchvision is missing (a no-op otherwise)."""
     import diffusers.models.transformers.transformer_cosmos as module
 
     if "transforms" not in vars(module):
-        module.transforms = transforms
+        module.transforms = SimpleNamespace(
+            functional=SimpleNamespace(resize=_resize), InterpolationMode=InterpolationMode
+        )

@@ -13,17 +13,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from diffpipe_cosmos.original import Variant, diffusers_to_original
+from diffpipe_core.parts.layout import count_blocks
+from diffpipe_core.testing import tiny
+from diffpipe_cosmos.nvidia import Variant, layout
 
 WORDS = (
     "a photo of cat dog red blue green house tree sky with on in the caption image video small large "
     "bright dark river mountain city car person walking driving robot arm 0 1 2 3 4 5 6 7 8 9"
 ).split()
 PIPELINES = {"1.0": "CosmosTextToWorldPipeline", "predict2": "Cosmos2TextToImagePipeline"}
+LIBRARIES = {"text_encoder": "transformers", "tokenizer": "transformers"}
 
 
 @dataclass
@@ -40,14 +43,6 @@ class TinyCosmosConfig:
     seed: int = 0
 
 
-def _tokenizer(max_length: int = 512):
-    """A T5-like tokenizer (``words </s>``, pad id 0) trained in-process; loads back with AutoTokenizer."""
-    from diffpipe_core.testing.tokenizers import word_level_tokenizer
-
-    specials = ["<pad>", "</s>", "<unk>"]
-    return word_level_tokenizer(WORDS, specials, "$A </s>", max_length, pad_token="<pad>", eos_token="</s>")
-
-
 def tiny_transformer(cfg: TinyCosmosConfig):
     """The random-weight diffusers ``CosmosTransformer3DModel`` of ``cfg`` (1.0: learnable extra position
     embedding and temporal RoPE scale 2; Predict2: RoPE only, spatial scale 4, as the released configs)."""
@@ -55,12 +50,11 @@ def tiny_transformer(cfg: TinyCosmosConfig):
 
     torch.manual_seed(cfg.seed)
     v1 = cfg.variant == "1.0"
+    sizes = {name: getattr(cfg, name) for name in ("num_attention_heads", "attention_head_dim", "num_layers")}
     model = CosmosTransformer3DModel(
+        **sizes,
         in_channels=cfg.latent_channels,
         out_channels=cfg.latent_channels,
-        num_attention_heads=cfg.num_attention_heads,
-        attention_head_dim=cfg.attention_head_dim,
-        num_layers=cfg.num_layers,
         mlp_ratio=cfg.mlp_ratio,
         text_embed_dim=cfg.text_dim,
         adaln_lora_dim=4,
@@ -82,7 +76,6 @@ def tiny_vae(cfg: TinyCosmosConfig):
     4 latent frames); Predict2: ``AutoencoderKLWan`` (8x spatial, 4x temporal, per-channel statistics)."""
     from diffusers import AutoencoderKLCosmos, AutoencoderKLWan
 
-    torch.manual_seed(cfg.seed + 1)
     c = cfg.latent_channels
     if cfg.variant == "1.0":
         return AutoencoderKLCosmos(
@@ -97,7 +90,7 @@ def tiny_vae(cfg: TinyCosmosConfig):
             temporal_compression_ratio=8,
             latents_mean=[0.05 * (i % 7) - 0.1 for i in range(4 * c)],
             latents_std=[0.5 + 0.1 * (i % 5) for i in range(4 * c)],
-        ).eval()
+        )
     return AutoencoderKLWan(
         base_dim=8,
         z_dim=c,
@@ -106,27 +99,7 @@ def tiny_vae(cfg: TinyCosmosConfig):
         temperal_downsample=[False, True, True],
         latents_mean=[0.1 * i - 0.15 for i in range(c)],
         latents_std=[0.5 + 0.25 * i for i in range(c)],
-    ).eval()
-
-
-def tiny_text_encoder(cfg: TinyCosmosConfig, vocab: int):
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(cfg.seed + 2)
-    return T5EncoderModel(
-        T5Config(
-            vocab_size=vocab,
-            d_model=cfg.text_dim,
-            d_kv=8,
-            d_ff=2 * cfg.text_dim,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
-        )
-    ).eval()
+    )
 
 
 def _scheduler(variant: Variant):
@@ -137,6 +110,29 @@ def _scheduler(variant: Variant):
     return FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True, shift=1.0)
 
 
+def parts(cfg: TinyCosmosConfig) -> dict[str, tiny.Part]:
+    """The pipeline's components of ``cfg``, with their seeds."""
+    tok = tiny.t5_tokenizer(WORDS, specials=("<pad>", "</s>", "<unk>"))
+    return {
+        "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_vae(cfg), seed=cfg.seed + 1),
+        "text_encoder": tiny.Part(lambda: tiny.t5_encoder(tok, cfg.text_dim, heads=2), seed=cfg.seed + 2),
+        "tokenizer": tiny.Part(lambda: tok),
+        "scheduler": tiny.Part(lambda: _scheduler(cfg.variant)),
+    }
+
+
+def to_nvidia(state: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    """A diffusers ``CosmosTransformer3DModel`` state dict in NVIDIA's layout (``net.`` keys)."""
+    return layout(variant, count_blocks(state, r"transformer_blocks\.(\d+)\.")).to_original(state)
+
+
+def to_diffusers(state: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    """An NVIDIA-layout state dict in diffusers keys (training-only tensors dropped)."""
+    pattern = r"(?:net\.)?blocks\.block(\d+)\." if variant == "1.0" else r"(?:net\.)?blocks\.(\d+)\."
+    return layout(variant, count_blocks(state, pattern)).to_model(state)
+
+
 def original_path(folder: Path) -> Path:
     """Where :func:`write_tiny_cosmos` puts the original-layout single file by default."""
     folder = Path(folder)
@@ -145,42 +141,38 @@ def original_path(folder: Path) -> Path:
 
 def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, original_file: Path | None = None) -> Path:
     """Save a tiny Cosmos diffusers folder at ``folder`` and its transformer in NVIDIA's layout at
-    ``original_file`` (default ``<folder>.original.safetensors``). Returns ``folder``."""
+    ``original_file`` (default ``<folder>.original.safetensors``). Returns ``folder``.
+
+    The pipeline classes refuse to be built without NVIDIA's guardrail package, so the components are saved one
+    by one, with the ``model_index.json`` ``save_pretrained`` would write."""
     cfg = cfg or TinyCosmosConfig()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
-    transformer = tiny_transformer(cfg)
-    parts = {
-        "transformer": transformer,
-        "vae": tiny_vae(cfg),
-        "text_encoder": tiny_text_encoder(cfg, len(tokenizer)),
-        "tokenizer": tokenizer,
-        "scheduler": _scheduler(cfg.variant),
-    }
-    for name, part in parts.items():
+    components = tiny.build_components(parts(cfg))
+    index: dict[str, Any] = {"_class_name": PIPELINES[cfg.variant], "_diffusers_version": "0.42.1"}
+    index["safety_checker"] = [None, None]
+    for name, part in components.items():
         kw = {} if name in ("tokenizer", "scheduler") else {"safe_serialization": True}
         part.save_pretrained(str(folder / name), **kw)
-    libraries = {"text_encoder": "transformers", "tokenizer": "transformers"}
-    index = {"_class_name": PIPELINES[cfg.variant], "_diffusers_version": "0.42.1", "safety_checker": [None, None]}
-    index.update({name: [libraries.get(name, "diffusers"), type(part).__name__] for name, part in parts.items()})
+        index[name] = [LIBRARIES.get(name, "diffusers"), type(part).__name__]
     index["tokenizer"] = ["transformers", "T5TokenizerFast"]
     (folder / "model_index.json").write_text(json.dumps(index, indent=2))
 
-    state = {k: v.contiguous() for k, v in transformer.state_dict().items()}
-    original = diffusers_to_original(state, cfg.variant)
+    original = to_nvidia({k: v.contiguous() for k, v in components["transformer"].state_dict().items()}, cfg.variant)
     # training-only tensors that NVIDIA's checkpoints carry and loading must skip
     original["net.pos_embedder.seq"] = torch.arange(8, dtype=torch.float32)
     original["net.logvar.1.weight"] = torch.zeros(1, 128)
     if cfg.variant == "predict2":
         original["net.accum_video_sample_counter"] = torch.zeros(())
-    save_file(original, str(original_file or original_path(folder)), metadata={"format": "pt"})
+    tiny.save_single_file(original, Path(original_file) if original_file else original_path(folder))
     return folder
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_cosmos.testing FOLDER [--variant 1.0|predict2]``: write a tiny Cosmos
     (folder + ``FOLDER.original.safetensors``)."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -56,7 +56,9 @@ class FluxKontext(Flux):
         return (x, t, text, pooled, guidance, torch.cat([ids, control_ids]), txt_ids), targets
 
     @hookimpl
-    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context=None):
+    def compute_loss(
+        self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+    ) -> torch.Tensor:
         """The loss on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
         from diffpipe_core.parts.flow import flow_loss
 

@@ -157,6 +157,9 @@ def write_tiny_chroma(folder: Path, cfg: TinyChromaConfig | None = None) -> Path
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_flux.testing FOLDER``: write a tiny Flux (folder + ``FOLDER.bfl.safetensors``)."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -168,6 +168,9 @@ def write_clip_dataset(folder: Path, frames, captions, size: tuple[int, int] = (
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_hunyuan.testing FOLDER [--clips DIR]``: write a tiny HunyuanVideo (the folder and
     ``FOLDER.original.safetensors``) and, with ``--clips``, a few captioned demo clips."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -1,24 +1,18 @@
-"""The ``[model]`` table of {{name}}.
+"""The ``[model]`` table of {{name}}: the keys every diffusers-backed flow model
+shares, then its own.
 
 Imports pydantic only: ``diffpipe models`` and ``validate`` read it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
-
-from diffpipe_core import ModelConfigBase
+from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 from pydantic import Field
 
 
-class ModelConfig(ModelConfigBase):
-    """``[model]`` keys of {{name}}."""
+class ModelConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of {{name}}:
+    ``path``, ``dtype``, ``encoder_dtype``, the flow-matching time options (``timestep_sample_method``, ``shift``,
+    ``min_t``/``max_t``, ...) and the model's own below."""
 
-    path: Path = Field(description="Model folder (config.json and three safetensors files).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Base weight dtype.")
-    timestep_sample_method: Literal["logit_normal", "uniform"] = Field(
-        "logit_normal", description="How training times t in (0, 1) are drawn."
-    )
-    sigmoid_scale: float = Field(1.0, gt=0, description="Scale of the logit-normal time distribution.")
-    shift: float = Field(1.0, gt=0, description="Time shift applied after sampling (1 = none).")
+    text_max_length: int = Field(16, ge=1, le=512, description="T5 tokens per caption (padded or truncated).")

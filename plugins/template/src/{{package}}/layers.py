@@ -1,49 +1,64 @@
-"""Pipeline layers: each wraps the model's own submodules (so LoRA, checkpoints and exports see one
-model) and maps one tuple of tensors to the next. Float tensors crossing a boundary (tokens, c) are
-all used by the next layer; the latent size travels as an integer tensor."""
+""":class:`~{{package}}.model.TinyDiT` cut into pipeline layers
+(what ``split_into_layers`` returns).
+
+Each layer wraps the model's own submodules (so LoRA, per-stage loading and exports see one model) and maps one
+tuple of tensors to the next. Every float tensor a layer returns is used by the next one (a pipeline stage may end
+after any layer); the latent size travels as an integer tensor, and the last block drops the text tokens.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from {{package}}.model import Block, Embedder, Head, TinyDiT
+from {{package}}.model import TinyDiT, unpatchify
 
 Tensors = tuple[torch.Tensor, ...]
 
 
 class EmbedLayer(nn.Module):
-    def __init__(self, embedder: Embedder) -> None:
+    """``(x_t, t, text_embeds)`` -> ``(tokens, text tokens, temb, latent size)``."""
+
+    def __init__(self, model: TinyDiT) -> None:
         super().__init__()
-        self.embedder = embedder
+        self.x_embedder, self.context_embedder = model.x_embedder, model.context_embedder
+        self.time_embed = model.time_embed
 
     def forward(self, inputs: Tensors) -> Tensors:
         x, t, text = inputs
-        dtype = self.embedder.x_embedder.weight.dtype
-        tokens, c = self.embedder(x.to(dtype), t, text.to(dtype))
-        return tokens, c, torch.tensor(x.shape[2:], dtype=torch.long, device=x.device)
+        dtype = self.context_embedder.weight.dtype
+        size = torch.tensor(x.shape[2:], dtype=torch.long, device=x.device)
+        return self.x_embedder(x.to(dtype)), self.context_embedder(text.to(dtype)), self.time_embed(t), size
 
 
 class BlockLayer(nn.Module):
-    def __init__(self, block: Block) -> None:
+    """One joint block; the last returns no text tokens, which nothing after it reads."""
+
+    def __init__(self, block: nn.Module, last: bool) -> None:
         super().__init__()
-        self.block = block
+        self.block, self.last = block, last
 
     def forward(self, inputs: Tensors) -> Tensors:
-        tokens, c, size = inputs
-        return self.block(tokens, c), c, size
+        tokens, context, temb, size = inputs
+        context, tokens = self.block(tokens, context, temb)
+        return (tokens, temb, size) if self.last else (tokens, context, temb, size)
 
 
 class FinalLayer(nn.Module):
-    def __init__(self, head: Head) -> None:
+    """``(tokens, temb, size)`` -> ``(velocity,)`` in the latents' layout, float32."""
+
+    def __init__(self, model: TinyDiT) -> None:
         super().__init__()
-        self.head = head
+        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        self.patch_size, self.channels = model.config.patch_size, model.config.in_channels
 
     def forward(self, inputs: Tensors) -> Tensors:
-        tokens, c, size = inputs
-        f, h, w = (int(n) for n in size)
-        return (self.head(tokens, c, f, h, w).float(),)
+        tokens, temb, size = inputs
+        out = self.proj_out(self.norm_out(tokens, temb))
+        return (unpatchify(out, size.tolist(), self.patch_size, self.channels).float(),)
 
 
-def split(model: TinyDiT) -> list[nn.Module]:
-    return [EmbedLayer(model.embedder), *(BlockLayer(b) for b in model.blocks), FinalLayer(model.head)]
+def split_into_layers(model: TinyDiT) -> list[nn.Module]:
+    """The embedders, one layer per joint block, the output head."""
+    blocks = model.transformer_blocks
+    return [EmbedLayer(model), *(BlockLayer(b, i == len(blocks) - 1) for i, b in enumerate(blocks)), FinalLayer(model)]

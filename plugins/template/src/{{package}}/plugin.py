@@ -1,134 +1,126 @@
-"""Hook implementations of the model ``{{name}}`` (its entry-point name).
+"""The {{name}} model plugin: what differs from diffpipe's shared diffusers parts.
 
-``diffpipe models``, ``validate`` and ``--help`` import this module, so it imports no torch at top
-level: the hooks import what they need when they run.
+Declared: the diffusers folder's components, the diffusion model's class, the LoRA targets. Written: loading and
+running the encoders, the pipeline layers, the first layer's inputs, the sampler's noise and inputs. The rest comes
+from ``DiffusersModel`` (validating the folder, whole and per-stage loading, the loss, exports) and ``FlowSampling``
+(the Euler step, decoding). This module imports no torch, diffusers or transformers (``diffpipe models``,
+``validate`` and ``--help`` import every plugin): each hook imports what it needs when it runs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import hookimpl
+from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
+from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
 
 from {{package}}.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
-    from diffpipe_core import EncodeBatch, ModelSpec, TrainingContext
+    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.types import SampleRequest
     from torch import nn
 
-NAME = "{{name}}"
+PIPELINES = ("{{class_name}}Pipeline",)  # model_index.json's _class_name
+VIDEO = {{video}}  # a video VAE: (B, 3, F, H, W) -> (B, C, 1 + (F - 1) / 4, H / 8, W / 8); images are one frame
+COMPONENTS = {  # model_index.json's components -> class name ("module:Class" for a class of your own)
+    "transformer": "{{package}}.model:TinyDiT",
+    "vae": "{{vae_class}}",
+    "text_encoder": "T5EncoderModel",
+    "tokenizer": TOKENIZER,
+}
 
 
-@hookimpl
-def model_spec() -> ModelSpec:
-    from diffpipe_core import ModelSpec
+class {{class_name}}(DiffusersModel, FlowSampling):
+    """A {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
-    return ModelSpec(
-        name=NAME,
+    spec = ModelSpec(
+        name="{{name}}",
         modality="{{modality}}",
         config_schema=ModelConfig,
-        spatial_multiple=16,  # VAE factor 8 x patch size 2
+        spatial_multiple=16,
         frame_multiple={{frame_multiple}},  # video frame counts are frame_multiple * k + frame_offset
         frame_offset={{frame_offset}},
         video_fps={{video_fps}},
-        encoder_settings=("path",),
+        encoder_settings=("path", "encoder_dtype", "text_max_length"),  # [model] keys that change the cache
         block_layers=("BlockLayer",),  # what activation checkpointing and block swapping act on
         adapter_formats=("diffusers",),
-        model_formats=(),
+        model_formats=("diffusers",),
         description="{{description}}",
+        contract={{contract}},  # the plugin contract this is written against (diffpipe_core.CONTRACT_VERSION)
     )
+    folder = DiffusersFolder("{{name}}", PIPELINES, COMPONENTS)
+    model_class = COMPONENTS["transformer"]
+    lora_target_names = (  # the joint blocks' attention and MLP linears (exact names or dotted suffixes)
+        *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"),  # image side
+        *("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"),  # text side
+        *("ff_context.net.0.proj", "ff_context.net.2"),
+    )
+    # nothing reads the last block's text output: there, its text queries and text-side outputs get no gradient
+    last_block_unused = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
 
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def load_encoders(self, model_config: ModelConfig, device: torch.device) -> Any:
+        """The VAE, the T5 encoder and its tokenizer; ``encoders.config`` is the run's ``[model]`` table."""
+        from diffpipe_core.parts.encoders import load_components
 
-@hookimpl
-def validate_model_files(model_config: ModelConfig) -> list[str]:
-    from {{package}}.model import folder_problems
+        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
 
-    return folder_problems(model_config.path)
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (the VAE posterior's mode, ``(z - shift_factor) * scaling_factor``) and ``mask`` on the
+        latent grid. Captions: ``text_embeds`` ``(B, text_max_length, d)``, zero after each caption's tokens."""
+        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
+        from diffpipe_core.parts.text import TextEncoding, encode_text
 
-
-@hookimpl
-def load_encoders(model_config: ModelConfig, device: torch.device) -> Any:
-    import torch
-
-    from {{package}}.model import load_module
-
-    vae = load_module("vae", model_config.path, device, torch.float32)
-    text_encoder = load_module("text_encoder", model_config.path, device, torch.float32)
-    return vae.eval(), text_encoder.eval()
-
-
-@hookimpl
-def encode_batch(encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
-    import torch
-
-    vae, text_encoder = encoders
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        if batch.pixels is not None:  # (B, 3, H, W) images or (B, 3, F, H, W) videos
-            out["latents"] = vae.encode(batch.pixels.to(vae.proj.weight.device, torch.float32))
-            if batch.masks is not None:  # (B, 1, H, W), also for videos
-                out["mask"] = vae.encode_mask(batch.masks)
+        out: dict[str, torch.Tensor] = {}
+        if batch.pixels is not None:
+            z = vae_mode(encoders.vae, batch.pixels, video=VIDEO)
+            out["latents"] = shift_and_scale(z, encoders.vae.config).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=VIDEO)
         if batch.captions is not None:
-            out["text_embeds"] = text_encoder(batch.captions)  # (B, text_len, text_dim) for every caption
-    return out
+            spec = TextEncoding(encoders.config.text_max_length, use_mask=True, zero_padding=True)
+            out["text_embeds"] = encode_text(encoders.text_encoder, encoders.tokenizer, batch.captions, spec).embeds
+        return out
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: ModelConfig) -> list[nn.Module]:
+        """The embedders, each joint block, the output head (``layers.py``)."""
+        from {{package}}.layers import split_into_layers
+
+        return split_into_layers(model)
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x_t, t, text_embeds), (velocity[, mask]))``: rectified flow with the ``[model]`` time options."""
+        from diffpipe_core.parts.flow import flow_sample, with_mask
+
+        f = flow_sample(batch["latents"], context.model_config, context, generator)
+        return (f.x_t, f.t, batch["text_embeds"].float()), with_mask((f.target,), batch)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: ModelConfig, generator: torch.Generator):
+        """Noise in the cached latents' layout and flow-matching sigmas 1 .. 0 shifted by ``[model] shift``."""
+        import torch
+        from diffpipe_core.sampling.schedules import flow_sigmas
+
+        channels = self.folder.config(model_config.path, "vae")["latent_channels"]
+        frames = (1 + (request.frames - 1) // 4,) if VIDEO else ()
+        shape = (1, channels, *frames, request.height // 8, request.width // 8)
+        return torch.randn(shape, generator=generator), flow_sigmas(request.steps, model_config.shift)
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """``(x_t, t, text_embeds)``, the layout :meth:`prepare_inputs` gives the first layer."""
+        t = schedule[index].float().expand(latents.shape[0])
+        return latents.float(), t, text["text_embeds"].float()
 
 
-@hookimpl
-def load_diffusion_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from {{package}}.model import load_module
-
-    return load_module("transformer", model_config.path, device, dtype)
-
-
-@hookimpl
-def diffusion_model_weights(model_config: ModelConfig) -> list:
-    return [(model_config.path / "transformer.safetensors", lambda key: key)]
-
-
-@hookimpl
-def split_into_layers(model: nn.Module, model_config: ModelConfig) -> list[nn.Module]:
-    from {{package}}.layers import split
-
-    return split(model)
-
-
-@hookimpl
-def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-    import torch
-    from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps
-
-    cfg: ModelConfig = context.model_config  # type: ignore[assignment]
-    latents = batch["latents"].float()  # (B, C, F', h, w)
-    noise = torch.randn(latents.shape, generator=generator)
-    t = sample_timesteps(
-        latents.shape[0],
-        generator,
-        cfg.timestep_sample_method,
-        cfg.sigmoid_scale,
-        cfg.shift,
-        quantile=context.eval_quantile,
-    )
-    x_t, target = flow_matching_pair(latents, noise, t)
-    targets = (target, batch["mask"]) if "mask" in batch else (target,)
-    return (x_t, t, batch["text_embeds"].float()), targets
-
-
-@hookimpl
-def compute_loss(
-    outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
-) -> torch.Tensor:
-    from diffpipe_core.diffusion import training_loss
-
-    # the run's loss (squared error, or pseudo_huber_c / huber_delta / smooth_l1_beta), mask-weighted
-    return training_loss(outputs[0], targets[0], targets[1] if len(targets) > 1 else None, context)
-
-
-@hookimpl
-def lora_targets(model_config: ModelConfig) -> list[str]:
-    return ["to_q", "to_k", "to_v", "to_out", "fc1", "fc2"]
-
-
-@hookimpl
-def adapter_key_prefix() -> str:
-    return "transformer"
+plugin = {{class_name}}()  # what the entry point in pyproject.toml names

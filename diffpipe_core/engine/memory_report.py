@@ -1,0 +1,130 @@
+"""Where a worker's host memory goes, phase by phase: for ``bench/stage_memory.py`` and anyone asking why one
+pipeline stage holds more than another.
+
+Off unless ``DIFFPIPE_MEMORY_REPORT`` names a folder; then each rank writes ``rank<N>.json`` there (atomically, after
+every phase): its stage, the anonymous RSS (``RssAnon``: memory-mapped weight files don't count) and, once the stage
+is built, every live tensor's bytes by what holds it: frozen and trainable weights of the stage, gradients,
+optimizer state, DeepSpeed's pipeline buffers, and whatever else is alive ("other", with its largest shapes, so that
+a tensor nobody should hold shows up).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "DIFFPIPE_MEMORY_REPORT"
+_phases: list[dict[str, Any]] = []
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV))
+
+
+def rss_anon(pid: int | str = "self") -> int:
+    """Anonymous resident bytes of process ``pid`` (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
+    if t.device.type == "meta":
+        return None
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except RuntimeError:  # a tensor subclass without storage
+        return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any = None) -> dict[str, Any]:
+    """Bytes of every live CPU/GPU tensor of this process, each storage counted once, by what holds it."""
+    owners: dict[tuple[str, int], str] = {}
+
+    def claim(t: Any, what: str) -> None:
+        if torch.is_tensor(t):
+            key = _storage_key(t)
+            if key is not None:
+                owners.setdefault(key, what)
+
+    for p in model.parameters():
+        claim(p, "trainable weights" if p.requires_grad else "frozen weights")
+        claim(p.grad, "gradients")
+        for attr in ("quant_state",):  # bitsandbytes nf4 block scales
+            state = getattr(p, attr, None)
+            claim(getattr(state, "absmax", None), "frozen weights")
+    for b in model.buffers():
+        claim(b, "frozen weights")
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                claim(value, "optimizer state")
+    buffers = getattr(engine, "pipe_buffers", None) or {}
+    for values in buffers.values():
+        for value in values:
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                claim(t, "pipeline buffers")
+    totals: dict[str, int] = {}
+    others: dict[tuple[str, int], torch.Tensor] = {}
+    seen: set[tuple[str, int]] = set()
+    gc.collect()
+    for obj in gc.get_objects():
+        try:
+            if not torch.is_tensor(obj):
+                continue
+        except ReferenceError:
+            continue
+        key = _storage_key(obj)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        what = owners.get(key, "other")
+        totals[what] = totals.get(what, 0) + _nbytes(obj)
+        if what == "other":
+            others[key] = obj
+    largest = sorted(others.values(), key=_nbytes, reverse=True)[:5]
+    return {
+        "bytes": totals,
+        "largest_other": [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {_nbytes(t)}" for t in largest],
+    }
+
+
+def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, optimizer: Any = None,
+           engine: Any = None, estimate: Any = None) -> None:
+    """Append one phase to this rank's report (no-op unless ``DIFFPIPE_MEMORY_REPORT`` is set); ``estimate`` (the
+    stage plan's :class:`~diffpipe_core.engine.stage_plan.StageEstimate` of this stage) is stored beside it."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    entry: dict[str, Any] = {"phase": phase, "rss_anon": rss_anon()}
+    if model is not None:
+        entry.update(tensor_breakdown(model, optimizer, engine))
+    _phases.append(entry)
+    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
+    if estimate is not None:
+        report["estimate"] = {
+            key: getattr(estimate, key)
+            for key in ("start", "stop", "params", "weight_bytes", "host_bytes", "state_bytes", "activation_bytes",
+                        "transient_bytes", "in_flight", "peak_bytes")
+        }
+    path = Path(folder) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)

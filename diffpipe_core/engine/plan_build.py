@@ -1,0 +1,90 @@
+"""Making a run's stage plan: the model's layers, their costs and (when the dataset is cached) the first layer's
+inputs for one micro-batch of the largest bucket. Used by the workers before loading a stage, and by
+``diffpipe validate`` / ``diffpipe data`` (which build the model on the meta device only: no weights are read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine.stage_costs import layer_costs, weights_only_costs
+from diffpipe_core.engine.stage_plan import StagePlan, plan_stages
+from diffpipe_core.registry import ModelPlugin
+from diffpipe_core.types import TrainingContext
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _float_bytes(batch: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in batch.values() if torch.is_tensor(t) and t.is_floating_point())
+
+
+def example_inputs(dataset: Any, plugin: ModelPlugin, cfg: ResolvedConfig) -> tuple[tuple[torch.Tensor, ...], str]:
+    """The first layer's inputs for one micro-batch (``micro_batch_size_per_gpu`` samples) of the dataset's largest
+    bucket (the most cached bytes per sample), made by the plugin's ``prepare_inputs``, and a label for it."""
+    groups = [g for g in dataset.groups() if g]
+    if not groups:
+        raise ValueError("the cached dataset is empty")
+    one = [_float_bytes(dataset.collate(g[:1], torch.Generator().manual_seed(0))) for g in groups]
+    group = groups[max(range(len(groups)), key=lambda k: one[k])]
+    size = cfg.run.micro_batch_size_per_gpu
+    indices = (group * -(-size // len(group)))[:size]
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    batch = dataset.collate(indices, generator)
+    inputs, _ = plugin.require(
+        "prepare_inputs", batch=batch, context=TrainingContext(model_config=cfg.model), generator=generator
+    )
+    return tuple(inputs), f"micro-batch of {size} in bucket {dataset.bucket_of(group[0])}"
+
+
+def make_plan(
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    model: nn.Module,
+    layers: list[nn.Module],
+    dataset: Any = None,
+    on_gpu: bool | None = None,
+) -> StagePlan:
+    """The stage plan of this run for ``model`` cut into ``layers`` (any device; left unchanged). Activations are
+    estimated when ``dataset`` (a cached dataset) is given."""
+    inputs, label = (None, "not estimated: the dataset is not cached yet (diffpipe cache)")
+    try:
+        if dataset is not None:
+            inputs, label = example_inputs(dataset, plugin, cfg)
+        costs = layer_costs(cfg, plugin, model, layers, inputs)
+    except Exception as exc:  # the plan must never stop a run the old partitioner could do: weights only, then
+        costs = weights_only_costs(layers)
+        label = f"not estimated, nor trainable state ({type(exc).__name__}: {str(exc)[:160]})"
+    if costs.failed:
+        label += f"; layers from {costs.failed.split(':')[0]} on borrow a like layer's figures (meta forward failed)"
+    gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label)
+
+
+def plan_for_config(cfg: ResolvedConfig, plugin: ModelPlugin) -> StagePlan:
+    """The plan ``diffpipe train`` would make, without reading weights: the model is built on the meta device and
+    the cached dataset, if there is one, read for shapes. Raises ValueError when the plugin cannot build its model
+    on the meta device."""
+    from diffpipe_core.data.cache import open_cached
+
+    try:
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=DTYPES[cfg.model.dtype]
+        )
+        layers = list(plugin.require("split_into_layers", model=model, model_config=cfg.model))
+    except Exception as exc:
+        raise ValueError(f"model plugin {plugin.name!r} cannot build its model on the meta device: {exc}") from None
+    return make_plan(cfg, plugin, model, layers, open_cached(cfg.run.dataset, plugin, cfg.model))
+
+
+def plan_report(cfg: ResolvedConfig, plugin: ModelPlugin) -> list[str]:
+    """:func:`plan_for_config` formatted for ``diffpipe validate`` / ``data``, or one line saying why there is none."""
+    from diffpipe_core.engine.stage_plan import format_plan
+
+    try:
+        return format_plan(plan_for_config(cfg, plugin))
+    except ValueError as exc:
+        return [f"stage plan: not available: {exc}"]

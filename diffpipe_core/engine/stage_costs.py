@@ -1,0 +1,149 @@
+"""What each pipeline layer costs in memory: the cost model the ``memory`` partition balances.
+
+Per layer, from a meta twin of the model (same modules, weights on meta, so nothing is read or computed):
+
+- weights in their real dtypes (the skeleton's: float32-kept modules are float32), block linears at their quantized
+  size when ``[model] quantize`` is set; the part block swap would move to host memory is kept apart;
+- the trainable tensors (the adapter's LoRA weights in ``[adapter] dtype``, or every float weight of a full
+  fine-tune) with their gradients and optimizer state;
+- what the layer keeps for backward for one micro-batch of the largest bucket, measured by a meta forward of the
+  twin with the run's adapter (:mod:`diffpipe_core.engine.activations`), when first-layer inputs are given.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.config import ResolvedConfig
+from diffpipe_core.engine.activations import LayerTensors, measure_layers
+from diffpipe_core.engine.partition import layer_param_counts
+from diffpipe_core.quantize import quantizable_linears, quantized_weight_bytes
+from diffpipe_core.registry import ModelPlugin
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LayerCost:
+    """One layer's memory. Shared tensors (a weight two layers hold) count in the first layer that holds them."""
+
+    name: str
+    params: int
+    weight_bytes: int  # every weight of the layer as the stage holds it (frozen ones quantized where set)
+    swappable_bytes: int  # the part of weight_bytes block swap would keep in host memory (frozen float weights)
+    block: bool  # one of the model's ModelSpec.block_layers
+    trainable: int  # trainable parameters (LoRA weights, or all float weights of a full fine-tune)
+    state_bytes: int  # gradients and optimizer state of those, plus the LoRA weights themselves
+    tensors: LayerTensors  # what its forward keeps for backward, takes in and sends on (empty when not measured)
+
+
+@dataclass
+class ModelCosts:
+    layers: list[LayerCost]
+    measured: bool  # activations were measured (first-layer inputs were given)
+    failed: str | None = None  # the layer whose meta forward failed (later layers borrow numbers)
+
+
+def weights_only_costs(layers: list[nn.Module]) -> ModelCosts:
+    """Costs from the layers' own tensors alone (no twin, no adapter, no activations): the fallback when a model
+    cannot be copied as a meta twin. Every layer counts as trainable (unknown)."""
+    counts = layer_param_counts(layers)
+    seen: set[int] = set()
+    costs = []
+    for i, layer in enumerate(layers):
+        weight = 0
+        for t in [*layer.parameters(), *layer.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                weight += _bytes(t)
+        costs.append(LayerCost(type(layer).__name__, counts[i], weight, 0, False, 1, 0, LayerTensors(measured=False)))
+    return ModelCosts(costs, measured=False)
+
+
+def meta_twin(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, list[nn.Module]]:
+    """A copy of the model and its pipeline layers whose weights are meta tensors of the same shapes and dtypes;
+    nothing is copied from the model's (possibly real) weights."""
+    memo: dict[int, object] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in memo:
+            continue
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    twin, twin_layers = copy.deepcopy((model, layers), memo)
+    return twin, list(twin_layers)
+
+
+def optimizer_state_bytes(kind: str, numel: int, dtype: torch.dtype) -> int:
+    """Optimizer state of one trainable tensor: AdamW two moments in its dtype; the 8-bit ones one byte each (32-bit
+    below bitsandbytes' 4096-element threshold) plus block scales; Kahan adds a compensation buffer; SGD none.
+    Optimizers a plugin registers are assumed AdamW-like."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if kind == "sgd":
+        return 0
+    if kind in ("adamw8bit", "adamw8bit_kahan"):
+        moments = 2 * numel + 2 * 4 * -(-numel // 256) if numel >= 4096 else 2 * 4 * numel
+        return moments + (numel * size if kind == "adamw8bit_kahan" and dtype != torch.float32 else 0)
+    return 2 * numel * size
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layer_costs(
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    model: nn.Module,
+    layers: list[nn.Module],
+    inputs: tuple[torch.Tensor, ...] | None = None,
+) -> ModelCosts:
+    """The cost of each of ``layers`` (of ``model``, on any device; it is not changed) under this run's settings.
+    ``inputs``: the first layer's inputs for one micro-batch of the largest bucket; without them no activations."""
+    run = cfg.run
+    counts = layer_param_counts(layers)  # the base model's, as partition_method = "parameters" counts them
+    twin, twin_layers = meta_twin(model, layers)
+    if run.adapter is not None:
+        targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
+        apply_lora(twin, lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets)))
+        for name, p in twin.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(DTYPES[run.adapter.dtype])  # apply_lora leaves meta tensors as they are
+    else:
+        for p in twin.parameters():
+            p.requires_grad_(p.is_floating_point())
+    twin.train()
+    block_names = set(plugin.spec.block_layers)
+    mode = getattr(cfg.model, "quantize", None)
+    measurement = measure_layers(twin_layers, inputs) if inputs is not None else None
+    seen: set[int] = set()
+    costs = []
+    for i, layer in enumerate(twin_layers):
+        block = type(layer).__name__ in block_names
+        quantized: dict[int, int] = {}
+        if mode is not None and block:
+            chosen, _ = quantizable_linears(twin, layer)
+            quantized = {id(m.weight): quantized_weight_bytes(mode, m.out_features, m.in_features) for m in chosen}
+        weight = swappable = trainable = state = 0
+        for t in [*layer.parameters(), *layer.buffers()]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            size = quantized.get(id(t), _bytes(t))
+            if t.requires_grad:
+                trainable += t.numel()
+                state += 2 * _bytes(t) + optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype)  # + gradient
+                if run.adapter is None:  # a full fine-tune's weights are weights; LoRA's count with the states
+                    weight, state = weight + _bytes(t), state - _bytes(t)
+            else:
+                weight += size
+                if block and id(t) not in quantized and t.is_floating_point() and isinstance(t, nn.Parameter):
+                    swappable += size
+        tensors = measurement.layers[i] if measurement is not None else LayerTensors(measured=False)
+        costs.append(LayerCost(type(layer).__name__, counts[i], weight, swappable, block, trainable, state, tensors))
+    return ModelCosts(costs, measurement is not None, measurement.failed if measurement else None)
+

@@ -1,0 +1,229 @@
+"""The stage plan: where the pipeline's stage boundaries fall and what each stage is estimated to hold.
+
+A stage's estimated peak (bytes on its device) is
+
+    weights (minus swapped blocks' frozen weights, which live in host memory on a GPU run)
+    + trainable tensors' own bytes, gradients and optimizer state
+    + activations: what its layers keep for backward (block inputs only where activation checkpointing is on,
+      none on the device with "offload"), its input and output tensors, times the micro-batches in flight
+      there (DeepSpeed's 1F1B schedule: min(stages - stage, gradient_accumulation_steps)), plus one set of receive
+      buffers for the boundary tensors and their gradients
+    + a transient: the largest single layer's saved activations (its backward's scratch, or its recomputation)
+
+``partition_method = "memory"`` chooses the contiguous split that minimises the largest estimated peak (every stage
+keeping at least one trainable layer when possible), then, among those, the most even one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffpipe_core.config import RunConfig
+from diffpipe_core.engine.partition import balanced_parts, min_max_parts
+from diffpipe_core.engine.stage_costs import ModelCosts
+
+IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this times the mean
+
+
+@dataclass
+class StageEstimate:
+    """One stage of a plan; byte counts are estimates for the device the stage trains on."""
+
+    stage: int
+    start: int  # first layer index
+    stop: int  # one past the last
+    layer_names: list[str]
+    params: int
+    weight_bytes: int
+    host_bytes: int  # swapped blocks' frozen weights (GPU runs)
+    state_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+    in_flight: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.weight_bytes + self.state_bytes + self.activation_bytes + self.transient_bytes
+
+
+@dataclass
+class StagePlan:
+    method: str
+    parts: list[int]
+    stages: list[StageEstimate]
+    activations: str  # what the activation figures cover (or why there are none)
+
+    @property
+    def imbalance(self) -> float:
+        """The largest stage's estimated peak over the mean (1.0: even)."""
+        peaks = [s.peak_bytes for s in self.stages]
+        mean = sum(peaks) / len(peaks)
+        return max(peaks) / mean if mean else 1.0
+
+
+class Estimator:
+    """Stage estimates for every interval of layers, from per-layer costs (intervals' activation unions are
+    tabulated once: O(layers^2))."""
+
+    def __init__(self, costs: ModelCosts, run: RunConfig, stages: int, on_gpu: bool) -> None:
+        self.costs, self.stages, self.gas = costs.layers, stages, run.gradient_accumulation_steps
+        n = len(self.costs)
+        ckpt, offload = bool(run.activation_checkpointing), run.activation_checkpointing == "offload"
+        names_blocks = any(c.block for c in self.costs)
+        checkpointed = [ckpt and (c.block or not names_blocks) for c in self.costs]
+        # per micro-batch, on the device: a checkpointed layer keeps its inputs (on the host with offload on a GPU)
+        kept = [
+            ({} if offload and on_gpu else c.tensors.inputs) if checkpointed[k] else c.tensors.saved
+            for k, c in enumerate(self.costs)
+        ]
+        self.swap, self.on_gpu = run.blocks_to_swap, on_gpu
+        self.union = [[0] * (n + 1) for _ in range(n + 1)]
+        self.transient = [[0] * (n + 1) for _ in range(n + 1)]
+        for i in range(n):
+            running = dict(self.costs[i].tensors.inputs)
+            total, top = sum(running.values()), 0
+            for j in range(i, n):
+                for key, size in kept[j].items():
+                    if key not in running:
+                        running[key] = size
+                        total += size
+                top = max(top, sum(self.costs[j].tensors.saved.values()))
+                extra = sum(b for key, b in self.costs[j].tensors.outputs.items() if key not in running)
+                self.union[i][j + 1] = total + extra
+                self.transient[i][j + 1] = top
+        self.prefix = {
+            attr: _prefix([getattr(c, attr) for c in self.costs])
+            for attr in ("params", "weight_bytes", "state_bytes", "trainable")
+        }
+        self.inputs = [sum(c.tensors.inputs.values()) for c in self.costs]
+        self.outputs = [sum(c.tensors.outputs.values()) for c in self.costs]
+
+    def _sum(self, attr: str, i: int, j: int) -> int:
+        p = self.prefix[attr]
+        return p[j] - p[i]
+
+    def in_flight(self, stage: int) -> int:
+        return max(1, min(self.stages - stage, self.gas))
+
+    def swapped_bytes(self, i: int, j: int) -> int:
+        """Frozen weights of the stage's last ``blocks_to_swap`` blocks (what block swap keeps in host memory)."""
+        if not self.swap:
+            return 0
+        blocks = [k for k in range(i, j) if self.costs[k].block]
+        return sum(self.costs[k].swappable_bytes for k in blocks[len(blocks) - min(self.swap, len(blocks)) :])
+
+    def estimate(self, stage: int, i: int, j: int) -> StageEstimate:
+        host = self.swapped_bytes(i, j) if self.on_gpu else 0
+        buffers = (self.inputs[i] if stage > 0 else 0) + (self.outputs[j - 1] if stage < self.stages - 1 else 0)
+        flight = self.in_flight(stage)
+        return StageEstimate(
+            stage=stage,
+            start=i,
+            stop=j,
+            layer_names=[c.name for c in self.costs[i:j]],
+            params=self._sum("params", i, j),
+            weight_bytes=self._sum("weight_bytes", i, j) - host,
+            host_bytes=host,
+            state_bytes=self._sum("state_bytes", i, j),
+            activation_bytes=flight * self.union[i][j] + buffers,
+            transient_bytes=self.transient[i][j],
+            in_flight=flight,
+        )
+
+    def peak(self, stage: int, i: int, j: int) -> int:
+        return self.estimate(stage, i, j).peak_bytes
+
+    def trainable(self, i: int, j: int) -> bool:
+        return self._sum("trainable", i, j) > 0
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def plan_stages(
+    costs: ModelCosts,
+    run: RunConfig,
+    stages: int,
+    on_gpu: bool,
+    activations: str,
+) -> StagePlan:
+    """Stage boundaries by ``run.partition_split`` or ``run.partition_method``, and each stage's estimate."""
+    n = len(costs.layers)
+    estimator = Estimator(costs, run, stages, on_gpu)
+    method = "explicit" if run.partition_split is not None else run.partition_method
+    if run.partition_split is not None:
+        if run.partition_split and run.partition_split[-1] >= n:
+            raise ValueError(
+                f"partition_split {run.partition_split} points past the model's {n} layers (valid: 1..{n - 1})"
+            )
+        parts = [0, *run.partition_split, n]
+    elif method == "memory":
+        parts = min_max_parts(n, stages, estimator.peak, estimator.trainable)
+    else:
+        weights = [c.params for c in costs.layers] if method == "parameters" else [1] * n
+        parts = balanced_parts([max(w, 1) for w in weights], stages)
+    plan = [estimator.estimate(s, parts[s], parts[s + 1]) for s in range(stages)]
+    return StagePlan(method, parts, plan, activations)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 or n == 0 else f"{n / 2**10:,.0f} KiB"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _layers(est: StageEstimate) -> str:
+    runs: list[list] = []
+    for name in est.layer_names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    kinds = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in runs)
+    span = f"{est.start}-{est.stop - 1}" if est.stop - est.start > 1 else f"{est.start}"
+    return f"{span} ({kinds})"
+
+
+def format_plan(plan: StagePlan) -> list[str]:
+    """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header, one
+    line per stage, and a warning line when the largest stage is more than 10% above the mean."""
+    n = len(plan.stages)
+    lines = [
+        f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations}):",
+        f"  {'stage':<6}{'params':>10}{'weights':>12}{'trainable':>12}{'activations':>13}{'peak (est.)':>13}  layers",
+    ]
+    for s in plan.stages:
+        host = f", +{_mib(s.host_bytes)} host" if s.host_bytes else ""
+        lines.append(
+            f"  {s.stage:<6}{_count(s.params):>10}{_mib(s.weight_bytes):>12}{_mib(s.state_bytes):>12}"
+            f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.peak_bytes):>13}  {_layers(s)}{host}"
+        )
+    warning = imbalance_warning(plan)
+    if warning:
+        lines.append(warning)
+    return lines
+
+
+def imbalance_warning(plan: StagePlan) -> str | None:
+    """A warning when the largest stage's estimated peak is more than 10% above the mean, else None."""
+    if len(plan.stages) < 2 or plan.imbalance <= IMBALANCE:
+        return None
+    big = max(plan.stages, key=lambda s: s.peak_bytes)
+    hint = (
+        "partition_method = \"memory\" balances estimated peaks"
+        if plan.method != "memory"
+        else "the layers are too coarse to split more evenly; partition_split sets the boundaries by hand"
+    )
+    return (
+        f"  warning: stage {big.stage} is estimated at {_mib(big.peak_bytes)}, {100 * (plan.imbalance - 1):.0f}% above "
+        f"the mean of the stages; {hint}"
+    )

@@ -1,0 +1,14 @@
+"""Optimizer names, without importing torch: what ``validate`` checks ``[optimizer] type`` against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adamw8bit_kahan", "sgd")
+
+
+def optimizer_names(pm: Any) -> list[str]:
+    """The built-in optimizers and every name a plugin's ``register_optimizers`` contributes."""
+    names = set(BUILTIN_OPTIMIZERS)
+    pm.hook.register_optimizers(register=lambda name, factory: names.add(name))
+    return sorted(names)

@@ -1,0 +1,85 @@
+"""What ``validate`` and every command check before any work, beyond the config files themselves: that the
+dataset gives enough micro-batches for ``gradient_accumulation_steps``, that the model has enough layers for
+``pipeline_stages``, and (not a problem, a line to say) how the model rounds the configured resolutions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffpipe_core.data.dataset_config import DatasetConfig
+from diffpipe_core.data.items import ScanResult
+from diffpipe_core.types import ModelSpec
+
+
+def micro_batches_per_rank(scan: ScanResult, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per epoch on each data-parallel rank, as the sampler cuts them (full ones per bucket)."""
+    from diffpipe_core.data.report import bucket_counts
+
+    return sum(n // micro_batch_size for n in bucket_counts(scan).values()) // max(1, dp)
+
+
+def micro_batch_problems(run: Any, scan: ScanResult, dp: int | None, source: str) -> list[str]:
+    """``gradient_accumulation_steps`` larger than the micro-batches an epoch gives (``dp``: data-parallel ranks,
+    None when unknown: counted for 1, the most an epoch can give)."""
+    mbs, gas = run.micro_batch_size_per_gpu, run.gradient_accumulation_steps
+    have = micro_batches_per_rank(scan, mbs, dp or 1)
+    if have >= gas:
+        return []
+    ranks = f" on each of {dp} data-parallel ranks" if dp and dp > 1 else ""
+    return [
+        f"{source}: gradient_accumulation_steps: {gas}, but the dataset gives {have} micro-batch"
+        f"{'es' if have != 1 else ''} of {mbs} per epoch{ranks} (one step needs {gas}); lower "
+        "gradient_accumulation_steps or micro_batch_size_per_gpu, or add data"
+    ]
+
+
+def layer_problems(cfg: Any, plugin: Any) -> list[str]:
+    """``pipeline_stages`` (or ``partition_split``) beyond the model's layers: counted on the model's meta-device
+    skeleton (no weights read), for plugins that load per stage; others are checked when the model loads."""
+    run = cfg.run
+    if run.pipeline_stages == 1 and not run.partition_split:
+        return []
+    if not plugin.has("diffusion_model_weights"):
+        return []
+    import torch
+
+    from diffpipe_core.quiet import library_prints
+
+    with library_prints():
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=torch.float32
+        )
+        n = len(plugin.require("split_into_layers", model=model, model_config=cfg.model))
+    source = str(cfg.path)
+    if run.pipeline_stages > n:
+        return [
+            f"{source}: pipeline_stages: {run.pipeline_stages}, but model {plugin.name!r} splits into {n} layers; "
+            f"use at most {n}"
+        ]
+    if run.partition_split and run.partition_split[-1] >= n:
+        return [f"{source}: partition_split: {run.partition_split} points past the model's {n} layers "
+                f"(valid: 1..{n - 1})"]
+    return []
+
+
+def resolution_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:
+    """One line per configured resolution the model trains at another size (sizes are rounded down to the
+    model's ``spatial_multiple``), saying to what."""
+    m = spec.spatial_multiple
+    notes: list[str] = []
+    seen: set[Any] = set()
+    for i in range(len(dataset.directory)):
+        for res in dataset.settings_for(i).resolutions:
+            if res in seen:
+                continue
+            seen.add(res)
+            w, h = res if isinstance(res, tuple) else (res, res)
+            rw, rh = max(m, w // m * m), max(m, h // m * m)
+            if (rw, rh) != (w, h):
+                given = f"{w}x{h}" if isinstance(res, tuple) else str(res)
+                notes.append(
+                    f"{dataset.source}: resolutions: {given} is not a multiple of {m} (model {spec.name!r}); "
+                    f"training at {rw}x{rh}" + (" and the aspect-ratio buckets of that area" if dataset.settings_for(
+                        i).enable_ar_bucket else "")
+                )
+    return notes

@@ -1,0 +1,344 @@
+"""The Cosmos model plugins on the core's shared plugin parts: ``cosmos`` (Cosmos-1.0 Diffusion text-to-world, EDM)
+and ``cosmos-predict2`` (Cosmos-Predict2 text-to-image and video, rectified flow), one class each on a shared base.
+
+Both use diffusers' ``CosmosTransformer3DModel`` and T5; 1.0 with ``AutoencoderKLCosmos``, Predict2 with
+``AutoencoderKLWan``. Both sample as their pipelines do: from noise at ``sigma_max`` down Karras et al.'s noise
+levels with the EDM Euler step, 1.0 through the EDM preconditioning (``CosmosTextToWorldPipeline``), Predict2 with
+``t = sigma / (1 + sigma)`` (``Cosmos2TextToImagePipeline``; its video-to-world loop for videos, without conditioning
+frames). The pipelines' ``guidance_scale`` s is ``[sample] cfg`` = 1 + s (they form ``cond + s * (cond - uncond)``).
+This module imports no torch, diffusers or transformers; each hook imports what does the work when it is called.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
+from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_cosmos.config import Cosmos1Config, CosmosConfigBase, Predict2Config
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.parts.layout import KeyTable
+    from diffpipe_core.types import SampleRequest
+    from diffpipe_cosmos.nvidia import Variant
+
+log = logging.getLogger("diffpipe.cosmos")
+#: attention (self and cross) and MLP linears of every block; the adaLN modulation linears are left alone
+LORA_TARGETS = tuple(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0"))
+LORA_TARGETS += ("ff.net.0.proj", "ff.net.2")
+SIZES_720P = {(704, 1280), (1280, 704), (960, 960), (704, 960), (960, 704)}  # (height, width) of the releases
+# EDMEulerScheduler's defaults; the Predict2 pipelines set theirs over the scheduler's config
+EDM_DEFAULTS = {"sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0, "final_sigmas_type": "zero"}
+
+
+def _folder(name: str, pipelines: tuple[str, ...], vae: str) -> DiffusersFolder:
+    components = {"transformer": "CosmosTransformer3DModel", "vae": vae, "text_encoder": "T5EncoderModel"}
+    sizes = (SizeMatch("text_encoder", "d_model", "text_embed_dim", 1024),)
+    return DiffusersFolder(name, pipelines, {**components, "tokenizer": TOKENIZER}, sizes=sizes)
+
+
+def _spec(name: str, schema: type, frames: int, fps: int, settings: tuple[str, ...], what: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        modality="video",
+        config_schema=schema,
+        spatial_multiple=16,
+        frame_multiple=frames,
+        frame_offset=1,
+        video_fps=fps,
+        encoder_settings=("path", "encoder_dtype", "t5_max_length", *settings),
+        block_layers=("BlockLayer",),
+        adapter_formats=("diffusers", "comfyui"),
+        model_formats=("diffusers", "single_file"),
+        description=f"NVIDIA {what} (diffusers folder or original single-file transformer)",
+    )
+
+
+class Cosmos(DiffusersModel, FlowSampling):
+    """What both generations share: a video model (images are 1-frame clips), sizes in multiples of 16 (VAE 8 x
+    patch 2), the VAE's posterior mode normalised as the pipelines' decode step inverts it, T5 embeddings zero past
+    each caption, NVIDIA's original layout, the layer split and the EDM sampler."""
+
+    variant: ClassVar[Variant]
+    default_fps: ClassVar[float]
+    trained: ClassVar[tuple[tuple[int, ...], set[tuple[int, int]]]]  # frames and (height, width) of the releases
+    model_class = "CosmosTransformer3DModel"
+    lora_target_names = LORA_TARGETS
+
+    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
+        from diffpipe_cosmos.nvidia import layout
+
+        return layout(self.variant, int(transformer_config.get("num_layers", 28)))
+
+    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
+        from diffpipe_core.parts.layout import count_blocks
+        from diffpipe_cosmos.nvidia import layout
+
+        return layout(self.variant, count_blocks(state_dict, r"transformer_blocks\.(\d+)\."))
+
+    def sigma_data(self, model_config: CosmosConfigBase) -> float:
+        """The EDM sigma_data the latents are scaled by (Predict2's pipelines use 1)."""
+        return float(getattr(model_config, "sigma_data", 1.0))
+
+    def generation_problem(self, model_config: CosmosConfigBase) -> str | None:
+        """An original single file of the other Cosmos generation, named (its header only is read)."""
+        from diffpipe_core.model_files import safetensors_keys
+        from diffpipe_cosmos.nvidia import detect
+
+        single = self.single_file(model_config)
+        keys, problem = safetensors_keys(single) if single is not None else ([], "none")
+        found = None if problem else detect(keys)
+        if found in (None, self.variant):
+            return None
+        other = "cosmos" if found == "1.0" else "cosmos-predict2"
+        return (
+            f"{single}: this is a Cosmos {found} checkpoint (a Cosmos {found} transformer in NVIDIA's layout); "
+            f'expected a Cosmos {self.variant} transformer, or use [model] type = "{other}"'
+        )
+
+    @hookimpl
+    def validate_model_files(self, model_config: CosmosConfigBase) -> list[str]:
+        """The folder's structure (pipeline, transformer, VAE, T5 and tokenizer classes, transformer weights) and
+        the single file's keys, of this generation, without reading weights."""
+        problem = self.generation_problem(model_config)
+        return [problem] if problem else super().validate_model_files(model_config)
+
+    @hookimpl
+    def load_diffusion_model(self, model_config: CosmosConfigBase, device: torch.device, dtype: torch.dtype):
+        """The base loader (either layout, or a meta skeleton); a file of the other generation raises a KeyError."""
+        problem = self.generation_problem(model_config)
+        if problem:
+            raise KeyError(problem)
+        return super().load_diffusion_model(model_config, device, dtype)
+
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def load_encoders(self, model_config: CosmosConfigBase, device: torch.device) -> Any:
+        """The VAE and T5 with its tokenizer, from the diffusers folder."""
+        from diffpipe_core.parts.encoders import load_components
+
+        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
+
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, C, T, H/8, W/8) as ``(mode - mean) * sigma_data / std`` with the VAE's statistics
+        (1.0: per channel and latent frame, ``mode * sigma_data`` without; Predict2: per channel, sigma_data 1),
+        ``mask`` (B, 1, 1, h, w) on the latent grid. Captions: ``t5_embeds`` (B, t5_max_length, d), zero past each
+        caption, as the pipelines' ``_get_t5_prompt_embeds`` (the transformer attends to every position)."""
+        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.text import TextEncoding, encode_text
+
+        out: dict[str, torch.Tensor] = {}
+        if batch.pixels is not None:
+            self.warn_untrained(encoders, batch.pixels.shape)
+            z = vae_mode(encoders.vae, batch.pixels, video=True)
+            out["latents"] = normalize(z, *_stats(encoders.vae), self.sigma_data(encoders.config)).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True)
+        if batch.captions is not None:
+            text = TextEncoding(encoders.config.t5_max_length, use_mask=True, zero_padding=True)
+            out["t5_embeds"] = encode_text(encoders.text_encoder, encoders.tokenizer, batch.captions, text).embeds
+        return out
+
+    def warn_untrained(self, encoders: Any, shape: tuple[int, ...]) -> None:
+        """Log once per shape when frames and size are not what the released checkpoints were trained on."""
+        frames, height, width = (shape[2] if len(shape) == 5 else 1), shape[-2], shape[-1]
+        warned = encoders.__dict__.setdefault("warned", set())
+        if (frames, height, width) in warned:
+            return
+        warned.add((frames, height, width))
+        trained_frames, trained_sizes = self.trained
+        if frames not in trained_frames or (height, width) not in trained_sizes:
+            log.warning(
+                "Cosmos %s: training on %d frames at %dx%d; the released checkpoints were trained on %s frames at %s "
+                "(other sizes work, the model may need more steps to adapt)",
+                *(self.variant, frames, width, height, " or ".join(map(str, trained_frames))),
+                ", ".join(f"{w}x{h}" for h, w in sorted(trained_sizes)),
+            )
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: CosmosConfigBase) -> list[nn.Module]:
+        """Embedding (masks, RoPE, patch, timestep), each transformer block, final norm/projection."""
+        from diffpipe_cosmos import layers
+
+        return layers.split_into_layers(model, model_config.fps or self.default_fps)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    # Each generation states its noise levels (``scheduler``: sigma_min, sigma_max, rho, final_sigmas_type), its
+    # VAE's ``(temporal, spatial)`` compression (``vae_factors``), what the transformer sees at noise level sigma
+    # (``input_scaling``: ``c_in`` and the timestep) and the denoised latents from its output (``denoised``).
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: CosmosConfigBase, generator: torch.Generator):
+        """Noise ``(1, C, T, H/8, W/8)`` times sigma_max and the pipelines' Karras noise levels."""
+        import torch
+
+        from diffpipe_core.sampling.schedules import karras_sigmas
+
+        s, (temporal, spatial) = self.scheduler(model_config), self.vae_factors(model_config)
+        channels = int(self.model_folder_config(model_config).get("out_channels", 16))
+        shape = (1, channels, (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial)
+        zero = s["final_sigmas_type"] == "zero"
+        sigmas = karras_sigmas(request.steps, s["sigma_min"], s["sigma_max"], s["rho"], zero)
+        return torch.randn(shape, generator=generator) * s["sigma_max"], sigmas
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """``(c_in * x, timestep, t5_embeds)``, the layout :meth:`prepare_inputs` gives the first layer."""
+        c_in, timestep = self.input_scaling(schedule[index], model_config)
+        return latents.float() * c_in, timestep.expand(latents.shape[0]), text["t5_embeds"].float()
+
+    @hookimpl
+    def denoise_step(self, latents, prediction, schedule, index, model_config):
+        """The EDM Euler step to ``schedule[index + 1]`` from the denoised latents."""
+        from diffpipe_core.sampling.schedules import edm_euler_step
+
+        denoised = self.denoised(latents.float(), prediction.float(), schedule[index], model_config)
+        return edm_euler_step(latents, denoised, schedule, index)
+
+    @hookimpl
+    def load_decoder(self, model_config: CosmosConfigBase, device: torch.device) -> Any:
+        """The VAE alone (``encoder_dtype``), frozen, knowing the sigma_data the latents are scaled by."""
+        vae = super().load_decoder(model_config, device)
+        vae.diffpipe_sigma_data = self.sigma_data(model_config)
+        return vae
+
+    def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
+        """``latents * std / sigma_data + mean``: the pipelines' decode step."""
+        from diffpipe_core.parts.latents import denormalize
+
+        return denormalize(latents.float(), *_stats(vae), vae.diffpipe_sigma_data)
+
+
+def _stats(vae: Any) -> tuple[Any, Any]:
+    """The VAE's ``latents_mean`` and ``latents_std`` (0 and 1 when it has none)."""
+    c = vae.config
+    return (c.latents_mean, c.latents_std) if c.latents_mean is not None and c.latents_std is not None else (0.0, 1.0)
+
+
+class Cosmos1(Cosmos):
+    """Cosmos-1.0 Diffusion text-to-world: EDM training and sampling (``EDMEulerScheduler``)."""
+
+    variant, default_fps = "1.0", 30.0
+    trained = ((121,), SIZES_720P)
+    spec = _spec("cosmos", Cosmos1Config, 8, 30, ("sigma_data",), "Cosmos-1.0 Diffusion text-to-world")
+    folder = _folder("cosmos", ("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline"), "AutoencoderKLCosmos")
+    single_file_markers = ("blocks.block0.blocks.0.block.attn.to_q.0.weight",)
+    single_file_name = "cosmos1-transformer.safetensors"
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((c_in * x, c_noise, t5_embeds), (x_0, x, sigma, sigma_data[, mask]))``: ``log sigma ~ N(p_mean,
+        p_std)``, ``x = x_0 + sigma * noise`` (:func:`diffpipe_core.edm.edm_sample`)."""
+        import torch
+
+        from diffpipe_core import edm
+        from diffpipe_core.parts.flow import with_mask
+
+        cfg: Cosmos1Config = context.model_config  # type: ignore[assignment]
+        latents = batch["latents"].float()
+        s = edm.edm_sample(latents, generator, cfg.p_mean, cfg.p_std, cfg.sigma_data, context.eval_quantile)
+        targets = with_mask((latents, s.x, s.sigma, torch.full((latents.shape[0],), cfg.sigma_data)), batch)
+        return (s.pre.c_in.view(-1, 1, 1, 1, 1) * s.x, s.pre.c_noise, batch["t5_embeds"].float()), targets
+
+    @hookimpl
+    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """EDM-weighted error of the denoised latent ``(sigma^2 + sigma_data^2) / (sigma * sigma_data)^2 *
+        |D - x_0|^2`` (mask-weighted when the dataset gives masks)."""
+        from diffpipe_core.edm import edm_loss
+
+        latents, x, sigma, sigma_data = targets[:4]
+        return edm_loss(outputs[0], x, latents, sigma, float(sigma_data[0]), targets[4] if len(targets) > 4 else None)
+
+    def scheduler(self, model_config: CosmosConfigBase) -> dict[str, Any]:
+        """``scheduler/scheduler_config.json`` over EDMEulerScheduler's defaults (Karras levels only)."""
+        file = model_config.path / "scheduler" / "scheduler_config.json"
+        found = {**EDM_DEFAULTS, **(json.loads(file.read_text()) if file.is_file() else {})}
+        if found.get("sigma_schedule", "karras") != "karras":
+            raise ValueError(f"{file}: sigma_schedule {found['sigma_schedule']!r}; sampling supports 'karras'")
+        return found
+
+    def vae_factors(self, model_config: CosmosConfigBase) -> tuple[int, int]:
+        vae = self.folder.config(model_config.path, "vae")
+        return int(vae.get("temporal_compression_ratio", 8)), int(vae.get("spatial_compression_ratio", 8))
+
+    def input_scaling(self, sigma, model_config):
+        from diffpipe_core.edm import preconditioning
+
+        pre = preconditioning(sigma, self.sigma_data(model_config))
+        return pre.c_in, pre.c_noise
+
+    def denoised(self, x, out, sigma, model_config):
+        from diffpipe_core.edm import denoise
+
+        return denoise(out, x, sigma, self.sigma_data(model_config))
+
+
+class Predict2(Cosmos):
+    """Cosmos-Predict2 text-to-image and video: rectified-flow training; NVIDIA's pipelines sample it in EDM terms
+    (sigma_data 1): the transformer sees ``x_sigma / (1 + sigma)`` at ``t = sigma / (1 + sigma)``, the denoised
+    latent is ``(1 - t) x_sigma - t F``. With ``x_t = (1 - t) x_0 + t noise`` that is ``x_t - t F``: a velocity
+    model (``F = noise - x_0``), and NVIDIA's EDM weight times ``|D - x_0|^2`` is ``(t^2 + (1 - t)^2) |F - (noise -
+    x_0)|^2`` (``nvidia_weighting``)."""
+
+    variant, default_fps = "predict2", 16.0
+    trained = ((1, 93), SIZES_720P | {(1024, 1024), (768, 1360), (1360, 768)})
+    spec = _spec("cosmos-predict2", Predict2Config, 4, 16, (), "Cosmos-Predict2 text-to-image / video")
+    folder = _folder(
+        "cosmos-predict2", ("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline"), "AutoencoderKLWan"
+    )
+    single_file_markers = ("blocks.0.self_attn.q_proj.weight",)
+    single_file_name = "cosmos-predict2-transformer.safetensors"
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x_t, t, t5_embeds), (noise - x_0, weight[, mask]))`` (:func:`diffpipe_core.parts.flow.flow_sample`);
+        ``weight`` is ``t^2 + (1 - t)^2`` with ``nvidia_weighting``, else ones."""
+        import torch
+
+        from diffpipe_core.parts.flow import flow_sample, with_mask
+
+        cfg: Predict2Config = context.model_config  # type: ignore[assignment]
+        f = flow_sample(batch["latents"], cfg, context, generator)
+        weight = nvidia_weight(f.t) if cfg.nvidia_weighting else torch.ones(f.t.shape[0])
+        return (f.x_t, f.t, batch["t5_embeds"].float()), with_mask((f.target, weight), batch)
+
+    @hookimpl
+    def compute_loss(self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Per-sample weighted MSE to ``noise - x_0`` (mask-weighted when the dataset gives masks)."""
+        from diffpipe_core.edm import weighted_mse
+
+        return weighted_mse(outputs[0], targets[0], targets[1], targets[2] if len(targets) > 2 else None)
+
+    def scheduler(self, model_config: CosmosConfigBase) -> dict[str, Any]:
+        """The values both Predict2 pipelines set over their scheduler's config."""
+        return dict(EDM_DEFAULTS, final_sigmas_type="sigma_min")
+
+    def vae_factors(self, model_config: CosmosConfigBase) -> tuple[int, int]:
+        down = list(self.folder.config(model_config.path, "vae").get("temperal_downsample", [False, True, True]))
+        return 2 ** sum(map(bool, down)), 2 ** len(down)
+
+    def input_scaling(self, sigma, model_config):
+        t = sigma / (sigma + 1)
+        return 1 - t, t
+
+    def denoised(self, x, out, sigma, model_config):
+        t = sigma / (sigma + 1)
+        return (1 - t) * x + -t * out
+
+
+def nvidia_weight(t: torch.Tensor) -> torch.Tensor:
+    """``t^2 + (1 - t)^2``: Predict2's EDM loss weight (sigma_data 1) in rectified-flow time (:class:`Predict2`)."""
+    return t**2 + (1 - t) ** 2
+
+
+cosmos1 = Cosmos1()
+predict2 = Predict2()

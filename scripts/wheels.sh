@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Build the wheels of diffpipe-core and of every model plugin in this repository into dist/ (or $1), to install
+# diffpipe where there is no clone: pip install dist/*.whl (after the torch build you want: the wheels do not pin
+# it). Uses .venv's pip (scripts/setup.sh makes it) and the build backend from pip's cache or the index.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-dist}
+VENV=${DIFFPIPE_VENV:-.venv}
+PYTHON=$([ -x "$VENV/bin/python" ] && echo "$VENV/bin/python" || echo python3)
+"$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$OUT" \
+  ./ ./diffpipe_flux ./diffpipe_sdxl ./diffpipe_hunyuan ./diffpipe_ltx ./diffpipe_cosmos
+ls "$OUT"/*.whl
+echo "diffpipe: wheels in $OUT; install with: pip install $OUT/*.whl"

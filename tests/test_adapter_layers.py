@@ -1,0 +1,78 @@
+"""Issue 20.8: a LoRA on a module a pipeline layer holds directly (Flux's x_embedder, context_embedder, final
+proj_out) trains, for every plugin: the core points the layers at peft's wrappers after injecting. A targeted
+module no layer holds is refused, and one no layer calls is named after the first backward. On the bundled Flux
+plugin's tiny model and its real layer split, in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from diffpipe_core.adapters import lora_config
+from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
+
+flux_testing = pytest.importorskip("diffpipe_flux.testing")
+flux_layers = pytest.importorskip("diffpipe_flux.layers")
+
+TOP_LEVEL = ["x_embedder", "context_embedder", "proj_out", "to_q"]
+
+
+def _flux():
+    model = flux_testing.tiny_transformer(flux_testing.TinyFluxConfig())
+    return model, flux_layers.split_into_layers(model)
+
+
+def _inputs(batch: int = 2, tokens: int = 16, seq: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(batch, tokens, 16, generator=g), torch.rand(batch, generator=g),
+        torch.randn(batch, seq, 32, generator=g), torch.randn(batch, 32, generator=g), torch.full((batch,), 3.5),
+        torch.zeros(tokens, 3), torch.zeros(seq, 3),
+    )  # fmt: skip
+
+
+def _train_step(layers: list[nn.Module], model: nn.Module) -> None:
+    out = _inputs()
+    for layer in layers:
+        out = layer(out)
+    out[0].square().mean().backward()
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+
+
+def test_lora_on_top_level_linears_trains_through_the_layers() -> None:
+    model, layers = _flux()
+    adapt_layers(model, layers, lora_config(4, 4, 0.0, TOP_LEVEL), torch.float32)
+    assert layers[0].x_embedder is model.x_embedder and layers[-1].proj_out is model.proj_out  # the wrappers
+    _train_step(layers, model)
+    for name in ("x_embedder", "context_embedder", "proj_out", "single_transformer_blocks.0.proj_out"):
+        lora_b = model.get_submodule(name).lora_B["default"].weight
+        assert lora_b.grad is not None and lora_b.abs().sum() > 0, f"{name}'s lora_B did not train"
+    assert lora_without_gradient(dict(model.named_parameters())) == []
+
+
+def test_a_targeted_module_no_layer_holds_is_refused() -> None:
+    model, layers = _flux()
+    with pytest.raises(ValueError, match="match proj_out, which no pipeline layer uses"):
+        adapt_layers(model, layers[:-1], lora_config(4, 4, 0.0, ["proj_out"]), torch.float32)  # without FinalLayer
+
+
+class _Holds(nn.Module):
+    """A layer that holds two linears and calls one."""
+
+    def __init__(self, used: nn.Module, unused: nn.Module) -> None:
+        super().__init__()
+        self.used, self.unused = used, unused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def test_a_targeted_module_no_layer_calls_is_named_after_the_first_backward() -> None:
+    model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+    layer = _Holds(model["used"], model["unused"])
+    adapt_layers(model, [layer], lora_config(2, 2, 0.0, ["used", "unused"]), torch.float32)
+    layer(torch.randn(3, 4)).sum().backward()
+    assert lora_without_gradient(dict(model.named_parameters())) == [
+        "unused.lora_A.default.weight", "unused.lora_B.default.weight",
+    ]  # fmt: skip

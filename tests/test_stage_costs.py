@@ -1,0 +1,230 @@
+"""The cost model the ``memory`` partition balances (engine/stage_costs.py, activations.py, meta_forward.py) and the
+stage plan (engine/stage_plan.py, plan_build.py), in-process on the reference model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.config import RunConfig, load_config
+from diffpipe_core.data.cache import open_cached, prepare_cache
+from diffpipe_core.engine.activations import measure_layers
+from diffpipe_core.engine.meta_forward import MetaWithRealIntegers
+from diffpipe_core.engine.model_loading import cast_skeleton, load_for_stages, materialise_layers
+from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.engine.plan_build import example_inputs, make_plan
+from diffpipe_core.engine.stage_costs import layer_costs, meta_twin
+from diffpipe_core.engine.stage_plan import format_plan
+from diffpipe_core.quantize import quantize_stage
+from diffpipe_core.registry import get_registry
+from diffpipe_core.testing.activations import check_meta_activations
+from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_reference.model import TinyDiTConfig, write_tiny_model
+
+RUN = """
+output_dir = "out"
+dataset = "dataset.toml"
+micro_batch_size_per_gpu = 2
+pipeline_stages = {stages}
+{extra}
+[model]
+type = "reference"
+path = "model"
+dtype = "bfloat16"
+{model}
+[adapter]
+rank = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reference model (width 128, 6 blocks), two 64x64 and one 128x64 images, cached."""
+    root = tmp_path_factory.mktemp("stage_costs")
+    write_tiny_model(root / "model", TinyDiTConfig(dim=128, depth=6, heads=4))
+    write_image_dataset(root / "images", 3, size=[(64, 64), (64, 64), (128, 64)])
+    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64, 128], enable_ar_bucket=True)
+    (root / "run.toml").write_text(RUN.format(stages=2, extra="", model=""))
+    cfg = load_config(root / "run.toml", get_registry())
+    prepare_cache(root / "dataset.toml", get_registry().model("reference"), cfg.model, progress=False)
+    return root
+
+
+def configured(root: Path, stages: int = 2, extra: str = "", model: str = ""):
+    (root / "custom.toml").write_text(RUN.format(stages=stages, extra=extra, model=model))
+    cfg = load_config(root / "custom.toml", get_registry())
+    return cfg, get_registry().model("reference")
+
+
+def real_stage(cfg, plugin):
+    stage = load_for_stages(plugin, cfg.model, torch.device("cpu"), torch.bfloat16)
+    materialise_layers(plugin, cfg.model, stage, range(len(stage.layers)), torch.device("cpu"))
+    return stage
+
+
+def test_meta_forward_keeps_what_a_real_forward_keeps(project: Path) -> None:
+    cfg, plugin = configured(project)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    inputs, label = example_inputs(dataset, plugin, cfg)
+    buckets = {dataset.bucket_of(g[0]) for g in dataset.groups()}
+    assert len(buckets) > 1 and label == f"micro-batch of 2 in bucket {max(buckets, key=lambda b: b.width * b.height)}"
+    stage = real_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, stage.model, stage.layers, inputs)
+    assert costs.measured and costs.failed is None
+    # within 1%: CPU layer norms keep their statistics in bf16, the meta kernels in float32; attention keeps
+    # what the fused kernels keep (a math-path attention would keep the probabilities: +11% here)
+    pairs = check_meta_activations(
+        stage.model, stage.layers, inputs, plugin.require("lora_targets", model_config=cfg.model), tolerance=0.01
+    )
+    assert [m for _, m in pairs] == [sum(c.tensors.saved.values()) for c in costs.layers]
+
+
+class ShapeReader(nn.Module):
+    """Reads integer values a meta forward would not have: a size grid carried as a tensor, a length mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        grid = torch.tensor([x.shape[1] // 2, 2], device=x.device)
+        h, w = grid.tolist()
+        mask = torch.arange(x.shape[1], device=x.device)[None] < lengths[:, None]
+        y = self.proj(x).reshape(x.shape[0], h, w, 8) * mask.reshape(x.shape[0], h, w, 1)
+        return torch.nn.functional.scaled_dot_product_attention(y, y, y)
+
+
+def test_meta_forward_keeps_integer_tensors_real() -> None:
+    with torch.device("meta"):
+        layer = ShapeReader()
+    x = torch.empty(3, 6, 8, device="meta", requires_grad=True)
+    with MetaWithRealIntegers():
+        out = layer(x, torch.tensor([6, 4, 2]))
+    assert out.device.type == "meta" and out.shape == (3, 3, 2, 8)
+    with pytest.raises(NotImplementedError):  # what the mode makes work
+        layer(x, torch.tensor([6, 4, 2]).to("meta"))
+
+
+def test_a_layer_that_fails_on_meta_borrows_a_like_layers_figures() -> None:
+    class Lin(nn.Module):  # a pipeline layer: a tuple of tensors in and out
+        def __init__(self, reads: bool = False) -> None:
+            super().__init__()
+            self.lin, self.reads = nn.Linear(4, 4), reads
+
+        def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            (x,) = inputs
+            if self.reads:  # a data-dependent shape: nothing the meta device can know
+                x = x[: int(x.sum().item()) % 3 + 1]
+            return (torch.relu(self.lin(x)),)
+
+    class Reads(Lin):
+        def __init__(self) -> None:
+            super().__init__(reads=True)
+
+    with torch.device("meta"):
+        layers = [Lin(), Lin(), Reads(), Lin()]
+    m = measure_layers(layers, (torch.randn(2, 4),))
+    assert m.failed is not None and m.failed.startswith("layer 2 (Reads)")
+    assert [t.measured for t in m.layers] == [True, True, False, False]
+    assert m.layers[3].saved and sum(m.layers[3].saved.values()) == sum(m.layers[1].saved.values())
+    assert not m.layers[2].saved  # no like layer before it
+
+
+def layer_bytes(layer: nn.Module) -> int:
+    """What a layer holds: every tensor of its modules' state (quantized weights' scales included; not the
+    serialized description bitsandbytes adds to a state dict)."""
+    state = layer.state_dict()
+    return sum(t.numel() * t.element_size() for k, t in state.items() if "quant_state." not in k and torch.is_tensor(t))
+
+
+@pytest.mark.parametrize("mode", [None, "nf4", "int8", "float8"])
+def test_weight_bytes_are_what_the_loaded_stage_holds(project: Path, mode: str | None) -> None:
+    cfg, plugin = configured(project, model=f'quantize = "{mode}"' if mode else "")
+    stage = real_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, stage.model, stage.layers)
+    plain = layer_costs(configured(project)[0], plugin, stage.model, stage.layers)
+    quantize_stage(cfg.model, stage, range(len(stage.layers)), plugin.spec.block_layers)
+    for i, layer in enumerate(stage.layers):
+        real = layer_bytes(layer)
+        assert abs(costs.layers[i].weight_bytes - real) <= 0.002 * real + 512, (mode, i, real, costs.layers[i])
+    if mode:  # a block's linears: bf16 -> at most about one byte a weight
+        assert costs.layers[1].weight_bytes < 0.6 * plain.layers[1].weight_bytes
+
+
+def test_float32_kept_modules_count_as_float32(project: Path) -> None:
+    cfg, plugin = configured(project)
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    model = stage.model
+    model._keep_in_fp32_modules = ["modulation"]  # as diffusers models declare it; cast_skeleton honours it
+    cast_skeleton(model, torch.bfloat16)
+    costs = layer_costs(cfg, plugin, model, stage.layers)
+    held = {id(t): t for layer in stage.layers for t in [*layer.parameters(), *layer.buffers()]}
+    assert any(t.dtype == torch.float32 for t in held.values())
+    assert sum(c.weight_bytes for c in costs.layers) == sum(t.numel() * t.element_size() for t in held.values())
+
+
+def test_swapped_blocks_count_as_host_memory_on_a_gpu(project: Path) -> None:
+    cfg, plugin = configured(project, extra="blocks_to_swap = 2")
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    gpu = make_plan(cfg, plugin, stage.model, stage.layers, on_gpu=True)
+    cpu = make_plan(cfg, plugin, stage.model, stage.layers, on_gpu=False)
+    block = [c for c in layer_costs(cfg, plugin, stage.model, stage.layers).layers if c.block][0]
+    assert block.swappable_bytes == block.weight_bytes > 0  # a block's weights are all frozen and unquantized
+    for s in gpu.stages:
+        assert s.host_bytes == 2 * block.swappable_bytes
+    assert [s.host_bytes for s in cpu.stages] == [0, 0]  # host memory is the device's: nothing moves
+    assert sum(s.weight_bytes for s in gpu.stages) == sum(s.weight_bytes for s in cpu.stages) - 4 * block.weight_bytes
+
+
+def test_trainable_state_counts_lora_weights_gradients_and_adamw_moments(project: Path) -> None:
+    cfg, plugin = configured(project)
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    costs = layer_costs(cfg, plugin, stage.model, stage.layers)
+    twin, _ = meta_twin(stage.model, stage.layers)
+    apply_lora(twin, lora_config(4, 4, 0.0, plugin.require("lora_targets", model_config=cfg.model)))
+    lora = sum(p.numel() for n, p in twin.named_parameters() if "lora_" in n)
+    assert sum(c.trainable for c in costs.layers) == lora
+    assert sum(c.state_bytes for c in costs.layers) == lora * 4 * 4  # float32 weight, gradient, two moments
+
+
+def test_methods_and_the_plan(project: Path) -> None:
+    assert RunConfig.model_fields["partition_method"].default == "memory"
+    cfg, plugin = configured(project, stages=3)
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    memory = make_plan(cfg, plugin, stage.model, stage.layers, dataset)
+    peaks = [s.peak_bytes for s in memory.stages]
+    assert memory.method == "memory" and all(s.activation_bytes > 0 for s in memory.stages)
+    for method in ("parameters", "uniform"):
+        cfg_m, _ = configured(project, stages=3, extra=f'partition_method = "{method}"')
+        plan = make_plan(cfg_m, plugin, stage.model, stage.layers, dataset)
+        assert plan.parts == stage_parts(stage.layers, 3, method)  # exactly as before
+        assert max(s.peak_bytes for s in plan.stages) >= max(peaks)
+    cfg_s, _ = configured(project, stages=3, extra="partition_split = [1, 2]")
+    explicit = make_plan(cfg_s, plugin, stage.model, stage.layers, dataset)
+    assert explicit.parts == [0, 1, 2, 8] and explicit.method == "explicit"
+    lines = format_plan(explicit)
+    assert lines[0].startswith("stage plan (explicit, 3 stages; activations: micro-batch of 2 in bucket 128x128)")
+    assert "0 (EmbedLayer)" in lines[2] and "2-7 (BlockLayer x5, FinalLayer)" in lines[4]
+    assert "warning: stage 2 is estimated at" in lines[-1] and "above the mean" in lines[-1]
+    assert not any("warning" in line for line in format_plan(memory))
+    # the first stage of a 1F1B pipeline holds the most micro-batches
+    cfg_g, _ = configured(project, stages=3, extra="gradient_accumulation_steps = 4")
+    flights = [s.in_flight for s in make_plan(cfg_g, plugin, stage.model, stage.layers, dataset).stages]
+    assert flights == [3, 2, 1]
+
+
+def test_a_model_that_cannot_be_twinned_is_planned_by_its_weights(project: Path) -> None:
+    import threading
+
+    cfg, plugin = configured(project)
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    stage.model.lock = threading.Lock()  # deepcopy (the meta twin) cannot copy it
+    plan = make_plan(cfg, plugin, stage.model, stage.layers, open_cached(cfg.run.dataset, plugin, cfg.model))
+    assert plan.activations.startswith("not estimated, nor trainable state (TypeError")
+    assert plan.parts == stage_parts(stage.layers, 2, "parameters")  # all bf16: bytes balance like parameters
+    assert sum(s.weight_bytes for s in plan.stages) == 2 * sum(p.numel() for p in stage.model.parameters())
