@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from diffpipe_core import EncodeBatch, TrainingContext
+from diffpipe_core.registry import get_registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.conformance import check_model_plugin
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
@@ -113,12 +113,14 @@ def test_original_keys_are_diffusers_converters() -> None:
 
 
 def test_single_file_is_read_per_stage(tiny_chroma: Path) -> None:
-    first, second = assert_stages_read_their_own(chroma, config(tiny_chroma, transformer_file=bfl_path(tiny_chroma)))
+    plugin = get_registry().model("chroma")
+    cfg = config(tiny_chroma, transformer_file=bfl_path(tiny_chroma))
+    first, second = assert_stages_read_their_own(plugin, cfg)
     assert set(first.reads) | set(second.reads) == set(load_file(str(bfl_path(tiny_chroma))))
     assert "distilled_guidance_layer.in_proj.weight" in first.reads and "final_layer.linear.weight" in second.reads
 
 
-@pytest.mark.parametrize("layout", ["diffusers", "original"])
-def test_chroma_plugin_conforms(tiny_chroma: Path, layout: str) -> None:
-    extra = {"transformer_file": bfl_path(tiny_chroma)} if layout == "original" else {}
-    check_model_plugin(chroma, "chroma", table(tiny_chroma, **extra), torch.rand(2, 3, 32, 48) * 2 - 1, CAPTIONS)
+def test_chroma_plugin_conforms(tiny_chroma: Path) -> None:
+    """From the original single file (the folder layout's loading is the one Flux's conformance test covers)."""
+    model = table(tiny_chroma, transformer_file=bfl_path(tiny_chroma))
+    check_model_plugin(chroma, "chroma", model, torch.rand(2, 3, 32, 48) * 2 - 1, CAPTIONS)

@@ -27,7 +27,8 @@ def chroma_config(path: Path) -> ChromaConfig:
 
 
 def encoded(path: Path, prompt: str, negative: str | None):
-    (texts,) = encode_prompts(get_registry().model("chroma"), chroma_config(path), [prompt], negative, torch.device("cpu"))
+    plugin = get_registry().model("chroma")
+    (texts,) = encode_prompts(plugin, chroma_config(path), [prompt], negative, torch.device("cpu"))
     return texts
 
 
@@ -58,7 +59,7 @@ def chromapipeline_latents(path: Path, texts, cfg_scale: float, size: int, steps
     return unpack(out, n, n)
 
 
-@pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
+@pytest.mark.parametrize("cfg_scale", [4.0])  # without CFG: the shared run's first sample (test_chroma_train)
 def test_chroma_sample_equals_chromapipeline(tiny_chroma: Path, cfg_scale: float) -> None:
     from diffusers import AutoencoderKL
 

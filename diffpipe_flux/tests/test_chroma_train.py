@@ -27,6 +27,7 @@ output_dir = "out"
 dataset = "dataset.toml"
 max_steps = {STEPS}
 micro_batch_size_per_gpu = 2
+gradient_accumulation_steps = 2
 checkpoint_every_n_steps = {STEPS}
 save_dtype = "float32"
 seed = 7
@@ -46,7 +47,7 @@ alpha = {ALPHA}
 save_formats = ["diffusers", "comfyui"]
 
 [optimizer]
-lr = 1e-2
+lr = 3e-2
 
 [sample]
 prompts = ["a red cat"]
@@ -118,7 +119,8 @@ def test_comfyui_lora_keys_and_fused_weights(chroma_run: Path) -> None:
     double = ("img_attn.qkv", "txt_attn.qkv", "img_attn.proj", "txt_attn.proj", "img_mlp.0", "img_mlp.2")
     modules = [f"double_blocks.{i}.{m}" for i in range(2) for m in (*double, "txt_mlp.0", "txt_mlp.2")]
     modules += [f"single_blocks.{i}.{m}" for i in range(2) for m in ("linear1", "linear2")]
-    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+    suffixes = ("lora_A.weight", "lora_B.weight", "alpha")
+    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in suffixes}
     assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
     assert comfy["diffusion_model.single_blocks.0.linear1.lora_B.weight"].shape == (7 * 32, 4 * RANK)
 

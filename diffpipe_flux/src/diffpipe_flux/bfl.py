@@ -22,7 +22,7 @@ MLP_RATIO = 4  # FluxSingleTransformerBlock's mlp_ratio
 
 
 def double_attention(b: str, d: str, qkv: tuple[int, ...] = ()) -> list[Module]:
-    """A double block's joint attention (Flux.1, Chroma and Flux 2 alike): the fused image and text q/k/v, the two
+    """A double block's joint attention (Flux.1 and Chroma alike): the fused image and text q/k/v, the two
     output projections and the four q/k RMS norms (``b``: the block in the original layout, ``d``: in diffusers')."""
     return [
         Module(f"{b}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), qkv),
@@ -99,7 +99,8 @@ def layout(num_double: int, num_single: int, guidance: bool, inner: int) -> KeyT
         ]
     for i in range(num_single):
         b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        modules += [Module(f"{b}.modulation.lin", (f"{d}.norm.linear",)), *single_linears(b, d, inner), *single_norms(b, d)]
+        modulation = Module(f"{b}.modulation.lin", (f"{d}.norm.linear",))
+        modules += [modulation, *single_linears(b, d, inner), *single_norms(b, d)]
     modules += [
         Module("final_layer.linear", ("proj_out",)),
         Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True),
@@ -155,7 +156,7 @@ def bfl_to_diffusers(state: Mapping[str, Any], source: str = "BFL checkpoint") -
     ).to_model(state, source)
 
 
-# ---------------------------------------------------------------------------------------------- Chroma, Flux 2
+# ---------------------------------------------------------------------------------------------- Chroma
 APPROXIMATOR = "distilled_guidance_layer"
 
 
@@ -186,32 +187,6 @@ def chroma_layout(num_double: int, num_single: int, approximator_layers: int, in
     return KeyTable(tuple(modules), name="Chroma", model="Chroma transformer")
 
 
-def flux2_layout(num_double: int, num_single: int, guidance: bool, inner: int = 0) -> KeyTable:
-    """FLUX.2's original layout (BFL's, as ComfyUI's ``flux2`` single files hold it): one modulation per block kind
-    shared by all blocks, SwiGLU MLPs under Flux.1's names, and a single block whose ``linear1``/``linear2`` are
-    diffusers' ``attn.to_qkv_mlp_proj``/``attn.to_out`` unchanged (diffusers fuses them too). No biases."""
-    modules = embedders("time_guidance_embed", guidance, vector=False)
-    modules += [
-        Module(f"{m}.lin", (f"{m}.linear",))
-        for m in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")
-    ]
-    for i in range(num_double):
-        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        modules += [*double_attention(b, d, (inner,) * 3 if inner else ()), *double_mlps(b, d, "linear_in", "linear_out")]
-    for i in range(num_single):
-        b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        modules += [
-            Module(f"{b}.linear1", (f"{d}.attn.to_qkv_mlp_proj",)),
-            Module(f"{b}.linear2", (f"{d}.attn.to_out",)),
-            *single_norms(b, d),
-        ]
-    modules += [
-        Module("final_layer.linear", ("proj_out",)),
-        Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True),
-    ]
-    return KeyTable(tuple(modules), name="FLUX.2 (BFL/ComfyUI)", model="FLUX.2 transformer")
-
-
 def inner_dim(config: Mapping[str, Any], heads: int = 24, head_dim: int = 128) -> int:
     return int(config.get("num_attention_heads", heads)) * int(config.get("attention_head_dim", head_dim))
 
@@ -226,20 +201,10 @@ def chroma_layout_for_config(config: Mapping[str, Any]) -> KeyTable:
     )
 
 
-def flux2_layout_for_config(config: Mapping[str, Any]) -> KeyTable:
-    """The FLUX.2 table of a ``Flux2Transformer2DModel`` config (dev: guidance embedding; Klein: none)."""
-    return flux2_layout(
-        int(config.get("num_layers", 8)),
-        int(config.get("num_single_layers", 48)),
-        bool(config.get("guidance_embeds", True)),
-        inner_dim(config, heads=48),
-    )
-
-
 def lora_inner_dim(state: Mapping[str, Any]) -> int:
-    """The inner dim of a Chroma or FLUX.2 LoRA's model: the input width of its first adapted attention q/k/v (0 when
-    none is adapted, and then no fused module needs it)."""
-    pattern = re.compile(r"blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_qkv_mlp_proj)\.lora_A")
+    """The inner dim of a Chroma LoRA's model: the input width of its first adapted attention q/k/v (0 when none is
+    adapted, and then no fused module needs it)."""
+    pattern = re.compile(r"blocks\.\d+\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj)\.lora_A")
     return next((int(v.shape[1]) for k, v in state.items() if pattern.search(k)), 0)
 
 

@@ -79,9 +79,8 @@ class Chroma(Flux):
 
         from diffpipe_core.parts.text import TextEncoding, encode_text
 
-        t5 = encode_text(
-            encoders.text_encoder, encoders.tokenizer, captions, TextEncoding(encoders.config.t5_max_length, use_mask=True)
-        )
+        settings = TextEncoding(encoders.config.t5_max_length, use_mask=True)
+        t5 = encode_text(encoders.text_encoder, encoders.tokenizer, captions, settings)
         lengths = t5.mask.sum(dim=1, keepdim=True)
         return {"t5_embeds": t5.embeds, "t5_mask": (torch.arange(t5.mask.shape[1]) <= lengths).long()}
 

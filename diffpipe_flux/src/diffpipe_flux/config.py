@@ -30,26 +30,3 @@ class FluxConfig(T5FluxConfig):
 class ChromaConfig(T5FluxConfig):
     """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``transformer_file`` one of
     Chroma's original checkpoints (``Chroma1-HD.safetensors``)."""
-
-
-class Flux2Config(DiffusersModelConfig, FlowMatchingConfig):
-    """``[model]`` keys of FLUX.2 [dev] and FLUX.2 [klein]. ``path`` is a diffusers ``Flux2Pipeline`` /
-    ``Flux2KleinPipeline`` folder; ``transformer_file`` a BFL/ComfyUI single file (``flux2-dev.safetensors``)."""
-
-    text_max_length: int = Field(
-        512, ge=1, le=512, description="Text tokens, chat template included (padded/truncated, max_sequence_length)."
-    )
-    text_encoder_layers: tuple[int, ...] | None = Field(
-        None,
-        min_length=1,
-        description="Hidden layers of the text encoder stacked into the text embedding (text_encoder_out_layers); "
-        "default: the pipeline's ((10, 20, 30) for dev, (9, 18, 27) for klein).",
-    )
-    flux_shift: bool = Field(
-        False,
-        description="Use FLUX.2's resolution-dependent shift (e^mu of the pipeline's empirical mu at its default 50 "
-        "steps) instead of shift.",
-    )
-    guidance: float = Field(
-        1.0, ge=0, description="Guidance value fed to the guidance-distilled dev model; klein has no guidance input."
-    )
