@@ -1,5 +1,5 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux written to disk per session
-(diffusers folder + BFL single file); the shared 2-stage run."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux and one tiny Chroma written to disk
+per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared Chroma run."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     last step (test_chroma_train). Returns its run folder."""
     from test_chroma_train import make_project
 
-    root = tmp_path_factory.mktemp("chroma_run")
     from diffpipe_core.testing import runs
 
+    root = tmp_path_factory.mktemp("chroma_run")
     return runs.train(root, make_project(root), procs=1, timeout=400)
