@@ -11,24 +11,31 @@ from diffpipe_core.data.items import ScanResult
 from diffpipe_core.types import ModelSpec
 
 
-def micro_batches_per_rank(scan: ScanResult, micro_batch_size: int, dp: int) -> int:
-    """Micro-batches per epoch on each data-parallel rank, as the sampler cuts them (full ones per bucket)."""
-    from diffpipe_core.data.report import bucket_counts
+def micro_batches_per_rank(scan: ScanResult, run: Any, dp: int) -> int:
+    """Micro-batches per epoch on each data-parallel rank, as the sampler cuts them: full ones per micro-batch
+    group (bucket and control sizes), each at its bucket's size (``micro_batch_size_per_gpu`` may be per
+    resolution)."""
+    from diffpipe_core.data.report import group_counts
 
-    return sum(n // micro_batch_size for n in bucket_counts(scan).values()) // max(1, dp)
+    return sum(
+        n // run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames)
+        for (bucket, _), n in group_counts(scan).items()
+    ) // max(1, dp)
 
 
 def micro_batch_problems(run: Any, scan: ScanResult, dp: int | None, source: str) -> list[str]:
     """``gradient_accumulation_steps`` larger than the micro-batches an epoch gives (``dp``: data-parallel ranks,
     None when unknown: counted for 1, the most an epoch can give)."""
-    mbs, gas = run.micro_batch_size_per_gpu, run.gradient_accumulation_steps
-    have = micro_batches_per_rank(scan, mbs, dp or 1)
+    gas = run.gradient_accumulation_steps
+    have = micro_batches_per_rank(scan, run, dp or 1)
     if have >= gas:
         return []
     ranks = f" on each of {dp} data-parallel ranks" if dp and dp > 1 else ""
+    mbs = run.micro_batch_size_per_gpu
+    of = f" of {mbs}" if isinstance(mbs, int) else ""
     return [
         f"{source}: gradient_accumulation_steps: {gas}, but the dataset gives {have} micro-batch"
-        f"{'es' if have != 1 else ''} of {mbs} per epoch{ranks} (one step needs {gas}); lower "
+        f"{'es' if have != 1 else ''}{of} per epoch{ranks} (one step needs {gas}); lower "
         "gradient_accumulation_steps or micro_batch_size_per_gpu, or add data"
     ]
 

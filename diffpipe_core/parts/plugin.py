@@ -5,10 +5,7 @@
         folder = DiffusersFolder(model_name="flux", pipelines=("FluxPipeline",), components={...})
         model_class = "FluxTransformer2DModel"
         single_file_name = "flux1-transformer.safetensors"
-
-        def original_layout(self, transformer_config):   # the original single-file layout, or leave it out
-            from diffpipe_flux.bfl import layout
-            return layout(transformer_config)
+        key_tables = "diffpipe_flux.bfl"    # its layout_for_config / lora_layout: the original single-file layout
 
         @hookimpl
         def encode_batch(self, encoders, batch): ...      # settings: encoders.config (load_components)
@@ -27,6 +24,7 @@ would silently skip it). This module imports no torch: the work happens inside t
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -78,6 +76,9 @@ class DiffusersModel:
     lora_target_names: ClassVar[tuple[str, ...]] = ()
     last_block_unused: ClassVar[tuple[str, ...]] = ()
     joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
+    #: The module holding the original single-file key tables: its ``layout_for_config(transformer_config)`` and
+    #: ``lora_layout(state_dict)`` are :meth:`original_layout` and :meth:`lora_layout` (imported when first used).
+    key_tables: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -94,8 +95,9 @@ class DiffusersModel:
 
     # ------------------------------------------------------------------------------------------ declarations
     def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable | None:
-        """The model's original single-file key layout, sized from the diffusion model's config; None: none."""
-        return None
+        """The model's original single-file key layout, sized from the diffusion model's config; None: none
+        (the default without :attr:`key_tables`)."""
+        return import_module(self.key_tables).layout_for_config(transformer_config) if self.key_tables else None
 
     def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
         """The default LoRA targets: :attr:`lora_target_names`, those in :attr:`last_block_unused` expanded to
@@ -243,8 +245,9 @@ class DiffusersModel:
 
     def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable | None:
         """The original layout for a ComfyUI export of adapter modules (``state_dict``: a peft LoRA state dict, whose
-        shapes size fused modules); None (the default): the model has no ComfyUI format."""
-        return None
+        shapes size fused modules); None (the default without :attr:`key_tables`): the model has no ComfyUI
+        format."""
+        return import_module(self.key_tables).lora_layout(state_dict) if self.key_tables else None
 
     #: ComfyUI's key map for this model also takes diffusers module names under the pipeline prefix (and places
     #: them in fused weights itself), as for Flux; LoKr/LoHa, which cannot be fused, are saved under those names.

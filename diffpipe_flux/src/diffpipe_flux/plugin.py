@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
 ATTENTION_AND_MLP = [
@@ -70,16 +69,7 @@ class Flux(DiffusersModel, FlowSampling):
     comfy_takes_diffusers_names = True
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "flux1-transformer.safetensors"
-
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_flux.bfl import layout_for_config
-
-        return layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_flux.bfl import lora_layout
-
-        return lora_layout(state_dict)
+    key_tables = "diffpipe_flux.bfl"
 
     def default_lora_targets(self, model_config: FluxConfig) -> list[str]:
         """Attention and MLP linears of the double and single blocks. A single block's output linear is named

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
 DOUBLE_BLOCK_LINEARS = (
@@ -80,16 +79,7 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
     model_class = "HunyuanVideoTransformer3DModel"
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "hunyuan_video_transformer.safetensors"
-
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_hunyuan.original import layout_for_config
-
-        return layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_hunyuan.original import lora_layout
-
-        return lora_layout(state_dict)
+    key_tables = "diffpipe_hunyuan.original"
 
     def default_lora_targets(self, model_config: HunyuanConfig) -> list[str]:
         """Every linear of the double- and single-stream blocks (attention, MLP, modulation), by full name: the

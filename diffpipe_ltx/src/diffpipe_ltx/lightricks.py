@@ -40,6 +40,11 @@ def layout_for_config(config: Mapping[str, Any]) -> KeyTable:
     return layout(int(config.get("num_layers", 28)))
 
 
+def lora_layout(state: Mapping[str, Any]) -> KeyTable:
+    """The layout for a ComfyUI LoRA: its modules differ only by the top-level renames."""
+    return layout(0)
+
+
 def to_original(state: Mapping[str, Any]) -> dict[str, Any]:
     """A diffusers transformer state dict in original key names (without the file prefix)."""
     blocks = {int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")}

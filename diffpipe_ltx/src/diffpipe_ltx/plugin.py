@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import EncodeBatch, TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
 COMPONENTS = {
@@ -67,16 +66,7 @@ class LTXVideo(DiffusersModel, FlowSampling):
     # attn1 (self) and attn2 (cross) projections and the feed-forward linears of every block; nothing else in the
     # model has modules of these names.
     lora_target_names = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2")
-
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_ltx.lightricks import layout_for_config
-
-        return layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_ltx.lightricks import layout
-
-        return layout(0)  # LoRA modules differ only by the top-level renames
+    key_tables = "diffpipe_ltx.lightricks"
 
     def build_skeleton(self, model_config: LTXConfig, device: Any, dtype: torch.dtype) -> nn.Module:
         config = self.model_folder_config(model_config)
