@@ -98,7 +98,7 @@ def test_original_keys_are_diffusers_converters() -> None:
     """diffusers' Chroma converter only handles the full-size inner dim (3072): compare names and shapes on meta."""
     from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
 
-    from diffpipe_flux.bfl import chroma_layout_for_config
+    from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
     from diffpipe_flux.testing import TinyChromaConfig, tiny_chroma_transformer
 
     cfg = TinyChromaConfig(

@@ -113,7 +113,7 @@ def test_diffusers_lora_loads_in_chroma_pipeline_and_reproduces(chroma_run: Path
 
 
 def test_comfyui_lora_keys_and_fused_weights(chroma_run: Path) -> None:
-    from diffpipe_flux.bfl import chroma_layout_for_config
+    from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
 
     comfy = load_file(str(chroma_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     double = ("img_attn.qkv", "txt_attn.qkv", "img_attn.proj", "txt_attn.proj", "img_mlp.0", "img_mlp.2")

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import TrainingContext
-    from diffpipe_core.parts.layout import KeyTable
 
 COMPONENTS = {
     "transformer": "ChromaTransformer2DModel",
@@ -51,18 +50,7 @@ class Chroma(Flux):
     model_class = "ChromaTransformer2DModel"
     single_file_markers = ("distilled_guidance_layer.in_proj.weight", "double_blocks.0.img_attn.qkv.weight")
     single_file_name = "chroma-transformer.safetensors"
-
-    def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
-        from diffpipe_flux.bfl import chroma_layout_for_config
-
-        return chroma_layout_for_config(transformer_config)
-
-    def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
-        from diffpipe_core.parts.layout import count_blocks
-        from diffpipe_flux.bfl import chroma_layout, lora_blocks, lora_inner_dim
-
-        approximator = count_blocks(state_dict, r"distilled_guidance_layer\.layers\.(\d+)\.")
-        return chroma_layout(*lora_blocks(state_dict), approximator, lora_inner_dim(state_dict))
+    key_tables = "diffpipe_flux.chroma_keys"
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl

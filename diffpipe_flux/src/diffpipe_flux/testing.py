@@ -146,7 +146,7 @@ def chroma_parts(cfg: TinyChromaConfig) -> dict[str, tiny.Part]:
 def write_tiny_chroma(folder: Path, cfg: TinyChromaConfig | None = None) -> Path:
     """Save a tiny ``ChromaPipeline`` folder at ``folder`` and its transformer in Chroma's original single-file
     layout at :func:`bfl_path` of it. Returns ``folder``."""
-    from diffpipe_flux.bfl import chroma_layout_for_config
+    from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
 
     folder = Path(folder)
     pipe = tiny.write_pipeline("ChromaPipeline", chroma_parts(cfg or TinyChromaConfig()), folder)
