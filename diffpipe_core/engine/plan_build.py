@@ -23,21 +23,23 @@ def _float_bytes(batch: dict[str, torch.Tensor]) -> int:
 
 
 def example_inputs(dataset: Any, plugin: ModelPlugin, cfg: ResolvedConfig) -> tuple[tuple[torch.Tensor, ...], str]:
-    """The first layer's inputs for one micro-batch (``micro_batch_size_per_gpu`` samples) of the dataset's largest
-    bucket (the most cached bytes per sample), made by the plugin's ``prepare_inputs``, and a label for it."""
+    """The first layer's inputs for one micro-batch (that bucket's ``micro_batch_size_per_gpu`` samples) of the
+    dataset's largest bucket (the most cached bytes per sample), made by the plugin's ``prepare_inputs``, and a
+    label for it."""
     groups = [g for g in dataset.groups() if g]
     if not groups:
         raise ValueError("the cached dataset is empty")
     one = [_float_bytes(dataset.collate(g[:1], torch.Generator().manual_seed(0))) for g in groups]
     group = groups[max(range(len(groups)), key=lambda k: one[k])]
-    size = cfg.run.micro_batch_size_per_gpu
+    bucket = dataset.bucket_of(group[0])
+    size = cfg.run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames)
     indices = (group * -(-size // len(group)))[:size]
     generator = torch.Generator().manual_seed(cfg.run.seed)
     batch = dataset.collate(indices, generator)
     inputs, _ = plugin.require(
         "prepare_inputs", batch=batch, context=TrainingContext(model_config=cfg.model), generator=generator
     )
-    return tuple(inputs), f"micro-batch of {size} in bucket {dataset.bucket_of(group[0])}"
+    return tuple(inputs), f"micro-batch of {size} in bucket {bucket}"
 
 
 def make_plan(

@@ -57,7 +57,7 @@ def test_masks_weight_the_loss(model_dir: Path) -> None:
         assert mask.dim() == target.dim() and mask.shape[-2:] == target.shape[-2:]
         right_half_wrong = target.clone()
         right_half_wrong[..., target.shape[-1] // 2 :] += 5.0
-        assert plugin.compute_loss((right_half_wrong,), targets) == 0  # only the masked-out half differs
+        assert plugin.compute_loss((right_half_wrong,), targets, context) == 0  # only the masked-out half differs
 
 
 def test_validate_names_a_missing_component(model_dir: Path, tmp_path: Path) -> None:
