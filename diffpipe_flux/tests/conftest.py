@@ -1,5 +1,5 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux written to disk per session
-(diffusers folder + BFL single file); the shared 2-stage run."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux and one tiny Chroma written to disk
+per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared Chroma run."""
 
 from __future__ import annotations
 
@@ -40,3 +40,23 @@ def flux_two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = make_project(root, stages=2, single_file=False)
     config.write_text(config.read_text() + SAMPLE_TABLE)
     return train(root, config)
+
+
+@pytest.fixture(scope="session")
+def tiny_chroma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Chroma folder; its original-layout single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
+    from diffpipe_flux.testing import write_tiny_chroma
+
+    return write_tiny_chroma(tmp_path_factory.mktemp("chroma") / "tiny-chroma")
+
+
+@pytest.fixture(scope="session")
+def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared Chroma run: 1 process from Chroma's original single file, sampling before the first and after the
+    last step (test_chroma_train). Returns its run folder."""
+    from test_chroma_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("chroma_run")
+    return runs.train(root, make_project(root), procs=1, timeout=400)

@@ -21,50 +21,86 @@ TTE = "time_text_embed"
 MLP_RATIO = 4  # FluxSingleTransformerBlock's mlp_ratio
 
 
-def layout(num_double: int, num_single: int, guidance: bool, inner: int) -> KeyTable:
-    """Every module of a Flux transformer of these sizes (``inner``: heads x head dim)."""
-    qkv = (inner,) * 3
+def double_attention(b: str, d: str, qkv: tuple[int, ...] = ()) -> list[Module]:
+    """A double block's joint attention (Flux.1 and Chroma alike): the fused image and text q/k/v, the two
+    output projections and the four q/k RMS norms (``b``: the block in the original layout, ``d``: in diffusers')."""
+    return [
+        Module(f"{b}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), qkv),
+        Module(f"{b}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"), qkv),
+        Module(f"{b}.img_attn.proj", (f"{d}.attn.to_out.0",)),
+        Module(f"{b}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
+        Module(f"{b}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=SCALE_NORM, comfy=None),
+    ]
+
+
+def double_mlps(b: str, d: str, linear_in: str = "net.0.proj", linear_out: str = "net.2") -> list[Module]:
+    """A double block's image and text MLPs (``img_mlp.0``/``.2`` = ``ff.<linear_in>``/``ff.<linear_out>``)."""
+    return [
+        Module(f"{b}.img_mlp.0", (f"{d}.ff.{linear_in}",)),
+        Module(f"{b}.img_mlp.2", (f"{d}.ff.{linear_out}",)),
+        Module(f"{b}.txt_mlp.0", (f"{d}.ff_context.{linear_in}",)),
+        Module(f"{b}.txt_mlp.2", (f"{d}.ff_context.{linear_out}",)),
+    ]
+
+
+def single_linears(b: str, d: str, inner: int) -> list[Module]:
+    """A Flux.1 (or Chroma) single block's ``linear1`` (q, k, v and the MLP input fused) and ``linear2``."""
+    linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
+    return [
+        Module(f"{b}.linear1", linear1, (inner, inner, inner, MLP_RATIO * inner)),
+        Module(f"{b}.linear2", (f"{d}.proj_out",)),
+    ]
+
+
+def single_norms(b: str, d: str) -> list[Module]:
+    """A single block's q/k RMS norms."""
+    return [
+        Module(f"{b}.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
+        Module(f"{b}.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
+    ]
+
+
+def embedders(time_embed: str, guidance: bool, vector: bool = True) -> list[Module]:
+    """Image and text input projections, the timestep MLP (diffusers' ``<time_embed>.timestep_embedder``), the pooled
+    text vector's (``vector_in``, Flux.1) and the guidance MLP (guidance-distilled models)."""
     modules = [
         Module("img_in", ("x_embedder",)),
         Module("txt_in", ("context_embedder",)),
-        Module("time_in.in_layer", (f"{TTE}.timestep_embedder.linear_1",)),
-        Module("time_in.out_layer", (f"{TTE}.timestep_embedder.linear_2",)),
-        Module("vector_in.in_layer", (f"{TTE}.text_embedder.linear_1",)),
-        Module("vector_in.out_layer", (f"{TTE}.text_embedder.linear_2",)),
+        Module("time_in.in_layer", (f"{time_embed}.timestep_embedder.linear_1",)),
+        Module("time_in.out_layer", (f"{time_embed}.timestep_embedder.linear_2",)),
     ]
+    if vector:
+        modules += [
+            Module("vector_in.in_layer", (f"{time_embed}.text_embedder.linear_1",)),
+            Module("vector_in.out_layer", (f"{time_embed}.text_embedder.linear_2",)),
+        ]
     if guidance:
         modules += [
-            Module("guidance_in.in_layer", (f"{TTE}.guidance_embedder.linear_1",)),
-            Module("guidance_in.out_layer", (f"{TTE}.guidance_embedder.linear_2",)),
+            Module("guidance_in.in_layer", (f"{time_embed}.guidance_embedder.linear_1",)),
+            Module("guidance_in.out_layer", (f"{time_embed}.guidance_embedder.linear_2",)),
         ]
+    return modules
+
+
+def layout(num_double: int, num_single: int, guidance: bool, inner: int) -> KeyTable:
+    """Every module of a Flux transformer of these sizes (``inner``: heads x head dim)."""
+    qkv = (inner,) * 3
+    modules = embedders(TTE, guidance)
     for i in range(num_double):
         b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
         modules += [
             Module(f"{b}.img_mod.lin", (f"{d}.norm1.linear",)),
             Module(f"{b}.txt_mod.lin", (f"{d}.norm1_context.linear",)),
-            Module(f"{b}.img_attn.qkv", (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"), qkv),
-            Module(f"{b}.txt_attn.qkv", (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"), qkv),
-            Module(f"{b}.img_attn.proj", (f"{d}.attn.to_out.0",)),
-            Module(f"{b}.txt_attn.proj", (f"{d}.attn.to_add_out",)),
-            Module(f"{b}.img_attn.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.img_attn.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.txt_attn.norm.query_norm", (f"{d}.attn.norm_added_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.txt_attn.norm.key_norm", (f"{d}.attn.norm_added_k",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.img_mlp.0", (f"{d}.ff.net.0.proj",)),
-            Module(f"{b}.img_mlp.2", (f"{d}.ff.net.2",)),
-            Module(f"{b}.txt_mlp.0", (f"{d}.ff_context.net.0.proj",)),
-            Module(f"{b}.txt_mlp.2", (f"{d}.ff_context.net.2",)),
+            *double_attention(b, d, qkv),
+            *double_mlps(b, d),
         ]
     for i in range(num_single):
         b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
-        modules += [
-            Module(f"{b}.modulation.lin", (f"{d}.norm.linear",)),
-            Module(f"{b}.linear1", linear1, (*qkv, MLP_RATIO * inner)),
-            Module(f"{b}.linear2", (f"{d}.proj_out",)),
-            Module(f"{b}.norm.query_norm", (f"{d}.attn.norm_q",), params=SCALE_NORM, comfy=None),
-            Module(f"{b}.norm.key_norm", (f"{d}.attn.norm_k",), params=SCALE_NORM, comfy=None),
-        ]
+        modulation = Module(f"{b}.modulation.lin", (f"{d}.norm.linear",))
+        modules += [modulation, *single_linears(b, d, inner), *single_norms(b, d)]
     modules += [
         Module("final_layer.linear", ("proj_out",)),
         Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True),

@@ -1,4 +1,4 @@
-"""The ``[model]`` table of a Flux run (pydantic and the standard library only: imported at start-up)."""
+"""The ``[model]`` tables of the Flux family (pydantic and the standard library only: imported at start-up)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from pydantic import Field
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 
-class FluxConfig(DiffusersModelConfig, FlowMatchingConfig):
-    """``[model]`` keys of Flux (dev or schnell; which one is read from the transformer's config). ``path`` is a
-    diffusers Flux folder; ``transformer_file`` a BFL single file (``flux1-dev.safetensors``)."""
+class T5FluxConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """Keys of the T5-conditioned members (Flux.1, Chroma)."""
 
     t5_max_length: int = Field(512, ge=1, le=512, description="T5 token count (captions are padded/truncated).")
     flux_shift: bool = Field(
@@ -17,6 +16,17 @@ class FluxConfig(DiffusersModelConfig, FlowMatchingConfig):
         description="Use Flux's resolution-dependent shift (e^mu, mu linear in the image token count) instead of "
         "shift.",
     )
+
+
+class FluxConfig(T5FluxConfig):
+    """``[model]`` keys of Flux (dev or schnell; which one is read from the transformer's config). ``path`` is a
+    diffusers Flux folder; ``transformer_file`` a BFL single file (``flux1-dev.safetensors``)."""
+
     guidance: float = Field(
         1.0, ge=0, description="Guidance value fed to guidance-distilled (dev) models; schnell has no guidance input."
     )
+
+
+class ChromaConfig(T5FluxConfig):
+    """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``transformer_file`` one of
+    Chroma's original checkpoints (``Chroma1-HD.safetensors``)."""

@@ -13,6 +13,8 @@ does, so a pipeline of these layers computes the same function as the diffusers 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -74,15 +76,28 @@ class FinalLayer(nn.Module):
         return (self.proj_out(self.norm_out(img, temb)).float(),)
 
 
-def split_into_layers(model: nn.Module) -> list[nn.Module]:
-    """The ordered pipeline layers of a diffusers ``FluxTransformer2DModel`` (sharing its parameters)."""
+def chain(
+    model: nn.Module,
+    embed: Callable[[nn.Module], nn.Module],
+    double: Callable[[nn.Module, int], nn.Module],
+    single: Callable[[nn.Module, int], nn.Module],
+    final: Callable[[nn.Module], nn.Module] = FinalLayer,
+) -> list[nn.Module]:
+    """The layers of a Flux-family transformer: ``embed(model)``, ``double(block, i)`` for each double block,
+    ``single(block, i)`` for each single block (the last returns what ``final`` takes), ``final(model)``."""
     singles = list(model.single_transformer_blocks)
-    doubles = list(model.transformer_blocks)
     if not singles:
         raise ValueError("a Flux transformer without single blocks is not supported by diffpipe-flux's layer split")
+    doubles = list(model.transformer_blocks)
     return [
-        EmbedLayer(model),
-        *(DoubleBlockLayer(b) for b in doubles),
-        *(SingleBlockLayer(b, last=i == len(singles) - 1) for i, b in enumerate(singles)),
-        FinalLayer(model),
+        embed(model),
+        *(double(b, i) for i, b in enumerate(doubles)),
+        *(single(b, i) for i, b in enumerate(singles)),
+        final(model),
     ]
+
+
+def split_into_layers(model: nn.Module) -> list[nn.Module]:
+    """The ordered pipeline layers of a diffusers ``FluxTransformer2DModel`` (sharing its parameters)."""
+    last = len(model.single_transformer_blocks) - 1
+    return chain(model, EmbedLayer, lambda b, i: DoubleBlockLayer(b), lambda b, i: SingleBlockLayer(b, i == last))

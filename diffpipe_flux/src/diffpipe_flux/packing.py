@@ -10,11 +10,17 @@ from diffpipe_core.parts.latents import unpack_2x2 as unpack
 __all__ = ["image_ids", "pack", "text_ids", "unpack"]
 
 
+def grid_ids(rows: int, cols: int, first: int = 0, axes: int = 3) -> torch.Tensor:
+    """``(rows * cols, axes)`` int64 ids ``[first, row, col, 0, ...]`` of a token grid in row-major order."""
+    r = torch.arange(rows).repeat_interleave(cols)
+    c = torch.arange(cols).repeat(rows)
+    extra = [torch.zeros_like(r)] * (axes - 3)
+    return torch.stack([torch.full_like(r, first), r, c, *extra], dim=1)
+
+
 def image_ids(h: int, w: int) -> torch.Tensor:
     """``(h/2 * w/2, 3)`` int64 ids ``[0, row, col]`` of the packed tokens (FluxPipeline._prepare_latent_image_ids)."""
-    rows = torch.arange(h // 2).repeat_interleave(w // 2)
-    cols = torch.arange(w // 2).repeat(h // 2)
-    return torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
+    return grid_ids(h // 2, w // 2)
 
 
 def text_ids(n: int) -> torch.Tensor:

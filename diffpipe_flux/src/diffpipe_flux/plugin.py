@@ -92,30 +92,33 @@ class Flux(DiffusersModel, FlowSampling):
         """Media: ``latents`` (B, C, H/8, W/8) as ``(mode - shift_factor) * scaling_factor``, ``mask`` on the latent
         grid. Captions: ``t5_embeds`` (B, t5_max_length, d) and ``clip_pooled`` (B, d), as
         ``FluxPipeline.encode_prompt`` makes them."""
-        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
-        from diffpipe_core.parts.text import TextEncoding, encode_text
-
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
-            out["latents"] = shift_and_scale(vae_mode(encoders.vae, batch.pixels), encoders.vae.config).cpu()
-            if batch.masks is not None:
-                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+            out.update(self.encode_media(encoders, batch))
         if batch.captions is not None:
-            clip_len = min(encoders.tokenizer.model_max_length, encoders.text_encoder.config.max_position_embeddings)
-            clip = encode_text(
-                encoders.text_encoder,
-                encoders.tokenizer,
-                batch.captions,
-                TextEncoding(clip_len, pooled="pooler_output"),
-            )
-            t5 = encode_text(
-                encoders.text_encoder_2,
-                encoders.tokenizer_2,
-                batch.captions,
-                TextEncoding(encoders.config.t5_max_length),
-            )
-            out.update(t5_embeds=t5.embeds, clip_pooled=clip.pooled)
+            out.update(self.encode_captions(encoders, batch.captions))
         return out
+
+    def encode_media(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """``latents`` normalised as the VAE's config says and, with masks, ``mask`` on the latent grid."""
+        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
+
+        out = {"latents": shift_and_scale(vae_mode(encoders.vae, batch.pixels), encoders.vae.config).cpu()}
+        if batch.masks is not None:
+            out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+        return out
+
+    def encode_captions(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        from diffpipe_core.parts.text import TextEncoding, encode_text
+
+        clip_len = min(encoders.tokenizer.model_max_length, encoders.text_encoder.config.max_position_embeddings)
+        clip = encode_text(
+            encoders.text_encoder, encoders.tokenizer, captions, TextEncoding(clip_len, pooled="pooler_output")
+        )
+        t5 = encode_text(
+            encoders.text_encoder_2, encoders.tokenizer_2, captions, TextEncoding(encoders.config.t5_max_length)
+        )
+        return {"t5_embeds": t5.embeds, "clip_pooled": clip.pooled}
 
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
@@ -131,14 +134,11 @@ class Flux(DiffusersModel, FlowSampling):
         flow (:func:`diffpipe_core.parts.flow.flow_sample`) with ``shift`` or Flux's resolution shift."""
         import torch
 
-        from diffpipe_core.diffusion import flux_resolution_shift
-        from diffpipe_core.parts.flow import flow_sample, with_mask
         from diffpipe_flux.packing import image_ids, pack, text_ids
 
         cfg: FluxConfig = context.model_config  # type: ignore[assignment]
-        b, c, h, w = batch["latents"].shape
-        shift = flux_resolution_shift((h // 2) * (w // 2)) if cfg.flux_shift else cfg.shift
-        f = flow_sample(batch["latents"], cfg, context, generator, shift)
+        f, targets = self.packed_flow(batch, context, generator)
+        b, _, h, w = f.x_t.shape
         text = batch["t5_embeds"].float()
         guidance = torch.full((b,), float(cfg.guidance))
         inputs = (
@@ -150,7 +150,20 @@ class Flux(DiffusersModel, FlowSampling):
             image_ids(h, w),
             text_ids(text.shape[1]),
         )
-        return inputs, with_mask((pack(f.target),), batch, lambda m: pack(m.expand(b, c, h, w).contiguous()))
+        return inputs, targets
+
+    def packed_flow(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """The flow sample of ``batch["latents"]`` (``shift``, or Flux's resolution shift with ``flux_shift``) and its
+        packed targets: ``(velocity[, mask])``."""
+        from diffpipe_core.diffusion import flux_resolution_shift
+        from diffpipe_core.parts.flow import flow_sample, with_mask
+        from diffpipe_flux.packing import pack
+
+        cfg = context.model_config
+        b, c, h, w = batch["latents"].shape
+        shift = flux_resolution_shift((h // 2) * (w // 2)) if cfg.flux_shift else cfg.shift  # type: ignore[attr-defined]
+        f = flow_sample(batch["latents"], cfg, context, generator, shift)  # type: ignore[arg-type]
+        return f, with_mask((pack(f.target),), batch, lambda m: pack(m.expand(b, c, h, w).contiguous()))
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl

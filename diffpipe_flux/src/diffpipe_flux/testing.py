@@ -1,9 +1,10 @@
-"""Write a tiny random-weight Flux to disk in its real layouts, for tests, the demo and benchmarks.
+"""Write a tiny random-weight Flux (or Chroma) to disk in its real layouts, for tests, the demo and benchmarks.
 
 :func:`write_tiny_flux` saves a complete diffusers ``FluxPipeline`` folder (``model_index.json``, ``transformer/``,
 ``vae/``, ``text_encoder/`` (CLIP-L-like), ``text_encoder_2/`` (T5), ``tokenizer/``, ``tokenizer_2/``,
 ``scheduler/``) and, beside it, the same transformer as one safetensors file in the original BFL key layout
-(``double_blocks.0.img_attn.qkv.weight``, ...), as Flux checkpoints are downloaded.
+(``double_blocks.0.img_attn.qkv.weight``, ...), as Flux checkpoints are downloaded. :func:`write_tiny_chroma` does
+the same for a ``ChromaPipeline`` (T5 only) and Chroma's original single-file layout.
 """
 
 from __future__ import annotations
@@ -98,6 +99,60 @@ def bfl_path(folder: Path) -> Path:
     """Where :func:`write_tiny_flux` puts the BFL single file by default."""
     folder = Path(folder)
     return folder.with_name(folder.name + ".bfl.safetensors")
+
+
+@dataclass
+class TinyChromaConfig(TinyFluxConfig):
+    """Sizes of the tiny Chroma: Flux's, plus the modulation approximator's."""
+
+    approximator_num_channels: int = 16  # 4 x the timestep embedding's width
+    approximator_hidden_dim: int = 32
+    approximator_layers: int = 2
+
+
+def tiny_chroma_transformer(cfg: TinyChromaConfig):
+    """The random-weight diffusers ``ChromaTransformer2DModel`` of ``cfg``."""
+    from diffusers import ChromaTransformer2DModel
+
+    torch.manual_seed(cfg.seed)
+    return ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * cfg.latent_channels,
+        num_layers=cfg.num_layers,
+        num_single_layers=cfg.num_single_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=cfg.text_dim,
+        axes_dims_rope=cfg.axes_dims_rope,
+        approximator_num_channels=cfg.approximator_num_channels,
+        approximator_hidden_dim=cfg.approximator_hidden_dim,
+        approximator_layers=cfg.approximator_layers,
+    )
+
+
+def chroma_parts(cfg: TinyChromaConfig) -> dict[str, tiny.Part]:
+    """The ``ChromaPipeline`` components of ``cfg``: Flux's transformer, VAE and scheduler roles, T5 alone."""
+    flux = parts(cfg)
+    t5_tok = tiny.t5_tokenizer()
+    return {
+        "transformer": tiny.Part(lambda: tiny_chroma_transformer(cfg)),
+        "vae": flux["vae"],
+        "text_encoder": tiny.Part(lambda: tiny.t5_encoder(t5_tok, cfg.text_dim)),
+        "tokenizer": tiny.Part(lambda: t5_tok),
+        "scheduler": flux["scheduler"],
+    }
+
+
+def write_tiny_chroma(folder: Path, cfg: TinyChromaConfig | None = None) -> Path:
+    """Save a tiny ``ChromaPipeline`` folder at ``folder`` and its transformer in Chroma's original single-file
+    layout at :func:`bfl_path` of it. Returns ``folder``."""
+    from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
+
+    folder = Path(folder)
+    pipe = tiny.write_pipeline("ChromaPipeline", chroma_parts(cfg or TinyChromaConfig()), folder)
+    table = chroma_layout_for_config(pipe.transformer.config)
+    tiny.save_single_file(table.to_original(pipe.transformer.state_dict()), bfl_path(folder))
+    return folder
 
 
 def main(argv: list[str] | None = None) -> None:
