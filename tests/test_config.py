@@ -101,9 +101,9 @@ def test_every_problem_is_listed(project: Path) -> None:
 
 
 def test_unknown_model_type(project: Path) -> None:
-    problems = problems_for(project, GOOD.replace('type = "reference"', 'type = "wan"'))
-    assert "model.type" in problems[0] and "unknown model 'wan'" in problems[0]
-    assert "pip install diffpipe-wan" in problems[0]
+    problems = problems_for(project, GOOD.replace('type = "reference"', 'type = "mochi"'))
+    assert "model.type" in problems[0] and "unknown model 'mochi'" in problems[0]
+    assert "pip install diffpipe-mochi" in problems[0]
 
 
 def test_partition_split_must_fit_stages(project: Path) -> None:
