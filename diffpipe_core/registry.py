@@ -39,6 +39,25 @@ class PluginInfo:
         return self.error is None
 
 
+DISTRIBUTIONS = {
+    "flux": "diffpipe-flux",
+    "flux-kontext": "diffpipe-flux",
+    "chroma": "diffpipe-flux",
+    "sdxl": "diffpipe-sdxl",
+    "hunyuan-video": "diffpipe-hunyuan",
+    "ltx-video": "diffpipe-ltx",
+    "cosmos": "diffpipe-cosmos",
+    "cosmos-predict2": "diffpipe-cosmos",
+    "wan": "diffpipe-wan",
+    "wan-i2v": "diffpipe-wan",
+    "qwen-image": "diffpipe-qwenimage",
+    "qwen-image-edit": "diffpipe-qwenimage",
+    "z-image": "diffpipe-zimage",
+}
+"""The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
+the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""
+
+
 class Registry:
     """Holds the pluggy manager, the model plugins by name and the ones that failed to load."""
 
@@ -113,7 +132,7 @@ class Registry:
             listing = ", ".join(installed) if installed else "none"
             raise PluginError(
                 f"unknown model {name!r}.{hint} Installed models: {listing}. "
-                f"Model plugins are separate packages: pip install diffpipe-{name}"
+                f"Model plugins are separate packages: pip install {DISTRIBUTIONS.get(name, f'diffpipe-{name}')}"
             )
         if not info.ok:
             raise PluginError(

@@ -125,3 +125,15 @@ def test_spec_name_must_match_entry_point() -> None:
 
 def test_hookimpl_marker_is_exported() -> None:
     assert diffpipe_core.hookimpl.project_name == "diffpipe"
+
+
+def test_an_unknown_model_type_names_the_distribution_that_ships_it() -> None:
+    """``chroma`` comes in diffpipe-flux and ``qwen-image`` in diffpipe-qwenimage: the hint names those, not a
+    ``diffpipe-<type>`` that does not exist; the table covers every model type this checkout installs."""
+    from diffpipe_core.registry import DISTRIBUTIONS, PluginError, Registry, get_registry
+
+    for name, distribution in (("chroma", "diffpipe-flux"), ("qwen-image", "diffpipe-qwenimage"), ("mochi", None)):
+        with pytest.raises(PluginError, match=f"pip install {distribution or 'diffpipe-' + name}$"):
+            Registry().model(name)
+    shipped = {p.name: p.distribution for p in get_registry().models() if p.distribution != "diffpipe-reference"}
+    assert shipped == {name: DISTRIBUTIONS[name] for name in shipped}, "add the new model type to DISTRIBUTIONS"
