@@ -138,7 +138,7 @@ def test_two_stage_run_samples_what_the_pipeline_makes(predict2_run: Path, tiny_
 
     folder = predict2_run / "samples" / "step-0000000"
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["00-a-red-cat.mp4", "latents.safetensors", "prompts.json"], files
+    assert files == ["00-a-red-cat.mp4", "contact-sheet.png", "latents.safetensors", "prompts.json"], files
     with av.open(str(folder / "00-a-red-cat.mp4")) as container:
         stream = container.streams.video[0]
         assert stream.average_rate == Fraction(16) and len(list(container.decode(stream))) == 5

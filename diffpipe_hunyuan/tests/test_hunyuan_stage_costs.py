@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-import diffpipe_hunyuan.plugin as hy
 from diffpipe_core import TrainingContext
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.activations import check_meta_activations
 from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.layers import split_into_layers
+from diffpipe_hunyuan.plugin import plugin as hy
 from diffpipe_hunyuan.testing import TinyHunyuanConfig, tiny_transformer
 
 
