@@ -9,11 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import diffpipe_flux.layers as flux_layers
+import diffpipe_flux.testing as flux_testing
 from diffpipe_core.adapters import lora_config
 from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
-
-flux_testing = pytest.importorskip("diffpipe_flux.testing")
-flux_layers = pytest.importorskip("diffpipe_flux.layers")
 
 TOP_LEVEL = ["x_embedder", "context_embedder", "proj_out", "to_q"]
 
