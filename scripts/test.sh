@@ -6,4 +6,7 @@ bash scripts/setup.sh
 VENV=${DIFFPIPE_VENV:-.venv}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 "$VENV/bin/ruff" check .
-"$VENV/bin/python" -m pytest -q --durations=15 "$@"
+# two xdist workers (the CI machine has 2 cores), one thread each: more threads than cores make OpenMP spin-wait
+# (conftest.py keeps the tests that share a session fixture on one worker)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+"$VENV/bin/python" -m pytest -q -n "${DIFFPIPE_TEST_WORKERS:-2}" --durations=15 "$@"
