@@ -58,6 +58,15 @@ def assert_loss_falls(run: Path, steps: int, window: int, factor: float = 0.85) 
     return seq
 
 
+def assert_trained_in_stages(run: Path, steps: int, stages: int) -> list[float]:
+    """The run logged ``steps`` finite losses and its last checkpoint holds one parameter file per pipeline stage (a
+    short multi-stage run, too short for the loss to fall clearly). Returns the losses."""
+    seq = losses(run)
+    assert len(seq) == steps and all(math.isfinite(v) for v in seq), seq
+    assert stage_files(run) == [f"params-stage{i}.safetensors" for i in range(stages)], stage_files(run)
+    return seq
+
+
 def checkpoint_params(run: Path) -> dict[str, torch.Tensor]:
     """The trainable tensors of the run's last checkpoint, all stages together (peft names, ``.default.``)."""
     ckpt = sorted((Path(run) / "checkpoints").glob("step-*"))[-1]

@@ -1,0 +1,54 @@
+"""Issue 24, Z-Image's 2-stage training: the tiny model from its original-layout single file (the 1-stage run,
+conftest's ``zimage_run``, reads the diffusers folder) on 2 pipeline stages in 2 processes through the real CLI; each
+stage saves its share, and the saved diffusers LoRA, loaded with ``ZImagePipeline.load_lora_weights``, reproduces the
+trained transformer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffpipe_core.adapters import read_adapter
+from diffpipe_core.testing import runs
+from diffpipe_zimage.testing import original_path
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_zimage_train import make_project
+
+    root = make_project(tmp_path_factory.mktemp("zimage-two-stages"))
+    run_toml = root / "run.toml"
+    text = run_toml.read_text()
+    edits = {
+        "pipeline_stages = 1": "pipeline_stages = 2",
+        "max_steps = 16": f"max_steps = {STEPS}",
+        "micro_batch_size_per_gpu = 4": "micro_batch_size_per_gpu = 2",
+        'path = "model"': f'path = "model"\ntransformer_file = "{original_path(root / "model").name}"',
+    }
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    run_toml.write_text(text)
+    return runs.train(root, "run.toml", 2, timeout=600, OMP_NUM_THREADS="1")
+
+
+def test_trains_on_two_stages_from_the_single_file_and_the_lora_reproduces(two_stage_run: Path) -> None:
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from test_zimage_train import RANK, stacked, transformer_inputs
+
+    runs.assert_trained_in_stages(two_stage_run, STEPS, 2)
+    model_dir, saved = two_stage_run.parent.parent / "model", two_stage_run / "saved" / "final"
+    _, cfg = read_adapter(saved)
+    fresh = ZImageTransformer2DModel.from_pretrained(str(model_dir / "transformer"))
+    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, cfg["lora_alpha"], cfg["target_modules"])
+    pipe = ZImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    untrained = runs.outputs(stacked(pipe.transformer), transformer_inputs())
+    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
+    got = runs.outputs(stacked(pipe.transformer), transformer_inputs())
+    runs.assert_reproduces(got, runs.outputs(stacked(reference), transformer_inputs()), untrained)
