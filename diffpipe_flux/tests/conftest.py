@@ -1,5 +1,6 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux and one tiny Chroma written to disk
-per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared Chroma run."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma and FLUX.2 [klein]
+written to disk per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared
+Chroma and Klein runs."""
 
 from __future__ import annotations
 
@@ -59,4 +60,24 @@ def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffpipe_core.testing import runs
 
     root = tmp_path_factory.mktemp("chroma_run")
+    return runs.train(root, make_project(root), procs=1, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_klein(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.2 [klein] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
+    from diffpipe_flux.testing import write_tiny_klein
+
+    return write_tiny_klein(tmp_path_factory.mktemp("klein") / "tiny-klein")
+
+
+@pytest.fixture(scope="session")
+def klein_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared FLUX.2 [klein] run: 1 process from the BFL / ComfyUI single file, sampling before the first and
+    after the last step (test_flux2_train). Returns its run folder."""
+    from test_flux2_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("klein_run")
     return runs.train(root, make_project(root), procs=1, timeout=400)

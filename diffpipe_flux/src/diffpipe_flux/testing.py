@@ -155,6 +155,112 @@ def write_tiny_chroma(folder: Path, cfg: TinyChromaConfig | None = None) -> Path
     return folder
 
 
+@dataclass
+class TinyFlux2Config:
+    """Sizes of the tiny FLUX.2 (head dim 16 = rotary axes 4 x 4). ``guidance_embeds``: dev (True) or Klein (False).
+    The text encoder has the layer count the pipelines read from (Klein's hidden states 9, 18, 27)."""
+
+    num_layers: int = 2
+    num_single_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)
+    latent_channels: int = 4  # x 4 after the 2x2 patches = the transformer's in_channels
+    guidance_embeds: bool = False
+    text_dim: int = 16  # the text encoder's hidden size; 3 stacked layers = joint_attention_dim
+    text_layers: int = 28
+    vae_channels: tuple[int, ...] = field(default=(8, 8, 8, 8))
+    seed: int = 0
+
+
+def tiny_flux2_transformer(cfg: TinyFlux2Config):
+    """The random-weight diffusers ``Flux2Transformer2DModel`` of ``cfg``."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(cfg.seed)
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * cfg.latent_channels,
+        num_layers=cfg.num_layers,
+        num_single_layers=cfg.num_single_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=3 * cfg.text_dim,
+        timestep_guidance_channels=32,
+        axes_dims_rope=tuple(cfg.axes_dims_rope),
+        guidance_embeds=cfg.guidance_embeds,
+    )
+
+
+def tiny_flux2_vae(cfg: TinyFlux2Config):
+    """An ``AutoencoderKLFlux2`` (factor 8) whose batch-norm statistics are random, so the normalisation counts."""
+    from diffusers import AutoencoderKLFlux2
+
+    n = len(cfg.vae_channels)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=cfg.vae_channels,
+        layers_per_block=1,
+        latent_channels=cfg.latent_channels,
+        norm_num_groups=min(cfg.vae_channels),
+        sample_size=64,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def qwen3_causal(tokenizer, cfg: TinyFlux2Config):
+    """A tiny ``Qwen3ForCausalLM`` (Klein's text encoder)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.text_dim,
+            intermediate_size=2 * cfg.text_dim,
+            num_hidden_layers=cfg.text_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+
+def klein_parts(cfg: TinyFlux2Config) -> dict[str, tiny.Part]:
+    """The ``Flux2KleinPipeline`` components of ``cfg``, in build order."""
+    tok = tiny.qwen3_tokenizer()
+    return {
+        "transformer": tiny.Part(lambda: tiny_flux2_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_flux2_vae(cfg), seed=cfg.seed + 1),
+        "text_encoder": tiny.Part(lambda: qwen3_causal(tok, cfg), seed=cfg.seed + 2),
+        "tokenizer": tiny.Part(lambda: tok),
+        "scheduler": tiny.Part(
+            lambda: tiny.flow_scheduler(
+                shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                max_image_seq_len=4096, time_shift_type="exponential",
+            )
+        ),
+    }
+
+
+def write_tiny_klein(folder: Path, cfg: TinyFlux2Config | None = None) -> Path:
+    """Save a tiny ``Flux2KleinPipeline`` folder at ``folder`` and its transformer in the BFL / ComfyUI FLUX.2
+    layout at :func:`bfl_path` of it. Returns ``folder``."""
+    from diffpipe_flux.flux2_keys import layout_for_config as flux2_layout_for_config
+
+    folder = Path(folder)
+    pipe = tiny.write_pipeline("Flux2KleinPipeline", klein_parts(cfg or TinyFlux2Config()), folder)
+    table = flux2_layout_for_config(pipe.transformer.config)
+    tiny.save_single_file(table.to_original(pipe.transformer.state_dict()), bfl_path(folder))
+    return folder
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_flux.testing FOLDER``: write a tiny Flux (folder + ``FOLDER.bfl.safetensors``)."""
     from diffpipe_core.quiet import quiet_script
