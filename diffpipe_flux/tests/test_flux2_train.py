@@ -130,18 +130,17 @@ def test_comfyui_lora_keys_and_fused_weights(klein_run: Path) -> None:
 
 
 def klein_pipeline_latents(path: Path, text_embeds: torch.Tensor, size: int, steps: int) -> torch.Tensor:
-    """Flux2KleinPipeline's final latents (unpatchified, as the VAE decodes them) from the same noise and prompt
-    embeddings, without CFG."""
+    """Flux2KleinPipeline's final latents (unpatchified, as the VAE decodes them) from the same noise (on the patch
+    grid, as its ``prepare_latents`` draws it) and prompt embeddings, without CFG."""
     from diffusers import Flux2KleinPipeline
 
     from diffpipe_core.sampling.loop import noise_generator
-    from diffpipe_flux.flux2_latents import tokens
 
-    pipe = Flux2KleinPipeline.from_pretrained(str(path), torch_dtype=torch.float32, local_files_only=True)
+    pipe = Flux2KleinPipeline.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
     n = size // 16
     noise = torch.randn((1, 16, n, n), generator=noise_generator(SEED, 0))
     return pipe(
-        prompt_embeds=text_embeds, latents=tokens(noise), num_inference_steps=steps, guidance_scale=1.0,
+        prompt_embeds=text_embeds, latents=noise, num_inference_steps=steps, guidance_scale=1.0,
         height=size, width=size, output_type="latent",
     ).images  # fmt: skip
 
