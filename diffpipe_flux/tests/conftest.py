@@ -1,6 +1,6 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma and FLUX.2 [klein]
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma, FLUX.2 [dev] and [klein]
 written to disk per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared
-Chroma and Klein runs."""
+Chroma, FLUX.2 and Klein runs."""
 
 from __future__ import annotations
 
@@ -72,12 +72,30 @@ def tiny_klein(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def klein_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared FLUX.2 [klein] run: 1 process from the BFL / ComfyUI single file, sampling before the first and
-    after the last step (test_flux2_train). Returns its run folder."""
+def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.2 [dev] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
+    from diffpipe_flux.testing import write_tiny_flux2
+
+    return write_tiny_flux2(tmp_path_factory.mktemp("flux2") / "tiny-flux2")
+
+
+def _flux2_run(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Path:
     from test_flux2_train import make_project
 
     from diffpipe_core.testing import runs
 
-    root = tmp_path_factory.mktemp("klein_run")
-    return runs.train(root, make_project(root), procs=1, timeout=400)
+    root = tmp_path_factory.mktemp(f"{variant}_run")
+    return runs.train(root, make_project(root, variant), procs=1, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def klein_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared FLUX.2 [klein] run: 1 process from the BFL / ComfyUI single file, sampling before the first and
+    after the last step (test_flux2_train). Returns its run folder."""
+    return _flux2_run(tmp_path_factory, "flux2-klein")
+
+
+@pytest.fixture(scope="session")
+def flux2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared FLUX.2 [dev] run, as ``klein_run``."""
+    return _flux2_run(tmp_path_factory, "flux2")
