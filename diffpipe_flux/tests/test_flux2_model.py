@@ -171,12 +171,14 @@ def test_single_file_is_read_per_stage(tiny_klein: Path) -> None:
 
 
 def test_the_other_variants_folder_is_refused(tiny_klein: Path, tiny_flux2: Path) -> None:
-    dev_problems = get_registry().model("flux2").call(
-        "validate_model_files", model_config=config(VARIANTS["flux2"], tiny_klein)
+    dev_problems = (
+        get_registry().model("flux2").call("validate_model_files", model_config=config(VARIANTS["flux2"], tiny_klein))
     )
     assert any("'Flux2KleinPipeline'" in p and "expects 'Flux2Pipeline'" in p for p in dev_problems), dev_problems
-    klein_problems = get_registry().model("flux2-klein").call(
-        "validate_model_files", model_config=config(VARIANTS["flux2-klein"], tiny_flux2)
+    klein_problems = (
+        get_registry()
+        .model("flux2-klein")
+        .call("validate_model_files", model_config=config(VARIANTS["flux2-klein"], tiny_flux2))
     )
     assert any("'Flux2Pipeline'" in p and "expects 'Flux2KleinPipeline'" in p for p in klein_problems), klein_problems
 

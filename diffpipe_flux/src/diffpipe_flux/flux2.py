@@ -94,6 +94,12 @@ class Flux2(Flux):
         enc.text = text_pipeline(self.pipeline_class, text_encoder=enc.text_encoder, tokenizer=enc.tokenizer)
         return enc
 
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: Any) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, 4C, H/16, W/16), ``mask`` on that grid. Captions: ``text_embeds``
+        (B, text_max_length, 3 x hidden), as the pipeline's ``_encode_vae_image`` and ``encode_prompt`` make them."""
+        return super().encode_batch(encoders, batch)
+
     def encode_media(self, encoders: Any, batch: Any) -> dict[str, torch.Tensor]:
         """``latents`` ``(B, 4C, H/16, W/16)``: the mode patchified 2x2 and batch-norm normalised, as the pipeline's
         ``_encode_vae_image``; ``mask`` on that grid."""
@@ -196,7 +202,6 @@ class Flux2Klein(Flux2):
         components("Qwen3ForCausalLM"),
         single_file_example="flux-2-klein-4b.safetensors",
     )
-    single_file_markers = ("double_stream_modulation_img.lin.weight", "single_blocks.0.linear1.weight")
     pipeline_class: ClassVar[str] = "Flux2KleinPipeline"
 
 
