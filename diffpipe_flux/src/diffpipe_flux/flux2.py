@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
-from diffpipe_flux.plugin import Flux
+from diffpipe_flux.plugin import ATTENTION_AND_MLP, Flux
 
 if TYPE_CHECKING:
     import torch
@@ -25,15 +25,9 @@ if TYPE_CHECKING:
 
     from diffpipe_core import TrainingContext
 
+#: Flux.1's attention linears (the double blocks' q/k/v and outputs), FLUX.2's MLP names, the single blocks' fused input
 TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *ATTENTION_AND_MLP[:8],
     "ff.linear_in",
     "ff.linear_out",
     "ff_context.linear_in",
