@@ -3,8 +3,9 @@
 hidden layers 9, 18, 27; side by side), the latents their ``_encode_vae_image``'s (the mode in 2x2 patches,
 batch-norm normalised), the layers chained equal ``Flux2Transformer2DModel.forward`` (with and without guidance),
 both on-disk layouts (the diffusers folder and the BFL / ComfyUI single file) load the same weights, which are what
-diffusers' own FLUX.2 converter makes of the file, each of 2 stages reads only its own tensors, and the conformance
-kit passes for both entry points (LoRA gradients on every default target included)."""
+diffusers' own FLUX.2 converter makes of the file, each of 2 stages reads only its own tensors, the conformance kit
+passes for both entry points (LoRA gradients on every default target included), and a Klein sample with true CFG,
+decoded, is the pipeline's image."""
 
 from __future__ import annotations
 
@@ -188,3 +189,32 @@ def test_plugin_conforms(variant) -> None:
     v, folder = variant
     model = table(v, folder, transformer_file=bfl_path(folder))
     check_model_plugin(v.plugin, v.name, model, torch.rand(2, 3, 32, 48) * 2 - 1, CAPTIONS)
+
+
+def test_klein_sample_with_cfg_equals_the_pipelines_image(tiny_klein: Path) -> None:
+    """The denoising hooks under the core's loop with true CFG (negative prompt "", the pipeline's), decoded, equal
+    ``Flux2KleinPipeline``'s image for the same noise and embeddings (the run's first sample checks CFG 1 and dev)."""
+    from diffusers import Flux2KleinPipeline
+
+    from diffpipe_core.sampling.loop import generate, noise_generator
+    from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.sampling.prompts import encode_prompts
+    from diffpipe_core.sampling.runner import decode
+    from diffpipe_core.types import SampleRequest
+
+    plugin, cfg = get_registry().model("flux2-klein"), config(VARIANTS["flux2-klein"], tiny_klein)
+    (texts,) = encode_prompts(plugin, cfg, ["a red cat"], "", torch.device("cpu"))
+    model = plugin.require("load_diffusion_model", model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=cfg))
+    request = SampleRequest(width=32, height=32, steps=3)
+    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(5, 0)], forward, cfg=4.0)
+    ((_, pixels),) = decode(plugin, cfg, {0: ours}, torch.device("cpu"))
+
+    pipe = Flux2KleinPipeline.from_pretrained(str(tiny_klein), dtype=torch.float32, local_files_only=True)
+    noise = torch.randn((1, 16, 2, 2), generator=noise_generator(5, 0))
+    image = pipe(
+        prompt_embeds=texts.cond["text_embeds"], negative_prompt_embeds=texts.uncond["text_embeds"], latents=noise,
+        num_inference_steps=3, guidance_scale=4.0, height=32, width=32, output_type="pt",
+    ).images[0]  # fmt: skip
+    torch.testing.assert_close((pixels + 1) / 2, image, rtol=1e-4, atol=1e-4)
+    assert (ours - noise).abs().max() > 0.1  # it denoised
