@@ -43,6 +43,8 @@ DISTRIBUTIONS = {
     "flux": "diffpipe-flux",
     "flux-kontext": "diffpipe-flux",
     "chroma": "diffpipe-flux",
+    "flux2": "diffpipe-flux",
+    "flux2-klein": "diffpipe-flux",
     "sdxl": "diffpipe-sdxl",
     "hunyuan-video": "diffpipe-hunyuan",
     "ltx-video": "diffpipe-ltx",

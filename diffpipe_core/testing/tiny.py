@@ -164,6 +164,29 @@ def bpe_tokenizer(
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **names)
 
 
+#: Qwen3's chat template, cut to what ZImagePipeline and Flux2KleinPipeline use: user messages, the generation
+#: prompt, and the empty thinking block ``enable_thinking=False`` adds
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+def qwen3_tokenizer(max_length: int = 512) -> Any:
+    """A Qwen3-like byte-level BPE tokenizer (Qwen2's pre-tokenizer split, ``<|endoftext|>`` padding) with Qwen3's
+    chat template, trained on the template and :data:`WORDS`."""
+    texts = ["<|im_start|>user\n a photo <|im_end|>\n<|im_start|>assistant\n", " ".join(WORDS)]
+    tok = bpe_tokenizer(
+        texts, QWEN3_SPECIALS, "$A", max_length, split=QWEN2_SPLIT, pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+    )
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
 # ---------------------------------------------------------------------------------------------- encoders
 def clip_text(tokenizer: Any, dim: int = 32, layers: int = 2, projection: bool = False, max_positions: int = 77) -> Any:
     """A CLIP text encoder (``CLIPTextModel``, or ``CLIPTextModelWithProjection`` with ``projection``)."""

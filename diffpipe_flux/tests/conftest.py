@@ -1,5 +1,6 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux and one tiny Chroma written to disk
-per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared Chroma run."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma, FLUX.2 [dev] and [klein]
+written to disk per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared
+Chroma, FLUX.2 and Klein runs."""
 
 from __future__ import annotations
 
@@ -60,3 +61,42 @@ def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("chroma_run")
     return runs.train(root, make_project(root), procs=1, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_klein(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.2 [klein] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
+    from diffpipe_flux.testing import write_tiny_klein
+
+    return write_tiny_klein(tmp_path_factory.mktemp("klein") / "tiny-klein")
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny FLUX.2 [dev] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
+    from diffpipe_flux.testing import write_tiny_flux2
+
+    return write_tiny_flux2(tmp_path_factory.mktemp("flux2") / "tiny-flux2")
+
+
+def _flux2_run(tmp_path_factory: pytest.TempPathFactory, variant: str, stages: int) -> Path:
+    from test_flux2_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp(f"{variant}_run")
+    return runs.train(root, make_project(root, variant, stages), procs=stages, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def klein_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared FLUX.2 [klein] run: 1 process from the BFL / ComfyUI single file, sampling before the first and
+    after the last step (test_flux2_train). Returns its run folder."""
+    return _flux2_run(tmp_path_factory, "flux2-klein", 1)
+
+
+@pytest.fixture(scope="session")
+def flux2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared FLUX.2 [dev] run, as ``klein_run`` but on 2 pipeline stages in 2 processes (the two entry points
+    share the layers, so the pair trains them on 1 and on 2 stages)."""
+    return _flux2_run(tmp_path_factory, "flux2", 2)

@@ -30,3 +30,20 @@ class FluxConfig(T5FluxConfig):
 class ChromaConfig(T5FluxConfig):
     """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``transformer_file`` one of
     Chroma's original checkpoints (``Chroma1-HD.safetensors``)."""
+
+
+class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of FLUX.2 [klein]. ``path`` is a diffusers ``Flux2KleinPipeline`` folder; ``transformer_file``
+    a single file in the BFL / ComfyUI layout (``flux-2-klein-4b.safetensors``)."""
+
+    text_max_length: int = Field(
+        512, ge=1, le=512, description="Text tokens (the chat-templated caption padded/truncated to it), as "
+        "the pipeline's max_sequence_length."
+    )
+
+
+class Flux2Config(Flux2KleinConfig):
+    """``[model]`` keys of FLUX.2 [dev]. ``path`` is a diffusers ``Flux2Pipeline`` folder; ``transformer_file`` a
+    single file in the BFL / ComfyUI layout (``flux2_dev.safetensors``)."""
+
+    guidance: float = Field(1.0, ge=0, description="Guidance value fed to the guidance-distilled transformer.")

@@ -155,6 +155,176 @@ def write_tiny_chroma(folder: Path, cfg: TinyChromaConfig | None = None) -> Path
     return folder
 
 
+@dataclass
+class TinyFlux2Config:
+    """Sizes of the tiny FLUX.2 (head dim 16 = rotary axes 4 x 4). ``guidance_embeds``: dev (True) or Klein (False).
+    The text encoder has the layer count the pipelines read from (Klein's hidden states 9, 18, 27)."""
+
+    num_layers: int = 2
+    num_single_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    axes_dims_rope: tuple[int, ...] = (4, 4, 4, 4)
+    latent_channels: int = 4  # x 4 after the 2x2 patches = the transformer's in_channels
+    guidance_embeds: bool = False
+    text_dim: int = 16  # the text encoder's hidden size; 3 stacked layers = joint_attention_dim
+    text_layers: int = 28
+    vae_channels: tuple[int, ...] = field(default=(8, 8, 8, 8))
+    seed: int = 0
+
+
+def tiny_flux2_transformer(cfg: TinyFlux2Config):
+    """The random-weight diffusers ``Flux2Transformer2DModel`` of ``cfg``."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(cfg.seed)
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * cfg.latent_channels,
+        num_layers=cfg.num_layers,
+        num_single_layers=cfg.num_single_layers,
+        attention_head_dim=cfg.attention_head_dim,
+        num_attention_heads=cfg.num_attention_heads,
+        joint_attention_dim=3 * cfg.text_dim,
+        timestep_guidance_channels=32,
+        axes_dims_rope=tuple(cfg.axes_dims_rope),
+        guidance_embeds=cfg.guidance_embeds,
+    )
+
+
+def tiny_flux2_vae(cfg: TinyFlux2Config):
+    """An ``AutoencoderKLFlux2`` (factor 8) whose batch-norm statistics are random, so the normalisation counts."""
+    from diffusers import AutoencoderKLFlux2
+
+    n = len(cfg.vae_channels)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=cfg.vae_channels,
+        layers_per_block=1,
+        latent_channels=cfg.latent_channels,
+        norm_num_groups=min(cfg.vae_channels),
+        sample_size=64,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
+def qwen3_causal(tokenizer, cfg: TinyFlux2Config):
+    """A tiny ``Qwen3ForCausalLM`` (Klein's text encoder)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.text_dim,
+            intermediate_size=2 * cfg.text_dim,
+            num_hidden_layers=cfg.text_layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+
+
+def flux2_parts(cfg: TinyFlux2Config, text_encoder, tokenizer) -> dict[str, tiny.Part]:
+    """A FLUX.2 pipeline's components in build order, with ``text_encoder(tokenizer, cfg)``."""
+    return {
+        "transformer": tiny.Part(lambda: tiny_flux2_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_flux2_vae(cfg), seed=cfg.seed + 1),
+        "text_encoder": tiny.Part(lambda: text_encoder(tokenizer, cfg), seed=cfg.seed + 2),
+        "tokenizer": tiny.Part(lambda: tokenizer),
+        "scheduler": tiny.Part(
+            lambda: tiny.flow_scheduler(
+                shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                max_image_seq_len=4096, time_shift_type="exponential",
+            )
+        ),
+    }
+
+
+def klein_parts(cfg: TinyFlux2Config) -> dict[str, tiny.Part]:
+    """The ``Flux2KleinPipeline`` components of ``cfg`` (Qwen3 and its chat-template tokenizer)."""
+    return flux2_parts(cfg, qwen3_causal, tiny.qwen3_tokenizer())
+
+
+#: A Mistral chat template cut to what Flux2Pipeline renders: the system message and the user's caption, each as a
+#: text content item (or a string)
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['content'] is string %}"
+    "{%- set text = message['content'] %}{%- else %}{%- set text = message['content'][0]['text'] %}{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- else %}{{- '[INST]' + text + '[/INST]' }}{%- endif %}{%- endfor %}"
+)
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "<pad>"]
+
+
+def mistral_tokenizer():
+    """A Mistral-like byte-level BPE tokenizer with the chat template, trained on Flux2Pipeline's system message (so
+    each of its words is one token) and the test words. Flux2Pipeline's own tokenizer folder is a
+    ``PixtralProcessor``, which needs torchvision; the pipeline calls only its ``apply_chat_template``, which a
+    tokenizer with the chat template has as well."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    tok = tiny.bpe_tokenizer(
+        [SYSTEM_MESSAGE, " ".join(tiny.WORDS)], MISTRAL_SPECIALS, "$A", 512, pad_token="<pad>", bos_token="<s>",
+        eos_token="</s>", unk_token="<unk>",
+    )
+    tok.chat_template = MISTRAL_CHAT_TEMPLATE
+    return tok
+
+
+def mistral3(tokenizer, cfg: TinyFlux2Config):
+    """A tiny ``Mistral3ForConditionalGeneration`` (FLUX.2 [dev]'s text encoder; its vision tower is never run)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    text = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.text_dim, intermediate_size=2 * cfg.text_dim,
+        num_hidden_layers=cfg.text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+        image_size=32, patch_size=8,
+    )
+    return Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision))
+
+
+def dev_config(**sizes) -> TinyFlux2Config:
+    """The tiny FLUX.2 [dev]: guidance embedding, 30 text layers (the pipeline reads hidden states 10, 20, 30)."""
+    return TinyFlux2Config(**{"guidance_embeds": True, "text_layers": 30, **sizes})
+
+
+def dev_parts(cfg: TinyFlux2Config) -> dict[str, tiny.Part]:
+    """The ``Flux2Pipeline`` components of ``cfg`` (Mistral3 and its chat-template tokenizer)."""
+    return flux2_parts(cfg, mistral3, mistral_tokenizer())
+
+
+def write_tiny_flux2(folder: Path, cfg: TinyFlux2Config | None = None, pipeline: str = "Flux2Pipeline") -> Path:
+    """Save a tiny ``Flux2Pipeline`` (default :func:`dev_config`) or, with ``pipeline="Flux2KleinPipeline"``, a tiny
+    Klein at ``folder``, and its transformer in the BFL / ComfyUI FLUX.2 layout at :func:`bfl_path` of it. Returns
+    ``folder``."""
+    from diffpipe_flux.flux2_keys import layout_for_config as flux2_layout_for_config
+
+    folder = Path(folder)
+    klein = pipeline == "Flux2KleinPipeline"
+    parts = klein_parts(cfg or TinyFlux2Config()) if klein else dev_parts(cfg or dev_config())
+    pipe = tiny.write_pipeline(pipeline, parts, folder)
+    table = flux2_layout_for_config(pipe.transformer.config)
+    tiny.save_single_file(table.to_original(pipe.transformer.state_dict()), bfl_path(folder))
+    return folder
+
+
+def write_tiny_klein(folder: Path, cfg: TinyFlux2Config | None = None) -> Path:
+    """:func:`write_tiny_flux2` of a ``Flux2KleinPipeline``."""
+    return write_tiny_flux2(folder, cfg, "Flux2KleinPipeline")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_flux.testing FOLDER``: write a tiny Flux (folder + ``FOLDER.bfl.safetensors``)."""
     from diffpipe_core.quiet import quiet_script

@@ -1,9 +1,8 @@
 """Issue 23, test 3 (edit, 2 stages): ``qwen-image-edit`` trains on an edit dataset (targets with a ``control_path``
-of reference images) through the real CLI on 2 pipeline stages in 2 processes; the instructions are encoded with
-their reference image through the vision-language encoder and cached per pair, the reference latents ride with the
-noisy target through both stages, and the saved diffusers LoRA, loaded with ``QwenImageEditPipeline.load_lora_weights``,
-reproduces the trained transformer on target + reference tokens. The 1-stage text-to-image run is
-test_qwenimage_train.py's."""
+of reference images) through the real CLI on 2 pipeline stages in 2 processes: every pair's reference image is
+cached, its latents ride with the noisy target through both stages, and the saved diffusers LoRA, loaded with
+``QwenImageEditPipeline.load_lora_weights``, reproduces the trained transformer on target + reference tokens. The
+1-stage text-to-image run is test_qwenimage_train.py's."""
 
 from __future__ import annotations
 
@@ -70,11 +69,12 @@ def edit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_edit_pairs_train_with_two_stages(edit_run: Path) -> None:
     from diffpipe_core.data.cache_store import list_shards
-    from diffpipe_core.types import control_key
 
     runs.assert_trained_in_stages(edit_run, STEPS, 2)
-    shards = [shard for table in (edit_run.parent.parent / "cache").rglob("data") for shard in list_shards(table)]
-    assert shards and all(control_key(0, "latents") in shard.columns for shard in shards), shards
+    tables = list((edit_run.parent.parent / "cache").rglob("controls"))
+    keys = [key for table in tables for shard in list_shards(table) for key in shard.keys]
+    assert len(keys) == len(INSTRUCTIONS), keys  # every pair's reference image was encoded
+    assert all("latents" in shard.columns for table in tables for shard in list_shards(table))
 
 
 def test_edit_lora_loads_in_the_edit_pipeline_and_reproduces_on_reference_tokens(edit_run: Path) -> None:

@@ -13,16 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diffpipe_core.testing import tiny
-
-#: Qwen3's chat template, cut to what ZImagePipeline uses: user messages, the generation prompt, and the empty
-#: thinking block ``enable_thinking=False`` adds
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}"
-)
-QWEN3_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+from diffpipe_core.testing.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIALS, qwen3_tokenizer  # noqa: F401
 
 
 @dataclass
@@ -39,18 +30,6 @@ class TinyZImageConfig:
     text_dim: int = 32  # Qwen3 hidden size = cap_feat_dim
     qwen_layers: int = 3  # the pipeline takes hidden_states[-2]
     seed: int = 0
-
-
-def qwen3_tokenizer(max_length: int = 512) -> Any:
-    """A Qwen3-like byte-level BPE tokenizer (Qwen2's pre-tokenizer split, ``<|endoftext|>`` padding) with Qwen3's
-    chat template, trained on the template and :data:`diffpipe_core.testing.tiny.WORDS`."""
-    texts = ["<|im_start|>user\n a photo <|im_end|>\n<|im_start|>assistant\n", " ".join(tiny.WORDS)]
-    tok = tiny.bpe_tokenizer(
-        texts, QWEN3_SPECIALS, "$A", max_length, split=tiny.QWEN2_SPLIT, pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-    )
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
-    return tok
 
 
 def qwen3(tokenizer: Any, dim: int = 32, layers: int = 3) -> Any:
