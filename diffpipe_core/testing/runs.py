@@ -24,6 +24,28 @@ from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.processes import cli_env, run_diffpipe
 
 
+def run_toml(
+    model: dict[str, Any],
+    optimizer: dict[str, Any],
+    adapter: dict[str, Any] | None = None,
+    sample: dict[str, Any] | None = None,
+    **top: Any,
+) -> str:
+    """A run config for a test project: ``dataset.toml`` beside it, output in ``out``, float32 saves, then the
+    ``top`` keys (``max_steps``, ``pipeline_stages``, ...) and the ``[model]``, ``[adapter]`` (left out: a full
+    fine-tune), ``[optimizer]`` and ``[sample]`` tables."""
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+
+    def lines(table: dict[str, Any]) -> list[str]:
+        return [f"{toml_key(k)} = {toml_value(v)}" for k, v in table.items()]
+
+    text = lines({"output_dir": "out", "dataset": "dataset.toml", "save_dtype": "float32", **top})
+    for name, table in (("model", model), ("adapter", adapter), ("optimizer", optimizer), ("sample", sample)):
+        if table is not None:
+            text += ["", f"[{name}]", *lines(table)]
+    return "\n".join(text) + "\n"
+
+
 def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> Path:
     """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``; asserts it succeeded without library chatter
     (transformers' "Loading weights" bars stay behind --verbose) and returns the run folder it made."""

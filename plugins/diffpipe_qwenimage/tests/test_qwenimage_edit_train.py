@@ -1,8 +1,8 @@
-"""Issue 23, test 3 (edit, 2 stages): ``qwen-image-edit`` trains on an edit dataset (targets with a ``control_path``
-of reference images) through the real CLI on 2 pipeline stages in 2 processes: every pair's reference image is
-cached, its latents ride with the noisy target through both stages, and the saved diffusers LoRA, loaded with
-``QwenImageEditPipeline.load_lora_weights``, reproduces the trained transformer on target + reference tokens. The
-1-stage text-to-image run is test_qwenimage_train.py's."""
+"""Issue 23, test 3 (edit): ``qwen-image-edit`` trains on an edit dataset (targets with a ``control_path`` of
+reference images) through the real CLI on 2 pipeline stages in 2 processes, then in 1 process from the same cache
+with the same losses. Every pair's reference image is cached, its latents ride with the noisy target through both
+stages, and the saved diffusers LoRA, loaded with ``QwenImageEditPipeline.load_lora_weights``, reproduces the
+trained transformer on target + reference tokens. Text-to-image: test_qwenimage_train.py."""
 
 from __future__ import annotations
 
@@ -19,38 +19,25 @@ from diffpipe_qwenimage.testing import load_pipeline, write_tiny_qwen
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 6
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-pipeline_stages = 2
-partition_split = [2]
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 3
 
-[model]
-type = "qwen-image-edit"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = 32
-vl_image_area = 1024
 
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
+def run_toml(stages: int) -> str:
+    model = {"type": "qwen-image-edit", "path": "model", "dtype": "float32", "encoder_dtype": "float32"}
+    model |= {"text_max_length": 32, "vl_image_area": 1024}
+    top = {"max_steps": STEPS, "micro_batch_size_per_gpu": 2, "pipeline_stages": stages, "partition_split": [2]}
+    top |= {"checkpoint_every_n_steps": STEPS, "seed": 3}
+    if stages == 1:
+        del top["partition_split"]
+    return runs.run_toml(model, {"lr": 2e-2}, {"rank": RANK, "alpha": ALPHA}, **top)
 
-[optimizer]
-lr = 2e-2
-"""
+
 INSTRUCTIONS = ["make it red", "add a dog", "turn it to night", "remove the tree"]
 
 
 @pytest.fixture(scope="module")
-def edit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 edit pairs (32x32 target, 32x32 reference of the same stem), 2 stages, 2 processes. Its run folder."""
+def edit_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """4 edit pairs (32x32 target, 32x32 reference of the same stem), trained on 2 stages in 2 processes, then in 1
+    process from the same cache. The run folders by stage count."""
     root = tmp_path_factory.mktemp("qwen-edit-train")
     write_tiny_qwen(root / "model", "QwenImageEditPipeline")
     write_image_dataset(root / "data", 4, size=(32, 32), captions=INSTRUCTIONS)
@@ -63,21 +50,26 @@ def edit_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         resolutions=[32],
         enable_ar_bucket=False,
     )
-    (root / "run.toml").write_text(RUN_TOML)
-    return runs.train(root, "run.toml", 2, timeout=600, OMP_NUM_THREADS="1")
+    for stages in (2, 1):
+        (root / f"run{stages}.toml").write_text(run_toml(stages))
+    return {stages: runs.train(root, f"run{stages}.toml", stages, timeout=600) for stages in (2, 1)}
 
 
-def test_edit_pairs_train_with_two_stages(edit_run: Path) -> None:
+def test_edit_pairs_train_on_two_stages_and_one_alike(edit_runs: dict[int, Path]) -> None:
     from diffpipe_core.data.cache_store import list_shards
 
-    runs.assert_trained_in_stages(edit_run, STEPS, 2)
-    tables = list((edit_run.parent.parent / "cache").rglob("controls"))
+    for stages, run in edit_runs.items():
+        runs.assert_trained_in_stages(run, STEPS, stages)
+    # the pipeline split changes nothing: same data, noise and weights
+    assert runs.losses(edit_runs[1]) == pytest.approx(runs.losses(edit_runs[2]), rel=1e-4)
+    tables = list((edit_runs[2].parent.parent / "cache").rglob("controls"))
     keys = [key for table in tables for shard in list_shards(table) for key in shard.keys]
     assert len(keys) == len(INSTRUCTIONS), keys  # every pair's reference image was encoded
     assert all("latents" in shard.columns for table in tables for shard in list_shards(table))
 
 
-def test_edit_lora_loads_in_the_edit_pipeline_and_reproduces_on_reference_tokens(edit_run: Path) -> None:
+def test_edit_lora_loads_in_the_edit_pipeline_and_reproduces_on_reference_tokens(edit_runs: dict[int, Path]) -> None:
+    edit_run = edit_runs[2]
     from diffusers import QwenImageTransformer2DModel
 
     model_dir, saved = edit_run.parent.parent / "model", edit_run / "saved" / "final"

@@ -1,8 +1,9 @@
 """Issue 23, test 3 (text-to-image): the shared CLI run (DeepSpeed, the real cache, peft; 1 process) trains with the
-loss falling and samples with true CFG before its first step; the saved diffusers LoRA loads through
-``QwenImagePipeline.load_lora_weights`` and reproduces the trained transformer; the ComfyUI file holds exactly the
-keys ComfyUI's key map takes for Qwen-Image (``diffusion_model.<diffusers module>`` with lora_A, lora_B and alpha)
-and applies to the ComfyUI-layout weights like the separate LoRAs."""
+loss falling and samples with true CFG before its first step, and a short 2-stage run in 2 processes from its cache
+draws the same losses; the saved diffusers LoRA loads through ``QwenImagePipeline.load_lora_weights`` and
+reproduces the trained transformer; the ComfyUI file holds exactly the keys ComfyUI's key map takes for Qwen-Image
+(``diffusion_model.<diffusers module>`` with lora_A, lora_B and alpha) and applies to the ComfyUI-layout weights
+like the separate LoRAs."""
 
 from __future__ import annotations
 
@@ -66,6 +67,27 @@ def qwen_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
     (root / "run.toml").write_text(RUN_TOML)
     return runs.train(root, "run.toml", 1)
+
+
+TWO_STAGE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def qwen_two_stages(qwen_run: Path) -> Path:
+    """The same project on 2 pipeline stages in 2 processes, 6 steps from the 1-process run's cache, no samples."""
+    root = qwen_run.parent.parent
+    text = RUN_TOML[: RUN_TOML.index("[sample]")].replace("pipeline_stages = 1", "pipeline_stages = 2")
+    text = text.replace(f"max_steps = {STEPS}", f"max_steps = {TWO_STAGE_STEPS}\npartition_split = [2]")
+    text = text.replace(f"checkpoint_every_n_steps = {STEPS}", f"checkpoint_every_n_steps = {TWO_STAGE_STEPS}")
+    (root / "run2.toml").write_text(text)
+    return runs.train(root, "run2.toml", 2)
+
+
+def test_text_to_image_trains_on_two_stages_as_on_one(qwen_two_stages: Path, qwen_run: Path) -> None:
+    runs.assert_trained_in_stages(qwen_two_stages, TWO_STAGE_STEPS, 2)
+    # same data, noise and initial weights: the split changes nothing (a constant learning rate)
+    one_process = runs.losses(qwen_run)[:TWO_STAGE_STEPS]
+    assert runs.losses(qwen_two_stages) == pytest.approx(one_process, rel=1e-4)
 
 
 TEXT_SIDE = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")

@@ -22,43 +22,12 @@ from diffpipe_wan.testing import TinyWanConfig, write_clips, write_tiny_wan
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 6
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-pipeline_stages = 2
-partition_split = [2]
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 3
-{{top}}
-
-[model]
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-{{table}}
-
-{{train}}
-"""
-LORA = f"""
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-
-[optimizer]
-lr = 1e-2
-"""
-FULL = """
-[optimizer]
-lr = 1e-4
-"""
+LORA = {"rank": RANK, "alpha": ALPHA}
 EXPERTS = ("transformer_2", "transformer")  # low-noise (trained), high-noise
 CAPTIONS = ["a red car moving", "a river in a city", "a dog running", "a bright sky"]
 
 
-def _run(root: Path, model: TinyWanConfig, table: str, *, images: bool, lora: bool) -> Path:
+def _run(root: Path, model: TinyWanConfig, table: dict, *, images: bool, lora: bool) -> Path:
     """Train ``model`` with the ``[model]`` keys ``table`` on 4 clips (and 4 images), 2 stages in 2 processes."""
     write_tiny_wan(root / "model", model)
     write_clips(root / "media", CAPTIONS, frames=5, size=(32, 32))
@@ -67,15 +36,21 @@ def _run(root: Path, model: TinyWanConfig, table: str, *, images: bool, lora: bo
     write_dataset_toml(
         root / "dataset.toml", root / "media", resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5]
     )
-    top = "" if lora else 'save_model_formats = ["diffusers"]'
-    (root / "run.toml").write_text(RUN_TOML.format(top=top, table=table, train=LORA if lora else FULL))
+    top = {"max_steps": STEPS, "micro_batch_size_per_gpu": 2, "pipeline_stages": 2, "partition_split": [2]}
+    top |= {"checkpoint_every_n_steps": STEPS, "seed": 3}
+    table = {"path": "model", "dtype": "float32", "encoder_dtype": "float32", **table}
+    if lora:
+        toml = runs.run_toml(table, {"lr": 1e-2}, LORA, **top)
+    else:
+        toml = runs.run_toml(table, {"lr": 1e-4}, save_model_formats=["diffusers"], **top)
+    (root / "run.toml").write_text(toml)
     return runs.train(root, root / "run.toml", procs=2, timeout=600, OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
 def i2v_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``wan-i2v`` on 4 clips, 2 stages; a CLIP I2V transformer attends to exactly 512 text tokens."""
-    table = 'type = "wan-i2v"\ntext_max_length = 512'
+    table = {"type": "wan-i2v", "text_max_length": 512}
     root = tmp_path_factory.mktemp("wan-i2v-2")
     return _run(root, TinyWanConfig(i2v=True, clip=True), table, images=False, lora=True)
 
@@ -84,7 +59,7 @@ def i2v_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def a14b_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``wan`` with ``expert = "low"`` on a two-expert folder, clips and images, 2 stages, a full fine-tune saved
     also as a diffusers folder."""
-    table = 'type = "wan"\ntext_max_length = 8\nexpert = "low"'
+    table = {"type": "wan", "text_max_length": 8, "expert": "low"}
     root = tmp_path_factory.mktemp("wan-a14b-2")
     return _run(root, TinyWanConfig(boundary_ratio=0.875), table, images=True, lora=False)
 
