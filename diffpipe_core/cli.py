@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from diffpipe_core.cli_common import USER_ERRORS, fail, load_checked
+from diffpipe_core.engine.fast_exit import exit_now
 from diffpipe_core.plugin_cli import plugin as plugin_commands
 from diffpipe_core.quiet import VERBOSE_ENV, log_through_bars, quiet_libraries
 from diffpipe_core.registry import PluginError, get_registry
@@ -170,10 +171,10 @@ def train(
     if external is not None:
         from diffpipe_core.engine.worker import main as worker_main
 
-        sys.exit(worker_main(args))
+        exit_now(worker_main(args))
     if hostfile is not None:
         sys.exit(launch_deepspeed(hostfile, args))
-    sys.exit(launch_workers(args, n))
+    exit_now(launch_workers(args, n))
 
 
 @main.command()
@@ -194,7 +195,7 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
     cfg = load_checked(config_path, model, check_work=True, training=False)
     args = ["--config", str(cfg.path), "--model", cfg.model_name, "--cache-only", "--scanned"]
     args += ["--regenerate"] * regenerate_cache + ["--strict"] * strict + ["--prune"] * prune
-    sys.exit(launch_workers(args, n))
+    exit_now(launch_workers(args, n))
 
 
 @main.command()

@@ -68,3 +68,17 @@ def test_a_malformed_hostfile_is_named(tmp_path: Path) -> None:
     hostfile.write_text("node1 slots=2\nnode2 gpus=4\n")
     with pytest.raises(ValueError, match=r"hosts:2: expected 'hostname slots=N', got 'node2 gpus=4'"):
         hostfile_slots(hostfile)
+
+
+def test_workers_started_fresh_train_what_forked_workers_train(tmp_path: Path) -> None:
+    """CPU workers are forked from a launcher that imported the libraries once; GPU workers start as fresh
+    processes (``DIFFPIPE_WORKER_START=spawn`` on CPU): both must train the same 2-stage run, step for step."""
+    config = make_project(tmp_path, stages=2, max_steps=3, ckpt=100)
+    runs = {}
+    for start in ("fork", "spawn"):
+        before = set(run_dirs(tmp_path)) if (tmp_path / "out").exists() else set()
+        train(tmp_path, config, "--num-procs", "2", env=cli_env(DIFFPIPE_WORKER_START=start))
+        (run,) = set(run_dirs(tmp_path)) - before
+        runs[start] = [r["loss"] for r in read_metrics(run) if "loss" in r]
+    assert len(runs["fork"]) == 3
+    assert runs["spawn"] == runs["fork"]

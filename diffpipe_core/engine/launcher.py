@@ -16,7 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 PEER_FAILED = 75
 """Exit code of a worker whose communication failed because another worker had died."""
@@ -150,13 +152,28 @@ def launch_workers(
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    from diffpipe_core.engine.forked_workers import fork_worker, preload, start_method
+
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    if worker == WORKER and start_method(backend) == "fork":
+        preload()
+
+        def start(env: dict[str, str]) -> Any:
+            return fork_worker(worker_args, env, preexec)
+    else:
+
+        def start(env: dict[str, str]) -> Any:
+            return subprocess.Popen([*worker, *worker_args], env=env, preexec_fn=preexec)
+
     with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
-        return _supervise([*worker, *worker_args], num_procs, Path(errors), backend)
+        return _supervise(start, num_procs, Path(errors), backend)
 
 
-def _supervise(cmd: list[str], num_procs: int, errors: Path, backend: str) -> int:
+def _supervise(start: Callable[[dict[str, str]], Any], num_procs: int, errors: Path, backend: str) -> int:
+    """Start ``num_procs`` ranks with ``start(environment)`` (a :class:`subprocess.Popen` or a forked worker) and
+    watch them until all are done, one failed, or a signal stopped them; return the run's exit code."""
     port = free_port()
-    procs: list[subprocess.Popen] = []
+    procs: list[Any] = []
     for rank in range(num_procs):
         env = dict(os.environ)
         env.update(
@@ -172,8 +189,7 @@ def _supervise(cmd: list[str], num_procs: int, errors: Path, backend: str) -> in
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # N CPU workers each using every core slow each other down many times over
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_procs))
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=preexec))
+        procs.append(start(env))
 
     def stop_all(sig: int = signal.SIGTERM) -> None:
         for p in procs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -185,4 +184,6 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from diffpipe_core.engine.fast_exit import exit_now
+
+    exit_now(main())

@@ -8,7 +8,6 @@ dataset, its cache or an optimizer.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -52,6 +51,7 @@ def sample(
     frame bucket. Needs only the model, the adapter and prompts: no dataset media, no cache.
     """
     from diffpipe_core.cli_common import fail, load_checked
+    from diffpipe_core.engine.fast_exit import exit_now
     from diffpipe_core.engine.launcher import default_num_procs, launch_workers
     from diffpipe_core.registry import get_registry
     from diffpipe_core.sampling.config import dataset_shape, missing_sampling_hooks
@@ -89,4 +89,5 @@ def sample(
         request_file = Path(tmp) / "request.json"
         request_file.write_text(json.dumps(request))
         args = ["--config", str(cfg.path), "--model", cfg.model_name]
-        sys.exit(launch_workers([*args, "--sample-request", str(request_file)], n))
+        code = launch_workers([*args, "--sample-request", str(request_file)], n)
+    exit_now(code)

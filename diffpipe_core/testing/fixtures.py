@@ -9,6 +9,7 @@ included), for every test.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,9 +17,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read by datasets at import 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(autouse=True)
-def hf_offline(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No hub access, and the HF caches under the session's tmp folder."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.fixture(autouse=True, scope="session")
+def hf_offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No hub access, and the HF caches under the session's tmp folder: set once for the session, so the shared
+    runs that session- and module-scoped fixtures start see the environment the tests see."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HOME", str(tmp_path_factory.getbasetemp() / "hf_home"))
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield

@@ -63,7 +63,15 @@ def kill_group(proc: subprocess.Popen) -> None:
 def run_diffpipe(
     args: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None, program: Path | None = None
 ) -> CliResult:
-    """Run diffpipe to completion; on timeout kill its whole process group and raise."""
+    """Run diffpipe to completion; on timeout kill its whole process group and raise. Forked from a warm server
+    where that runs it as a fresh process would (:mod:`diffpipe_core.testing.warm_cli`)."""
+    env = env or cli_env()
+    if program is None:
+        from diffpipe_core.testing import warm_cli
+
+        warm = warm_cli.server_for(args, env)
+        if warm is not None:
+            return CliResult(*warm.run(args, cwd, timeout, env))
     proc = start_diffpipe(args, cwd, env, program)
     try:
         out, err = proc.communicate(timeout=timeout)

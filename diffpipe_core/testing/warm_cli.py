@@ -1,0 +1,217 @@
+"""Run ``diffpipe`` commands from tests in processes forked from a warm server.
+
+A fresh ``python -m diffpipe_core.cli train`` of a tiny model spends about 12 of its 15 seconds importing
+torch, DeepSpeed, diffusers, peft and datasets; a test suite that runs a hundred of them spends most of its
+time there. Each test process therefore starts one server (:func:`serve`) that imports those libraries once,
+the way the launcher does before it forks CPU workers (:func:`diffpipe_core.engine.forked_workers.preload`),
+and forks a child for every command. The child is a new process in its own session: it takes the command's
+working folder, environment and arguments, writes its stdout and stderr to files, and runs the real command
+line, which starts (forks) its workers as it always does. Nothing of the run is in the server: it never loads
+the plugin registry, a config or a model.
+
+Each environment (but for what is read at run time) gets its own server (:func:`server_for`).
+:func:`diffpipe_core.testing.processes.run_diffpipe` runs a fresh process where a fork could differ from one:
+another program, ``--verbose``, or ``DIFFPIPE_TEST_FRESH_PROCESSES=1`` for the whole test run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+FRESH_ENV = "DIFFPIPE_TEST_FRESH_PROCESSES"
+_READY = "ready"
+_RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_")  # read at run time (PYTEST_CURRENT_TEST: not at all)
+"""Environment variables that a warm server's child may take from the command: the others (``PYTHONPATH``,
+``HF_HOME``, the libraries' verbosity and offline settings) are read when the libraries are imported, so each
+setting of them gets its own server."""
+_VERBATIM_ENV = ("DIFFPIPE_VERBOSE",)  # read by the libraries' silencing, which ran in the server
+
+
+def serve(socket_path: str) -> None:
+    """The server: import the training libraries, then fork one child per request on ``socket_path`` (one at a
+    time: a test process waits for each command), reporting the child's pid, then its exit code."""
+    from diffpipe_core.engine.forked_workers import preload
+    from diffpipe_core.engine.launcher import _die_with_parent
+
+    _die_with_parent()
+    preload()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(8)
+    print(_READY, flush=True)
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            request = json.loads(conn.makefile("r").readline())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                _run_child(request)
+            conn.sendall(f"{pid}\n".encode())
+            _, status = os.waitpid(pid, 0)
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass  # the test gave up on it (timeout) and closed the connection
+
+
+def _run_child(request: dict[str, Any]) -> None:
+    """In the forked child: become the command (own session, files as stdout/stderr, its folder, environment and
+    arguments), run the command line and leave with its exit code."""
+    from diffpipe_core.engine.fast_exit import exit_now
+    from diffpipe_core.engine.launcher import _die_with_parent
+
+    code: int = 1
+    try:
+        os.setsid()
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        streams = ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], written), (2, request["stderr"], written))
+        for fd, path, flags in streams:
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        import importlib
+
+        import torch
+
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        importlib.invalidate_caches()
+        sys.argv = ["diffpipe", *request["args"]]
+        import runpy
+
+        runpy.run_module("diffpipe_core.cli", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    exit_now(code, run_atexit=False)
+
+
+class _Server:
+    """This test process's server: started on first use, stopped when the process exits."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.folder = Path(tempfile.mkdtemp(prefix="diffpipe-warm-"))
+        self.socket_path = str(self.folder / "server.sock")
+        code = f"from diffpipe_core.testing.warm_cli import serve; serve({self.socket_path!r})"
+        with open(self.folder / "server.log", "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=self.env, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, start_new_session=True)
+        atexit.register(self.stop)
+        line = _read_line_within(self.proc, timeout=180)
+        if line != _READY:
+            self.stop()
+            raise RuntimeError(f"the warm diffpipe server did not start: {(self.folder / 'server.log').read_text()}")
+        self.runs = 0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, args: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> tuple[int, str, str]:
+        """Run the command in a forked child; ``(exit code, stdout, stderr)``. On timeout its whole process group is
+        killed and TimeoutError raised."""
+        self.runs += 1
+        out = self.folder / f"run{self.runs}.out"
+        err = self.folder / f"run{self.runs}.err"
+        request = {"args": args, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out), "stderr": str(err)}
+        deadline = time.monotonic() + timeout
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(60)
+            conn.connect(self.socket_path)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            reader = conn.makefile("r")
+            pid = int(reader.readline())
+            try:
+                conn.settimeout(max(1.0, deadline - time.monotonic()))
+                try:
+                    line = reader.readline()
+                except TimeoutError:
+                    _kill_group(pid)
+                    raise TimeoutError(
+                        f"diffpipe {' '.join(args)} ran past {timeout}s\n{_tail(out)}\n{_tail(err)}"
+                    ) from None
+            finally:
+                _kill_group(pid)  # stray workers, if any
+        if not line:
+            raise RuntimeError(f"the warm diffpipe server died while running diffpipe {' '.join(args)}")
+        code = int(line)
+        texts = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        return code, *texts
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+def _read_line_within(proc: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return ""
+    return proc.stdout.readline().strip()
+
+
+_servers: dict[frozenset[tuple[str, str]], _Server] = {}
+_MAX_SERVERS = 3  # each holds the libraries (about 700 MB); a test process rarely needs more than two settings
+
+
+def _import_time_env(env: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """The part of ``env`` that a process reads before (or while) importing the libraries."""
+    return frozenset((k, v) for k, v in env.items() if not k.startswith(_RUN_TIME_ENV) or k in _VERBATIM_ENV)
+
+
+def server_for(args: list[str], env: dict[str, str]) -> _Server | None:
+    """A warm server whose fork runs ``diffpipe *args`` in ``env`` as a fresh process would (started now if this
+    process has none for that environment yet); None where only a fresh process can: ``--verbose`` (the server
+    silenced the libraries as they were imported), or ``DIFFPIPE_TEST_FRESH_PROCESSES`` set."""
+    if os.environ.get(FRESH_ENV) or "--verbose" in args:
+        return None
+    key = _import_time_env(env)
+    warm = _servers.get(key)
+    if warm is None or not warm.alive():
+        if len(_servers) >= _MAX_SERVERS:
+            _servers.pop(next(iter(_servers))).stop()
+        warm = _servers[key] = _Server({k: v for k, v in env.items() if not k.startswith("PYTEST_")})
+    return warm
