@@ -38,6 +38,38 @@ if TYPE_CHECKING:
     from diffpipe_core.parts.folder import DiffusersFolder
     from diffpipe_core.parts.layout import KeyTable
 
+#: the formats a diffusers-folder model saves by default: LoRA as diffusers and ComfyUI files, full fine-tunes as a
+#: diffusers folder and an original-layout single file
+SAVE_FORMATS = {"adapter_formats": ("diffusers", "comfyui"), "model_formats": ("diffusers", "single_file")}
+
+
+def diffusers_spec(
+    name: str,
+    config_schema: type[ModelConfigBase],
+    description: str,
+    *,
+    video: tuple[int, int, float] | None = None,
+    encoder_settings: tuple[str, ...] = (),
+    **fields: Any,
+) -> ModelSpec:
+    """The :class:`~diffpipe_core.types.ModelSpec` of a diffusers-folder model, stating only what differs.
+
+    ``video`` is ``(frame_multiple, frame_offset, video_fps)`` of a video model (None: an image model). The cache is
+    keyed on ``path``, ``encoder_dtype`` and ``encoder_settings``; the save formats are :data:`SAVE_FORMATS` unless
+    ``fields`` names them. Every other ``ModelSpec`` field passes through ``fields``.
+    """
+    frames = {} if video is None else dict(zip(("frame_multiple", "frame_offset", "video_fps"), video, strict=True))
+    return ModelSpec(
+        name=name,
+        modality="image" if video is None else "video",
+        config_schema=config_schema,
+        description=description,
+        encoder_settings=("path", "encoder_dtype", *encoder_settings),
+        **frames,
+        **{**SAVE_FORMATS, **fields},
+    )
+
+
 _HOOKS = frozenset(name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), "diffpipe_spec"))
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_cosmos.config import Cosmos1Config, CosmosConfigBase, Predict2Config
 
@@ -45,21 +45,13 @@ def _folder(name: str, pipelines: tuple[str, ...], vae: str) -> DiffusersFolder:
     return DiffusersFolder(name, pipelines, {**components, "tokenizer": TOKENIZER}, sizes=sizes)
 
 
+BLOCKS = ("BlockLayer",)
+
+
 def _spec(name: str, schema: type, frames: int, fps: int, settings: tuple[str, ...], what: str) -> ModelSpec:
-    return ModelSpec(
-        name=name,
-        modality="video",
-        config_schema=schema,
-        spatial_multiple=16,
-        frame_multiple=frames,
-        frame_offset=1,
-        video_fps=fps,
-        encoder_settings=("path", "encoder_dtype", "t5_max_length", *settings),
-        block_layers=("BlockLayer",),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description=f"NVIDIA {what} (diffusers folder or original single-file transformer)",
-    )
+    what = f"NVIDIA {what} (diffusers folder or original single-file transformer)"
+    settings = ("t5_max_length", *settings)
+    return diffusers_spec(name, schema, what, video=(frames, 1, fps), encoder_settings=settings, block_layers=BLOCKS)
 
 
 class Cosmos(DiffusersModel, FlowSampling):

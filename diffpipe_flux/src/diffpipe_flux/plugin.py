@@ -1,17 +1,17 @@
 """The Flux model plugin (entry point ``flux``): Flux.1 dev and schnell on the core's shared plugin parts.
 
-This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
-every plugin); each hook imports what does the work when it is called.
+No torch import at the top (``diffpipe --help``, ``models``, ``validate`` load every plugin): hooks import it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.targets import JOINT_ATTENTION
 from diffpipe_flux.config import FluxConfig
 
 if TYPE_CHECKING:
@@ -22,19 +22,8 @@ if TYPE_CHECKING:
     from diffpipe_core.types import SampleRequest
 
 ATTENTION_AND_MLP = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-    "proj_mlp",
+    *JOINT_ATTENTION,
+    *("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"),
 ]
 PIPELINES = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline", "FluxControlPipeline")
 COMPONENTS = {
@@ -51,16 +40,9 @@ DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default
 class Flux(DiffusersModel, FlowSampling):
     """Flux.1: an image model; VAE factor 8 x 2x2 packing = sizes in multiples of 16 pixels."""
 
-    spec = ModelSpec(
-        name="flux",
-        modality="image",
-        config_schema=FluxConfig,
-        spatial_multiple=16,
-        encoder_settings=("path", "encoder_dtype", "t5_max_length"),
-        block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="Flux.1 dev/schnell (diffusers folder or BFL single-file transformer)",
+    spec = diffusers_spec(
+        "flux", FluxConfig, "Flux.1 dev/schnell (diffusers folder or BFL single-file transformer)",
+        encoder_settings=("t5_max_length",), block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
     )
     folder = DiffusersFolder(
         "flux", (*PIPELINES, "FluxKontextPipeline"), COMPONENTS, single_file_example="flux1-dev.safetensors"

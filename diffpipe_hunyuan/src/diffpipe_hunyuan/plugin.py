@@ -1,17 +1,17 @@
 """The HunyuanVideo model plugin (entry point ``hunyuan-video``) on the core's shared plugin parts.
 
-This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
-every plugin); each hook imports what does the work when it is called.
+No torch import at the top (``diffpipe --help``, ``models``, ``validate`` load every plugin): hooks import it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.targets import JOINT_ATTENTION
 from diffpipe_hunyuan.config import HunyuanConfig
 
 if TYPE_CHECKING:
@@ -22,20 +22,8 @@ if TYPE_CHECKING:
     from diffpipe_core.types import SampleRequest
 
 DOUBLE_BLOCK_LINEARS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-    "norm1.linear",
-    "norm1_context.linear",
+    *JOINT_ATTENTION,
+    *("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "norm1.linear", "norm1_context.linear"),
 )
 SINGLE_BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out", "norm.linear")
 DEFAULT_GUIDANCE = 6.0  # HunyuanVideoPipeline's guidance_scale default (the distilled guidance embedding)
@@ -53,27 +41,11 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
     """HunyuanVideo: a video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of 16
     pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
 
-    spec = ModelSpec(
-        name="hunyuan-video",
-        modality="video",
-        config_schema=HunyuanConfig,
-        spatial_multiple=16,
-        frame_multiple=4,
-        frame_offset=1,
-        video_fps=24.0,
-        encoder_settings=(
-            "path",
-            "encoder_dtype",
-            "text_max_length",
-            "text_crop_start",
-            "vae_tiling",
-            "vae_tile_size",
-            "vae_tile_frames",
-        ),
-        block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="HunyuanVideo text-to-video (diffusers folder or original single-file transformer)",
+    spec = diffusers_spec(
+        "hunyuan-video", HunyuanConfig,
+        "HunyuanVideo text-to-video (diffusers folder or original single-file transformer)",
+        video=(4, 1, 24.0), block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
+        encoder_settings=("text_max_length", "text_crop_start", "vae_tiling", "vae_tile_size", "vae_tile_frames"),
     )
     folder = DiffusersFolder("hunyuan-video", ("HunyuanVideoPipeline",), COMPONENTS)
     model_class = "HunyuanVideoTransformer3DModel"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_ltx.config import LTXConfig
 
@@ -39,19 +39,9 @@ SIZES = (
 class LTXVideo(DiffusersModel, FlowSampling):
     """LTX-Video: a video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
 
-    spec = ModelSpec(
-        name="ltx-video",
-        modality="video",
-        config_schema=LTXConfig,
-        spatial_multiple=32,
-        frame_multiple=8,
-        frame_offset=1,
-        video_fps=25,
-        encoder_settings=("path", "encoder_dtype", "t5_max_length"),
-        block_layers=("BlockLayer",),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="LTX-Video (diffusers folder or original Lightricks single-file transformer)",
+    spec = diffusers_spec(
+        "ltx-video", LTXConfig, "LTX-Video (diffusers folder or original Lightricks single-file transformer)",
+        video=(8, 1, 25), spatial_multiple=32, encoder_settings=("t5_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
         "ltx-video",

@@ -1,7 +1,6 @@
 """The Qwen-Image model plugin (entry point ``qwen-image``) on the core's shared plugin parts.
 
-This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
-every plugin); each hook imports what does the work when it is called.
+No torch import at the top (``diffpipe --help``, ``models``, ``validate`` load every plugin): hooks import it.
 """
 
 from __future__ import annotations
@@ -11,10 +10,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.targets import JOINT_ATTENTION
 from diffpipe_qwenimage.config import QwenImageConfig
 
 if TYPE_CHECKING:
@@ -25,20 +25,7 @@ if TYPE_CHECKING:
     from diffpipe_core.parts.layout import KeyTable
     from diffpipe_core.types import SampleRequest
 
-LINEARS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-)
+LINEARS = (*JOINT_ATTENTION, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
 COMPONENTS = {
     "transformer": "QwenImageTransformer2DModel",
     "vae": "AutoencoderKLQwenImage",
@@ -55,17 +42,10 @@ class QwenImage(DiffusersModel, FlowSampling):
     """Qwen-Image: an MMDiT over 2x2-packed latents of a VAE with 8x compression (sizes in multiples of 16 pixels),
     conditioned on Qwen2.5-VL's last hidden state of the chat-templated caption."""
 
-    spec = ModelSpec(
-        name="qwen-image",
-        modality="image",
-        contract=4,
-        config_schema=QwenImageConfig,
-        spatial_multiple=16,
-        encoder_settings=("path", "encoder_dtype", "text_max_length"),
-        block_layers=("BlockLayer",),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="Qwen-Image text-to-image (diffusers folder, or ComfyUI's single-file transformer over it)",
+    spec = diffusers_spec(
+        "qwen-image", QwenImageConfig,
+        "Qwen-Image text-to-image (diffusers folder, or ComfyUI's single-file transformer over it)",
+        contract=4, encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
         "qwen-image",

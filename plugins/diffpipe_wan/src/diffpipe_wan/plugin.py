@@ -12,10 +12,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.model_files import read_json
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, TOKENIZER, DiffusersFolder, SizeMatch
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_wan.config import DEFAULT_SHIFT, WanConfig
 
@@ -107,19 +107,10 @@ class Wan(DiffusersModel, FlowSampling):
     """Wan text-to-video: a video model (images train as 1-frame videos); VAE 8x spatial (16x for Wan 2.2 TI2V's)
     x 2x2 patches; 4x temporal, so frame counts are 4k + 1; clips resampled to 16 fps."""
 
-    spec = ModelSpec(
-        name="wan",
-        modality="video",
-        config_schema=WanConfig,
-        spatial_multiple=16,
-        frame_multiple=4,
-        frame_offset=1,
-        video_fps=16.0,
-        encoder_settings=("path", "encoder_dtype", "text_max_length"),
-        block_layers=("BlockLayer",),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="Wan 2.1 / 2.2 text-to-video (diffusers folder or original single-file transformer; A14B experts)",
+    spec = diffusers_spec(
+        "wan", WanConfig,
+        "Wan 2.1 / 2.2 text-to-video (diffusers folder or original single-file transformer; A14B experts)",
+        video=(4, 1, 16.0), encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
         "wan", ("WanPipeline",), COMPONENTS, sizes=SIZES, single_file_example="wan2.1_t2v_1.3B_fp16.safetensors"

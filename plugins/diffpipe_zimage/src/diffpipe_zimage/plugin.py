@@ -1,16 +1,15 @@
 """The Z-Image model plugin (entry point ``z-image``): Z-Image and Z-Image Turbo on the core's shared plugin parts.
 
-This module imports no torch, diffusers or transformers (``diffpipe --help``, ``models`` and ``validate`` load
-every plugin); each hook imports what does the work when it is called.
+No torch import at the top (``diffpipe --help``, ``models``, ``validate`` load every plugin): hooks import it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_zimage.config import ZImageConfig
 
@@ -23,13 +22,8 @@ if TYPE_CHECKING:
 
 #: the linears of every block (noise refiner, context refiner, main), matched as name suffixes
 BLOCK_LINEARS = (
-    "attention.to_q",
-    "attention.to_k",
-    "attention.to_v",
-    "attention.to_out.0",
-    "feed_forward.w1",
-    "feed_forward.w2",
-    "feed_forward.w3",
+    *("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"),
+    *("feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
 )
 COMPONENTS = {
     "transformer": "ZImageTransformer2DModel",
@@ -43,16 +37,9 @@ class ZImage(DiffusersModel, FlowSampling):
     """Z-Image: a single-stream image DiT on Qwen3 text features; VAE factor 8 x 2x2 patches = multiples of 16
     pixels."""
 
-    spec = ModelSpec(
-        name="z-image",
-        modality="image",
-        config_schema=ZImageConfig,
-        spatial_multiple=16,
-        encoder_settings=("path", "encoder_dtype", "text_max_length"),
-        block_layers=("NoiseRefinerLayer", "ContextRefinerLayer", "MainLayer"),
-        adapter_formats=("diffusers", "comfyui"),
-        model_formats=("diffusers", "single_file"),
-        description="Z-Image / Z-Image Turbo (diffusers folder or original single-file transformer)",
+    spec = diffusers_spec(
+        "z-image", ZImageConfig, "Z-Image / Z-Image Turbo (diffusers folder or original single-file transformer)",
+        encoder_settings=("text_max_length",), block_layers=("NoiseRefinerLayer", "ContextRefinerLayer", "MainLayer"),
     )
     folder = DiffusersFolder(
         "z-image",
