@@ -46,6 +46,22 @@ def run_toml(
     return "\n".join(text) + "\n"
 
 
+def lora_run_toml(
+    model: dict[str, Any],
+    lr: float,
+    sample: dict[str, Any] | None = None,
+    rank: int = 4,
+    alpha: float = 8.0,
+    **top: Any,
+) -> str:
+    """:func:`run_toml` of a plugin's tiny LoRA run: the ``[model]`` table (``type`` and the model's own keys) at
+    ``path = "model"`` in float32 (weights and encoders), a ``rank`` / ``alpha`` LoRA saved in the diffusers and
+    ComfyUI formats, ``[optimizer] lr``, micro-batches of 2 unless ``top`` says otherwise."""
+    model = {"path": "model", "dtype": "float32", "encoder_dtype": "float32", **model}
+    adapter = {"rank": rank, "alpha": alpha, "save_formats": ["diffusers", "comfyui"]}
+    return run_toml(model, {"lr": lr}, adapter, sample, **{"micro_batch_size_per_gpu": 2, **top})
+
+
 def train(root: Path, config: Path | str, procs: int, timeout: float = 500, **env: str) -> Path:
     """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``; asserts it succeeded without library chatter
     (transformers' "Loading weights" bars stay behind --verbose) and returns the run folder it made."""

@@ -31,39 +31,11 @@ from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, to_diffuser
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 20
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-pipeline_stages = {{stages}}
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 3
-
-[model]
-type = "{{name}}"
-path = "model"
-{{transformer_file}}
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = 16
-{{objective}}
-
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 5e-3
-"""
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]
 FRAMES = {"cosmos": 9, "cosmos-predict2": 5}  # 8k+1 (Cosmos-1.0 VAE) and 4k+1 (Wan VAE)
 # cosmos: noise levels the tiny model can learn in 20 steps (memorising the clean latents at high sigma), so that
 # the per-step loss, which swings with the sampled level, falls clearly.
-OBJECTIVE = {"cosmos": "p_mean = 1.0\np_std = 0.5", "cosmos-predict2": ""}
+OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
@@ -84,8 +56,11 @@ def make_project(root: Path, name: str, stages: int, single_file: bool, extra: s
         num_ar_buckets=3,
         frame_buckets=[1, FRAMES[name]],
     )
-    line = f'transformer_file = "{original_path(root / "model").name}"' if single_file else ""
-    text = RUN_TOML.format(stages=stages, name=name, transformer_file=line, objective=OBJECTIVE[name])
+    model = {"type": name, "t5_max_length": 16, **OBJECTIVE[name]}
+    if single_file:
+        model["transformer_file"] = original_path(root / "model").name
+    top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "checkpoint_every_n_steps": STEPS, "seed": 3}
+    text = runs.lora_run_toml(model, 5e-3, None, RANK, ALPHA, max_steps=STEPS, **top)
     (root / "run.toml").write_text(text + extra)
     return root / "run.toml"
 

@@ -22,41 +22,18 @@ from diffpipe_flux.testing import bfl_path, write_tiny_chroma
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 16
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 7
+MODEL = {"type": "chroma", "transformer_file": "model.bfl.safetensors", "t5_max_length": 8}
+SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "every_n_steps": STEPS, "steps": 2, "seed": 5}
 
-[model]
-type = "chroma"
-path = "model"
-transformer_file = "model.bfl.safetensors"
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = 8
-timestep_sample_method = "uniform"
 
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 3e-2
-
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-every_n_steps = {STEPS}
-steps = 2
-seed = 5
-resolution = 32
-"""
+def run_config(steps: int = STEPS, single_file: bool = True, sample: bool = True, **top: object) -> str:
+    """The project's run config: ``steps`` steps from the BFL single file (or the diffusers folder), sampling before
+    the first step and at the end (or not at all)."""
+    model = {**MODEL, "timestep_sample_method": "uniform"}
+    if not single_file:
+        del model["transformer_file"]
+    top = {"max_steps": steps, "gradient_accumulation_steps": 2, "checkpoint_every_n_steps": steps, "seed": 7, **top}
+    return runs.lora_run_toml(model, 3e-2, {**SAMPLE, "resolution": 32} if sample else None, RANK, ALPHA, **top)
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]
 
 
@@ -64,7 +41,7 @@ def make_project(root: Path) -> Path:
     write_tiny_chroma(root / "model")
     write_image_dataset(root / "images", 6, size=(32, 32), captions=CAPTIONS)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[32])
-    (root / "run.toml").write_text(RUN_TOML)
+    (root / "run.toml").write_text(run_config())
     return root / "run.toml"
 
 

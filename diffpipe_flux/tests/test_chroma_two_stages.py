@@ -20,22 +20,12 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_chroma_train import STEPS as ONE_STAGE_STEPS
-    from test_chroma_train import make_project
+    from test_chroma_train import make_project, run_config
 
     root = tmp_path_factory.mktemp("chroma-two-stages")
     run_toml = make_project(root)
-    text = run_toml.read_text()
-    text = text[: text.index("[sample]")]  # samples: the 1-stage run's
-    edits = {
-        f"max_steps = {ONE_STAGE_STEPS}": f"max_steps = {STEPS}\npipeline_stages = 2",
-        f"checkpoint_every_n_steps = {ONE_STAGE_STEPS}": f"checkpoint_every_n_steps = {STEPS}",
-        'transformer_file = "model.bfl.safetensors"\n': "",
-    }
-    for old, new in edits.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    run_toml.write_text(text)
+    # the diffusers folder; samples: the 1-stage run's
+    run_toml.write_text(run_config(STEPS, single_file=False, sample=False, pipeline_stages=2))
     return runs.train(root, run_toml, 2, timeout=600, OMP_NUM_THREADS="1")
 
 

@@ -28,42 +28,6 @@ VARIANTS = {
     "flux2-klein": ("Flux2KleinPipeline", write_tiny_klein, 24),
     "flux2": ("Flux2Pipeline", write_tiny_flux2, 48),
 }
-RUN_TOML = """
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {steps}
-pipeline_stages = {stages}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-checkpoint_every_n_steps = {steps}
-save_dtype = "float32"
-seed = 7
-
-[model]
-type = "{variant}"
-path = "model"
-transformer_file = "model.bfl.safetensors"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = {length}
-timestep_sample_method = "uniform"
-
-[adapter]
-rank = {rank}
-alpha = {alpha}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 3e-2
-
-[sample]
-prompts = ["{prompt}"]
-before_first_step = true
-every_n_steps = {steps}
-steps = 2
-seed = {seed}
-resolution = 32
-"""
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]
 
 
@@ -72,8 +36,12 @@ def make_project(root: Path, variant: str, stages: int = 1) -> Path:
     write(root / "model")
     write_image_dataset(root / "images", 6, size=(32, 32), captions=CAPTIONS)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[32])
-    values = {"variant": variant, "length": length, "prompt": PROMPT, "steps": STEPS, "rank": RANK, "alpha": ALPHA}
-    toml = RUN_TOML.format(seed=SEED, stages=stages, **values)
+    model = {"type": variant, "transformer_file": "model.bfl.safetensors", "text_max_length": length}
+    sample = {"prompts": [PROMPT], "before_first_step": True, "every_n_steps": STEPS, "steps": 2, "seed": SEED}
+    toml = runs.lora_run_toml(
+        {**model, "timestep_sample_method": "uniform"}, 3e-2, {**sample, "resolution": 32}, RANK, ALPHA,
+        max_steps=STEPS, pipeline_stages=stages, gradient_accumulation_steps=2, checkpoint_every_n_steps=STEPS, seed=7,
+    )
     (root / "run.toml").write_text(toml)
     return root / "run.toml"
 

@@ -22,38 +22,9 @@ from diffpipe_flux.packing import image_ids, pack, text_ids
 from diffpipe_flux.testing import TinyFluxConfig, write_tiny_flux
 
 RANK, ALPHA, STEPS = 4, 8.0, 12
-RUN_TOML = f"""
-output_dir = "out{{stages}}"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-pipeline_stages = {{stages}}
-save_dtype = "float32"
-seed = 3
-
-[model]
-type = "flux-kontext"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = 8
-timestep_sample_method = "uniform"
-
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 4e-3
-{{sample}}"""
-SAMPLE_TABLE = """
-[sample]
-prompts = ["make it red", "a plain dog"]
-control_images = ["control/e0.jpg", []]
-before_first_step = true
-steps = 2
-"""
+MODEL = {"type": "flux-kontext", "t5_max_length": 8, "timestep_sample_method": "uniform"}
+SAMPLE = {"prompts": ["make it red", "a plain dog"], "control_images": ["control/e0.jpg", []]}
+SAMPLE |= {"before_first_step": True, "steps": 2}
 
 
 def test_inputs_equal_the_kontext_pipelines(tiny_flux: Path) -> None:
@@ -98,9 +69,9 @@ def make_project(root: Path) -> Path:
         'resolutions = [32]\n[[directory]]\npath = "edit"\ncontrol_path = "control"\n[[directory]]\npath = "plain"\n'
     )
     for stages in (1, 2):  # the 2-stage run also samples, with a control image for its first prompt
-        (root / f"run{stages}.toml").write_text(
-            RUN_TOML.format(stages=stages, sample=SAMPLE_TABLE if stages == 2 else "")
-        )
+        sample = SAMPLE if stages == 2 else None
+        top = {"output_dir": f"out{stages}", "max_steps": STEPS, "pipeline_stages": stages, "seed": 3}
+        (root / f"run{stages}.toml").write_text(runs.lora_run_toml(MODEL, 4e-3, sample, RANK, ALPHA, **top))
     return root
 
 

@@ -25,36 +25,7 @@ pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 RANK, ALPHA, STEPS = 4, 8.0, 24
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-pipeline_stages = {{stages}}
-activation_checkpointing = {{checkpointing}}
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 7
-
-[model]
-type = "flux"
-path = "model"
-{{transformer_file}}
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = 16
-timestep_sample_method = "uniform"
-flux_shift = true
-
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 4e-3
-"""
+MODEL = {"type": "flux", "t5_max_length": 16, "timestep_sample_method": "uniform", "flux_shift": True}
 CAPTIONS = [
     "a red cat",
     "a blue dog",
@@ -71,9 +42,11 @@ def make_project(root: Path, stages: int, single_file: bool) -> Path:
     write_tiny_flux(root / "model", TinyFluxConfig(num_single_layers=2))
     write_image_dataset(root / "images", 8, size=(64, 64), captions=CAPTIONS)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
-    line = f'transformer_file = "{bfl_path(root / "model").name}"' if single_file else ""
+    model = {**MODEL, "transformer_file": bfl_path(root / "model").name} if single_file else MODEL
     # the data-parallel run also recomputes activations (activation checkpointing through the Flux layers)
-    text = RUN_TOML.format(stages=stages, transformer_file=line, checkpointing="true" if single_file else "false")
+    top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "activation_checkpointing": single_file}
+    top |= {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, "seed": 7}
+    text = runs.lora_run_toml(model, 4e-3, None, RANK, ALPHA, **top)
     (root / "run.toml").write_text(text)
     return root / "run.toml"
 

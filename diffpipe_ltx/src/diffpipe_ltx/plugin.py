@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.types import SampleRequest
 
+PIPELINES = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline")
 COMPONENTS = {
     "transformer": "LTXVideoTransformer3DModel",
     "vae": "AutoencoderKLLTXVideo",
@@ -44,11 +45,7 @@ class LTXVideo(DiffusersModel, FlowSampling):
         video=(8, 1, 25), spatial_multiple=32, encoder_settings=("t5_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
-        "ltx-video",
-        ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline"),
-        COMPONENTS,
-        sizes=SIZES,
-        single_file_example="ltx-video-2b-v0.9.safetensors",
+        "ltx-video", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-video-2b-v0.9.safetensors"
     )
     model_class = "LTXVideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight",)

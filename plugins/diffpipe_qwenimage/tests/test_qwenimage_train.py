@@ -21,39 +21,14 @@ from diffpipe_qwenimage.testing import comfy_path, load_pipeline, write_tiny_qwe
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 20
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-pipeline_stages = 1
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 3
+SAMPLE = {"prompts": ["a red cat"], "negative_prompt": "blurry", "cfg": 3.0, "steps": 2, "before_first_step": True}
 
-[model]
-type = "qwen-image"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = 16
-timestep_sample_method = "uniform"
 
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 2e-2
-
-[sample]
-prompts = ["a red cat"]
-negative_prompt = "blurry"
-cfg = 3.0
-steps = 2
-before_first_step = true
-"""
+def run_config(steps: int, stages: int = 1, sample: dict | None = SAMPLE, **top: object) -> str:
+    """The run config of the project: ``steps`` steps on ``stages`` pipeline stages, sampling as ``sample`` says."""
+    model = {"type": "qwen-image", "text_max_length": 16, "timestep_sample_method": "uniform"}
+    top = {"max_steps": steps, "pipeline_stages": stages, "checkpoint_every_n_steps": steps, "seed": 3, **top}
+    return runs.lora_run_toml(model, 2e-2, sample, RANK, ALPHA, **top)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +40,7 @@ def qwen_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
     write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
-    (root / "run.toml").write_text(RUN_TOML)
+    (root / "run.toml").write_text(run_config(STEPS))
     return runs.train(root, "run.toml", 1)
 
 
@@ -76,10 +51,7 @@ TWO_STAGE_STEPS = 6
 def qwen_two_stages(qwen_run: Path) -> Path:
     """The same project on 2 pipeline stages in 2 processes, 6 steps from the 1-process run's cache, no samples."""
     root = qwen_run.parent.parent
-    text = RUN_TOML[: RUN_TOML.index("[sample]")].replace("pipeline_stages = 1", "pipeline_stages = 2")
-    text = text.replace(f"max_steps = {STEPS}", f"max_steps = {TWO_STAGE_STEPS}\npartition_split = [2]")
-    text = text.replace(f"checkpoint_every_n_steps = {STEPS}", f"checkpoint_every_n_steps = {TWO_STAGE_STEPS}")
-    (root / "run2.toml").write_text(text)
+    (root / "run2.toml").write_text(run_config(TWO_STAGE_STEPS, 2, None, partition_split=[2]))
     return runs.train(root, "run2.toml", 2)
 
 

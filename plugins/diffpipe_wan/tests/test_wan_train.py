@@ -27,41 +27,8 @@ from diffpipe_wan.testing import single_file_path, write_clips, write_tiny_wan
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 40
-RUN_TOML = f"""
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {STEPS}
-micro_batch_size_per_gpu = 2
-pipeline_stages = 1
-checkpoint_every_n_steps = {STEPS}
-save_dtype = "float32"
-seed = 3
-
-[model]
-type = "wan"
-path = "model"
-transformer_file = "{{single}}"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = 8
-timestep_sample_method = "uniform"
-min_t = 0.8
-
-[adapter]
-rank = {RANK}
-alpha = {ALPHA}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 1e-2
-
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-steps = 2
-seed = 5
-resolution = 32
-"""
+MODEL = {"type": "wan", "text_max_length": 8, "timestep_sample_method": "uniform", "min_t": 0.8}
+SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "steps": 2, "seed": 5, "resolution": 32}
 CAPTIONS = ["a red car moving", "a river in a city", "a dog running", "a bright sky"]
 #: the LoRA targets of every block, original names (the image-to-video k_img / v_img are absent from a T2V model)
 BLOCK_TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k")
@@ -76,7 +43,9 @@ def make_project(root: Path) -> Path:
     write_dataset_toml(
         root / "dataset.toml", root / "media", resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5]
     )
-    (root / "run.toml").write_text(RUN_TOML.format(single=single_file_path(root / "model").name))
+    model = {**MODEL, "transformer_file": single_file_path(root / "model").name}
+    top = {"max_steps": STEPS, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
+    (root / "run.toml").write_text(runs.lora_run_toml(model, 1e-2, SAMPLE, RANK, ALPHA, **top))
     return root / "run.toml"
 
 

@@ -20,34 +20,15 @@ from diffpipe_zimage.testing import apply_comfyui_lora, write_tiny_zimage
 
 pytestmark = pytest.mark.slow
 
-RUN_TOML = """
-output_dir = "out"
-dataset = "dataset.toml"
-max_steps = {steps}
-micro_batch_size_per_gpu = 4
-gradient_accumulation_steps = 1
-pipeline_stages = 1
-checkpoint_every_n_steps = {steps}
-save_dtype = "float32"
-seed = 7
-
-[model]
-type = "z-image"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = 24
-shift = 1.0
-
-[adapter]
-rank = {rank}
-alpha = {alpha}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 1e-2
-"""
 RANK, ALPHA, STEPS = 4, 8.0, 16
+MODEL = {"type": "z-image", "text_max_length": 24, "shift": 1.0}
+
+
+def run_config(model: dict = MODEL, **top: object) -> str:
+    """The project's run config: 1 process, micro-batches of 4, ``STEPS`` steps; ``top`` changes the top-level keys."""
+    top = {"micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "pipeline_stages": 1, "seed": 7, **top}
+    top = {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, **top}
+    return runs.lora_run_toml(model, 1e-2, None, RANK, ALPHA, **top)
 
 
 def make_project(root: Path) -> Path:
@@ -56,7 +37,7 @@ def make_project(root: Path) -> Path:
     captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
     write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
-    (root / "run.toml").write_text(RUN_TOML.format(steps=STEPS, rank=RANK, alpha=ALPHA))
+    (root / "run.toml").write_text(run_config())
     return root
 
 

@@ -20,21 +20,11 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_zimage_train import make_project
+    from test_zimage_train import MODEL, make_project, run_config
 
     root = make_project(tmp_path_factory.mktemp("zimage-two-stages"))
-    run_toml = root / "run.toml"
-    text = run_toml.read_text()
-    edits = {
-        "pipeline_stages = 1": "pipeline_stages = 2",
-        "max_steps = 16": f"max_steps = {STEPS}",
-        "micro_batch_size_per_gpu = 4": "micro_batch_size_per_gpu = 2",
-        'path = "model"': f'path = "model"\ntransformer_file = "{original_path(root / "model").name}"',
-    }
-    for old, new in edits.items():
-        assert old in text, old
-        text = text.replace(old, new)
-    run_toml.write_text(text)
+    model = {**MODEL, "transformer_file": original_path(root / "model").name}
+    (root / "run.toml").write_text(run_config(model, pipeline_stages=2, max_steps=STEPS, micro_batch_size_per_gpu=2))
     return runs.train(root, "run.toml", 2, timeout=600, OMP_NUM_THREADS="1")
 
 

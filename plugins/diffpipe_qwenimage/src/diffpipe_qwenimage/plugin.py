@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from diffpipe_core.types import SampleRequest
 
 LINEARS = (*JOINT_ATTENTION, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+PIPELINES = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
 COMPONENTS = {
     "transformer": "QwenImageTransformer2DModel",
     "vae": "AutoencoderKLQwenImage",
@@ -48,11 +49,7 @@ class QwenImage(DiffusersModel, FlowSampling):
         contract=4, encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
-        "qwen-image",
-        ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
-        COMPONENTS,
-        sizes=SIZES,
-        single_file_example="qwen_image_bf16.safetensors",
+        "qwen-image", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="qwen_image_bf16.safetensors"
     )
     model_class = "QwenImageTransformer2DModel"
     single_file_markers = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
