@@ -6,15 +6,18 @@ them. :func:`alternate` measures the two sides in pairs, swapping which goes fir
 
 The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``bench/step_time.py``) also share
 :func:`bench_parser`, :func:`write_run_toml`, :func:`diffpipe_step_times`, :func:`plain_step_times`,
-:func:`compare` and :func:`pair_line`; each bench supplies only its model, ``[model]`` table and loss.
+:func:`compare`, :func:`measure_overhead`, :func:`ratio_line` and :func:`pair_line`; each bench supplies only its model,
+``[model]`` table and loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,3 +175,38 @@ def use_threads(threads: int) -> None:
 
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def measure_overhead(
+    args: argparse.Namespace,
+    write_model: Callable[[Path], object],
+    diffpipe_times: Callable[[Path], list[float]],
+    plain_times: Callable[[Path], list[float]],
+    pairs: int,
+    show: Callable[[int, float, float], None],
+) -> list[tuple[float, float]]:
+    """An overhead bench's pairs: the tiny model written once (``write_model(model_dir)``) in a temporary folder,
+    then :func:`compare` of diffpipe (``diffpipe_times(root)`` in a new ``root`` each pair, whose ``model`` links to
+    the model) and the plain loop (``plain_times(model_dir)``), each side's median after ``args.warmup`` steps."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_model(model_dir)
+        count = itertools.count()
+
+        def ours() -> float:
+            root = Path(tmp) / f"run{next(count)}"
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            return after_warmup(diffpipe_times(root), args.warmup)
+
+        def plain() -> float:
+            return after_warmup(plain_times(model_dir), args.warmup)
+
+        return compare(ours, plain, pairs, show, args.smoke)
+
+
+def ratio_line(pairs: list[tuple[float, float]], what: str = "overhead ratio", unit: str = "pairs") -> str:
+    """``"overhead ratio: 1.043 (median of 3 pairs, spread 0.998-1.101; target <= 1.10)"``."""
+    ratios = [a / b for a, b in pairs]
+    return (f"{what}: {statistics.median(ratios):.3f} (median of {len(ratios)} {unit}, spread "
+            f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -92,33 +91,27 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # Each side's fastest step is printed too: it is the one least disturbed by other processes.
     fastest: dict[str, list[float]] = {"ours": [], "plain": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_ltx(model_dir, MODEL)
 
-        def measure(side: str, times: list[float]) -> float:
-            fastest[side].append(min(times[args.warmup :], default=float("nan")))
-            return bench.after_warmup(times, args.warmup)
+    def noted(side: str, times: list[float]) -> list[float]:
+        fastest[side].append(min(times[args.warmup :], default=float("nan")))
+        return times
 
-        def ours() -> float:
-            root = Path(tmp) / f"run{len(fastest['ours'])}"
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            return measure("ours", diffpipe_times(root, args))
+    def show(r: int, a: float, b: float) -> None:
+        best_ours, best_plain = fastest["ours"][r], fastest["plain"][r]
+        print(
+            f"{bench.pair_line(r, a, b, label='round')} (fastest steps: {best_ours * 1000:.1f} / "
+            f"{best_plain * 1000:.1f} ms = {best_ours / best_plain:.3f})",
+            flush=True,
+        )
 
-        def show(r: int, a: float, b: float) -> None:
-            best_ours, best_plain = fastest["ours"][r], fastest["plain"][r]
-            print(
-                f"{bench.pair_line(r, a, b, label='round')} (fastest steps: {best_ours * 1000:.1f} / "
-                f"{best_plain * 1000:.1f} ms = {best_ours / best_plain:.3f})",
-                flush=True,
-            )
-
-        def plain() -> float:
-            return measure("plain", plain_times(model_dir, args))
-
-        pairs = bench.compare(ours, plain, args.rounds, show, args.smoke)
-    ratios = [a / b for a, b in pairs]
+    pairs = bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_ltx(model_dir, MODEL),
+        lambda root: noted("ours", diffpipe_times(root, args)),
+        lambda model_dir: noted("plain", plain_times(model_dir, args)),
+        args.rounds,
+        show,
+    )
     best_ratios = [a / b for a, b in zip(fastest["ours"], fastest["plain"], strict=True)]
     f, h, w = LATENT
     print(
@@ -127,8 +120,7 @@ def main() -> None:
         f" medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
     )
     print(
-        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
-        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10); fastest-step ratio "
+        f"{bench.ratio_line(pairs)}; fastest-step ratio "
         f"{statistics.median(best_ratios):.3f} (spread {min(best_ratios):.3f}-{max(best_ratios):.3f})"
     )
 

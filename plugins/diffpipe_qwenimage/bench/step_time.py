@@ -15,8 +15,6 @@ The shared skeleton is in ``diffpipe_core.testing.bench``.
 from __future__ import annotations
 
 import os
-import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -76,33 +74,20 @@ def main() -> None:
     args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
     bench.use_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_qwen(model_dir, cfg=MODEL)
-        count = [0]
-
-        def ours() -> float:
-            root = Path(tmp) / f"run{count[0]}"
-            count[0] += 1
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
-
-        def plain() -> float:
-            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
-
-        pairs = bench.compare(ours, plain, args.rounds, lambda r, a, b: print(bench.pair_line(r, a, b, label="round"),
-                                                                              flush=True), args.smoke)
-    ratios = [a / b for a, b in pairs]
+    pairs = bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_qwen(model_dir, cfg=MODEL),
+        lambda root: diffpipe_times(root, args),
+        lambda model_dir: plain_times(model_dir, args),
+        args.rounds,
+        lambda r, a, b: print(bench.pair_line(r, a, b, label="round"), flush=True),
+    )
     print(
         f"model: Qwen-Image inner dim 256, 4 blocks, {(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens, batch "
         f"{args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
         f"{args.steps - args.warmup} steps after {args.warmup} warm-up"
     )
-    print(
-        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
-        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)"
-    )
+    print(bench.ratio_line(pairs))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -76,36 +74,21 @@ def main() -> None:
     args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
     bench.use_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_wan(model_dir, MODEL)
-        runs = []
-
-        def ours() -> float:
-            root = Path(tmp) / f"run{len(runs)}"
-            runs.append(root)
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
-
-        def plain() -> float:
-            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
-
-        def show(r: int, a: float, b: float) -> None:
-            print(bench.pair_line(r, a, b, label="round"), flush=True)
-
-        pairs = bench.compare(ours, plain, args.rounds, show, args.smoke)
-    ratios = [a / b for a, b in pairs]
+    pairs = bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_wan(model_dir, MODEL),
+        lambda root: diffpipe_times(root, args),
+        lambda model_dir: plain_times(model_dir, args),
+        args.rounds,
+        lambda r, a, b: print(bench.pair_line(r, a, b, label="round"), flush=True),
+    )
     f, h, w = LATENT
     print(
         f"model: Wan inner dim 256, 4 blocks, {f}x{h // 2}x{w // 2} = {f * h * w // 4} video + {TEXT_LEN} text tokens,"
         f" batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()};"
         f" medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
     )
-    print(
-        f"overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} pairs, spread "
-        f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)"
-    )
+    print(bench.ratio_line(pairs))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ skeleton is in ``diffpipe_core.testing.bench``.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -68,23 +67,14 @@ def plain_times(model_dir: Path, args) -> list[float]:
 def main() -> None:
     args = bench.bench_parser().parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_zimage(model_dir, MODEL)
-        count = [0]
-
-        def ours() -> float:
-            count[0] += 1
-            root = Path(tmp) / f"run{count[0]}"
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            return bench.after_warmup(diffpipe_times(root, args), args.warmup)
-
-        def plain() -> float:
-            return bench.after_warmup(plain_times(model_dir, args), args.warmup)
-
-        pairs = bench.compare(ours, plain, args.pairs, lambda i, a, b: print(bench.pair_line(i, a, b), flush=True),
-                              args.smoke)
+    pairs = bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_zimage(model_dir, MODEL),
+        lambda root: diffpipe_times(root, args),
+        lambda model_dir: plain_times(model_dir, args),
+        args.pairs,
+        lambda i, a, b: print(bench.pair_line(i, a, b), flush=True),
+    )
     tokens = (SIZE // 16) ** 2
     print(f"model: Z-Image dim 256, 4 + 2x2 blocks, {tokens} image + {TEXT_LEN} text tokens, batch {args.batch}, "
           f"LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians after {args.warmup} warm-up steps")
