@@ -5,7 +5,8 @@ them. :func:`alternate` measures the two sides in pairs, swapping which goes fir
 :func:`ratio_report` summarises the per-pair ratios by their median and spread.
 
 The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``bench/step_time.py``) also share
-:func:`bench_parser`, :func:`write_run_toml`, :func:`diffpipe_step_times`, :func:`plain_step_times`,
+:func:`bench_parser`, :func:`model_table`, :func:`write_run_toml`, :func:`train_times`, :func:`plain_model`,
+:func:`diffpipe_step_times`, :func:`plain_step_times`,
 :func:`compare`, :func:`measure_overhead`, :func:`ratio_line` and :func:`pair_line`; each bench supplies only its model,
 ``[model]`` table and loss.
 """
@@ -79,6 +80,36 @@ lr = 1e-4
 """
     )
     return path
+
+
+def model_table(model_type: str, **keys: object) -> str:
+    """The body of an overhead run's ``[model]`` table: ``model_type`` from ``root/model`` with weights and encoders
+    in float32, then ``keys`` (which may replace those)."""
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+
+    table = {"type": model_type, "path": "model", "dtype": "float32", "encoder_dtype": "float32", **keys}
+    return "\n".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in table.items())
+
+
+def train_times(root: Path, args: argparse.Namespace, table: str, timeout: float = 1800) -> list[float]:
+    """:func:`write_run_toml` of ``table`` for ``args.steps`` steps of ``args.batch`` in ``root`` (which holds the
+    dataset), then :func:`diffpipe_step_times`."""
+    write_run_toml(root, table, args.steps, args.batch)
+    return diffpipe_step_times(root, timeout)
+
+
+def plain_model(plugin: object, model_dir: Path, **keys: object) -> tuple[object, torch.nn.Module]:
+    """``(config, model)`` of the plain side: the plugin's diffusion model from ``model_dir`` in float32 on the CPU
+    (its ``[model]`` table: the plugin's type, ``path`` and ``keys``), loaded after ``torch.manual_seed(0)``."""
+    import torch
+
+    from diffpipe_core.schema import validate
+
+    spec = plugin.model_spec()  # type: ignore[attr-defined]
+    cfg = validate(spec.config_schema, {"type": spec.name, "path": model_dir, "dtype": "float32", **keys}, "bench")
+    torch.manual_seed(0)
+    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)  # type: ignore[attr-defined]
+    return cfg, model
 
 
 def diffpipe_step_times(root: Path, timeout: float = 1800) -> list[float]:

@@ -147,6 +147,18 @@ def with_trained_lora(model: torch.nn.Module, run: Path, rank: int, alpha: float
     return model.eval()
 
 
+def trained_transformer(
+    model_class: Any, run: Path, model_dir: Path, rank: int, alpha: float, targets: list[str], trained: tuple[str, ...]
+) -> Any:
+    """The folder's untrained ``transformer`` (``model_class.from_pretrained``) with the run's trained LoRA tensors
+    (:func:`with_trained_lora`), after checking that the last checkpoint holds each of ``trained`` (peft names)."""
+    params = checkpoint_params(run)
+    for name in trained:
+        assert name in params, f"{name} not in the checkpoint's {len(params)} tensors"
+    model = model_class.from_pretrained(str(Path(model_dir) / "transformer"))
+    return with_trained_lora(model, run, rank, alpha, targets)
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

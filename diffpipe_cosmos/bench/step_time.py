@@ -26,7 +26,6 @@ import torch
 
 from diffpipe_core import edm
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
 from diffpipe_cosmos import resize
@@ -57,24 +56,14 @@ def diffpipe_times(root: Path, entry: str, args: argparse.Namespace) -> list[flo
             write_video(root / "media" / f"clip_{i}.mp4", e["frames"], fps=30, size=(size, size), seed=i)
             (root / "media" / f"clip_{i}.txt").write_text(f"a robot arm {i}")
     write_dataset_toml(root / "dataset.toml", root / "media", resolutions=[size], frame_buckets=[e["frames"]])
-    table = f"""
-type = "{entry}"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = {T5_LEN}
-"""
-    bench.write_run_toml(root, table, args.steps, args.batch)
-    return bench.diffpipe_step_times(root)
+    return bench.train_times(root, args, bench.model_table(entry, t5_max_length=T5_LEN))
 
 
 def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[float]:
     e = ENTRIES[entry]
     hooks = e["hooks"]
-    cfg = validate(hooks.model_spec().config_schema, {"type": entry, "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
     resize.install()
-    model = hooks.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    cfg, model = bench.plain_model(hooks, model_dir)
     frames = 1 if e["frames"] == 1 else (e["frames"] - 1) // 8 + 1
     latents = torch.randn(args.batch, 16, frames, LATENT, LATENT)
     text = torch.randn(args.batch, T5_LEN, 64)

@@ -102,11 +102,11 @@ def trained_reference(run_dir: Path, model_dir: Path, target_modules: list[str])
     """The diffusers transformer with the trained LoRA tensors from the last checkpoint, applied by peft."""
     from diffusers import CosmosTransformer3DModel
 
-    params = runs.checkpoint_params(run_dir)
-    assert "transformer_blocks.0.attn1.to_q.lora_A.default.weight" in params
-    assert "transformer_blocks.1.ff.net.2.lora_B.default.weight" in params
-    model = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    return runs.with_trained_lora(model, run_dir, RANK, ALPHA, target_modules), params
+    trained = (
+        "transformer_blocks.0.attn1.to_q.lora_A.default.weight",
+        "transformer_blocks.1.ff.net.2.lora_B.default.weight",
+    )
+    return runs.trained_transformer(CosmosTransformer3DModel, run_dir, model_dir, RANK, ALPHA, target_modules, trained)
 
 
 def transformer_inputs(frames: int) -> dict:
@@ -131,7 +131,7 @@ def test_diffusers_lora_loads_with_peft_loader_and_reproduces(run: tuple[str, Pa
     assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
     assert all(k.startswith("transformer.transformer_blocks.") for k in state)
     assert "transformer.transformer_blocks.0.attn2.to_k.lora_A.weight" in state
-    reference, _ = trained_reference(path, model_dir, cfg["target_modules"])
+    reference = trained_reference(path, model_dir, cfg["target_modules"])
 
     fresh = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer")).eval()
     untrained = runs.outputs(fresh, transformer_inputs(2))

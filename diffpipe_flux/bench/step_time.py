@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.packing import image_ids, pack, text_ids
 from diffpipe_flux.plugin import plugin
 from diffpipe_flux.testing import TinyFluxConfig, write_tiny_flux
@@ -42,13 +40,7 @@ MODEL = TinyFluxConfig(
     clip_dim=64,
 )
 T5_LEN, LATENT = 64, 64  # 64x64 latents = 512x512 pixels
-MODEL_TABLE = f"""
-type = "flux"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = {T5_LEN}
-"""
+MODEL_TABLE = bench.model_table("flux", t5_max_length=T5_LEN)
 
 
 def write_project(root: Path, args: argparse.Namespace) -> None:
@@ -59,9 +51,7 @@ def write_project(root: Path, args: argparse.Namespace) -> None:
 
 
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
-    cfg = validate(FluxConfig, {"type": "flux", "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
-    model = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    cfg, model = bench.plain_model(plugin, model_dir)
     latents = torch.randn(args.batch, MODEL.latent_channels, LATENT, LATENT)
     text, pooled = torch.randn(args.batch, T5_LEN, MODEL.text_dim), torch.randn(args.batch, MODEL.clip_dim)
     img, txt = image_ids(LATENT, LATENT).float(), text_ids(T5_LEN).float()

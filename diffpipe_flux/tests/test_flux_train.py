@@ -81,11 +81,11 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     """The transformer with the trained LoRA tensors from the last checkpoint, applied by peft."""
     from diffusers import FluxTransformer2DModel
 
-    model = FluxTransformer2DModel.from_pretrained(str(model_dir / "transformer"))
-    params = runs.checkpoint_params(run)
-    assert "transformer_blocks.0.attn.to_q.lora_A.default.weight" in params
-    assert "single_transformer_blocks.1.proj_out.lora_B.default.weight" in params
-    return runs.with_trained_lora(model, run, RANK, ALPHA, target_modules), params
+    trained = (
+        "transformer_blocks.0.attn.to_q.lora_A.default.weight",
+        "single_transformer_blocks.1.proj_out.lora_B.default.weight",
+    )
+    return runs.trained_transformer(FluxTransformer2DModel, run, model_dir, RANK, ALPHA, target_modules, trained)
 
 
 def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -112,7 +112,7 @@ def test_diffusers_lora_loads_in_flux_pipeline_and_reproduces(two_stages: Path) 
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in state
     assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state
     assert not any(k.startswith("transformer.proj_out") for k in state)  # the final projection is not adapted
-    reference, _ = trained_reference(two_stages, model_dir, cfg["target_modules"])
+    reference = trained_reference(two_stages, model_dir, cfg["target_modules"])
 
     # alpha != rank here, so reproducing the outputs also proves diffusers applied the trained strength
     pipe = FluxPipeline.from_pretrained(str(model_dir), local_files_only=True)

@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
-from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.plugin import plugin
 from diffpipe_hunyuan.testing import (
     TinyHunyuanConfig,
@@ -50,39 +48,21 @@ PIXELS, FRAMES, TEXT_LEN = 128, 17, 32
 LATENT = (MODEL.latent_channels, (FRAMES - 1) // 4 + 1, PIXELS // 8, PIXELS // 8)
 
 
-def model_table(model_dir: Path) -> dict:
-    """The ``[model]`` table both sides use."""
-    return {
-        "type": "hunyuan-video",
-        "path": model_dir,
-        "dtype": "float32",
-        "encoder_dtype": "float32",
-        "text_max_length": TEXT_LEN,
-        "text_crop_start": template_crop_start(llama_tokenizer()),
-    }
+def encoder_keys() -> dict:
+    """The ``[model]`` keys of the text encoding both sides use (beside type, path and float32)."""
+    return {"text_max_length": TEXT_LEN, "text_crop_start": template_crop_start(llama_tokenizer())}
 
 
 def diffpipe_times(root: Path, model_dir: Path, args: argparse.Namespace) -> list[float]:
     """Train with `diffpipe train` in ``root``; the step times from metrics.jsonl."""
     write_clip_dataset(root / "clips", [FRAMES + 1] * 4, ["a red cat walks"] * 4, size=(PIXELS, PIXELS), fps=24)
     write_dataset_toml(root / "dataset.toml", root / "clips", resolutions=[PIXELS], frame_buckets=[FRAMES])
-    table = model_table(model_dir)
-    toml = f"""
-type = "hunyuan-video"
-path = "{model_dir}"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = {TEXT_LEN}
-text_crop_start = {table["text_crop_start"]}
-"""
-    bench.write_run_toml(root, toml, args.steps, args.batch)
-    return bench.diffpipe_step_times(root, timeout=3600)
+    table = bench.model_table("hunyuan-video", path=str(model_dir), **encoder_keys())
+    return bench.train_times(root, args, table, timeout=3600)
 
 
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
-    cfg = validate(HunyuanConfig, model_table(model_dir), "bench")
-    torch.manual_seed(0)
-    model = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
+    cfg, model = bench.plain_model(plugin, model_dir, encoder_dtype="float32", **encoder_keys())
     latents = torch.randn(args.batch, *LATENT)
     text, pooled = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim), torch.randn(args.batch, MODEL.clip_dim)
     text_mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.long)

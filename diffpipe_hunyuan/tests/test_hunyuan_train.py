@@ -154,11 +154,13 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     """The transformer with the trained LoRA tensors from the last checkpoint, applied by peft."""
     from diffusers import HunyuanVideoTransformer3DModel
 
-    model = HunyuanVideoTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    params = runs.checkpoint_params(run)
-    assert "transformer_blocks.0.attn.to_q.lora_A.default.weight" in params
-    assert "single_transformer_blocks.1.proj_out.lora_B.default.weight" in params
-    return runs.with_trained_lora(model, run, RANK, ALPHA, target_modules), params
+    trained = (
+        "transformer_blocks.0.attn.to_q.lora_A.default.weight",
+        "single_transformer_blocks.1.proj_out.lora_B.default.weight",
+    )
+    return runs.trained_transformer(
+        HunyuanVideoTransformer3DModel, run, model_dir, RANK, ALPHA, target_modules, trained
+    )
 
 
 def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -186,7 +188,7 @@ def test_diffusers_lora_loads_in_hunyuan_pipeline_and_reproduces(two_stages: tup
     assert all(k.startswith("transformer.") for k in state)
     assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state
     assert not any(k.startswith(("transformer.proj_out", "transformer.context_embedder")) for k in state)
-    reference, _ = trained_reference(run, model_dir, cfg["target_modules"])
+    reference = trained_reference(run, model_dir, cfg["target_modules"])
 
     pipe = HunyuanVideoPipeline.from_pretrained(str(model_dir), local_files_only=True)
     untrained = runs.outputs(pipe.transformer, transformer_inputs())

@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
-from diffpipe_ltx.config import LTXConfig
 from diffpipe_ltx.geometry import rope_interpolation_scale
 from diffpipe_ltx.packing import pack
 from diffpipe_ltx.plugin import plugin
@@ -35,13 +33,7 @@ from diffpipe_ltx.testing import TinyLTXConfig, write_clips, write_tiny_ltx
 MODEL = TinyLTXConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=8, text_dim=64)
 T5_LEN, FRAMES, WIDTH, HEIGHT = 64, 25, 384, 256
 LATENT = (FRAMES - 1) // 8 + 1, HEIGHT // 32, WIDTH // 32
-MODEL_TABLE = f"""
-type = "ltx-video"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = {T5_LEN}
-"""
+MODEL_TABLE = bench.model_table("ltx-video", t5_max_length=T5_LEN)
 
 
 def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
@@ -51,14 +43,11 @@ def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
     write_dataset_toml(
         root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
     )
-    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
-    return bench.diffpipe_step_times(root)
+    return bench.train_times(root, args, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
-    cfg = validate(LTXConfig, {"type": "ltx-video", "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
-    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    cfg, model = bench.plain_model(plugin, model_dir)
     f, h, w = LATENT
     latents = torch.randn(args.batch, MODEL.latent_channels, f, h, w)
     text = torch.randn(args.batch, T5_LEN, MODEL.text_dim)

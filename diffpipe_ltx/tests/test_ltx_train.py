@@ -127,9 +127,10 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     """The transformer with the trained LoRA tensors of the last checkpoint, applied by peft."""
     from diffusers import LTXVideoTransformer3DModel
 
-    model = LTXVideoTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
-    assert "transformer_blocks.1.attn2.to_k.lora_A.default.weight" in run_checks.checkpoint_params(run)
-    return run_checks.with_trained_lora(model, run, RANK, ALPHA, target_modules)
+    trained = ("transformer_blocks.1.attn2.to_k.lora_A.default.weight",)
+    return run_checks.trained_transformer(
+        LTXVideoTransformer3DModel, run, model_dir, RANK, ALPHA, target_modules, trained
+    )
 
 
 def transformer_inputs() -> dict:

@@ -21,23 +21,15 @@ import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.parts.latents import pack_2x2
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_qwenimage.config import QwenImageConfig
 from diffpipe_qwenimage.plugin import plugin
 from diffpipe_qwenimage.testing import TinyQwenConfig, write_tiny_qwen
 
 MODEL = TinyQwenConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, axes_dims_rope=(16, 24, 24),
                        latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 64, 256
-MODEL_TABLE = f"""
-type = "qwen-image"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = {TEXT_LEN}
-"""
+MODEL_TABLE = bench.model_table("qwen-image", text_max_length=TEXT_LEN)
 
 
 def diffpipe_times(root: Path, args) -> list[float]:
@@ -45,14 +37,11 @@ def diffpipe_times(root: Path, args) -> list[float]:
     captions = [" ".join(["a long caption of a red cat on a house"] * 6) + f" {i}" for i in range(4)]
     write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
-    return bench.diffpipe_step_times(root)
+    return bench.train_times(root, args, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args) -> list[float]:
-    cfg = validate(QwenImageConfig, {"type": "qwen-image", "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
-    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    cfg, model = bench.plain_model(plugin, model_dir)
     h = w = SIZE // 8
     latents = torch.randn(args.batch, MODEL.latent_channels, h, w)
     text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)

@@ -21,10 +21,8 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
-from diffpipe_wan.config import WanConfig
 from diffpipe_wan.plugin import wan
 from diffpipe_wan.testing import TinyWanConfig, write_clips, write_tiny_wan
 
@@ -33,13 +31,7 @@ MODEL = TinyWanConfig(
 )
 TEXT_LEN, FRAMES, WIDTH, HEIGHT = 64, 17, 192, 128
 LATENT = (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8
-MODEL_TABLE = f"""
-type = "wan"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = {TEXT_LEN}
-"""
+MODEL_TABLE = bench.model_table("wan", text_max_length=TEXT_LEN)
 
 
 def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
@@ -49,14 +41,11 @@ def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
     write_dataset_toml(
         root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
     )
-    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
-    return bench.diffpipe_step_times(root)
+    return bench.train_times(root, args, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
-    cfg = validate(WanConfig, {"type": "wan", "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
-    model = wan.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    cfg, model = bench.plain_model(wan, model_dir)
     latents = torch.randn(args.batch, MODEL.latent_channels, *LATENT)
     text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)
 

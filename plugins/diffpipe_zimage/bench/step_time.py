@@ -20,22 +20,14 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_zimage.config import ZImageConfig
 from diffpipe_zimage.plugin import plugin
 from diffpipe_zimage.testing import TinyZImageConfig, write_tiny_zimage
 
 MODEL = TinyZImageConfig(dim=256, n_layers=4, n_heads=4, axes_dims=(16, 24, 24), latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 64, 256
-MODEL_TABLE = f"""
-type = "z-image"
-path = "model"
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = {TEXT_LEN}
-"""
+MODEL_TABLE = bench.model_table("z-image", text_max_length=TEXT_LEN)
 
 
 def diffpipe_times(root: Path, args) -> list[float]:
@@ -43,14 +35,11 @@ def diffpipe_times(root: Path, args) -> list[float]:
     data = root / "images"
     write_image_dataset(data, 4, size=(SIZE, SIZE), captions=[f"a photo of a red cat {i}" for i in range(4)])
     write_dataset_toml(root / "dataset.toml", data, resolutions=[SIZE], enable_ar_bucket=False)
-    bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
-    return bench.diffpipe_step_times(root)
+    return bench.train_times(root, args, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args) -> list[float]:
-    cfg = validate(ZImageConfig, {"type": "z-image", "path": model_dir, "dtype": "float32"}, "bench")
-    torch.manual_seed(0)
-    model = plugin.load_diffusion_model(model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
+    cfg, model = bench.plain_model(plugin, model_dir)
     latents = torch.randn(args.batch, MODEL.latent_channels, SIZE // 8, SIZE // 8)
     text = [torch.randn(TEXT_LEN // 4, MODEL.text_dim) for _ in range(args.batch)]
 
