@@ -33,6 +33,19 @@ WORDS = (
 ).split()
 
 
+@dataclass
+class TinySizes:
+    """The sizes every tiny diffusion transformer has; a plugin's ``Tiny*Config`` subclasses it, adds its own fields
+    and restates a default that differs."""
+
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    latent_channels: int = 4
+    text_dim: int = 32
+    seed: int = 0
+
+
 @dataclass(frozen=True)
 class Part:
     """One pipeline component: ``build()`` makes it, after ``torch.manual_seed(seed)`` when ``seed`` is given."""

@@ -30,17 +30,13 @@ LIBRARIES = {"text_encoder": "transformers", "tokenizer": "transformers"}
 
 
 @dataclass
-class TinyCosmosConfig:
+class TinyCosmosConfig(tiny.TinySizes):
     """Sizes of the tiny Cosmos transformer, VAE and T5."""
 
     variant: Variant = "predict2"
-    num_layers: int = 2
-    num_attention_heads: int = 2
     attention_head_dim: int = 12
-    latent_channels: int = 4
     text_dim: int = 16
     mlp_ratio: float = 2.0
-    seed: int = 0
 
 
 def tiny_transformer(cfg: TinyCosmosConfig):

@@ -19,20 +19,15 @@ from diffpipe_flux.bfl import diffusers_to_bfl
 
 
 @dataclass
-class TinyFluxConfig:
-    """Sizes of the tiny Flux. ``guidance_embeds=True`` is dev-like, False schnell-like."""
+class TinyFluxConfig(tiny.TinySizes):
+    """Sizes of the tiny Flux (``text_dim``: T5 d_model = joint_attention_dim). ``guidance_embeds=True`` is dev-like,
+    False schnell-like."""
 
-    num_layers: int = 2
     num_single_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
     axes_dims_rope: tuple[int, int, int] = (4, 4, 8)
-    latent_channels: int = 4
     guidance_embeds: bool = True
-    text_dim: int = 32  # T5 d_model = joint_attention_dim
     clip_dim: int = 32  # CLIP hidden = pooled_projection_dim
     vae_channels: tuple[int, ...] = field(default=(8, 8, 8, 8))  # 4 levels: factor 8, like Flux's VAE
-    seed: int = 0
 
 
 def tiny_transformer(cfg: TinyFluxConfig):

@@ -28,23 +28,18 @@ LLAMA_SPECIALS = ["<pad>", "<unk>", "<|begin_of_text|>", "<|eot_id|>", "<|start_
 
 
 @dataclass
-class TinyHunyuanConfig:
-    """Sizes of the tiny HunyuanVideo (``guidance_embeds=True`` like the released, guidance-distilled model)."""
+class TinyHunyuanConfig(tiny.TinySizes):
+    """Sizes of the tiny HunyuanVideo (``guidance_embeds=True`` like the released, guidance-distilled model;
+    ``text_dim``: Llama hidden size = text_embed_dim)."""
 
-    num_layers: int = 2
     num_single_layers: int = 2
     num_refiner_layers: int = 1
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
     rope_axes_dim: tuple[int, int, int] = (4, 6, 6)
     patch_size: int = 2
-    latent_channels: int = 4
     guidance_embeds: bool = True
-    text_dim: int = 32  # Llama hidden size = text_embed_dim
     clip_dim: int = 32  # CLIP hidden size = pooled_projection_dim
     llama_layers: int = 3  # the pipeline takes hidden_states[-3]
     vae_channels: tuple[int, ...] = field(default=(8, 8, 8, 8))  # 4 levels: 8x spatial, 4x temporal
-    seed: int = 0
 
 
 def _prompt_template() -> str:

@@ -25,17 +25,12 @@ WORDS = (
 
 
 @dataclass
-class TinyLTXConfig:
+class TinyLTXConfig(tiny.TinySizes):
     """Sizes of the tiny LTX-Video (inner dim = heads x head dim = the T5 width)."""
 
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
     latent_channels: int = 8
-    text_dim: int = 32
     vae_channels: int = 8
     scaling_factor: float = 1.25  # the real VAE uses 1.0; != 1 here so tests see where it is applied
-    seed: int = 0
 
 
 def _tokenizer(max_length: int):

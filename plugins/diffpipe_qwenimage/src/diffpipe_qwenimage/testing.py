@@ -40,16 +40,11 @@ SCHEDULER = {  # Qwen-Image's scheduler/scheduler_config.json
 
 
 @dataclass
-class TinyQwenConfig:
-    """Sizes of the tiny Qwen-Image: a 2-block transformer over 4 latent channels, a 2-layer Qwen2.5-VL."""
+class TinyQwenConfig(tiny.TinySizes):
+    """Sizes of the tiny Qwen-Image: a 2-block transformer over 4 latent channels, a 2-layer Qwen2.5-VL
+    (``text_dim``: its hidden size = joint_attention_dim)."""
 
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 16
     axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
-    latent_channels: int = 4
-    text_dim: int = 32  # Qwen2.5-VL hidden size = joint_attention_dim
-    seed: int = 0
 
 
 def tokenizer() -> Any:

@@ -28,25 +28,20 @@ T2V, I2V = "WanPipeline", "WanImageToVideoPipeline"
 
 
 @dataclass
-class TinyWanConfig:
+class TinyWanConfig(tiny.TinySizes):
     """Sizes and variant of the tiny Wan (inner dim = heads x head dim).
 
     ``i2v``: a ``WanImageToVideoPipeline`` (transformer input: noisy latents, 4 mask channels, first-frame latents);
     ``clip``: with Wan 2.1's CLIP vision encoder and the transformer's image embedder; ``boundary_ratio``: two experts
     (Wan 2.2 A14B); ``vae22``: Wan 2.2's 16x VAE (TI2V 5B)."""
 
-    num_layers: int = 2
-    num_attention_heads: int = 2
     attention_head_dim: int = 12
-    latent_channels: int = 4
-    text_dim: int = 32
     ffn_dim: int = 32
     i2v: bool = False
     clip: bool = False
     boundary_ratio: float | None = None
     vae22: bool = False
     shift: float = 5.0  # the scheduler's: Wan's 480p-class default
-    seed: int = 0
 
     @property
     def pipeline(self) -> str:
