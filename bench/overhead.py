@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_reference.model import TinyDiT, TinyDiTConfig, write_tiny_model
@@ -40,13 +39,10 @@ def plain_times(cfg: TinyDiTConfig, args: argparse.Namespace) -> list[float]:
     latents = torch.randn(args.batch, cfg.in_channels, side, side)
     text = torch.randn(args.batch, cfg.text_len, cfg.text_dim)
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        return masked_mse(model(x_t, t, text), target)
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(x_t, t, text)
 
-    return bench.plain_step_times(model, TARGETS, loss, args.steps)
+    return bench.plain_step_times(model, TARGETS, bench.flow_loss(latents, forward), args.steps)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ them. :func:`alternate` measures the two sides in pairs, swapping which goes fir
 
 The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``bench/step_time.py``) also share
 :func:`bench_parser`, :func:`model_table`, :func:`write_run_toml`, :func:`train_times`, :func:`plain_model`,
-:func:`diffpipe_step_times`, :func:`plain_step_times`,
+:func:`diffpipe_step_times`, :func:`plain_step_times`, :func:`flow_loss`,
 :func:`compare`, :func:`measure_overhead`, :func:`ratio_line` and :func:`pair_line`; each bench supplies only its model,
 ``[model]`` table and loss.
 """
@@ -149,6 +149,28 @@ def plain_step_times(
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     return times
+
+
+def flow_loss(
+    latents: torch.Tensor,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **timesteps: float,
+) -> Callable[[torch.Generator], torch.Tensor]:
+    """The plain side's rectified-flow loss on ``latents`` for :func:`plain_step_times`: noise and times (
+    ``sample_timesteps(**timesteps)``) from the step's generator, ``forward(x_t, t)`` the model's prediction, its
+    masked MSE to the velocity (put in the prediction's ``layout``, e.g. the model's packing)."""
+    import torch
+
+    from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
+
+    def loss(gen: torch.Generator) -> torch.Tensor:
+        noise = torch.randn(latents.shape, generator=gen)
+        t = sample_timesteps(latents.shape[0], gen, **timesteps)
+        x_t, target = flow_matching_pair(latents, noise, t)
+        return masked_mse(forward(x_t, t), target if layout is None else layout(target))
+
+    return loss
 
 
 def after_warmup(times: list[float], warmup: int) -> float:

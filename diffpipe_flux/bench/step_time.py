@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.packing import image_ids, pack, text_ids
@@ -56,11 +55,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
     text, pooled = torch.randn(args.batch, T5_LEN, MODEL.text_dim), torch.randn(args.batch, MODEL.clip_dim)
     img, txt = image_ids(LATENT, LATENT).float(), text_ids(T5_LEN).float()
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(
             hidden_states=pack(x_t),
             encoder_hidden_states=text,
             pooled_projections=pooled,
@@ -69,9 +65,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
             txt_ids=txt,
             guidance=torch.ones(args.batch),
         ).sample
-        return masked_mse(out, pack(target))
 
-    return bench.plain_step_times(model, plugin.lora_targets(cfg), loss, args.steps)
+    return bench.plain_step_times(model, plugin.lora_targets(cfg), bench.flow_loss(latents, forward, pack), args.steps)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_hunyuan.plugin import plugin
@@ -67,11 +66,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
     text, pooled = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim), torch.randn(args.batch, MODEL.clip_dim)
     text_mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.long)
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(
             hidden_states=x_t,
             timestep=t * 1000,
             encoder_hidden_states=text,
@@ -79,9 +75,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
             pooled_projections=pooled,
             guidance=torch.full((args.batch,), 1000.0),
         ).sample
-        return masked_mse(out, target)
 
-    return bench.plain_step_times(model, plugin.lora_targets(cfg), loss, args.steps)
+    return bench.plain_step_times(model, plugin.lora_targets(cfg), bench.flow_loss(latents, forward), args.steps)
 
 
 def main() -> None:

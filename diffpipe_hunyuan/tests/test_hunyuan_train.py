@@ -34,35 +34,7 @@ from diffpipe_hunyuan.testing import (
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 16
-RUN_TOML = """
-output_dir = "{output_dir}"
-dataset = "dataset.toml"
-max_steps = {steps}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-pipeline_stages = {stages}
-checkpoint_every_n_steps = {steps}
-save_dtype = "float32"
-seed = 7
-
-[model]
-type = "hunyuan-video"
-path = "model"
-{transformer_file}
-dtype = "float32"
-encoder_dtype = "float32"
-text_max_length = 8
-text_crop_start = {crop}
-timestep_sample_method = "uniform"
-
-[adapter]
-rank = {rank}
-alpha = {alpha}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 4e-3
-"""
+MODEL = {"type": "hunyuan-video", "text_max_length": 8, "timestep_sample_method": "uniform"}
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house"]
 
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
@@ -80,16 +52,12 @@ def make_project(root: Path) -> Path:
     write_dataset_toml(root / "dataset.toml", data, resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5, 9])
     crop = template_crop_start(llama_tokenizer())
     for stages, single_file in ((2, False), (1, True)):
-        line = f'transformer_file = "{original_path(root / "model").name}"' if single_file else ""
-        text = RUN_TOML.format(
-            output_dir=f"out{stages}",
-            steps=STEPS,
-            stages=stages,
-            transformer_file=line,
-            crop=crop,
-            rank=RANK,
-            alpha=ALPHA,
-        )
+        model = {**MODEL, "text_crop_start": crop}
+        if single_file:
+            model["transformer_file"] = original_path(root / "model").name
+        top = {"output_dir": f"out{stages}", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7}
+        top |= {"pipeline_stages": stages, "checkpoint_every_n_steps": STEPS}
+        text = runs.lora_run_toml(model, 4e-3, None, RANK, ALPHA, **top)
         (root / f"run{stages}.toml").write_text(text)
     return root
 

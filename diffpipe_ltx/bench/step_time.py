@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_ltx.geometry import rope_interpolation_scale
@@ -55,11 +54,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
     mask[:, T5_LEN // 4 :] = 0
     scale = rope_interpolation_scale(cfg)
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(
             hidden_states=pack(x_t),
             encoder_hidden_states=text,
             timestep=t * 1000,
@@ -69,8 +65,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
             width=w,
             rope_interpolation_scale=scale,
         ).sample
-        return masked_mse(out, pack(target))
 
+    loss = bench.flow_loss(latents, forward, pack)
     return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
 
 

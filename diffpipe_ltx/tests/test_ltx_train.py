@@ -23,36 +23,7 @@ from diffpipe_ltx.testing import single_file_path, write_clips, write_tiny_ltx
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA = 4, 8.0
-RUN_TOML = """
-output_dir = "{out}"
-dataset = "dataset.toml"
-max_steps = {steps}
-micro_batch_size_per_gpu = 2
-gradient_accumulation_steps = 2
-pipeline_stages = {stages}
-{split}
-checkpoint_every_n_steps = {steps}
-save_dtype = "float32"
-seed = 3
-
-[model]
-type = "ltx-video"
-path = "model"
-{transformer_file}
-dtype = "float32"
-encoder_dtype = "float32"
-t5_max_length = 16
-timestep_sample_method = "uniform"
-first_frame_conditioning_p = {p}
-
-[adapter]
-rank = {rank}
-alpha = {alpha}
-save_formats = ["diffusers", "comfyui"]
-
-[optimizer]
-lr = 1e-2
-"""
+MODEL = {"type": "ltx-video", "t5_max_length": 16, "timestep_sample_method": "uniform"}
 CAPTIONS = ["a red car", "a blue river", "a green tree", "a dark city", "a cat", "a dog", "a house", "a sky"]
 TWO_STAGE_STEPS, ONE_PROC_STEPS = 20, 16
 
@@ -71,18 +42,13 @@ def make_project(root: Path) -> Path:
 
 
 def train(root: Path, name: str, stages: int, procs: int, steps: int, p: float, single_file: bool) -> Path:
-    line = f'transformer_file = "{single_file_path(root / "model").name}"' if single_file else ""
-    text = RUN_TOML.format(
-        out=name,
-        steps=steps,
-        stages=stages,
-        transformer_file=line,
-        p=p,
-        rank=RANK,
-        alpha=ALPHA,
-        # embedders + block 0 | block 1 + output: the boundary carries every between-block tensor
-        split="partition_split = [2]" if stages == 2 else "",
-    )
+    model = {**MODEL, "first_frame_conditioning_p": p}
+    if single_file:
+        model["transformer_file"] = single_file_path(root / "model").name
+    top = {"output_dir": name, "max_steps": steps, "gradient_accumulation_steps": 2, "pipeline_stages": stages}
+    if stages == 2:  # embedders + block 0 | block 1 + output: the boundary carries every between-block tensor
+        top["partition_split"] = [2]
+    text = run_checks.lora_run_toml(model, 1e-2, None, RANK, ALPHA, checkpoint_every_n_steps=steps, seed=3, **top)
     (root / f"{name}.toml").write_text(text)
     return run_checks.train(root, f"{name}.toml", procs, timeout=400)
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.parts.latents import pack_2x2
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
@@ -48,14 +47,11 @@ def plain_times(model_dir: Path, args) -> list[float]:
     mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.bool)
     shapes = [[(1, h // 2, w // 2)]] * args.batch
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(hidden_states=pack_2x2(x_t), encoder_hidden_states=text, encoder_hidden_states_mask=mask,
-                    timestep=t, img_shapes=shapes).sample
-        return masked_mse(out, pack_2x2(target))
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(hidden_states=pack_2x2(x_t), encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                     timestep=t, img_shapes=shapes).sample
 
+    loss = bench.flow_loss(latents, forward, pack_2x2)
     return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
 
 

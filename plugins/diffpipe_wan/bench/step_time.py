@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_wan.plugin import wan
@@ -49,13 +48,10 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
     latents = torch.randn(args.batch, MODEL.latent_channels, *LATENT)
     text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text).sample
-        return masked_mse(out.float(), target)
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return model(hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=text).sample.float()
 
+    loss = bench.flow_loss(latents, forward)
     return bench.plain_step_times(model, wan.lora_targets(model_config=cfg), loss, args.steps)
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.diffusion import flow_matching_pair, masked_mse, sample_timesteps
 from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_zimage.plugin import plugin
@@ -43,13 +42,10 @@ def plain_times(model_dir: Path, args) -> list[float]:
     latents = torch.randn(args.batch, MODEL.latent_channels, SIZE // 8, SIZE // 8)
     text = [torch.randn(TEXT_LEN // 4, MODEL.text_dim) for _ in range(args.batch)]
 
-    def loss(gen: torch.Generator) -> torch.Tensor:
-        noise = torch.randn(latents.shape, generator=gen)
-        t = sample_timesteps(args.batch, gen, shift=cfg.shift)
-        x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(list(x_t.unsqueeze(2)), 1 - t, text).sample
-        return masked_mse(-torch.stack(out).squeeze(2), target)
+    def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return -torch.stack(model(list(x_t.unsqueeze(2)), 1 - t, text).sample).squeeze(2)
 
+    loss = bench.flow_loss(latents, forward, shift=cfg.shift)
     return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
 
 
