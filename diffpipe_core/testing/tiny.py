@@ -262,6 +262,30 @@ def llama(tokenizer: Any, dim: int = 32, layers: int = 2, positions: int = 1024)
 
 
 # ---------------------------------------------------------------------------------------------- VAEs
+def wan_vae(z_dim: int, **config: Any) -> Any:
+    """A random ``AutoencoderKLWan`` with Wan 2.1's geometry (8x spatial, 4x temporal) at the smallest width (base
+    dim 8, one residual block per level); ``config`` adds the rest (``latents_mean`` / ``latents_std``, Wan 2.2's
+    16x settings)."""
+    from diffusers import AutoencoderKLWan
+
+    geometry = {"dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True]}
+    return AutoencoderKLWan(base_dim=8, z_dim=z_dim, **geometry, **config)
+
+
+def beside(folder: Path, suffix: str) -> Path:
+    """``<folder><suffix>`` next to ``folder``: where a tiny model's writer puts its single file."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + suffix)
+
+
+def demo_clips(clips: Path | None, write: Callable[[Path], Any], count: int) -> None:
+    """A tiny model's ``--clips DIR`` (its ``testing`` module's command line): ``write(DIR)`` the ``count`` captioned
+    clips of a demo dataset and say so."""
+    if clips:
+        write(clips)
+        print(f"wrote {count} clips to {clips}")
+
+
 def autoencoder_kl(
     latent_channels: int = 4,
     channels: tuple[int, ...] = (8, 8, 8, 8),

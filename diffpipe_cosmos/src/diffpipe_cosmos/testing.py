@@ -70,7 +70,7 @@ def tiny_transformer(cfg: TinyCosmosConfig):
 def tiny_vae(cfg: TinyCosmosConfig):
     """1.0: ``AutoencoderKLCosmos`` (8x spatial, 8x temporal, per-channel-and-frame latent statistics for up to
     4 latent frames); Predict2: ``AutoencoderKLWan`` (8x spatial, 4x temporal, per-channel statistics)."""
-    from diffusers import AutoencoderKLCosmos, AutoencoderKLWan
+    from diffusers import AutoencoderKLCosmos
 
     c = cfg.latent_channels
     if cfg.variant == "1.0":
@@ -87,14 +87,8 @@ def tiny_vae(cfg: TinyCosmosConfig):
             latents_mean=[0.05 * (i % 7) - 0.1 for i in range(4 * c)],
             latents_std=[0.5 + 0.1 * (i % 5) for i in range(4 * c)],
         )
-    return AutoencoderKLWan(
-        base_dim=8,
-        z_dim=c,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1 * i - 0.15 for i in range(c)],
-        latents_std=[0.5 + 0.25 * i for i in range(c)],
+    return tiny.wan_vae(
+        c, latents_mean=[0.1 * i - 0.15 for i in range(c)], latents_std=[0.5 + 0.25 * i for i in range(c)]
     )
 
 
@@ -131,8 +125,7 @@ def to_diffusers(state: dict[str, torch.Tensor], variant: Variant) -> dict[str, 
 
 def original_path(folder: Path) -> Path:
     """Where :func:`write_tiny_cosmos` puts the original-layout single file by default."""
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".original.safetensors")
+    return tiny.beside(folder, ".original.safetensors")
 
 
 def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, original_file: Path | None = None) -> Path:

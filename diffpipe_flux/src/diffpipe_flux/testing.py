@@ -92,8 +92,7 @@ def write_tiny_flux(folder: Path, cfg: TinyFluxConfig | None = None, bfl_file: P
 
 def bfl_path(folder: Path) -> Path:
     """Where :func:`write_tiny_flux` puts the BFL single file by default."""
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".bfl.safetensors")
+    return tiny.beside(folder, ".bfl.safetensors")
 
 
 @dataclass

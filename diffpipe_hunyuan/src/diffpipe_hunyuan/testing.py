@@ -126,8 +126,7 @@ def tiny_pipeline(cfg: TinyHunyuanConfig):
 
 def original_path(folder: Path) -> Path:
     """Where :func:`write_tiny_hunyuan` puts the original-layout single file by default."""
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".original.safetensors")
+    return tiny.beside(folder, ".original.safetensors")
 
 
 def write_tiny_hunyuan(folder: Path, cfg: TinyHunyuanConfig | None = None, single_file: Path | None = None) -> Path:

@@ -113,8 +113,7 @@ def tiny_pipeline(cfg: TinyLTXConfig):
 
 def single_file_path(folder: Path) -> Path:
     """Where :func:`write_tiny_ltx` puts the original-layout single file by default."""
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".ltxv.safetensors")
+    return tiny.beside(folder, ".ltxv.safetensors")
 
 
 def write_tiny_ltx(folder: Path, cfg: TinyLTXConfig | None = None, single_file: Path | None = None) -> Path:
@@ -151,9 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     folder = write_tiny_ltx(args.folder)
     print(f"wrote {folder} and {single_file_path(folder)}")
-    if args.clips:
-        write_clips(args.clips, CLIP_CAPTIONS, frames=25, size=(96, 64))
-        print(f"wrote {len(CLIP_CAPTIONS)} clips to {args.clips}")
+    tiny.demo_clips(args.clips, lambda d: write_clips(d, CLIP_CAPTIONS, frames=25, size=(96, 64)), len(CLIP_CAPTIONS))
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def parts(cfg: TinyQwenConfig) -> dict[str, tiny.Part]:
 
 def comfy_path(folder: Path) -> Path:
     """Where :func:`write_tiny_qwen` puts the ComfyUI-layout single file of ``folder``'s transformer."""
-    return Path(folder).with_name(Path(folder).name + "-comfy.safetensors")
+    return tiny.beside(folder, "-comfy.safetensors")
 
 
 def write_tiny_qwen(folder: Path, pipeline: str = "QwenImagePipeline", cfg: TinyQwenConfig | None = None) -> Path:

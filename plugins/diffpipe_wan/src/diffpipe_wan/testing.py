@@ -79,7 +79,6 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
 def tiny_vae(cfg: TinyWanConfig):
     """A random ``AutoencoderKLWan`` with Wan 2.1's geometry (8x spatial, 4x temporal), or Wan 2.2's 16x one (2x2
     patchified input, residual blocks), and random per-channel ``latents_mean`` / ``latents_std``."""
-    from diffusers import AutoencoderKLWan
 
     torch.manual_seed(cfg.seed + 1)
     z = cfg.latent_channels
@@ -89,15 +88,7 @@ def tiny_vae(cfg: TinyWanConfig):
         "latents_std": (torch.rand(z, generator=g) + 0.5).tolist(),
     }
     extra = {"is_residual": True, "patch_size": 2, "in_channels": 12, "out_channels": 12, "scale_factor_spatial": 16}
-    return AutoencoderKLWan(
-        base_dim=8,
-        z_dim=z,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        **stats,
-        **(extra if cfg.vae22 else {}),
-    ).eval()
+    return tiny.wan_vae(z, **stats, **(extra if cfg.vae22 else {})).eval()
 
 
 def image_encoder():
@@ -140,9 +131,7 @@ def parts(cfg: TinyWanConfig) -> dict[str, tiny.Part]:
 
 def single_file_path(folder: Path, component: str = "transformer") -> Path:
     """Where :func:`write_tiny_wan` puts a transformer's original-layout single file."""
-    folder = Path(folder)
-    suffix = "" if component == "transformer" else "_2"
-    return folder.with_name(f"{folder.name}{suffix}.wan.safetensors")
+    return tiny.beside(folder, f"{'' if component == 'transformer' else '_2'}.wan.safetensors")
 
 
 def write_tiny_wan(folder: Path, cfg: TinyWanConfig | None = None) -> Path:
@@ -181,9 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     folder = write_tiny_wan(args.folder, TinyWanConfig(i2v=args.i2v, clip=args.i2v))
     print(f"wrote {folder} and {single_file_path(folder)}")
-    if args.clips:
-        write_clips(args.clips, CLIP_CAPTIONS, frames=17, size=(64, 48))
-        print(f"wrote {len(CLIP_CAPTIONS)} clips to {args.clips}")
+    tiny.demo_clips(args.clips, lambda d: write_clips(d, CLIP_CAPTIONS, frames=17, size=(64, 48)), len(CLIP_CAPTIONS))
 
 
 if __name__ == "__main__":

@@ -94,8 +94,7 @@ def parts(cfg: TinyZImageConfig) -> dict[str, tiny.Part]:
 
 def original_path(folder: Path) -> Path:
     """Where :func:`write_tiny_zimage` puts the original-layout single file by default."""
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".original.safetensors")
+    return tiny.beside(folder, ".original.safetensors")
 
 
 def write_tiny_zimage(folder: Path, cfg: TinyZImageConfig | None = None, single_file: Path | None = None) -> Path:
