@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -57,11 +59,7 @@ class EmbedLayer(nn.Module):
         return (tokens, text, embedded, temb, cos, sin, *extra, grid)
 
 
-class BlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class BlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         tokens, text, embedded, temb, cos, sin, *extra, grid = inputs
         tokens = self.block(tokens, text, embedded, temb, (cos, sin), extra[0] if extra else None, None)

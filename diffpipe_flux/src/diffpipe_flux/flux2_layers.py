@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
 from diffpipe_flux.layers import FinalLayer, Tensors, chain
 
 
@@ -45,11 +46,7 @@ class Flux2EmbedLayer(nn.Module):
         return img, txt, temb, self.mod_img(temb), self.mod_txt(temb), self.mod_single(temb), cos, sin
 
 
-class Flux2DoubleBlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class Flux2DoubleBlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, mod_img, mod_txt, mod_single, cos, sin = inputs
         txt, img = self.block(
@@ -61,11 +58,7 @@ class Flux2DoubleBlockLayer(nn.Module):
         return img, txt, temb, mod_img, mod_txt, mod_single, cos, sin
 
 
-class Flux2SingleBlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class Flux2SingleBlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, mod, cos, sin = inputs
         txt, img = self.block(

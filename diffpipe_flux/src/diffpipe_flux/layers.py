@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -55,11 +57,7 @@ class DoubleBlockLayer(nn.Module):
         return img, txt, temb, cos, sin
 
 
-class SingleBlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class SingleBlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, cos, sin = inputs
         txt, img = self.block(hidden_states=img, encoder_hidden_states=txt, temb=temb, image_rotary_emb=(cos, sin))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -62,11 +64,7 @@ class DoubleBlockLayer(nn.Module):
         return img, txt, temb, cos, sin, mask, grid
 
 
-class SingleBlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class SingleBlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, cos, sin, mask, grid = inputs
         img, txt = self.block(img, txt, temb, mask, (cos, sin))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -49,11 +51,7 @@ class EmbedLayer(nn.Module):
         return hidden, text, temb, embedded, cos, sin, text_mask
 
 
-class BlockLayer(nn.Module):
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
+class BlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         hidden, text, temb, embedded, cos, sin, text_mask = inputs
         bias = ((1 - text_mask.to(hidden.dtype)) * -10000.0).unsqueeze(1)  # as the model's forward makes it

@@ -23,10 +23,12 @@ import math
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
-class EmbedLayer(nn.Module):
+class EmbedLayer(WrappedBlock):
     """Image and text projections (text RMS-normed first), timestep embedding, rotary embedding."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -55,10 +57,6 @@ class EmbedLayer(nn.Module):
 
 class BlockLayer(nn.Module):
     """One dual-stream block (joint attention over text and image tokens, the text padding masked)."""
-
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
 
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, mask, shapes, img_rope, txt_rope, *extra = inputs

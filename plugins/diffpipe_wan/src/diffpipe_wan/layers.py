@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 
 
-class EmbedLayer(nn.Module):
+class EmbedLayer(WrappedBlock):
     """Rotary embedding, patch embedding, time / text (/ image) embedders."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -49,10 +51,6 @@ class EmbedLayer(nn.Module):
 
 class BlockLayer(nn.Module):
     """One ``WanTransformerBlock``: self-attention with the rotary embedding, cross-attention, feed-forward."""
-
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
 
     def forward(self, inputs: Tensors) -> Tensors:
         hidden, context, modulation, temb, cos, sin, grid = inputs

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe_core.parts.blocks import WrappedBlock
+
 Tensors = tuple[torch.Tensor, ...]
 SEQ = 32  # ZImageTransformer2DModel pads every token sequence to a multiple of this
 
@@ -43,7 +45,7 @@ def _attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask
 
 
-class EmbedLayer(nn.Module):
+class EmbedLayer(WrappedBlock):
     """Timestep, patch and caption embedding, pad tokens and both streams' rotary positions."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -120,10 +122,6 @@ class NoiseRefinerLayer(nn.Module):
 class ContextRefinerLayer(nn.Module):
     """One context-refiner block (caption tokens, no modulation); the last one joins image and caption tokens."""
 
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
-
     def forward(self, inputs: Tensors) -> Tensors:
         x, cap, adaln, x_freqs, cap_freqs, cap_mask, grid = inputs
         cap = self.block(cap, _attention_mask(cap_mask), _complex(cap_freqs))
@@ -135,12 +133,8 @@ class ContextRefinerLayer(nn.Module):
         return tokens, adaln, freqs, mask, grid
 
 
-class MainLayer(nn.Module):
+class MainLayer(WrappedBlock):
     """One main (joint) block."""
-
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
 
     def forward(self, inputs: Tensors) -> Tensors:
         tokens, adaln, freqs, mask, grid = inputs
