@@ -5,10 +5,10 @@ them. :func:`alternate` measures the two sides in pairs, swapping which goes fir
 :func:`ratio_report` summarises the per-pair ratios by their median and spread.
 
 The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``bench/step_time.py``) also share
-:func:`bench_parser`, :func:`model_table`, :func:`write_run_toml`, :func:`train_times`, :func:`plain_model`,
-:func:`diffpipe_step_times`, :func:`plain_step_times`, :func:`flow_loss`,
-:func:`compare`, :func:`measure_overhead`, :func:`ratio_line` and :func:`pair_line`; each bench supplies only its model,
-``[model]`` table and loss.
+:func:`bench_parser`, :func:`overhead_args`, :func:`model_table`, :func:`clip_dataset`, :func:`write_run_toml`,
+:func:`train_times`, :func:`diffpipe_step_times`, :func:`plain_model`, :func:`flow_loss`, :func:`plain_step_times`,
+:func:`measure_overhead`, :func:`compare`, :func:`pair_line` and :func:`ratio_line`; each bench supplies only its
+model, ``[model]`` table and loss.
 """
 
 from __future__ import annotations
@@ -233,14 +233,20 @@ def use_threads(threads: int) -> None:
 def measure_overhead(
     args: argparse.Namespace,
     write_model: Callable[[Path], object],
-    diffpipe_times: Callable[[Path], list[float]],
-    plain_times: Callable[[Path], list[float]],
+    diffpipe_times: Callable[[Path, argparse.Namespace], list[float]],
+    plain_times: Callable[[Path, argparse.Namespace], list[float]],
     pairs: int,
-    show: Callable[[int, float, float], None],
+    show: Callable[[int, float, float], None] | None = None,
+    label: str = "pair",
 ) -> list[tuple[float, float]]:
     """An overhead bench's pairs: the tiny model written once (``write_model(model_dir)``) in a temporary folder,
-    then :func:`compare` of diffpipe (``diffpipe_times(root)`` in a new ``root`` each pair, whose ``model`` links to
-    the model) and the plain loop (``plain_times(model_dir)``), each side's median after ``args.warmup`` steps."""
+    then :func:`compare` of diffpipe (``diffpipe_times(root, args)`` in a new ``root`` each pair, whose ``model``
+    links to the model) and the plain loop (``plain_times(model_dir, args)``), each side's median after
+    ``args.warmup`` steps. ``show(i, ours, plain)`` reports each pair (default: :func:`pair_line` with ``label``)."""
+    if show is None:
+        def show(i: int, ours: float, plain: float) -> None:
+            print(pair_line(i, ours, plain, label=label), flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         write_model(model_dir)
@@ -250,12 +256,34 @@ def measure_overhead(
             root = Path(tmp) / f"run{next(count)}"
             root.mkdir()
             (root / "model").symlink_to(model_dir)
-            return after_warmup(diffpipe_times(root), args.warmup)
+            return after_warmup(diffpipe_times(root, args), args.warmup)
 
         def plain() -> float:
-            return after_warmup(plain_times(model_dir), args.warmup)
+            return after_warmup(plain_times(model_dir, args), args.warmup)
 
         return compare(ours, plain, pairs, show, args.smoke)
+
+
+def overhead_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments (:func:`bench_parser`'s and a bench's own), its ``--threads`` applied
+    (:func:`use_threads`), the Hub offline."""
+    args = parser.parse_args()
+    if hasattr(args, "threads"):
+        use_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return args
+
+
+def clip_dataset(root: Path, write_clips: Callable[..., object], frames: int, width: int, height: int) -> None:
+    """4 captioned clips of ``frames + 2`` frames at ``width`` x ``height`` in ``root/clips`` (``write_clips``: the
+    plugin's clip writer) and ``root/dataset.toml`` over them: that size, one frame bucket of ``frames``."""
+    from diffpipe_core.testing.media import write_dataset_toml
+
+    data = root / "clips"
+    write_clips(data, [f"a clip {i}" for i in range(4)], frames=frames + 2, size=(width, height))
+    write_dataset_toml(
+        root / "dataset.toml", data, resolutions=[[width, height]], enable_ar_bucket=False, frame_buckets=[frames]
+    )
 
 
 def ratio_line(pairs: list[tuple[float, float]], what: str = "overhead ratio", unit: str = "pairs") -> str:

@@ -17,9 +17,7 @@ pair); the median ratio and its spread are printed. Target: ratio <= 1.10. The s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -88,32 +86,20 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
 
 def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, float]]:
     """The (diffpipe, plain) median step seconds of each pair for one entry point."""
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"]))
-        runs = iter(range(args.rounds))
-
-        def ours() -> float:
-            root = Path(tmp) / f"run{next(runs)}"
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            return bench.after_warmup(diffpipe_times(root, entry, args), args.warmup)
-
-        return bench.compare(
-            ours,
-            lambda: bench.after_warmup(plain_times(model_dir, entry, args), args.warmup),
-            args.rounds,
-            lambda r, a, b: print(bench.pair_line(r, a, b, label=f"{entry} round"), flush=True),
-            args.smoke,
-        )
+    return bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"])),
+        lambda root, args: diffpipe_times(root, entry, args),
+        lambda model_dir, args: plain_times(model_dir, entry, args),
+        args.rounds,
+        label=f"{entry} round",
+    )
 
 
 def main() -> None:
     parser = bench.bench_parser(pairs="--rounds", threads=True)
     parser.add_argument("--entry", nargs="+", choices=sorted(ENTRIES), default=sorted(ENTRIES))
-    args = parser.parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = bench.overhead_args(parser)
     for entry in args.entry:
         pairs = measure_entry(entry, args)
         ratios = [a / b for a, b in pairs]

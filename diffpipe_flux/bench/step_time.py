@@ -16,8 +16,6 @@ The shared skeleton is in ``diffpipe_core.testing.bench``.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +47,12 @@ def write_project(root: Path, args: argparse.Namespace) -> None:
     bench.write_run_toml(root, MODEL_TABLE, args.steps, args.batch)
 
 
+def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+    write_project(root, args)
+    return bench.diffpipe_step_times(root)
+
+
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
     cfg, model = bench.plain_model(plugin, model_dir)
     latents = torch.randn(args.batch, MODEL.latent_channels, LATENT, LATENT)
@@ -70,29 +74,15 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(threads=True).parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = bench.overhead_args(bench.bench_parser(threads=True))
     print(
         f"model: Flux inner dim 256, 2 double + 4 single blocks, {(LATENT // 2) ** 2} image + {T5_LEN} text tokens, "
         f"batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
         f"{args.steps - args.warmup} steps after {args.warmup} warm-up",
         flush=True,
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_flux(model_dir, MODEL)
-        root = Path(tmp) / "run"
-        root.mkdir()
-        (root / "model").symlink_to(model_dir)
-        write_project(root, args)
-        pairs = bench.compare(
-            lambda: bench.after_warmup(bench.diffpipe_step_times(root), args.warmup),
-            lambda: bench.after_warmup(plain_times(model_dir, args), args.warmup),
-            args.pairs,
-            lambda i, ours, plain: print(bench.pair_line(i, ours, plain), flush=True),
-            args.smoke,
-        )
+    write = lambda model_dir: write_tiny_flux(model_dir, MODEL)  # noqa: E731
+    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.pairs)
     if not args.smoke:
         print(bench.ratio_report(pairs, "overhead ratio (diffpipe / plain, target <= 1.10)"))
 

@@ -16,8 +16,6 @@ IQR. Target: ratio <= 1.10.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -80,25 +78,15 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(threads=True).parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_hunyuan(Path(tmp) / "model", MODEL)
-        runs = iter(range(args.pairs))
-
-        def ours() -> float:
-            root = Path(tmp) / f"run{next(runs)}"
-            root.mkdir()
-            return bench.after_warmup(diffpipe_times(root, model_dir, args), args.warmup)
-
-        pairs = bench.compare(
-            ours,
-            lambda: bench.after_warmup(plain_times(model_dir, args), args.warmup),
-            args.pairs,
-            lambda i, a, b: print(bench.pair_line(i, a, b, plain_name="plain"), flush=True),
-            args.smoke,
-        )
+    args = bench.overhead_args(bench.bench_parser(threads=True))
+    pairs = bench.measure_overhead(
+        args,
+        lambda model_dir: write_tiny_hunyuan(model_dir, MODEL),
+        lambda root, args: diffpipe_times(root, root / "model", args),
+        plain_times,
+        args.pairs,
+        lambda i, a, b: print(bench.pair_line(i, a, b, plain_name="plain"), flush=True),
+    )
     tokens = LATENT[1] * (LATENT[2] // 2) * (LATENT[3] // 2)
     print(
         f"model: HunyuanVideo width 128, 2 double + 4 single blocks, {tokens} video + {TEXT_LEN} text tokens, batch "

@@ -16,14 +16,12 @@ The shared skeleton is in ``diffpipe_core.testing.bench``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from pathlib import Path
 
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_ltx.geometry import rope_interpolation_scale
 from diffpipe_ltx.packing import pack
 from diffpipe_ltx.plugin import plugin
@@ -37,11 +35,7 @@ MODEL_TABLE = bench.model_table("ltx-video", t5_max_length=T5_LEN)
 
 def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
     """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
-    data = root / "clips"
-    write_clips(data, [f"a clip {i}" for i in range(4)], frames=FRAMES + 2, size=(WIDTH, HEIGHT))
-    write_dataset_toml(
-        root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
-    )
+    bench.clip_dataset(root, write_clips, FRAMES, WIDTH, HEIGHT)
     return bench.train_times(root, args, MODEL_TABLE)
 
 
@@ -71,9 +65,7 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
     # Each side's fastest step is printed too: it is the one least disturbed by other processes.
     fastest: dict[str, list[float]] = {"ours": [], "plain": []}
 
@@ -92,8 +84,8 @@ def main() -> None:
     pairs = bench.measure_overhead(
         args,
         lambda model_dir: write_tiny_ltx(model_dir, MODEL),
-        lambda root: noted("ours", diffpipe_times(root, args)),
-        lambda model_dir: noted("plain", plain_times(model_dir, args)),
+        lambda root, args: noted("ours", diffpipe_times(root, args)),
+        lambda model_dir, args: noted("plain", plain_times(model_dir, args)),
         args.rounds,
         show,
     )

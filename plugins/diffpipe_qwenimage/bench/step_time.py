@@ -14,7 +14,6 @@ The shared skeleton is in ``diffpipe_core.testing.bench``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -56,17 +55,9 @@ def plain_times(model_dir: Path, args) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pairs = bench.measure_overhead(
-        args,
-        lambda model_dir: write_tiny_qwen(model_dir, cfg=MODEL),
-        lambda root: diffpipe_times(root, args),
-        lambda model_dir: plain_times(model_dir, args),
-        args.rounds,
-        lambda r, a, b: print(bench.pair_line(r, a, b, label="round"), flush=True),
-    )
+    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
+    write = lambda model_dir: write_tiny_qwen(model_dir, cfg=MODEL)  # noqa: E731
+    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
     print(
         f"model: Qwen-Image inner dim 256, 4 blocks, {(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens, batch "
         f"{args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "

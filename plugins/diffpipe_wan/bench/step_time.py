@@ -15,13 +15,11 @@ printed with its spread. Target: ratio <= 1.10. The shared skeleton is in ``diff
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_wan.plugin import wan
 from diffpipe_wan.testing import TinyWanConfig, write_clips, write_tiny_wan
 
@@ -35,11 +33,7 @@ MODEL_TABLE = bench.model_table("wan", text_max_length=TEXT_LEN)
 
 def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
     """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
-    data = root / "clips"
-    write_clips(data, [f"a clip {i}" for i in range(4)], frames=FRAMES + 2, size=(WIDTH, HEIGHT))
-    write_dataset_toml(
-        root / "dataset.toml", data, resolutions=[[WIDTH, HEIGHT]], enable_ar_bucket=False, frame_buckets=[FRAMES]
-    )
+    bench.clip_dataset(root, write_clips, FRAMES, WIDTH, HEIGHT)
     return bench.train_times(root, args, MODEL_TABLE)
 
 
@@ -56,17 +50,9 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser(pairs="--rounds", threads=True).parse_args()
-    bench.use_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pairs = bench.measure_overhead(
-        args,
-        lambda model_dir: write_tiny_wan(model_dir, MODEL),
-        lambda root: diffpipe_times(root, args),
-        lambda model_dir: plain_times(model_dir, args),
-        args.rounds,
-        lambda r, a, b: print(bench.pair_line(r, a, b, label="round"), flush=True),
-    )
+    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
+    write = lambda model_dir: write_tiny_wan(model_dir, MODEL)  # noqa: E731
+    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
     f, h, w = LATENT
     print(
         f"model: Wan inner dim 256, 4 blocks, {f}x{h // 2}x{w // 2} = {f * h * w // 4} video + {TEXT_LEN} text tokens,"

@@ -14,7 +14,6 @@ skeleton is in ``diffpipe_core.testing.bench``.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -50,16 +49,9 @@ def plain_times(model_dir: Path, args) -> list[float]:
 
 
 def main() -> None:
-    args = bench.bench_parser().parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pairs = bench.measure_overhead(
-        args,
-        lambda model_dir: write_tiny_zimage(model_dir, MODEL),
-        lambda root: diffpipe_times(root, args),
-        lambda model_dir: plain_times(model_dir, args),
-        args.pairs,
-        lambda i, a, b: print(bench.pair_line(i, a, b), flush=True),
-    )
+    args = bench.overhead_args(bench.bench_parser())
+    write = lambda model_dir: write_tiny_zimage(model_dir, MODEL)  # noqa: E731
+    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.pairs)
     tokens = (SIZE // 16) ** 2
     print(f"model: Z-Image dim 256, 4 + 2x2 blocks, {tokens} image + {TEXT_LEN} text tokens, batch {args.batch}, "
           f"LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians after {args.warmup} warm-up steps")
