@@ -159,6 +159,26 @@ def trained_transformer(
     return with_trained_lora(model, run, rank, alpha, targets)
 
 
+def export_full_finetune(
+    plugin: Any,
+    model: torch.nn.Module,
+    model_config: Any,
+    saved: Path,
+    formats: tuple[str, ...] = ("single_file", "diffusers"),
+) -> dict[str, torch.Tensor]:
+    """``model``'s weights saved in ``saved`` as the core saves a full fine-tune from one stage (shards and
+    ``model.safetensors.index.json``), then exported by the plugin's ``export_model`` to ``saved/<format>`` in each of
+    ``formats`` (each must write something). Returns the saved weights."""
+    from diffpipe_core.engine.saving import write_model_shards
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    kw = {"rank": 0, "stage_id": 0, "dp_rank": 0, "num_stages": 1, "dtype": torch.float32}
+    write_model_shards(saved, state, barrier=lambda: None, **kw)
+    for fmt in formats:
+        assert plugin.export_model(saved_dir=saved, model_config=model_config, out_dir=saved / fmt, format=fmt), fmt
+    return state
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
-from diffpipe_core.engine.saving import write_model_shards
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_hunyuan.config import HunyuanConfig
@@ -88,13 +87,8 @@ def test_full_model_exports_load_back(tiny_hunyuan: Path, tmp_path: Path) -> Non
     model = hy.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     with torch.no_grad():
         model.single_transformer_blocks[1].proj_mlp.weight.add_(1.0)  # "fine-tuned"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    saved = tmp_path / "saved"  # as the core saves a full fine-tune (shards + model.safetensors.index.json)
-    kw = {"rank": 0, "stage_id": 0, "dp_rank": 0, "num_stages": 1, "dtype": torch.float32}
-    write_model_shards(saved, state, barrier=lambda: None, **kw)
-
-    for fmt in ("single_file", "diffusers"):
-        assert hy.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)
+    saved = tmp_path / "saved"
+    state = runs.export_full_finetune(hy, model, cfg, saved)
     assert hy.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
     single = saved / "single_file" / "hunyuan_video_transformer.safetensors"
     assert "double_blocks.0.img_attn_qkv.weight" in load_file(str(single))

@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 
 from diffpipe_core import TrainingContext
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
-from diffpipe_core.engine.saving import write_model_shards
 from diffpipe_core.schema import validate
-from diffpipe_core.testing import comfy
+from diffpipe_core.testing import comfy, runs
 from diffpipe_wan.original import layout
 from diffpipe_wan.plugin import wan
 from diffpipe_wan.testing import TinyWanConfig, tiny_transformer
@@ -66,12 +65,8 @@ def test_full_model_exports_load_back(tiny_wan_a14b: Path, tmp_path: Path) -> No
     model = wan.load_diffusion_model(cfg, CPU, torch.float32)
     with torch.no_grad():
         model.blocks[1].ffn.net[2].weight.add_(1.0)  # "fine-tuned"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    saved = tmp_path / "saved"  # as the core saves a full fine-tune (shards + model.safetensors.index.json)
-    kw = {"rank": 0, "stage_id": 0, "dp_rank": 0, "num_stages": 1, "dtype": torch.float32}
-    write_model_shards(saved, state, barrier=lambda: None, **kw)
-    for fmt in ("single_file", "diffusers"):
-        assert wan.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)
+    saved = tmp_path / "saved"
+    state = runs.export_full_finetune(wan, model, cfg, saved)
     assert wan.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
     single = saved / "single_file" / "wan_transformer.safetensors"
     assert "blocks.1.ffn.2.weight" in load_file(str(single))

@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
-from diffpipe_core.engine.saving import write_model_shards
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
@@ -178,12 +177,8 @@ def test_full_model_exports_load_back(tiny_zimage: Path, tmp_path: Path) -> None
     model = zi.load_diffusion_model(cfg, CPU, torch.float32)
     with torch.no_grad():
         model.layers[1].feed_forward.w1.weight.add_(1.0)  # "fine-tuned"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
     saved = tmp_path / "saved"
-    kw = {"rank": 0, "stage_id": 0, "dp_rank": 0, "num_stages": 1, "dtype": torch.float32}
-    write_model_shards(saved, state, barrier=lambda: None, **kw)
-    for fmt in ("single_file", "diffusers"):
-        assert zi.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / fmt, format=fmt)
+    state = runs.export_full_finetune(zi, model, cfg, saved)
     single = saved / "single_file" / "z_image_transformer.safetensors"
     from_single = zi.load_diffusion_model(config(tiny_zimage, transformer_file=single), CPU, torch.float32)
     from_folder = ZImageTransformer2DModel.from_pretrained(str(saved / "diffusers")).state_dict()
