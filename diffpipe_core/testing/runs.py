@@ -159,6 +159,16 @@ def trained_transformer(
     return with_trained_lora(model, run, rank, alpha, targets)
 
 
+def read_saved_lora(saved: Path, rank: int, alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The diffusers-format LoRA a run saved in ``saved`` (e.g. ``saved/final``): its tensors and peft config, after
+    checking the config's rank and alpha."""
+    from diffpipe_core.adapters import read_adapter
+
+    state, cfg = read_adapter(saved)
+    assert cfg["r"] == rank and cfg["lora_alpha"] == alpha, (cfg["r"], cfg["lora_alpha"])
+    return state, cfg
+
+
 def export_full_finetune(
     plugin: Any,
     model: torch.nn.Module,

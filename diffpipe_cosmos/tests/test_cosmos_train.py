@@ -21,7 +21,6 @@ import torch
 from cosmos_common import VARIANTS
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
@@ -127,8 +126,7 @@ def test_diffusers_lora_loads_with_peft_loader_and_reproduces(run: tuple[str, Pa
     name, path = run
     model_dir = path.parent.parent / "model"
     saved = path / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.transformer_blocks.") for k in state)
     assert "transformer.transformer_blocks.0.attn2.to_k.lora_A.weight" in state
     reference = trained_reference(path, model_dir, cfg["target_modules"])

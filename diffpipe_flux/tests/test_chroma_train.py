@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.packing import image_ids, text_ids
@@ -75,12 +74,11 @@ def test_diffusers_lora_loads_in_chroma_pipeline_and_reproduces(chroma_run: Path
     from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
     saved = chroma_run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state
     assert not any(k.startswith(("transformer.proj_out", "transformer.distilled")) for k in state)
-    reference = ChromaTransformer2DModel.from_pretrained(str(model_dir(chroma_run) / "transformer"))
-    reference = runs.with_trained_lora(reference, chroma_run, RANK, ALPHA, cfg["target_modules"])
+    folder, targets = model_dir(chroma_run), cfg["target_modules"]
+    reference = runs.trained_transformer(ChromaTransformer2DModel, chroma_run, folder, RANK, ALPHA, targets, ())
 
     pipe = ChromaPipeline.from_pretrained(str(model_dir(chroma_run)), local_files_only=True)
     untrained = runs.outputs(pipe.transformer, transformer_inputs())

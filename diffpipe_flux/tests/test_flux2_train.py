@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.flux2_latents import image_ids, text_ids
@@ -85,12 +84,11 @@ def test_diffusers_lora_loads_in_the_pipeline_and_reproduces(run) -> None:
 
     variant, run_dir = run
     saved = run_dir / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert "transformer.single_transformer_blocks.1.attn.to_out.lora_B.weight" in state
     assert not any(k.startswith(("transformer.proj_out", "transformer.double_stream")) for k in state)
-    reference = Flux2Transformer2DModel.from_pretrained(str(model_dir(run_dir) / "transformer"))
-    reference = runs.with_trained_lora(reference, run_dir, RANK, ALPHA, cfg["target_modules"])
+    targets = cfg["target_modules"]
+    reference = runs.trained_transformer(Flux2Transformer2DModel, run_dir, model_dir(run_dir), RANK, ALPHA, targets, ())
 
     pipe = getattr(diffusers, VARIANTS[variant][0]).from_pretrained(str(model_dir(run_dir)), local_files_only=True)
     inputs = transformer_inputs(variant)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
@@ -106,8 +105,7 @@ def test_diffusers_lora_loads_in_flux_pipeline_and_reproduces(two_stages: Path) 
 
     model_dir = two_stages.parent.parent / "model"
     saved = two_stages / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.") for k in state)
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in state
     assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state

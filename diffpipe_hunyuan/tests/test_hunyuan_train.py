@@ -16,7 +16,6 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
@@ -151,8 +150,7 @@ def test_diffusers_lora_loads_in_hunyuan_pipeline_and_reproduces(two_stages: tup
     run = two_stages[0]
     model_dir = run.parent.parent / "model"
     saved = run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.") for k in state)
     assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state
     assert not any(k.startswith(("transformer.proj_out", "transformer.context_embedder")) for k in state)

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 import diffpipe_core.testing.runs as run_checks
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_ltx.testing import single_file_path, write_clips, write_tiny_ltx
@@ -119,8 +118,7 @@ def test_diffusers_lora_loads_in_ltx_pipeline_and_reproduces(runs: dict[str, Pat
     run = runs["two_stages"]
     model_dir = run.parent.parent / "model"
     saved = run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = run_checks.read_saved_lora(saved, RANK, ALPHA)
     assert "transformer.transformer_blocks.0.attn1.to_q.lora_A.weight" in state
     assert "transformer.transformer_blocks.1.ff.net.2.lora_B.weight" in state
     reference = trained_reference(run, model_dir, cfg["target_modules"])

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_qwenimage.testing import comfy_path, load_pipeline, write_tiny_qwen
@@ -88,8 +87,7 @@ def test_diffusers_lora_loads_in_qwen_image_pipeline_and_reproduces(qwen_run: Pa
     from diffusers import QwenImageTransformer2DModel
 
     model_dir, saved = qwen_run.parent.parent / "model", qwen_run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.transformer_blocks.") for k in state)
     # the last block's text side is left out (nothing reads its output); the first block's is trained
     last = [k for k in state if k.startswith("transformer.transformer_blocks.1.")]

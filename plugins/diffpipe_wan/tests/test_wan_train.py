@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import comfy, runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_wan.original import layout
@@ -76,8 +75,7 @@ def test_diffusers_lora_loads_in_wan_pipeline_and_reproduces(wan_run: Path) -> N
     from diffusers import WanPipeline, WanTransformer3DModel
 
     saved = wan_run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.blocks.") for k in state)
     assert {"transformer.blocks.0.attn1.to_q.lora_A.weight", "transformer.blocks.1.ffn.net.2.lora_B.weight"} <= set(
         state

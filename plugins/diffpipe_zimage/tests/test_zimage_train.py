@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import read_adapter
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_zimage.original import diffusers_to_original, original_to_diffusers
@@ -65,8 +64,7 @@ def test_diffusers_lora_loads_in_zimage_pipeline_and_reproduces(zimage_run: Path
 
     model_dir = zimage_run.parent.parent / "model"
     saved = zimage_run / "saved" / "final"
-    state, cfg = read_adapter(saved)
-    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
     assert all(k.startswith("transformer.") for k in state)
     assert "transformer.layers.1.adaLN_modulation.0.lora_B.weight" in state
     assert "transformer.context_refiner.0.attention.to_q.lora_A.weight" in state
