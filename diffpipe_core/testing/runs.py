@@ -189,6 +189,17 @@ def export_full_finetune(
     return state
 
 
+def with_random_lora(model: torch.nn.Module, targets: list[str], rank: int = 4, alpha: float = 6.0) -> Any:
+    """``model`` with a peft LoRA on ``targets`` whose tensors (``lora_B`` too) are drawn from ``normal(0, 0.1)`` by
+    torch's global generator, so the adapter changes the output: what an export test converts."""
+    apply_lora(model, lora_config(rank, alpha, 0.0, targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.1)
+    return model
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

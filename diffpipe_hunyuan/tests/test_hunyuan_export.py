@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
+from diffpipe_core.adapters import lora_state_dict
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_hunyuan.config import HunyuanConfig
@@ -23,11 +23,7 @@ A = ".lora_A.weight"
 
 def lora_model(targets: list[str], rank: int = 4):
     model = tiny_transformer(TinyHunyuanConfig())
-    apply_lora(model, lora_config(rank, 6.0, 0.0, targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(std=0.1)
+    runs.with_random_lora(model, targets, rank)
     return model
 
 

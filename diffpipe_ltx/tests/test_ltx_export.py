@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
+from diffpipe_core.adapters import lora_state_dict
 from diffpipe_core.engine.saving import export_model_formats, write_model_shards
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
@@ -26,11 +26,7 @@ from diffpipe_ltx.testing import TinyLTXConfig, tiny_transformer
 def test_comfyui_lora_applies_like_the_diffusers_lora() -> None:
     model = tiny_transformer(TinyLTXConfig())
     targets = ltx.lora_targets(model_config=None) + ["proj_in", "time_embed.linear"]  # user-added: renamed modules
-    apply_lora(model, lora_config(4, 6.0, 0.0, targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(std=0.1)
+    runs.with_random_lora(model, targets)
     state = lora_state_dict(model)
     comfy = ltx.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
     assert "diffusion_model.patchify_proj.lora_A.weight" in comfy

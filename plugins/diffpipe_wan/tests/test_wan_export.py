@@ -31,11 +31,7 @@ def config(path: Path, **kw):
 def test_comfyui_lora_keys_are_comfyuis_and_apply_like_the_separate_loras() -> None:
     model = tiny_transformer(TinyWanConfig(i2v=True, clip=True))
     targets = wan.lora_targets(model_config=None)
-    apply_lora(model, lora_config(4, 6.0, 0.0, targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(std=0.1)
+    runs.with_random_lora(model, targets)
     state = lora_state_dict(model)
     file = wan.export_adapter(state_dict=state, alpha=6.0, rank=4, format="comfyui")
     base = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffpipe_core import EncodeBatch, TrainingContext
-from diffpipe_core.adapters import apply_lora, lora_config, lora_state_dict
+from diffpipe_core.adapters import lora_state_dict
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
@@ -141,11 +141,7 @@ def test_per_stage_loading_reads_only_the_stage_layers(tiny_zimage: Path, layout
 
 def lora_model(targets: list[str], rank: int = 4):
     model = tiny_transformer(TinyZImageConfig())
-    apply_lora(model, lora_config(rank, 6.0, 0.0, targets))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(std=0.1)
+    runs.with_random_lora(model, targets, rank)
     return model
 
 

@@ -28,7 +28,7 @@ from diffpipe_core.parts.blocks import WrappedBlock
 Tensors = tuple[torch.Tensor, ...]
 
 
-class EmbedLayer(WrappedBlock):
+class EmbedLayer(nn.Module):
     """Image and text projections (text RMS-normed first), timestep embedding, rotary embedding."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -55,7 +55,7 @@ class EmbedLayer(WrappedBlock):
         return (img, txt, temb, text_mask.bool(), shapes, *rope, *extra)
 
 
-class BlockLayer(nn.Module):
+class BlockLayer(WrappedBlock):
     """One dual-stream block (joint attention over text and image tokens, the text padding masked)."""
 
     def forward(self, inputs: Tensors) -> Tensors:

@@ -25,7 +25,7 @@ from diffpipe_core.parts.blocks import WrappedBlock
 Tensors = tuple[torch.Tensor, ...]
 
 
-class EmbedLayer(WrappedBlock):
+class EmbedLayer(nn.Module):
     """Rotary embedding, patch embedding, time / text (/ image) embedders."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -49,7 +49,7 @@ class EmbedLayer(WrappedBlock):
         return hidden, context, modulation.unflatten(1, (6, -1)), temb, cos, sin, grid
 
 
-class BlockLayer(nn.Module):
+class BlockLayer(WrappedBlock):
     """One ``WanTransformerBlock``: self-attention with the rotary embedding, cross-attention, feed-forward."""
 
     def forward(self, inputs: Tensors) -> Tensors:

@@ -45,7 +45,7 @@ def _attention_mask(mask: torch.Tensor) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask
 
 
-class EmbedLayer(WrappedBlock):
+class EmbedLayer(nn.Module):
     """Timestep, patch and caption embedding, pad tokens and both streams' rotary positions."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -119,7 +119,7 @@ class NoiseRefinerLayer(nn.Module):
         return x, cap, adaln, x_freqs, cap_freqs, cap_mask, grid
 
 
-class ContextRefinerLayer(nn.Module):
+class ContextRefinerLayer(WrappedBlock):
     """One context-refiner block (caption tokens, no modulation); the last one joins image and caption tokens."""
 
     def forward(self, inputs: Tensors) -> Tensors:
