@@ -27,14 +27,8 @@ from diffpipe_flux.plugin import plugin
 from diffpipe_flux.testing import TinyFluxConfig, write_tiny_flux
 
 MODEL = TinyFluxConfig(
-    num_layers=2,
-    num_single_layers=4,
-    num_attention_heads=4,
-    attention_head_dim=64,
-    axes_dims_rope=(16, 24, 24),
-    latent_channels=16,
-    text_dim=64,
-    clip_dim=64,
+    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=64, axes_dims_rope=(16, 24, 24),
+    latent_channels=16, text_dim=64, clip_dim=64
 )
 T5_LEN, LATENT = 64, 64  # 64x64 latents = 512x512 pixels
 MODEL_TABLE = bench.model_table("flux", t5_max_length=T5_LEN)

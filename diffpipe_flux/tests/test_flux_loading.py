@@ -46,14 +46,8 @@ def test_bfl_key_names_match_diffusers_converter() -> None:
     from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer
 
     cfg = TinyFluxConfig(
-        num_layers=1,
-        num_single_layers=1,
-        num_attention_heads=24,
-        attention_head_dim=128,
-        axes_dims_rope=(16, 56, 56),
-        text_dim=4096,
-        clip_dim=768,
-        latent_channels=16,
+        num_layers=1, num_single_layers=1, num_attention_heads=24, attention_head_dim=128,
+        axes_dims_rope=(16, 56, 56), text_dim=4096, clip_dim=768, latent_channels=16
     )
     with torch.device("meta"):
         model = tiny_transformer(cfg)

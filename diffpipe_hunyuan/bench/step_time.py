@@ -32,14 +32,8 @@ from diffpipe_hunyuan.testing import (
 )
 
 MODEL = TinyHunyuanConfig(
-    num_layers=2,
-    num_single_layers=4,
-    num_attention_heads=4,
-    attention_head_dim=32,
-    rope_axes_dim=(8, 12, 12),
-    latent_channels=16,
-    text_dim=64,
-    clip_dim=64,
+    num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=32, rope_axes_dim=(8, 12, 12),
+    latent_channels=16, text_dim=64, clip_dim=64
 )
 PIXELS, FRAMES, TEXT_LEN = 128, 17, 32
 LATENT = (MODEL.latent_channels, (FRAMES - 1) // 4 + 1, PIXELS // 8, PIXELS // 8)

@@ -72,15 +72,8 @@ def test_original_key_names_match_diffusers_converter() -> None:
     from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 
     full_size = TinyHunyuanConfig(
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=2,
-        num_attention_heads=24,
-        attention_head_dim=128,
-        rope_axes_dim=(16, 56, 56),
-        text_dim=4096,
-        clip_dim=768,
-        latent_channels=16,
+        num_layers=1, num_single_layers=1, num_refiner_layers=2, num_attention_heads=24, attention_head_dim=128,
+        rope_axes_dim=(16, 56, 56), text_dim=4096, clip_dim=768, latent_channels=16
     )
     with torch.device("meta"):
         model = tiny_transformer(full_size)
