@@ -17,6 +17,7 @@ on-disk formats, so the plugin's real loading code is what the tests run.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +277,17 @@ def beside(folder: Path, suffix: str) -> Path:
     """``<folder><suffix>`` next to ``folder``: where a tiny model's writer puts its single file."""
     folder = Path(folder)
     return folder.with_name(folder.name + suffix)
+
+
+def folder_parser(description: str | None) -> argparse.ArgumentParser:
+    """The command line of a plugin's ``testing`` module (``python -m <package>.testing FOLDER ...``): a parser with
+    the ``FOLDER`` argument. From here on the libraries' chatter stays behind ``DIFFPIPE_VERBOSE=1``, as in the CLI."""
+    from diffpipe_core.quiet import quiet_script
+
+    quiet_script()
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("folder", type=Path)
+    return parser
 
 
 def demo_clips(clips: Path | None, write: Callable[[Path], Any], count: int) -> None:

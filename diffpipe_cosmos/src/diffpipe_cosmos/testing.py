@@ -159,13 +159,7 @@ def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, origina
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_cosmos.testing FOLDER [--variant 1.0|predict2]``: write a tiny Cosmos
     (folder + ``FOLDER.original.safetensors``)."""
-    from diffpipe_core.quiet import quiet_script
-
-    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("folder", type=Path)
+    parser = tiny.folder_parser(main.__doc__)
     parser.add_argument("--variant", choices=["1.0", "predict2"], default="predict2")
     args = parser.parse_args(argv)
     folder = write_tiny_cosmos(args.folder, TinyCosmosConfig(variant=args.variant))

@@ -321,13 +321,7 @@ def write_tiny_klein(folder: Path, cfg: TinyFlux2Config | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_flux.testing FOLDER``: write a tiny Flux (folder + ``FOLDER.bfl.safetensors``)."""
-    from diffpipe_core.quiet import quiet_script
-
-    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("folder", type=Path)
+    parser = tiny.folder_parser(main.__doc__)
     parser.add_argument("--schnell", action="store_true", help="no guidance embedding (schnell-like)")
     args = parser.parse_args(argv)
     folder = write_tiny_flux(args.folder, TinyFluxConfig(guidance_embeds=not args.schnell))

@@ -162,13 +162,7 @@ def write_clip_dataset(folder: Path, frames, captions, size: tuple[int, int] = (
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_hunyuan.testing FOLDER [--clips DIR]``: write a tiny HunyuanVideo (the folder and
     ``FOLDER.original.safetensors``) and, with ``--clips``, a few captioned demo clips."""
-    from diffpipe_core.quiet import quiet_script
-
-    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("folder", type=Path)
+    parser = tiny.folder_parser(main.__doc__)
     parser.add_argument("--clips", type=Path, help="also write 4 short captioned mp4 clips (24 fps) here")
     args = parser.parse_args(argv)
     folder = write_tiny_hunyuan(args.folder)

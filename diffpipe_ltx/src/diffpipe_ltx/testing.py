@@ -139,13 +139,7 @@ CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans ov
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_ltx.testing FOLDER [--clips DIR]``: write a tiny LTX-Video (folder +
     ``FOLDER.ltxv.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""
-    from diffpipe_core.quiet import quiet_script
-
-    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("folder", type=Path)
+    parser = tiny.folder_parser(main.__doc__)
     parser.add_argument("--clips", type=Path, help="also write 4 captioned 1 s mp4 clips (25 fps, 96x64) here")
     args = parser.parse_args(argv)
     folder = write_tiny_ltx(args.folder)

@@ -120,13 +120,7 @@ def apply_comfyui_lora(original: dict[str, Any], comfy: dict[str, Any]) -> dict[
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_zimage.testing FOLDER``: write a tiny Z-Image (the folder and
     ``FOLDER.original.safetensors``)."""
-    from diffpipe_core.quiet import quiet_script
-
-    quiet_script()  # the libraries' chatter stays behind DIFFPIPE_VERBOSE=1, as in the CLI
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("folder", type=Path)
+    parser = tiny.folder_parser(main.__doc__)
     folder = write_tiny_zimage(parser.parse_args(argv).folder)
     print(f"wrote {folder} and {original_path(folder)}")
 
