@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.flux2_latents import image_ids, text_ids
-from diffpipe_flux.testing import bfl_path, write_tiny_flux2, write_tiny_klein
+from diffpipe_flux.testing import bfl_path, comfy_lora_keys, write_tiny_flux2, write_tiny_klein
 
 pytestmark = pytest.mark.slow
 
@@ -103,11 +103,7 @@ def test_comfyui_lora_keys_and_fused_weights(run) -> None:
 
     variant, run_dir = run
     comfy = load_file(str(run_dir / "saved" / "final" / "adapter_model.comfyui.safetensors"))
-    double = ("img_attn.qkv", "txt_attn.qkv", "img_attn.proj", "txt_attn.proj", "img_mlp.0", "img_mlp.2")
-    modules = [f"double_blocks.{i}.{m}" for i in range(2) for m in (*double, "txt_mlp.0", "txt_mlp.2")]
-    modules += [f"single_blocks.{i}.{m}" for i in range(2) for m in ("linear1", "linear2")]
-    suffixes = ("lora_A.weight", "lora_B.weight", "alpha")
-    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in suffixes}
+    assert set(comfy) == comfy_lora_keys(2, 2)
     assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
     assert float(comfy["diffusion_model.single_blocks.0.linear1.alpha"]) == ALPHA
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"].shape == (3 * 32, 3 * RANK)

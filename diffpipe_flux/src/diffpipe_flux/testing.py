@@ -90,6 +90,15 @@ def write_tiny_flux(folder: Path, cfg: TinyFluxConfig | None = None, bfl_file: P
     return folder
 
 
+def comfy_lora_keys(n_double: int, n_single: int) -> set[str]:
+    """The keys of a ComfyUI LoRA (``diffusion_model.``, BFL names, with ``.alpha``) on every linear of ``n_double``
+    double and ``n_single`` single blocks: what the Flux family's tiny runs save."""
+    double = ("img_attn.qkv", "txt_attn.qkv", "img_attn.proj", "txt_attn.proj", "img_mlp.0", "img_mlp.2")
+    modules = [f"double_blocks.{i}.{m}" for i in range(n_double) for m in (*double, "txt_mlp.0", "txt_mlp.2")]
+    modules += [f"single_blocks.{i}.{m}" for i in range(n_single) for m in ("linear1", "linear2")]
+    return {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+
+
 def bfl_path(folder: Path) -> Path:
     """Where :func:`write_tiny_flux` puts the BFL single file by default."""
     return tiny.beside(folder, ".bfl.safetensors")
