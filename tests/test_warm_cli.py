@@ -11,7 +11,7 @@ import pytest
 from test_train import make_project
 
 from diffpipe_core.testing import warm_cli
-from diffpipe_core.testing.processes import cli_env, run_diffpipe
+from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe
 
 
 def _both(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[object, object]:
@@ -61,3 +61,16 @@ def _cwd(pid: str) -> Path | None:
         return Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
         return None
+
+
+def test_a_started_command_runs_beside_others_and_dies_with_its_group(tmp_path: Path) -> None:
+    config = make_project(tmp_path, stages=2, max_steps=10_000, ckpt=100_000)
+    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], tmp_path)
+    try:
+        assert isinstance(proc, warm_cli.WarmProcess) and proc.poll() is None
+        assert "reference" in run_diffpipe(["models"], tmp_path, timeout=60).stdout  # the server is not busy
+        assert proc.poll() is None
+    finally:
+        kill_group(proc)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -9

@@ -14,6 +14,8 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffpipe_core.testing import warm_cli
+
 
 @dataclass
 class CliResult:
@@ -38,14 +40,25 @@ def cli_env(extra_paths: list[Path] | None = None, **env: str) -> dict[str, str]
 
 def start_diffpipe(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, program: Path | None = None
-) -> subprocess.Popen:
+) -> subprocess.Popen | warm_cli.WarmProcess:
     """Start ``python -m diffpipe_core.cli *args`` (or ``program *args``, e.g. another environment's
-    ``bin/diffpipe``) in a new session (its own process group)."""
+    ``bin/diffpipe``) in a new session (its own process group); forked from a warm server where that runs it as a
+    fresh process would (:mod:`diffpipe_core.testing.warm_cli`). ``stdout`` and ``stderr`` are read with
+    ``communicate``."""
+    env = env or cli_env()
+    if program is None:
+        warm = warm_cli.server_for(args, env)
+        if warm is not None:
+            return warm.start(args, cwd, env)
+    return _start_fresh(args, cwd, env, program)
+
+
+def _start_fresh(args: list[str], cwd: Path, env: dict[str, str], program: Path | None) -> subprocess.Popen:
     command = [str(program)] if program is not None else [sys.executable, "-m", "diffpipe_core.cli"]
     return subprocess.Popen(
         [*command, *args],
         cwd=cwd,
-        env=env or cli_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -53,7 +66,7 @@ def start_diffpipe(
     )
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen | warm_cli.WarmProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -67,12 +80,10 @@ def run_diffpipe(
     where that runs it as a fresh process would (:mod:`diffpipe_core.testing.warm_cli`)."""
     env = env or cli_env()
     if program is None:
-        from diffpipe_core.testing import warm_cli
-
         warm = warm_cli.server_for(args, env)
         if warm is not None:
             return CliResult(*warm.run(args, cwd, timeout, env))
-    proc = start_diffpipe(args, cwd, env, program)
+    proc = _start_fresh(args, cwd, env, program)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

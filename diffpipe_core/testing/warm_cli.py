@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -31,7 +32,9 @@ from typing import Any
 
 FRESH_ENV = "DIFFPIPE_TEST_FRESH_PROCESSES"
 _READY = "ready"
-_RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_")  # read at run time (PYTEST_CURRENT_TEST: not at all)
+_RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_", "WANDB_")
+# diffpipe's own and the thread count are read at run time, PYTEST_CURRENT_TEST not at all, and wandb is imported by
+# the W&B logger at run time, never by the server
 """Environment variables that a warm server's child may take from the command: the others (``PYTHONPATH``,
 ``HF_HOME``, the libraries' verbosity and offline settings) are read when the libraries are imported, so each
 setting of them gets its own server."""
@@ -39,8 +42,11 @@ _VERBATIM_ENV = ("DIFFPIPE_VERBOSE",)  # read by the libraries' silencing, which
 
 
 def serve(socket_path: str) -> None:
-    """The server: import the training libraries, then fork one child per request on ``socket_path`` (one at a
-    time: a test process waits for each command), reporting the child's pid, then its exit code."""
+    """The server: import the training libraries, then fork one child per request on ``socket_path``, reporting
+    each child's pid at once and its exit code when it ends (several may run at once: a test may start a run and
+    run another command beside it)."""
+    import selectors
+
     from diffpipe_core.engine.forked_workers import preload
     from diffpipe_core.engine.launcher import _die_with_parent
 
@@ -50,23 +56,32 @@ def serve(socket_path: str) -> None:
     server.bind(socket_path)
     server.listen(8)
     print(_READY, flush=True)
-    while True:
-        conn, _ = server.accept()
-        with conn:
-            request = json.loads(conn.makefile("r").readline())
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                server.close()
-                conn.close()
-                _run_child(request)
-            conn.sendall(f"{pid}\n".encode())
-            _, status = os.waitpid(pid, 0)
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:
-                pass  # the test gave up on it (timeout) and closed the connection
+    running: dict[int, socket.socket] = {}
+    with selectors.DefaultSelector() as selector:
+        selector.register(server, selectors.EVENT_READ)
+        while True:
+            if selector.select(timeout=0.05):
+                conn, _ = server.accept()
+                request = json.loads(conn.makefile("r").readline())
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    server.close()
+                    for other in (conn, *running.values()):
+                        other.close()
+                    _run_child(request)
+                conn.sendall(f"{pid}\n".encode())
+                running[pid] = conn
+            for pid in list(running):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    conn = running.pop(pid)
+                    try:
+                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    except OSError:
+                        pass  # the test gave up on it (timeout) and closed the connection
+                    conn.close()
 
 
 def _run_child(request: dict[str, Any]) -> None:
@@ -138,38 +153,91 @@ class _Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def start(self, args: list[str], cwd: Path, env: dict[str, str]) -> WarmProcess:
+        """Start the command in a forked child and return at once."""
+        self.runs += 1
+        out, err = self.folder / f"run{self.runs}.out", self.folder / f"run{self.runs}.err"
+        request = {"args": args, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out), "stderr": str(err)}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket_path)
+        conn.sendall((json.dumps(request) + "\n").encode())
+        return WarmProcess(conn, args, out, err)
+
     def run(self, args: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> tuple[int, str, str]:
         """Run the command in a forked child; ``(exit code, stdout, stderr)``. On timeout its whole process group is
         killed and TimeoutError raised."""
-        self.runs += 1
-        out = self.folder / f"run{self.runs}.out"
-        err = self.folder / f"run{self.runs}.err"
-        request = {"args": args, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out), "stderr": str(err)}
-        deadline = time.monotonic() + timeout
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(60)
-            conn.connect(self.socket_path)
-            conn.sendall((json.dumps(request) + "\n").encode())
-            reader = conn.makefile("r")
-            pid = int(reader.readline())
+        proc = self.start(args, cwd, env)
+        try:
+            out, err = proc.communicate(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            raise TimeoutError(f"diffpipe {' '.join(args)} ran past {timeout}s\n{proc.tails()}") from None
+        finally:
+            _kill_group(proc.pid)  # stray workers, if any
+        return proc.returncode, out, err
+
+
+class WarmProcess:
+    """A command running in a warm server's child, with the part of :class:`subprocess.Popen` tests use (``pid``,
+    ``poll``, ``send_signal``, ``communicate``, ``returncode``). Its pid is also its process group's."""
+
+    def __init__(self, conn: socket.socket, args: list[str], out: Path, err: Path) -> None:
+        self.args, self._conn, self._out, self._err = args, conn, out, err
+        self._received = b""
+        pid = self._line(60)
+        if pid is None:
+            raise RuntimeError(f"the warm diffpipe server did not start diffpipe {' '.join(args)}")
+        self.pid = int(pid)
+        self.returncode: int | None = None
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line, or None after ``timeout`` seconds (None: wait as long as it takes)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._received:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            ready, _, _ = select.select([self._conn], [], [], left)
+            if ready:
+                chunk = self._conn.recv(64)
+                if not chunk:
+                    raise RuntimeError(f"the warm diffpipe server died while running diffpipe {' '.join(self.args)}")
+                self._received += chunk
+        line, self._received = self._received.split(b"\n", 1)
+        return line.decode()
+
+    def _wait(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                return None
+            self.returncode = int(line)
+            self._conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._wait(0)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
             try:
-                conn.settimeout(max(1.0, deadline - time.monotonic()))
-                try:
-                    line = reader.readline()
-                except TimeoutError:
-                    _kill_group(pid)
-                    raise TimeoutError(
-                        f"diffpipe {' '.join(args)} ran past {timeout}s\n{_tail(out)}\n{_tail(err)}"
-                    ) from None
-            finally:
-                _kill_group(pid)  # stray workers, if any
-        if not line:
-            raise RuntimeError(f"the warm diffpipe server died while running diffpipe {' '.join(args)}")
-        code = int(line)
-        texts = out.read_text(errors="replace"), err.read_text(errors="replace")
-        out.unlink()
-        err.unlink()
-        return code, *texts
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the command to end (:class:`subprocess.TimeoutExpired` after ``timeout`` seconds, as
+        ``Popen.communicate`` raises); its stdout and stderr."""
+        if self._wait(timeout) is None:
+            raise subprocess.TimeoutExpired(["diffpipe", *self.args], timeout or 0)
+        texts = self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
+        self._out.unlink(missing_ok=True)
+        self._err.unlink(missing_ok=True)
+        return texts
+
+    def tails(self) -> str:
+        """The ends of what it printed so far."""
+        return f"{_tail(self._out)}\n{_tail(self._err)}"
 
 
 def _kill_group(pid: int) -> None:
