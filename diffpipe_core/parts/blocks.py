@@ -10,9 +10,9 @@ from torch import nn
 
 class WrappedBlock(nn.Module):
     """A layer holding one block of the model as ``self.block`` (its parameters keep the block's names under
-    ``block.``); ``last``: the block is the last of its kind, whose layer may hand fewer tensors on. A subclass
-    writes only ``forward``."""
+    ``block.``); ``last``: the block is the last of its kind, whose layer may hand fewer tensors on (a layer that
+    never does leaves it False). A subclass writes only ``forward``."""
 
-    def __init__(self, block: nn.Module, last: bool) -> None:
+    def __init__(self, block: nn.Module, last: bool = False) -> None:
         super().__init__()
         self.block, self.last = block, last

@@ -53,11 +53,7 @@ class EmbedLayer(nn.Module):
         return img, txt, temb, cos, sin, mask, grid
 
 
-class DoubleBlockLayer(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
+class DoubleBlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, cos, sin, mask, grid = inputs
         img, txt = self.block(img, txt, temb, mask, (cos, sin))

@@ -106,12 +106,8 @@ class EmbedLayer(nn.Module):
         return img, cap, adaln, self._freqs(img_ids), self._freqs(cap_ids), cap_mask, grid
 
 
-class NoiseRefinerLayer(nn.Module):
+class NoiseRefinerLayer(WrappedBlock):
     """One noise-refiner block (image tokens, timestep-modulated)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
 
     def forward(self, inputs: Tensors) -> Tensors:
         x, cap, adaln, x_freqs, cap_freqs, cap_mask, grid = inputs
