@@ -368,3 +368,27 @@ def test_the_readme_table_names_every_anchor_key_the_importer_knows() -> None:
     quoted = " ".join(re.findall(r"`([^`]*)`", section))
     missing = [f"{s}.{k}" for s, rules in RULES.items() for k in rules if not re.search(rf"\b{k}\b", quoted)]
     assert not missing, f"README's diffusion-pipe table lacks {missing}"
+
+
+def _imported_run(tmp_path: Path, model: str) -> dict:
+    from diffpipe_core.anchor.convert import import_config
+
+    (tmp_path / "anchor.toml").write_text(f"output_dir = 'runs'\n[model]\n{model}\n[optimizer]\ntype = 'adamw_optimi'\n"
+                                          "lr = 2e-5\n")
+    return _keys(import_config(tmp_path / "anchor.toml", tmp_path).files["run.toml"])
+
+
+def test_sdxl_learning_rates_per_part_become_group_lr_with_the_text_encoders_trained(tmp_path: Path) -> None:
+    """diffusion-pipe's SDXL example: unet_lr and text_encoder_*_lr, and its text encoders always trained."""
+    run = _imported_run(tmp_path, "type = 'sdxl'\nunet_lr = 4e-5\ntext_encoder_1_lr = 2e-5\ntext_encoder_2_lr = 1e-5")
+    assert run["optimizer"]["group_lr"] == {"unet": 4e-5, "text_encoder_1": 2e-5, "text_encoder_2": 1e-5}
+    assert run["model"]["train_text_encoders"] is True
+    run = _imported_run(tmp_path, "type = 'sdxl'")  # no rates: diffusion-pipe trains them at the optimizer's lr
+    assert run["model"]["train_text_encoders"] is True and "group_lr" not in run["optimizer"]
+    run = _imported_run(tmp_path, "type = 'flux'\nunet_lr = 4e-5")  # no such parts: not carried
+    assert "group_lr" not in run["optimizer"] and "train_text_encoders" not in run["model"]
+
+
+@pytest.mark.parametrize(("anchor", "ours"), [("qwen_image", "qwen-image"), ("z_image", "z-image"), ("wan", "wan")])
+def test_the_anchors_model_types_name_diffpipes(tmp_path: Path, anchor: str, ours: str) -> None:
+    assert _imported_run(tmp_path, f"type = '{anchor}'")["model"]["type"] == ours

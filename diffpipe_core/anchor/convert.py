@@ -17,10 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffpipe_core.anchor.keys import Change, Context, changes_for, is_secret, toml_key, toml_value
+from diffpipe_core.anchor.keys import (
+    SDXL_TEXT_ENCODERS,
+    Change,
+    Context,
+    changes_for,
+    is_secret,
+    toml_key,
+    toml_value,
+)
 from diffpipe_core.schema import ConfigError, read_toml
 
-MODEL_NAMES = {"cosmos_predict2": "cosmos-predict2"}  # anchor model type -> diffpipe model name, where they differ
+# anchor model type -> diffpipe model name, where they differ
+MODEL_NAMES = {"cosmos_predict2": "cosmos-predict2", "qwen_image": "qwen-image", "z_image": "z-image"}
 TABLES = ("model", "adapter", "optimizer")
 RUN_FILE = "run.toml"
 DATASET_FILE = "dataset.toml"
@@ -36,7 +45,10 @@ class _Section:
     def put(self, key: str, value: Any, notes: list[str]) -> None:
         for k, v, existing in self.lines:
             if k == key:
-                if v != value:
+                if isinstance(v, dict) and isinstance(value, dict):  # group_lr from several anchor keys
+                    v.update(value)
+                    existing.extend(n for n in notes if n not in existing)
+                elif v != value:
                     existing.append(f"(also from {', '.join(notes) or 'another key'}: {toml_value(value)}; kept this)")
                 else:
                     existing.extend(n for n in notes if n not in existing)
@@ -169,6 +181,10 @@ class _Converter:
                 note = "diffusion-pipe's default: the model's dtype (diffpipe's: float32)"
                 run["adapter"].put("dtype", dtype, [note])
                 self.counts["changed"] += 1
+        if model_name == "sdxl" and not run["model"].has("train_text_encoders"):
+            # diffusion-pipe trains SDXL's text encoders even without their learning rates (at the optimizer's)
+            run["model"].put("train_text_encoders", True, [SDXL_TEXT_ENCODERS])
+            self.counts["changed"] += 1
         self._required_model_keys(model_name, run["model"])
         if DATASET_FILE not in self.datasets:
             note = "TODO: diffusion-pipe's config names no dataset; fill this one in"

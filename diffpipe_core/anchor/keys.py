@@ -56,6 +56,10 @@ class Context:
         known = self.fields[section]
         return known is None or key in known
 
+    def knows(self, section: str, key: str) -> bool:
+        """Whether ``section`` surely has ``key`` (its keys are known: the model table's once its plugin is)."""
+        return self.has(section, key) and self.fields[section] is not None
+
 
 def core_fields(section: str) -> set[str] | None:
     """The keys of the core's own schemas (the model table's come from its plugin: None here)."""
@@ -277,10 +281,23 @@ MODEL_RULES: dict[str, Rule] = {
     "llama3_path": _path_needed,
     "cache_text_embeddings": _none("diffpipe always caches the text embeddings"),
     "bypass_guidance_embedding": _none("diffpipe always feeds the guidance input (model.guidance sets its value)"),
-    "unet_lr": _none("diffpipe trains the diffusion model at [optimizer] lr"),
-    "text_encoder_1_lr": _none("diffpipe does not train text encoders"),
-    "text_encoder_2_lr": _none("diffpipe does not train text encoders"),
+    "unet_lr": lambda key, value, ctx: _group_lr("unet", value, ctx),
+    "text_encoder_1_lr": lambda key, value, ctx: _group_lr("text_encoder_1", value, ctx),
+    "text_encoder_2_lr": lambda key, value, ctx: _group_lr("text_encoder_2", value, ctx),
 }
+
+SDXL_TEXT_ENCODERS = "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead"
+
+
+def _group_lr(group: str, value: Any, ctx: Context) -> list[Change]:
+    """diffusion-pipe's SDXL learning rates per part: diffpipe's ``[optimizer] group_lr``, with the text encoders
+    trained (``[model] train_text_encoders``) as diffusion-pipe trains them."""
+    if not ctx.knows("model", "train_text_encoders"):
+        return [Change(None, why=f"{ctx.model_label} trains its diffusion model at [optimizer] lr")]
+    changes = [Change("optimizer", "group_lr", {group: value}, "diffpipe's learning rates per part")]
+    if group != "unet":
+        changes.append(Change("model", "train_text_encoders", True, SDXL_TEXT_ENCODERS))
+    return changes
 
 
 # ------------------------------------------------------------------------------------------ [adapter], [optimizer]
