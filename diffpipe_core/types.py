@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -162,6 +163,16 @@ def control_key(index: int, name: str) -> str:
     ``control_key(0, "latents") == "control_0_latents"``. A micro-batch holds either every item's control tensors
     or none (items without control images are batched apart)."""
     return f"control_{index}_{name}"
+
+
+def control_values(source: Mapping[str, Any], name: str) -> list[Any]:
+    """Tensor ``name`` of each control image in ``source`` (a micro-batch, or a sample prompt's text tensors), in
+    ``control_path`` order: ``control_0_<name>``, ``control_1_<name>``, ... up to the first one missing; empty for an
+    item without control images."""
+    values = []
+    while (value := source.get(control_key(len(values), name))) is not None:
+        values.append(value)
+    return values
 
 
 @dataclass(frozen=True)

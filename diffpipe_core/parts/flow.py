@@ -81,3 +81,9 @@ def flow_loss(outputs: Tensors, targets: Tensors, context: TrainingContext | Non
     context, MSE) of the prediction (``outputs[0]``) to the velocity (``targets[0]``), weighted by ``targets[1]`` (a
     mask or per-element weights) when present."""
     return training_loss(outputs[0], targets[0], targets[1] if len(targets) > 1 else None, context)
+
+
+def leading_tokens(outputs: Tensors, targets: Tensors) -> Tensors:
+    """``outputs`` with the prediction cut to the target's tokens, its first ``targets[0].shape[1]``: an edit model
+    appends its control (reference) images' tokens after the noisy target's, and the loss covers the target only."""
+    return (outputs[0][:, : targets[0].shape[1]], *outputs[1:])

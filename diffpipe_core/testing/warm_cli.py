@@ -20,6 +20,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,6 +150,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -7,6 +7,13 @@ hidden layers are stacked (dev: Mistral3; Klein: Qwen3, chat-templated), no pool
 all blocks, and four-axis position ids. The caption tensors are the pipeline's own ``encode_prompt`` (called on a
 pipeline holding only its text encoder and tokenizer). Klein has no guidance embedding. Everything Flux's plugin does
 alike is Flux's (:class:`~diffpipe_flux.plugin.Flux`). This module imports no torch.
+
+Reference images (edit training) need no other entry point: the same weights and pipeline class do both, as the
+pipelines' ``image=`` argument does. Items of a ``[[directory]]`` with ``control_path`` train with their control
+images as reference images: each decoded at its own aspect ratio, encoded like a target (``_encode_vae_image``), its
+tokens appended after the noisy target's with the time offset ``10 + 10 k`` of ``_prepare_image_ids``; the loss
+covers the target's tokens, as the pipelines drop the references' from the prediction. Items without train as
+text-to-image, in micro-batches of their own.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ if TYPE_CHECKING:
 
     from diffpipe_core import TrainingContext
 
+#: reference images per item: FLUX.2 [dev] takes up to 10 (BFL's model card); the pipelines set no limit
+MAX_REFERENCES = 10
 #: Flux.1's attention linears (the double blocks' q/k/v and outputs), FLUX.2's MLP names, the single blocks' fused input
 TARGETS = [
     *ATTENTION_AND_MLP[:8],
@@ -55,6 +64,9 @@ class Flux2(Flux):
         config_schema=Flux2Config,
         encoder_settings=("path", "encoder_dtype", "text_max_length"),
         block_layers=("Flux2DoubleBlockLayer", "Flux2SingleBlockLayer"),
+        control_images="optional",
+        max_control_images=MAX_REFERENCES,
+        control_size="own",
         description="FLUX.2 [dev] (diffusers Flux2Pipeline folder or the BFL/ComfyUI single-file transformer)",
     )
     folder = DiffusersFolder(
@@ -90,7 +102,8 @@ class Flux2(Flux):
 
     @hookimpl
     def encode_batch(self, encoders: Any, batch: Any) -> dict[str, torch.Tensor]:
-        """Media: ``latents`` (B, 4C, H/16, W/16), ``mask`` on that grid. Captions: ``text_embeds``
+        """Media (targets and reference images alike): ``latents`` (B, 4C, H/16, W/16), ``mask`` on that grid (targets
+        only). Captions: ``text_embeds``
         (B, text_max_length, 3 x hidden), as the pipeline's ``_encode_vae_image`` and ``encode_prompt`` make them."""
         return super().encode_batch(encoders, batch)
 
@@ -127,20 +140,27 @@ class Flux2(Flux):
     def guidance(self, model_config: Any) -> float:
         return float(getattr(model_config, "guidance", 1.0))
 
-    def first_inputs(self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, guidance: float):
-        """``(tokens, t, text, guidance, img_ids, txt_ids)`` for latents ``x`` ``(B, C, h, w)``."""
+    def first_inputs(
+        self, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, guidance: float, source: dict[str, torch.Tensor]
+    ):
+        """``(tokens, t, text, guidance, img_ids, txt_ids)`` for latents ``x`` ``(B, C, h, w)``, followed by the
+        reference images' tokens and ids (``control_<k>_latents`` of ``source``: the micro-batch, or the sample
+        prompt's tensors)."""
         import torch
 
-        from diffpipe_flux.flux2_latents import image_ids, text_ids, tokens
+        from diffpipe_core.types import control_values
+        from diffpipe_flux.flux2_latents import image_ids, text_ids, tokens, with_references
 
         b, _, h, w = x.shape
         text = text.float()
-        return tokens(x.float()), t, text, torch.full((b,), guidance), image_ids(h, w), text_ids(text.shape[1])
+        img, ids = with_references(tokens(x.float()), image_ids(h, w), control_values(source, "latents"))
+        return img, t, text, torch.full((b,), guidance), ids, text_ids(text.shape[1])
 
     @hookimpl
     def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
         """``((x_t, t, text_embeds, guidance, img_ids, txt_ids), (target[, mask]))``, one token per latent patch;
-        rectified flow (:func:`diffpipe_core.parts.flow.flow_sample`) with ``shift``."""
+        rectified flow (:func:`diffpipe_core.parts.flow.flow_sample`) with ``shift``. An edit pair's reference images
+        follow the target's tokens in ``x_t`` and ``img_ids``; the targets cover the target's tokens."""
         from diffpipe_core.parts.flow import flow_sample, with_mask
         from diffpipe_flux.flux2_latents import tokens
 
@@ -148,7 +168,17 @@ class Flux2(Flux):
         f = flow_sample(batch["latents"], cfg, context, generator, cfg.shift)  # type: ignore[attr-defined]
         shape = f.x_t.shape
         targets = with_mask((tokens(f.target),), batch, lambda m: tokens(m.expand(*shape).contiguous()))
-        return self.first_inputs(f.x_t, f.t, batch["text_embeds"], self.guidance(cfg)), targets
+        return self.first_inputs(f.x_t, f.t, batch["text_embeds"], self.guidance(cfg), batch), targets
+
+    @hookimpl
+    def compute_loss(
+        self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+    ) -> torch.Tensor:
+        """The run's loss on the target's tokens (the prediction's first ``len(target)``; reference images' tokens
+        come after them), mask-weighted."""
+        from diffpipe_core.parts.flow import flow_loss, leading_tokens
+
+        return flow_loss(leading_tokens(outputs, targets), targets, context)
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
@@ -164,15 +194,18 @@ class Flux2(Flux):
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """The first layer's inputs at ``schedule[index]`` (``[sample] guidance``, default 4.0, for dev)."""
+        """The first layer's inputs at ``schedule[index]`` (``[sample] guidance``, default 4.0, for dev), with the
+        prompt's reference images (``[sample] control_images``) appended as in training."""
         guidance = DEFAULT_GUIDANCE if request.guidance is None else request.guidance
         t = schedule[index].float().expand(latents.shape[0])
-        return self.first_inputs(latents, t, text["text_embeds"], float(guidance))
+        return self.first_inputs(latents, t, text["text_embeds"], float(guidance), text)
 
     def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """The prediction for the target's tokens (the reference images' follow them), back on the patch grid."""
         from diffpipe_flux.flux2_latents import untokens
 
-        return untokens(prediction, latents.shape[-2], latents.shape[-1])
+        h, w = latents.shape[-2], latents.shape[-1]
+        return untokens(prediction[:, : h * w], h, w)
 
     def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
         """Undo the batch-norm normalisation and the 2x2 patches, as the pipeline does before decoding."""

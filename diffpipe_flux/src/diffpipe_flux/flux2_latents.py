@@ -1,7 +1,8 @@
 """FLUX.2's latents as ``Flux2Pipeline`` / ``Flux2KleinPipeline`` make them: the VAE posterior's mode cut into 2x2
 patches (``(B, 4C, H/16, W/16)``, channel ``4c + 2dy + dx``), normalised by the VAE's batch-norm running statistics
-(``vae.bn``), one token per patch; position ids with four axes (time, row, column, sequence); and the start of
-sampling (noise on the patch grid, the pipelines' empirical ``mu`` as the time shift).
+(``vae.bn``), one token per patch; position ids with four axes (time, row, column, sequence); reference images
+(edit) appended after the target's tokens at their own times; and the start of sampling (noise on the patch grid,
+the pipelines' empirical ``mu`` as the time shift).
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ def raw(vae: Any, z: torch.Tensor) -> torch.Tensor:
 def image_ids(h: int, w: int) -> torch.Tensor:
     """``(h*w, 4)`` ids ``[0, row, col, 0]`` of the patch grid (``_prepare_latent_ids``)."""
     return grid_ids(h, w, axes=4)
+
+
+#: the time-axis spacing of reference images: the k-th (from 0) has time ``10 + 10 k`` (``_prepare_image_ids``)
+REFERENCE_TIME_SCALE = 10
+
+
+def with_references(
+    x: torch.Tensor, ids: torch.Tensor, references: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's tokens ``x`` ``(B, n, C)`` and ids ``(n, 4)`` followed by each reference image's (latents
+    ``(B or 1, C, h_k, w_k)``, normalised as a target's), as ``prepare_image_latents`` and the denoising loop join them:
+    reference ``k``'s tokens row by row with ids ``[10 + 10 k, row, col, 0]``."""
+    parts, all_ids = [x], [ids]
+    for k, ref in enumerate(references):
+        parts.append(tokens(ref.float()).expand(x.shape[0], -1, -1))
+        ref_ids = image_ids(*ref.shape[-2:])
+        ref_ids[:, 0] = REFERENCE_TIME_SCALE * (k + 1)
+        all_ids.append(ref_ids)
+    return torch.cat(parts, dim=1), torch.cat(all_ids)
 
 
 def text_ids(n: int) -> torch.Tensor:

@@ -60,9 +60,9 @@ class FluxKontext(Flux):
         self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
     ) -> torch.Tensor:
         """The loss on the target's tokens only (the prediction's first ``len(target)`` tokens), mask-weighted."""
-        from diffpipe_core.parts.flow import flow_loss
+        from diffpipe_core.parts.flow import flow_loss, leading_tokens
 
-        return flow_loss((outputs[0][:, : targets[0].shape[1]],), targets, context)
+        return flow_loss(leading_tokens(outputs, targets), targets, context)
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):

@@ -118,14 +118,12 @@ class QwenImageEdit(QwenImage):
         import torch
 
         from diffpipe_core.parts.latents import pack_2x2
-        from diffpipe_core.types import control_key
+        from diffpipe_core.types import control_values
 
         parts, shapes = [tokens], [[1, hw[0] // 2, hw[1] // 2]]
-        k = 0
-        while (ref := source.get(control_key(k, "latents"))) is not None:
+        for ref in control_values(source, "latents"):
             parts.append(pack_2x2(ref.float()))
             shapes.append([1, ref.shape[-2] // 2, ref.shape[-1] // 2])
-            k += 1
         return torch.cat(parts, dim=1), torch.tensor(shapes)
 
 
