@@ -37,9 +37,24 @@ def test_only_what_is_read_at_run_time_shares_a_server() -> None:
     base = cli_env()
     key = warm_cli._import_time_env
     assert key(base) == key({**base, "OMP_NUM_THREADS": "2", "DIFFPIPE_DEBUG": "1", "PYTEST_CURRENT_TEST": "x"})
-    for read_at_import in ("HF_HOME", "PYTHONPATH", "TRANSFORMERS_VERBOSITY", "DIFFPIPE_VERBOSE"):
+    for read_at_import in ("HF_HOME", "TRANSFORMERS_VERBOSITY", "DIFFPIPE_VERBOSE"):
         assert key(base) != key({**base, read_at_import: "elsewhere"}), read_at_import
     assert warm_cli.server_for(["train", "--verbose"], base) is None  # the server silenced the libraries
+
+
+def test_plugin_folders_on_pythonpath_join_the_childs_path_unless_they_shadow_the_servers_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugins, shadow = tmp_path / "plugins", tmp_path / "shadow"
+    for folder, module in ((plugins, "my_diffpipe_plugin"), (shadow, "torch")):
+        folder.mkdir()
+        (folder / f"{module}.py").write_text("")
+    env = cli_env([plugins])
+    assert warm_cli._extra_paths(env) == [str(plugins)]
+    assert warm_cli.server_for(["models"], env) is warm_cli.server_for(["models"], cli_env())  # one server
+    assert warm_cli.server_for(["models"], cli_env([shadow])) is None  # a fresh process imports this torch
+    monkeypatch.setenv("PYTHONPATH", "/ours")
+    assert warm_cli.server_for(["models"], {**cli_env(), "PYTHONPATH": "/elsewhere"}) is None  # not before ours
 
 
 def test_a_timeout_kills_the_forked_command_and_its_workers(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ working folder, environment and arguments, writes its stdout and stderr to files
 line, which starts (forks) its workers as it always does. Nothing of the run is in the server: it never loads
 the plugin registry, a config or a model.
 
-Each environment (but for what is read at run time) gets its own server (:func:`server_for`).
+Each environment (but for what is read at run time) gets its own server (:func:`server_for`). PYTHONPATH
+folders put before the test process's own (a test's throwaway plugins) are put on the child's ``sys.path`` where
+a fresh process has them, unless they hold a module the server imported.
 :func:`diffpipe_core.testing.processes.run_diffpipe` runs a fresh process where a fork could differ from one:
 another program, ``--verbose``, or ``DIFFPIPE_TEST_FRESH_PROCESSES=1`` for the whole test run.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 FRESH_ENV = "DIFFPIPE_TEST_FRESH_PROCESSES"
 _READY = "ready"
+_IMPORTED = "imported.txt"  # the top-level modules the server imported, one a line
 _RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_", "WANDB_")
 # diffpipe's own and the thread count are read at run time, PYTEST_CURRENT_TEST not at all, and wandb is imported by
 # the W&B logger at run time, never by the server
@@ -56,6 +59,8 @@ def serve(socket_path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(8)
+    imported = sorted({name.split(".")[0] for name in sys.modules})
+    (Path(socket_path).parent / _IMPORTED).write_text("\n".join(imported))
     print(_READY, flush=True)
     running: dict[int, socket.socket] = {}
     with selectors.DefaultSelector() as selector:
@@ -112,6 +117,7 @@ def _run_child(request: dict[str, Any]) -> None:
 
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        sys.path[1:1] = request.get("extra_paths", [])  # where a fresh process puts PYTHONPATH's folders
         importlib.invalidate_caches()
         sys.argv = ["diffpipe", *request["args"]]
         import runpy
@@ -145,6 +151,7 @@ class _Server:
             self.stop()
             raise RuntimeError(f"the warm diffpipe server did not start: {(self.folder / 'server.log').read_text()}")
         self.runs = 0
+        self.imported = set((self.folder / _IMPORTED).read_text().split())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -159,7 +166,8 @@ class _Server:
         """Start the command in a forked child and return at once."""
         self.runs += 1
         out, err = self.folder / f"run{self.runs}.out", self.folder / f"run{self.runs}.err"
-        request = {"args": args, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out), "stderr": str(err)}
+        request = {"args": args, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out), "stderr": str(err),
+                   "extra_paths": _extra_paths(env) or []}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.socket_path)
         conn.sendall((json.dumps(request) + "\n").encode())
@@ -263,25 +271,56 @@ def _read_line_within(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline().strip()
 
 
-_servers: dict[frozenset[tuple[str, str]], _Server] = {}
-_MAX_SERVERS = 3  # each holds the libraries (about 700 MB); a test process rarely needs more than two settings
-
 
 def _import_time_env(env: dict[str, str]) -> frozenset[tuple[str, str]]:
-    """The part of ``env`` that a process reads before (or while) importing the libraries."""
-    return frozenset((k, v) for k, v in env.items() if not k.startswith(_RUN_TIME_ENV) or k in _VERBATIM_ENV)
+    """The part of ``env`` that a process reads before (or while) importing the libraries (PYTHONPATH's folders
+    before this process's own: see :func:`_extra_paths`)."""
+    return frozenset(
+        (k, v) for k, v in env.items() if (not k.startswith(_RUN_TIME_ENV) or k in _VERBATIM_ENV) and k != "PYTHONPATH"
+    )
+
+
+def _extra_paths(env: dict[str, str]) -> list[str] | None:
+    """The folders ``env``'s PYTHONPATH puts before this process's own PYTHONPATH (a test's throwaway plugins),
+    or None when it is not that."""
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if len(theirs) < len(own) or theirs[len(theirs) - len(own):] != own:
+        return None
+    return theirs[: len(theirs) - len(own)]
+
+
+def _provided_modules(folder: str) -> set[str]:
+    """The top-level modules a PYTHONPATH folder provides (metadata folders aside)."""
+    path = Path(folder)
+    if not path.is_dir():
+        return set()
+    return {p.name.split(".")[0] for p in path.iterdir() if not p.name.endswith((".dist-info", ".egg-info"))}
+
+
+_servers: dict[frozenset[tuple[str, str]], _Server] = {}
+_MAX_SERVERS = 3  # each holds the libraries (about 700 MB); a test process rarely needs more than two settings
 
 
 def server_for(args: list[str], env: dict[str, str]) -> _Server | None:
     """A warm server whose fork runs ``diffpipe *args`` in ``env`` as a fresh process would (started now if this
     process has none for that environment yet); None where only a fresh process can: ``--verbose`` (the server
-    silenced the libraries as they were imported), or ``DIFFPIPE_TEST_FRESH_PROCESSES`` set."""
-    if os.environ.get(FRESH_ENV) or "--verbose" in args:
+    silenced the libraries as they were imported), a PYTHONPATH other than folders before this process's own or
+    one whose folders shadow a module the server imported, or ``DIFFPIPE_TEST_FRESH_PROCESSES`` set. Servers are
+    kept for the environments used most recently."""
+    extra = _extra_paths(env)
+    if os.environ.get(FRESH_ENV) or "--verbose" in args or extra is None:
         return None
     key = _import_time_env(env)
-    warm = _servers.get(key)
+    warm = _servers.pop(key, None)
     if warm is None or not warm.alive():
         if len(_servers) >= _MAX_SERVERS:
-            _servers.pop(next(iter(_servers))).stop()
-        warm = _servers[key] = _Server({k: v for k, v in env.items() if not k.startswith("PYTEST_")})
+            _servers.pop(next(iter(_servers))).stop()  # the least recently used
+        own = {k: v for k, v in env.items() if not k.startswith("PYTEST_") and k != "PYTHONPATH"}
+        if os.environ.get("PYTHONPATH"):
+            own["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        warm = _Server(own)
+    _servers[key] = warm
+    if any(_provided_modules(folder) & warm.imported for folder in extra):
+        return None
     return warm
