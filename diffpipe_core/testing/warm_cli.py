@@ -33,6 +33,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from diffpipe_core.engine.forked_workers import ForkedWorker
+
 FRESH_ENV = "DIFFPIPE_TEST_FRESH_PROCESSES"
 _READY = "ready"
 _IMPORTED = "imported.txt"  # the top-level modules the server imported, one a line
@@ -228,12 +230,7 @@ class WarmProcess:
     def poll(self) -> int | None:
         return self._wait(0)
 
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
+    send_signal = ForkedWorker.send_signal  # a signal to the pid unless it ended
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for the command to end (:class:`subprocess.TimeoutExpired` after ``timeout`` seconds, as
