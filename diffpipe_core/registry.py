@@ -47,6 +47,8 @@ DISTRIBUTIONS = {
     "flux2-klein": "diffpipe-flux",
     "sdxl": "diffpipe-sdxl",
     "hunyuan-video": "diffpipe-hunyuan",
+    "hunyuan-video-1.5": "diffpipe-hunyuan",
+    "hunyuan-video-1.5-i2v": "diffpipe-hunyuan",
     "ltx-video": "diffpipe-ltx",
     "cosmos": "diffpipe-cosmos",
     "cosmos-predict2": "diffpipe-cosmos",

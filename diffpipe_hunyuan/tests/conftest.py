@@ -24,3 +24,46 @@ def crop_start() -> int:
     from diffpipe_hunyuan.testing import llama_tokenizer, template_crop_start
 
     return template_crop_start(llama_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HunyuanVideo-1.5 text-to-video folder (``HunyuanVideo15Pipeline``); its Tencent-layout file is
+    ``diffpipe_hunyuan.testing15.original_path(folder)``."""
+    from diffpipe_hunyuan.testing15 import write_tiny_hunyuan15
+
+    return write_tiny_hunyuan15(tmp_path_factory.mktemp("hunyuan15") / "tiny-hunyuan15")
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan15_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HunyuanVideo-1.5 image-to-video folder (``HunyuanVideo15ImageToVideoPipeline``, with SigLIP)."""
+    from diffpipe_hunyuan.testing15 import write_tiny_hunyuan15
+
+    return write_tiny_hunyuan15(tmp_path_factory.mktemp("hunyuan15-i2v") / "tiny-hunyuan15-i2v", i2v=True)
+
+
+@pytest.fixture(scope="session")
+def crop_start15() -> int:
+    """``text_crop_start`` for the tiny HunyuanVideo-1.5's Qwen tokenizer."""
+    from diffpipe_hunyuan.testing15 import qwen_tokenizer, template_crop_start
+
+    return template_crop_start(qwen_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def hunyuan15_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``hunyuan-video-1.5`` run (test_hunyuan15_train.py's project): mixed clips and images, 1 process,
+    from Tencent's single file. Returns its run folder."""
+    from test_hunyuan15_train import train_project
+
+    return train_project(tmp_path_factory.mktemp("hunyuan15-run"), "hunyuan-video-1.5")
+
+
+@pytest.fixture(scope="session")
+def hunyuan15_i2v_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``hunyuan-video-1.5-i2v`` run: mixed clips (first-frame conditioned) and images, 1 process, from
+    the diffusers folder. Returns its run folder."""
+    from test_hunyuan15_train import train_project
+
+    return train_project(tmp_path_factory.mktemp("hunyuan15-i2v-run"), "hunyuan-video-1.5-i2v")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -36,4 +38,39 @@ class HunyuanConfig(DiffusersModelConfig, FlowMatchingConfig):
     vae_slicing: bool = Field(False, description="Encode one sample of a batch at a time (less memory, same latents).")
     guidance: float = Field(
         1.0, ge=0, description="Guidance-embedding value fed to the guidance-distilled transformer while training."
+    )
+
+
+class HunyuanVideo15Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of HunyuanVideo-1.5 text-to-video. ``path`` is a diffusers ``HunyuanVideo15Pipeline`` folder
+    (Qwen2.5-VL ``text_encoder``, glyph ByT5 ``text_encoder_2``); ``transformer_file`` a single file in Tencent's
+    key layout (``double_blocks.N.img_attn_q.weight``, ...)."""
+
+    text_max_length: int = Field(
+        1000, ge=1, description="Qwen2.5-VL tokens kept after the prompt template is cut off (the pipeline's 1000)."
+    )
+    text_crop_start: int = Field(
+        108,
+        ge=0,
+        description="Tokens of the chat template (system message and user header) before the caption, cut from the "
+        "Qwen2.5-VL output (the pipeline's prompt_template_encode_start_idx: 108 for Qwen2.5-VL's tokenizer).",
+    )
+    glyph_max_length: int = Field(
+        256,
+        ge=1,
+        description="ByT5 tokens of the quoted text of a caption (\"...\"), the glyph embedding (the pipeline's 256); "
+        "captions without quotes get an all-masked glyph embedding.",
+    )
+    vae_tiling: bool = Field(False, description="Encode large frames in overlapping spatial tiles (less memory).")
+    vae_slicing: bool = Field(False, description="Encode one sample of a batch at a time (less memory, same latents).")
+
+
+class HunyuanVideo15I2VConfig(HunyuanVideo15Config):
+    """``[model]`` keys of HunyuanVideo-1.5 image-to-video (``HunyuanVideo15ImageToVideoPipeline`` folders, with the
+    SigLIP ``image_encoder`` and its ``feature_extractor``)."""
+
+    sample_image: Path | None = Field(
+        None,
+        description="The first frame every sample during training (and `diffpipe sample`) is generated from; "
+        "required for [sample]. Resized and center-cropped to the sample size as the pipeline does.",
     )

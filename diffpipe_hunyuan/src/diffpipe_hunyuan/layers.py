@@ -54,10 +54,13 @@ class EmbedLayer(nn.Module):
 
 
 class DoubleBlockLayer(WrappedBlock):
+    """A double-stream block; the last of a model without single-stream blocks (HunyuanVideo-1.5) hands the final
+    layer only ``(img_tokens, temb, grid)``."""
+
     def forward(self, inputs: Tensors) -> Tensors:
         img, txt, temb, cos, sin, mask, grid = inputs
         img, txt = self.block(img, txt, temb, mask, (cos, sin))
-        return img, txt, temb, cos, sin, mask, grid
+        return (img, temb, grid) if self.last else (img, txt, temb, cos, sin, mask, grid)
 
 
 class SingleBlockLayer(WrappedBlock):

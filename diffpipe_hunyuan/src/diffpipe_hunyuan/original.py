@@ -22,27 +22,18 @@ TTE, CE = "time_text_embed", "context_embedder"
 FUSED_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
 
-def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, width: int, mlp_ratio: float = 4.0):
-    """Every module of a HunyuanVideo transformer of these sizes (``width``: heads x head dim; norms without
-    weights have no entry)."""
+def token_refiner(num_refiner: int, width: int, head: tuple[Module, ...] = ()) -> list[Module]:
+    """The text token refiner (``txt_in``): its embedders, then its blocks (HunyuanVideo 1.0 and 1.5 alike);
+    ``head``: modules listed between the embedders and the blocks."""
     qkv = (width,) * 3
     modules = [
-        Module("img_in.proj", ("x_embedder.proj",)),
         Module("txt_in.input_embedder", (f"{CE}.proj_in",)),
         Module("txt_in.t_embedder.mlp.0", (f"{CE}.{TTE}.timestep_embedder.linear_1",)),
         Module("txt_in.t_embedder.mlp.2", (f"{CE}.{TTE}.timestep_embedder.linear_2",)),
         Module("txt_in.c_embedder.linear_1", (f"{CE}.{TTE}.text_embedder.linear_1",)),
         Module("txt_in.c_embedder.linear_2", (f"{CE}.{TTE}.text_embedder.linear_2",)),
-        Module("time_in.mlp.0", (f"{TTE}.timestep_embedder.linear_1",)),
-        Module("time_in.mlp.2", (f"{TTE}.timestep_embedder.linear_2",)),
-        Module("vector_in.in_layer", (f"{TTE}.text_embedder.linear_1",)),
-        Module("vector_in.out_layer", (f"{TTE}.text_embedder.linear_2",)),
+        *head,
     ]
-    if guidance:
-        modules += [
-            Module("guidance_in.mlp.0", (f"{TTE}.guidance_embedder.linear_1",)),
-            Module("guidance_in.mlp.2", (f"{TTE}.guidance_embedder.linear_2",)),
-        ]
     for i in range(num_refiner):
         o, d = f"txt_in.individual_token_refiner.blocks.{i}", f"{CE}.token_refiner.refiner_blocks.{i}"
         modules += [
@@ -54,30 +45,70 @@ def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, w
             Module(f"{o}.mlp.fc2", (f"{d}.ff.net.2",), comfy=None),
             Module(f"{o}.adaLN_modulation.1", (f"{d}.norm_out.linear",), comfy=None),
         ]
-    for i in range(num_double):
-        o, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
-        add_qkv = (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
-        modules += [
-            Module(f"{o}.img_mod.linear", (f"{d}.norm1.linear",), comfy=f"{o}.img_mod.lin"),
-            Module(f"{o}.txt_mod.linear", (f"{d}.norm1_context.linear",), comfy=f"{o}.txt_mod.lin"),
-            Module(
-                f"{o}.img_attn_qkv",
-                (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
-                qkv,
-                comfy=f"{o}.img_attn.qkv",
-            ),
-            Module(f"{o}.txt_attn_qkv", add_qkv, qkv, comfy=f"{o}.txt_attn.qkv"),
-            Module(f"{o}.img_attn_proj", (f"{d}.attn.to_out.0",), comfy=f"{o}.img_attn.proj"),
-            Module(f"{o}.txt_attn_proj", (f"{d}.attn.to_add_out",), comfy=f"{o}.txt_attn.proj"),
-            Module(f"{o}.img_attn_q_norm", (f"{d}.attn.norm_q",), comfy=None),
-            Module(f"{o}.img_attn_k_norm", (f"{d}.attn.norm_k",), comfy=None),
-            Module(f"{o}.txt_attn_q_norm", (f"{d}.attn.norm_added_q",), comfy=None),
-            Module(f"{o}.txt_attn_k_norm", (f"{d}.attn.norm_added_k",), comfy=None),
-            Module(f"{o}.img_mlp.fc1", (f"{d}.ff.net.0.proj",), comfy=f"{o}.img_mlp.0"),
-            Module(f"{o}.img_mlp.fc2", (f"{d}.ff.net.2",), comfy=f"{o}.img_mlp.2"),
-            Module(f"{o}.txt_mlp.fc1", (f"{d}.ff_context.net.0.proj",), comfy=f"{o}.txt_mlp.0"),
-            Module(f"{o}.txt_mlp.fc2", (f"{d}.ff_context.net.2",), comfy=f"{o}.txt_mlp.2"),
+    return modules
+
+
+def double_block(i: int, width: int, split_qkv: bool = False) -> list[Module]:
+    """Double-stream block ``i`` (``double_blocks.i`` = ``transformer_blocks.i``). Its image and text q, k, v are
+    one ``img_attn_qkv`` / ``txt_attn_qkv`` tensor (HunyuanVideo 1.0, and ComfyUI's names ``img_attn.qkv``), or with
+    ``split_qkv`` three tensors each (``img_attn_q``, ``img_attn_k``, ``img_attn_v``: HunyuanVideo 1.5's files,
+    for which ComfyUI's fused names do not apply)."""
+    o, d, qkv = f"double_blocks.{i}", f"transformer_blocks.{i}", (width,) * 3
+    img_qkv = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v")
+    txt_qkv = (f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj")
+    if split_qkv:
+        attention = [
+            Module(f"{o}.{side}_attn_{x}", (part,), comfy=None)
+            for side, parts in (("img", img_qkv), ("txt", txt_qkv))
+            for x, part in zip("qkv", parts, strict=True)
         ]
+    else:
+        attention = [
+            Module(f"{o}.img_attn_qkv", img_qkv, qkv, comfy=f"{o}.img_attn.qkv"),
+            Module(f"{o}.txt_attn_qkv", txt_qkv, qkv, comfy=f"{o}.txt_attn.qkv"),
+        ]
+    return [
+        Module(f"{o}.img_mod.linear", (f"{d}.norm1.linear",), comfy=f"{o}.img_mod.lin"),
+        Module(f"{o}.txt_mod.linear", (f"{d}.norm1_context.linear",), comfy=f"{o}.txt_mod.lin"),
+        *attention,
+        Module(f"{o}.img_attn_proj", (f"{d}.attn.to_out.0",), comfy=f"{o}.img_attn.proj"),
+        Module(f"{o}.txt_attn_proj", (f"{d}.attn.to_add_out",), comfy=f"{o}.txt_attn.proj"),
+        Module(f"{o}.img_attn_q_norm", (f"{d}.attn.norm_q",), comfy=None),
+        Module(f"{o}.img_attn_k_norm", (f"{d}.attn.norm_k",), comfy=None),
+        Module(f"{o}.txt_attn_q_norm", (f"{d}.attn.norm_added_q",), comfy=None),
+        Module(f"{o}.txt_attn_k_norm", (f"{d}.attn.norm_added_k",), comfy=None),
+        Module(f"{o}.img_mlp.fc1", (f"{d}.ff.net.0.proj",), comfy=f"{o}.img_mlp.0"),
+        Module(f"{o}.img_mlp.fc2", (f"{d}.ff.net.2",), comfy=f"{o}.img_mlp.2"),
+        Module(f"{o}.txt_mlp.fc1", (f"{d}.ff_context.net.0.proj",), comfy=f"{o}.txt_mlp.0"),
+        Module(f"{o}.txt_mlp.fc2", (f"{d}.ff_context.net.2",), comfy=f"{o}.txt_mlp.2"),
+    ]
+
+
+#: the final norm's modulation and projection (the original holds the adaLN halves in the opposite order)
+FINAL_LAYER = (
+    Module("final_layer.linear", ("proj_out",), comfy=None),
+    Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True, comfy=None),
+)
+
+
+def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, width: int, mlp_ratio: float = 4.0):
+    """Every module of a HunyuanVideo transformer of these sizes (``width``: heads x head dim; norms without
+    weights have no entry)."""
+    qkv = (width,) * 3
+    head = [
+        Module("time_in.mlp.0", (f"{TTE}.timestep_embedder.linear_1",)),
+        Module("time_in.mlp.2", (f"{TTE}.timestep_embedder.linear_2",)),
+        Module("vector_in.in_layer", (f"{TTE}.text_embedder.linear_1",)),
+        Module("vector_in.out_layer", (f"{TTE}.text_embedder.linear_2",)),
+    ]
+    if guidance:
+        head += [
+            Module("guidance_in.mlp.0", (f"{TTE}.guidance_embedder.linear_1",)),
+            Module("guidance_in.mlp.2", (f"{TTE}.guidance_embedder.linear_2",)),
+        ]
+    modules = [Module("img_in.proj", ("x_embedder.proj",)), *token_refiner(num_refiner, width, tuple(head))]
+    for i in range(num_double):
+        modules += double_block(i, width)
     for i in range(num_single):
         o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
         linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
@@ -88,10 +119,7 @@ def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, w
             Module(f"{o}.q_norm", (f"{d}.attn.norm_q",), comfy=None),
             Module(f"{o}.k_norm", (f"{d}.attn.norm_k",), comfy=None),
         ]
-    modules += [
-        Module("final_layer.linear", ("proj_out",), comfy=None),
-        Module("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap=True, comfy=None),
-    ]
+    modules += FINAL_LAYER
     return KeyTable(
         tuple(modules),
         name="original Tencent",
