@@ -62,7 +62,6 @@ class HunyuanVideo15Config(DiffusersModelConfig, FlowMatchingConfig):
         "captions without quotes get an all-masked glyph embedding.",
     )
     vae_tiling: bool = Field(False, description="Encode large frames in overlapping spatial tiles (less memory).")
-    vae_slicing: bool = Field(False, description="Encode one sample of a batch at a time (less memory, same latents).")
 
 
 class HunyuanVideo15I2VConfig(HunyuanVideo15Config):

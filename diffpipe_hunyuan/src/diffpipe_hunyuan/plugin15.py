@@ -69,7 +69,7 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
     def load_encoders(self, model_config: HunyuanVideo15Config, device: torch.device) -> Any:
-        """The VAE (tiling/slicing as configured), and Qwen2.5-VL + ByT5 in a pipeline of :attr:`pipeline_class`
+        """The VAE (tiling as configured), and Qwen2.5-VL + ByT5 in a pipeline of :attr:`pipeline_class`
         holding them, so the chat template, its crop, the hidden layer (third from last), the glyph-text extraction
         and the masks are the pipeline's; its lengths are the ``[model]`` ones."""
         from diffpipe_core.parts.encoders import load_components
@@ -79,8 +79,9 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
         enc = load_components(self.folder, model_config, device, *names)
         if model_config.vae_tiling:
             enc.vae.enable_tiling()
-        if model_config.vae_slicing:
-            enc.vae.enable_slicing()
+        # one sample at a time: diffusers 0.42's AutoencoderKLHunyuanVideo15 attention mask (B, S, S) does not
+        # broadcast against its (B, 1, S, C) queries for a batch of more than one
+        enc.vae.enable_slicing()
         enc.text = text_pipeline(self.pipeline_class, **{n: getattr(enc, n) for n in names})
         enc.text.tokenizer_max_length = model_config.text_max_length
         enc.text.prompt_template_encode_start_idx = model_config.text_crop_start
@@ -165,6 +166,13 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
         sigmas = np.linspace(1.0, 0.0, request.steps + 1)[:-1]
         noise = torch.randn(self.latent_shape(model_config, request), generator=generator)
         return noise, scheduler_flow_sigmas(model_config.path, sigmas)
+
+    @hookimpl
+    def load_decoder(self, model_config: HunyuanVideo15Config, device: torch.device) -> Any:
+        """The VAE alone, decoding one sample at a time (see :meth:`load_encoders`)."""
+        vae = super().load_decoder(model_config, device)
+        vae.enable_slicing()
+        return vae
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
