@@ -167,7 +167,8 @@ def test_per_stage_loading_reads_only_the_stage_layers(tiny_hunyuan15: Path, cro
     assert registry.register_model("hunyuan-video-1.5", t2v).ok
     cfg = config(t2v, tiny_hunyuan15, crop_start15, **single)
     stages = assert_stages_read_their_own(registry.model("hunyuan-video-1.5"), cfg)
-    blocks = [{".".join(k.split(".")[:2]) for k in s.reads if k.startswith(("double_", "transformer_"))} for s in stages]
+    heads = ("double_", "transformer_")
+    blocks = [{".".join(k.split(".")[:2]) for k in s.reads if k.startswith(heads)} for s in stages]
     last = "double_blocks.1" if single else "transformer_blocks.1"
     assert last in blocks[-1] and not blocks[0] & blocks[-1], blocks
 

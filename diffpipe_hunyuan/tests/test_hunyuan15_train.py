@@ -25,7 +25,10 @@ pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS, OTHER_STEPS = 4, 8.0, 16, 4
 CAPTIONS = ["a red cat", "a blue dog", 'a sign saying "open"', "a small house"]
-PIPELINES = {"hunyuan-video-1.5": "HunyuanVideo15Pipeline", "hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline"}
+PIPELINES = {
+    "hunyuan-video-1.5": "HunyuanVideo15Pipeline",
+    "hunyuan-video-1.5-i2v": "HunyuanVideo15ImageToVideoPipeline",
+}
 
 
 def train_project(root: Path, model_type: str) -> Path:
@@ -92,7 +95,10 @@ def test_diffusers_lora_loads_with_load_lora_adapter_and_reproduces(run: Path) -
     assert all(k.startswith("transformer.transformer_blocks.") for k in state)
     assert "transformer.transformer_blocks.1.attn.to_q.lora_B.weight" in state
     assert not any(".1.attn.add_q_proj." in k or ".1.ff_context." in k for k in state)  # the last block's dead ends
-    trained = ("transformer_blocks.0.attn.add_q_proj.lora_A.default.weight", "transformer_blocks.1.ff.net.2.lora_B.default.weight")
+    trained = (
+        "transformer_blocks.0.attn.add_q_proj.lora_A.default.weight",
+        "transformer_blocks.1.ff.net.2.lora_B.default.weight",
+    )
     reference = runs.trained_transformer(
         HunyuanVideo15Transformer3DModel, run, model_dir, RANK, ALPHA, cfg["target_modules"], trained
     )
