@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.layouts import assert_round_trip
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_hunyuan.i2v15 import condition_tensor
 from diffpipe_hunyuan.i2v15 import plugin as i2v
@@ -175,14 +176,9 @@ def test_per_stage_loading_reads_only_the_stage_layers(tiny_hunyuan15: Path, cro
 
 def test_tencent_and_fused_layouts_round_trip(tiny_hunyuan15: Path) -> None:
     state = load_file(str(tiny_hunyuan15 / "transformer" / "diffusion_pytorch_model.safetensors"))
-    original = diffusers_to_original(state)
-    shift, scale = original["final_layer.adaLN_modulation.1.weight"].chunk(2)
-    d_scale, d_shift = state["norm_out.linear.weight"].chunk(2)  # diffusers: scale first; original: shift first
-    assert torch.equal(shift, d_shift) and torch.equal(scale, d_scale)
+    swapped = ("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight")
+    original = assert_round_trip(state, diffusers_to_original, original_to_diffusers, swapped)
     assert torch.equal(original["double_blocks.0.img_attn_k.weight"], state["transformer_blocks.0.attn.to_k.weight"])
-    fused = diffusers_to_original(state, fused=True)
+    fused = assert_round_trip(state, lambda s: diffusers_to_original(s, fused=True), original_to_diffusers, swapped)
     q, k, v = fused["double_blocks.1.txt_attn_qkv.weight"].chunk(3)
     assert torch.equal(v, state["transformer_blocks.1.attn.add_v_proj.weight"])
-    for layout in (original, fused):
-        back = original_to_diffusers({f"model.diffusion_model.{k}": v for k, v in layout.items()})
-        assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

@@ -11,12 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from diffpipe_core.registry import Registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_hunyuan.i2v15 import plugin as i2v
 from diffpipe_hunyuan.plugin15 import plugin as t2v
@@ -40,15 +39,11 @@ def test_sample_equals_the_pipeline(
         image.save(tmp_path / "first.png")
         table["sample_image"] = tmp_path / "first.png"
     cfg = validate(plugin.spec.config_schema, table, "test")
-    registry = Registry()
-    assert registry.register_model(name, plugin).ok
-    model_plugin = registry.model(name)
+    model_plugin = registered(plugin)
     assert all(model_plugin.has(h) for h in ("denoise_init", "denoise_inputs", "denoise_step", "load_decoder"))
     (texts,) = encode_prompts(model_plugin, cfg, [PROMPT], "blurry", torch.device("cpu"))
-    model = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    forward = LayerChainForward(plugin.split_into_layers(model, cfg))
     request = SampleRequest(width=SIZE, height=SIZE, frames=FRAMES, steps=STEPS)
-    (ours,) = generate(model_plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=CFG)
+    ours = sample_latents(model_plugin, cfg, request, texts, SEED, CFG)
 
     pipe = getattr(diffusers, plugin.pipeline_class).from_pretrained(str(folder), local_files_only=True)
     pipe.guider = pipe.guider.new(guidance_scale=CFG)
@@ -62,8 +57,7 @@ def test_sample_equals_the_pipeline(
         negative_prompt_embeds_2=u["glyph_embeds"], negative_prompt_embeds_mask_2=u["glyph_mask"],
         latents=noise, num_inference_steps=STEPS, num_frames=FRAMES, output_type="latent", **kwargs,
     ).frames
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
-    assert (ours - noise).abs().max() > 0.1  # it did denoise
+    assert_same_sample(ours, expected, noise)
 
     ((_, pixels),) = decode(model_plugin, cfg, {0: ours}, torch.device("cpu"))
     with torch.no_grad():

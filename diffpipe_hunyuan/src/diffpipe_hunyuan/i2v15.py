@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, DiffusersFolder
 from diffpipe_hunyuan.config import HunyuanVideo15I2VConfig
-from diffpipe_hunyuan.plugin15 import COMPONENTS, HunyuanVideo15
+from diffpipe_hunyuan.plugin15 import COMPONENTS, TEXT_COMPONENTS, HunyuanVideo15
 
 if TYPE_CHECKING:
     import torch
@@ -44,21 +44,12 @@ class HunyuanVideo15I2V(HunyuanVideo15):
         {**COMPONENTS, "image_encoder": "SiglipVisionModel", "feature_extractor": IMAGE_PROCESSOR},
     )
     pipeline_class = "HunyuanVideo15ImageToVideoPipeline"
+    encoder_components = (*TEXT_COMPONENTS, "image_encoder", "feature_extractor")
 
     def __init__(self) -> None:
         self._conditions: dict[tuple, dict[str, torch.Tensor]] = {}  # sample conditioning, per image and size
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: HunyuanVideo15I2VConfig, device: torch.device) -> Any:
-        """Text-to-video's encoders, and the SigLIP image encoder with its feature extractor."""
-        from diffpipe_core.parts.encoders import load_components
-
-        enc = super().load_encoders(model_config, device)
-        vision = load_components(self.folder, model_config, device, "image_encoder", "feature_extractor")
-        enc.image_encoder, enc.feature_extractor = vision.image_encoder, vision.feature_extractor
-        return enc
-
     def encode_media(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Text-to-video's ``latents`` (and ``mask``), and for clips ``first_frame_latents`` and ``image_embeds`` of
         their first frames, as the pipeline computes them from its ``image``."""

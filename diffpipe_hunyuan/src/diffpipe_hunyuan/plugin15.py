@@ -36,6 +36,8 @@ COMPONENTS = {
 #: single-stream blocks), so a LoRA on them would get no gradient
 LAST_BLOCK_UNUSED = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
 TEXT_KEYS = ("text_embeds", "text_mask", "glyph_embeds", "glyph_mask")
+#: what caching loads (and the pipeline ``encode_prompt`` runs in holds)
+TEXT_COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
 class HunyuanVideo15(DiffusersModel, FlowSampling):
@@ -54,6 +56,7 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
     single_file_name = "hunyuan_video_1.5_transformer.safetensors"
     key_tables = "diffpipe_hunyuan.original15"
     pipeline_class = "HunyuanVideo15Pipeline"
+    encoder_components = TEXT_COMPONENTS
 
     def default_lora_targets(self, model_config: HunyuanVideo15Config) -> list[str]:
         """Every linear of the double blocks (attention, MLP, modulation) by full name (the token refiner uses the same
@@ -69,20 +72,18 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
     def load_encoders(self, model_config: HunyuanVideo15Config, device: torch.device) -> Any:
-        """The VAE (tiling as configured), and Qwen2.5-VL + ByT5 in a pipeline of :attr:`pipeline_class`
-        holding them, so the chat template, its crop, the hidden layer (third from last), the glyph-text extraction
+        """:attr:`encoder_components` (the VAE, tiling as configured; Qwen2.5-VL and ByT5; SigLIP for -i2v), the text
+        encoders in a pipeline of :attr:`pipeline_class` holding them, so the chat template, its crop, the hidden layer (third from last), the glyph-text extraction
         and the masks are the pipeline's; its lengths are the ``[model]`` ones."""
-        from diffpipe_core.parts.encoders import load_components
         from diffpipe_core.parts.text import text_pipeline
 
-        names = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-        enc = load_components(self.folder, model_config, device, *names)
+        enc = super().load_encoders(model_config, device)
         if model_config.vae_tiling:
             enc.vae.enable_tiling()
         # one sample at a time: diffusers 0.42's AutoencoderKLHunyuanVideo15 attention mask (B, S, S) does not
         # broadcast against its (B, 1, S, C) queries for a batch of more than one
         enc.vae.enable_slicing()
-        enc.text = text_pipeline(self.pipeline_class, **{n: getattr(enc, n) for n in names})
+        enc.text = text_pipeline(self.pipeline_class, **{n: getattr(enc, n) for n in TEXT_COMPONENTS})
         enc.text.tokenizer_max_length = model_config.text_max_length
         enc.text.prompt_template_encode_start_idx = model_config.text_crop_start
         enc.text.tokenizer_2_max_length = model_config.glyph_max_length
