@@ -116,3 +116,33 @@ class DDPMSampling(VAEDecoding):
         from diffpipe_core.sampling.schedules import ddpm_euler_step
 
         return ddpm_euler_step(latents, prediction, schedule, index, model_config.v_pred)
+
+
+class SampleImageConditioning:
+    """Mixin (listed before the model's class) of an image-to-video model whose samples start from ``[model]
+    sample_image``: :meth:`sample_condition` computes the conditioning once per image and sample size with the
+    model's :meth:`encode_sample_image`, and ``denoise_init`` does so before the model's own ``denoise_init``."""
+
+    def encode_sample_image(self, model_config: Any, request: SampleRequest) -> dict[str, Any]:
+        """The conditioning tensors of ``model_config.sample_image`` at the request's size (the model's own)."""
+        raise NotImplementedError
+
+    def sample_condition(self, model_config: Any, request: SampleRequest) -> dict[str, Any]:
+        """:meth:`encode_sample_image`, cached per model folder, image and sample size; a clear error without
+        ``[model] sample_image``."""
+        image = getattr(model_config, "sample_image", None)
+        if image is None:
+            raise ValueError(
+                f"{self.spec.name} samples are generated from a first frame: set [model] sample_image to an image file"  # type: ignore[attr-defined]
+            )
+        cache = self.__dict__.setdefault("_sample_conditions", {})
+        key = (str(model_config.path), str(image), request.width, request.height, request.frames)
+        if key not in cache:
+            cache[key] = self.encode_sample_image(model_config, request)
+        return cache[key]
+
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: Any, generator: torch.Generator):
+        """The conditioning (:meth:`sample_condition`, computed here once), then the model's ``denoise_init``."""
+        self.sample_condition(model_config, request)
+        return super().denoise_init(request, model_config, generator)  # type: ignore[misc]

@@ -25,3 +25,12 @@ def assert_round_trip(
     assert back.keys() == state.keys(), sorted(set(back) ^ set(state))[:5]
     assert all(torch.equal(back[k], state[k]) for k in state)
     return original
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], at_least: int = 1) -> None:
+    """Two loads of one model (from its diffusers folder and from its original single file) hold the same tensors,
+    key for key (at least ``at_least`` of them)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    assert len(a) >= at_least, f"only {len(a)} tensors"
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

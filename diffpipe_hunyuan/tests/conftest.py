@@ -52,18 +52,18 @@ def crop_start15() -> int:
 
 
 @pytest.fixture(scope="session")
-def hunyuan15_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hunyuan15_run(tmp_path_factory: pytest.TempPathFactory, tiny_hunyuan15: Path) -> Path:
     """The shared ``hunyuan-video-1.5`` run (test_hunyuan15_train.py's project): mixed clips and images, 1 process,
     from Tencent's single file. Returns its run folder."""
     from test_hunyuan15_train import train_project
 
-    return train_project(tmp_path_factory.mktemp("hunyuan15-run"), "hunyuan-video-1.5")
+    return train_project(tmp_path_factory.mktemp("hunyuan15-run"), "hunyuan-video-1.5", tiny_hunyuan15)
 
 
 @pytest.fixture(scope="session")
-def hunyuan15_i2v_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hunyuan15_i2v_run(tmp_path_factory: pytest.TempPathFactory, tiny_hunyuan15_i2v: Path) -> Path:
     """The shared ``hunyuan-video-1.5-i2v`` run: mixed clips (first-frame conditioned) and images, 1 process, from
     the diffusers folder. Returns its run folder."""
     from test_hunyuan15_train import train_project
 
-    return train_project(tmp_path_factory.mktemp("hunyuan15-i2v-run"), "hunyuan-video-1.5-i2v")
+    return train_project(tmp_path_factory.mktemp("hunyuan15-i2v-run"), "hunyuan-video-1.5-i2v", tiny_hunyuan15_i2v)

@@ -7,6 +7,7 @@ few steps on 2 pipeline stages from its cache, repeating its first losses."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from diffpipe_core.testing.comfy import apply_file, generic_key_map
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_hunyuan.original15 import diffusers_to_original, layout_for_model_keys, original_to_diffusers
 from diffpipe_hunyuan.testing import write_clip_dataset
-from diffpipe_hunyuan.testing15 import original_path, qwen_tokenizer, template_crop_start, write_tiny_hunyuan15
+from diffpipe_hunyuan.testing15 import original_path, qwen_tokenizer, template_crop_start
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +32,23 @@ PIPELINES = {
 }
 
 
-def train_project(root: Path, model_type: str) -> Path:
-    """The tiny model of ``model_type``, 4 clips of 5 frames and 4 images at 32x32, and a LoRA run (``run.toml``) in
-    1 process: text-to-video from Tencent's single file, image-to-video from the folder. Returns the run folder."""
+def train_project(root: Path, model_type: str, model: Path) -> Path:
+    """A copy of the tiny ``model`` folder (and its single file) of ``model_type``, 4 clips of 5 frames and 4 images
+    at 32x32, and a LoRA run (``run.toml``) in 1 process: text-to-video from Tencent's single file, image-to-video
+    from the folder. Returns the run folder."""
     i2v = model_type.endswith("i2v")
-    write_tiny_hunyuan15(root / "model", i2v=i2v)
+    shutil.copytree(model, root / "model")
+    shutil.copy(original_path(model), original_path(root / "model"))
     data = root / "data"
     write_clip_dataset(data / "clips", [6] * 4, CAPTIONS, size=(32, 32), fps=24)
     write_image_dataset(data / "images", 4, size=(32, 32), captions=[f"a photo of {c[2:]}" for c in CAPTIONS])
     write_dataset_toml(root / "dataset.toml", data, resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5])
-    model = {"type": model_type, "text_max_length": 8, "glyph_max_length": 8, "timestep_sample_method": "uniform"}
-    model["text_crop_start"] = template_crop_start(qwen_tokenizer())
+    table = {"type": model_type, "text_max_length": 8, "glyph_max_length": 8, "timestep_sample_method": "uniform"}
+    table["text_crop_start"] = template_crop_start(qwen_tokenizer())
     if not i2v:
-        model["transformer_file"] = original_path(root / "model").name
+        table["transformer_file"] = original_path(root / "model").name
     top = {"max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7, "checkpoint_every_n_steps": STEPS}
-    (root / "run.toml").write_text(runs.lora_run_toml(model, 1.5e-2, None, RANK, ALPHA, **top))
+    (root / "run.toml").write_text(runs.lora_run_toml(table, 1.5e-2, None, RANK, ALPHA, **top))
     return runs.train(root, "run.toml", 1, timeout=600, OMP_NUM_THREADS="1")
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, DiffusersFolder
+from diffpipe_core.parts.sampling import SampleImageConditioning
 from diffpipe_hunyuan.config import HunyuanVideo15I2VConfig
 from diffpipe_hunyuan.plugin15 import COMPONENTS, TEXT_COMPONENTS, HunyuanVideo15
 
@@ -26,18 +27,15 @@ if TYPE_CHECKING:
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.types import SampleRequest
 
+DESCRIPTION = "HunyuanVideo-1.5 image-to-video (diffusers folder or Tencent's single-file transformer)"
 
-class HunyuanVideo15I2V(HunyuanVideo15):
+
+class HunyuanVideo15I2V(SampleImageConditioning, HunyuanVideo15):
     """HunyuanVideo-1.5 image-to-video: clips conditioned on their first frame, images as unconditioned 1-frame
     videos."""
 
-    spec = replace(
-        HunyuanVideo15.spec,
-        name="hunyuan-video-1.5-i2v",
-        config_schema=HunyuanVideo15I2VConfig,
-        first_frame="optional",
-        description="HunyuanVideo-1.5 image-to-video (diffusers folder or Tencent's single-file transformer)",
-    )
+    spec = replace(HunyuanVideo15.spec, name="hunyuan-video-1.5-i2v", config_schema=HunyuanVideo15I2VConfig,
+                   description=DESCRIPTION, first_frame="optional")
     folder = DiffusersFolder(
         "hunyuan-video-1.5-i2v",
         ("HunyuanVideo15ImageToVideoPipeline",),
@@ -45,9 +43,6 @@ class HunyuanVideo15I2V(HunyuanVideo15):
     )
     pipeline_class = "HunyuanVideo15ImageToVideoPipeline"
     encoder_components = (*TEXT_COMPONENTS, "image_encoder", "feature_extractor")
-
-    def __init__(self) -> None:
-        self._conditions: dict[tuple, dict[str, torch.Tensor]] = {}  # sample conditioning, per image and size
 
     # ------------------------------------------------------------------------------------------ caching
     def encode_media(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
@@ -75,37 +70,17 @@ class HunyuanVideo15I2V(HunyuanVideo15):
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
-    def denoise_init(self, request: SampleRequest, model_config: HunyuanVideo15I2VConfig, generator: torch.Generator):
-        """Text-to-video's noise and schedule; the conditioning on ``[model] sample_image`` is computed here once per
-        size (the VAE and SigLIP loaded on the host for it)."""
-        self.sample_condition(model_config, request)
-        return super().denoise_init(request, model_config, generator)
-
-    @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """Text-to-video's inputs and the sample image's ``condition`` and ``image_embeds``."""
+        """Text-to-video's inputs and ``[model] sample_image``'s ``condition`` and ``image_embeds`` (resized and
+        center-cropped to the sample size, the pipeline's ``resize(..., resize_mode="crop")``; computed once per size
+        by ``denoise_init``)."""
         cond = self.sample_condition(model_config, request)
         b = latents.shape[0]
         inputs = super().denoise_inputs(latents, schedule, index, text, request, model_config)
-        frames = latents.shape[2]
-        condition = condition_tensor(cond["first_frame_latents"], frames).expand(b, -1, -1, -1, -1)
+        condition = condition_tensor(cond["first_frame_latents"], latents.shape[2]).expand(b, -1, -1, -1, -1)
         return (*inputs, condition, cond["image_embeds"].expand(b, -1, -1))
 
-    def sample_condition(self, model_config: HunyuanVideo15I2VConfig, request: SampleRequest) -> dict[str, Any]:
-        """``first_frame_latents`` and ``image_embeds`` of ``[model] sample_image`` resized and center-cropped to the
-        sample size (the pipeline's ``resize(..., resize_mode="crop")``); cached per image and size."""
-        image_file = model_config.sample_image
-        if image_file is None:
-            raise ValueError(
-                "hunyuan-video-1.5-i2v samples are generated from a first frame: set [model] sample_image to an "
-                "image file"
-            )
-        key = (str(model_config.path), str(image_file), request.width, request.height)
-        if key not in self._conditions:
-            self._conditions[key] = self._encode_sample_image(model_config, request)
-        return self._conditions[key]
-
-    def _encode_sample_image(self, model_config: HunyuanVideo15I2VConfig, request: SampleRequest) -> dict[str, Any]:
+    def encode_sample_image(self, model_config: HunyuanVideo15I2VConfig, request: SampleRequest) -> dict[str, Any]:
         import torch
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
         from PIL import Image

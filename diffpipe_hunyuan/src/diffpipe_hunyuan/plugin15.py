@@ -73,8 +73,9 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
     @hookimpl
     def load_encoders(self, model_config: HunyuanVideo15Config, device: torch.device) -> Any:
         """:attr:`encoder_components` (the VAE, tiling as configured; Qwen2.5-VL and ByT5; SigLIP for -i2v), the text
-        encoders in a pipeline of :attr:`pipeline_class` holding them, so the chat template, its crop, the hidden layer (third from last), the glyph-text extraction
-        and the masks are the pipeline's; its lengths are the ``[model]`` ones."""
+        encoders in a pipeline of :attr:`pipeline_class` holding them, so the chat template, its crop, the hidden
+        layer (third from last), the glyph-text extraction and the masks are the pipeline's; its lengths are the
+        ``[model]`` ones."""
         from diffpipe_core.parts.text import text_pipeline
 
         enc = super().load_encoders(model_config, device)

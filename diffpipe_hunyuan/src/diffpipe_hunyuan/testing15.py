@@ -12,6 +12,7 @@ in-process.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,11 @@ def template_prefix(tokenizer: Any) -> str:
     return text.split("{}")[0]
 
 
+@cache
 def qwen_tokenizer() -> Any:
     """A Qwen2-like byte-level BPE tokenizer (``<|endoftext|>`` pads) with Qwen2.5's chat-message format, trained on
-    the pipeline's system message and :data:`diffpipe_core.testing.tiny.WORDS`."""
+    the pipeline's system message and :data:`diffpipe_core.testing.tiny.WORDS` (trained once per process: treat it as
+    read-only)."""
     system = _pipeline_system_message()
     texts = [f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n a photo <|im_end|>\n", " ".join(tiny.WORDS)]
     tok = tiny.bpe_tokenizer(
