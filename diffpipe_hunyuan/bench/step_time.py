@@ -13,7 +13,7 @@ the same peft LoRA (rank 16 on the plugin's lora_targets). The two sides alterna
 ``diffpipe_core.testing.bench``); the ratio of each pair's medians (after warm-up) is reported as median, range and
 IQR. Target: ratio <= 1.10.
 
-``--model hunyuan-video-1.5``: a small HunyuanVideo-1.5 (width 128, 4 double blocks, 16-channel latents, 16x VAE)
+``--model hunyuan-video-1.5``: a small HunyuanVideo-1.5 (width 128, 8 double blocks, 16-channel latents, 16x VAE)
 on the same clips (5 x 8 x 8 = 320 video tokens, patch 1, plus 32 Qwen and 8 glyph tokens); the plain loop runs
 HunyuanVideo15Transformer3DModel.forward with the zero condition channels and no image tokens (text-to-video).
 """
@@ -44,7 +44,7 @@ MODEL = TinyHunyuanConfig(
 PIXELS, FRAMES, TEXT_LEN = 128, 17, 32
 LATENT = (MODEL.latent_channels, (FRAMES - 1) // 4 + 1, PIXELS // 8, PIXELS // 8)
 MODEL15 = testing15.TinyHunyuan15Config(
-    num_layers=4, num_attention_heads=4, attention_head_dim=32, rope_axes_dim=(8, 12, 12), latent_channels=16,
+    num_layers=8, num_attention_heads=4, attention_head_dim=32, rope_axes_dim=(8, 12, 12), latent_channels=16,
     text_dim=64, glyph_dim=32, image_dim=32, vae_channels=(32,) * 5, target_size=PIXELS,
 )
 LATENT15 = (MODEL15.latent_channels, (FRAMES - 1) // 4 + 1, PIXELS // 16, PIXELS // 16)
@@ -125,7 +125,7 @@ def main() -> None:
     )
     if v15:
         tokens = LATENT15[1] * LATENT15[2] * LATENT15[3]
-        blocks = "4 double blocks"
+        blocks = "8 double blocks"
         text = f"{TEXT_LEN} + {GLYPH_LEN} glyph"
     else:
         tokens, blocks, text = LATENT[1] * (LATENT[2] // 2) * (LATENT[3] // 2), "2 double + 4 single blocks", TEXT_LEN

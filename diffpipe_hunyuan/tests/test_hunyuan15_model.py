@@ -117,17 +117,21 @@ def batch(conditioned: bool) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("conditioned", [False, True])
-def test_layers_compute_the_diffusers_forward(tiny_hunyuan15_i2v: Path, crop_start15: int, conditioned: bool) -> None:
-    cfg = config(i2v, tiny_hunyuan15_i2v, crop_start15)
-    model = i2v.load_diffusion_model(cfg, CPU, torch.float32).eval()
+def test_layers_compute_the_diffusers_forward(
+    tiny_hunyuan15: Path, tiny_hunyuan15_i2v: Path, crop_start15: int, conditioned: bool
+) -> None:
+    """Image-to-video with its conditioning; text-to-video (the t2v model: no condition, no image tokens)."""
+    plugin, folder = (i2v, tiny_hunyuan15_i2v) if conditioned else (t2v, tiny_hunyuan15)
+    cfg = config(plugin, folder, crop_start15)
+    model = plugin.load_diffusion_model(cfg, CPU, torch.float32).eval()
     data = batch(conditioned)
-    inputs, targets = i2v.prepare_inputs(data, TrainingContext(model_config=cfg), torch.Generator().manual_seed(0))
+    inputs, targets = plugin.prepare_inputs(data, TrainingContext(model_config=cfg), torch.Generator().manual_seed(0))
     x_t, t = inputs[:2]
     assert len(inputs) == (8 if conditioned else 6)
     assert torch.allclose(x_t, data["latents"] + t.view(-1, 1, 1, 1, 1) * targets[0], atol=1e-5)
     out = inputs
     with torch.no_grad():
-        for layer in i2v.split_into_layers(model, cfg):
+        for layer in plugin.split_into_layers(model, cfg):
             out = layer(out)
         condition = inputs[6] if conditioned else torch.zeros(2, 5, 3, 2, 3)
         image = inputs[7] if conditioned else torch.zeros(2, 16, 16)  # the text-to-video pipeline's zero image

@@ -25,6 +25,7 @@ from diffpipe_hunyuan.testing15 import original_path, qwen_tokenizer, template_c
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS, OTHER_STEPS = 4, 8.0, 16, 4
+SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "steps": 2, "seed": 5, "resolution": 32}
 CAPTIONS = ["a red cat", "a blue dog", 'a sign saying "open"', "a small house"]
 PIPELINES = {
     "hunyuan-video-1.5": "HunyuanVideo15Pipeline",
@@ -48,7 +49,8 @@ def train_project(root: Path, model_type: str, model: Path) -> Path:
     if not i2v:
         table["transformer_file"] = original_path(root / "model").name
     top = {"max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7, "checkpoint_every_n_steps": STEPS}
-    (root / "run.toml").write_text(runs.lora_run_toml(table, 1.5e-2, None, RANK, ALPHA, **top))
+    sample = None if i2v else SAMPLE
+    (root / "run.toml").write_text(runs.lora_run_toml(table, 1.5e-2, sample, RANK, ALPHA, **top))
     return runs.train(root, "run.toml", 1, timeout=600, OMP_NUM_THREADS="1")
 
 
@@ -171,3 +173,27 @@ def test_i2v_trains_on_two_stages_from_the_cache_as_in_one_process(hunyuan15_i2v
     assert "media encoded 0" in output, output[-2000:]
     runs.assert_trained_in_stages(run, OTHER_STEPS, 2)
     assert runs.losses(run) == pytest.approx(runs.losses(hunyuan15_i2v_run)[:OTHER_STEPS], rel=1e-4)
+
+
+def test_sample_before_the_first_step_is_the_pipelines_as_an_mp4(hunyuan15_run: Path) -> None:
+    """Sampled through the pipeline engine before the first step (LoRA B = 0: the base model): the MP4 has the
+    dataset's 5 frames at 24 fps, and its latents are ``HunyuanVideo15Pipeline``'s for the same prompt, seed and
+    steps (no guidance: ``[sample] cfg``'s default)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    from diffpipe_core.sampling.loop import noise_generator
+    from diffpipe_core.testing.media import assert_video_sample_point
+
+    folder = hunyuan15_run / "samples" / "step-0000000"
+    assert_video_sample_point(folder, fps=24, frames=5)
+    got = load_file(str(folder / "latents.safetensors"))["sample_00"]
+    pipe = HunyuanVideo15Pipeline.from_pretrained(str(hunyuan15_run.parent.parent / "model"), local_files_only=True)
+    pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = 8, 8  # the run's text and glyph lengths
+    pipe.prompt_template_encode_start_idx = template_crop_start(qwen_tokenizer())
+    pipe.guider = pipe.guider.new(guidance_scale=1.0)
+    expected = pipe(
+        prompt="a red cat",
+        latents=torch.randn(1, 4, 2, 2, 2, generator=noise_generator(5, 0)),  # the core's noise for seed 5, prompt 0
+        num_inference_steps=2, height=32, width=32, num_frames=5, output_type="latent",
+    ).frames
+    torch.testing.assert_close(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-5)
