@@ -24,7 +24,7 @@ from diffpipe_cosmos.testing_predict25 import write_tiny_predict25
 
 pytestmark = pytest.mark.slow
 
-RANK, ALPHA, STEPS, STAGE_STEPS, LENGTH = 4, 8.0, 16, 4, 32
+RANK, ALPHA, STEPS, STAGE_STEPS, LENGTH = 4, 8.0, 20, 4, 32
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]
 SAMPLE = '\n[sample]\nprompts = ["a red cat"]\nbefore_first_step = true\nsteps = 3\nseed = 5\nresolution = [48, 32]\n'
 
@@ -49,7 +49,7 @@ def make_project(root: Path, stages: int, steps: int) -> Path:
     )
     model = {"type": "cosmos-predict2.5", "text_max_length": LENGTH}
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "checkpoint_every_n_steps": steps, "seed": 3}
-    (root / "run.toml").write_text(runs.lora_run_toml(model, 5e-3, None, RANK, ALPHA, max_steps=steps, **top))
+    (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, None, RANK, ALPHA, max_steps=steps, **top))
     return root / "run.toml"
 
 
