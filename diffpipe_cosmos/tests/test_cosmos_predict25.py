@@ -15,12 +15,12 @@ import torch
 
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.registry import get_registry
-from diffpipe_core.sampling.loop import generate, noise_generator
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.output import to_uint8, write_sample
-from diffpipe_core.sampling.pipeline import LayerChainForward
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import assert_same_sample, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.predict25 import predict25
@@ -133,14 +133,12 @@ def test_samples_are_the_pipelines_text_to_world(tiny_predict25: Path, tmp_path:
     cfg = config(tiny_predict25)
     plugin = get_registry().model(NAME)
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], NEGATIVE, CPU)
-    model = predict25.load_diffusion_model(cfg, CPU, torch.float32)
-    forward = LayerChainForward(predict25.split_into_layers(model, cfg))
     samples = {}
     for frames, scale in CASES:
         request = SampleRequest(width=WIDTH, height=HEIGHT, frames=frames, steps=STEPS)
-        (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=scale)
-        expected = pipeline_latents(tiny_predict25, texts, frames, scale)
-        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+        ours = sample_latents(plugin, cfg, request, texts, SEED, scale)
+        noise = predict25.denoise_init(request, cfg, noise_generator(SEED, 0))[0]
+        assert_same_sample(ours, pipeline_latents(tiny_predict25, texts, frames, scale), noise)
         samples[(frames, scale)] = ours
     assert not torch.allclose(samples[CASES[0]], samples[CASES[1]])  # guidance changed the sample
 
