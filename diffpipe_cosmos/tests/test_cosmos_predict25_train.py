@@ -8,16 +8,16 @@ applied to NVIDIA's layout as ComfyUI applies it, equals the trained LoRAs merge
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_cosmos_train import write_media
 
 from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.testing import runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
+from diffpipe_core.testing.media import assert_video_sample_point
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.testing import to_diffusers, to_nvidia
 from diffpipe_cosmos.testing_predict25 import write_tiny_predict25
@@ -25,28 +25,13 @@ from diffpipe_cosmos.testing_predict25 import write_tiny_predict25
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS, STAGE_STEPS, LENGTH = 4, 8.0, 20, 4, 32
-CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]
 SAMPLE = '\n[sample]\nprompts = ["a red cat"]\nbefore_first_step = true\nsteps = 3\nseed = 5\nresolution = [48, 32]\n'
 
 
 def make_project(root: Path, stages: int, steps: int) -> Path:
     """A tiny 2.5 folder, 6 captioned images and 4 captioned 7-frame clips (5-frame bucket), a rank-4 LoRA run."""
     write_tiny_predict25(root / "model")
-    media = root / "media"
-    write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
-    for i in range(4):
-        clip = write_video(media / f"clip_{i}.mp4", 7, fps=20, size=(48, 32), seed=i)
-        clip.with_suffix(".txt").write_text(f"a robot arm walking {i}")
-    write_dataset_toml(
-        root / "dataset.toml",
-        media,
-        resolutions=[40],
-        enable_ar_bucket=True,
-        min_ar=0.5,
-        max_ar=2.0,
-        num_ar_buckets=3,
-        frame_buckets=[1, 5],
-    )
+    write_media(root, 5)  # Predict2's media: 5-frame clips (7 written, at 20 fps)
     model = {"type": "cosmos-predict2.5", "text_max_length": LENGTH}
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "checkpoint_every_n_steps": steps, "seed": 3}
     (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, None, RANK, ALPHA, max_steps=steps, **top))
@@ -115,7 +100,6 @@ def test_comfyui_lora_applies_to_nvidias_layout(predict25_run: Path) -> None:
 
 
 def test_two_stages_train_as_one_and_sample_the_pipelines(two_stage_run: Path, predict25_run: Path) -> None:
-    import av
     from test_cosmos_predict25 import config, pipeline
 
     from diffpipe_core.registry import get_registry
@@ -124,9 +108,7 @@ def test_two_stages_train_as_one_and_sample_the_pipelines(two_stage_run: Path, p
     runs.assert_trained_in_stages(two_stage_run, STAGE_STEPS, 2)
     assert runs.losses(two_stage_run) == pytest.approx(runs.losses(predict25_run)[:STAGE_STEPS], rel=1e-4)
     folder = two_stage_run / "samples" / "step-0000000"
-    with av.open(str(folder / "00-a-red-cat.mp4")) as container:
-        stream = container.streams.video[0]
-        assert stream.average_rate == Fraction(16) and len(list(container.decode(stream))) == 5
+    assert_video_sample_point(folder, 16, 5)
     model_dir = predict25_run.parent.parent / "model"
     cfg = config(model_dir)
     (texts,) = encode_prompts(get_registry().model("cosmos-predict2.5"), cfg, ["a red cat"], "", torch.device("cpu"))
