@@ -50,6 +50,7 @@ DISTRIBUTIONS = {
     "ltx-video": "diffpipe-ltx",
     "cosmos": "diffpipe-cosmos",
     "cosmos-predict2": "diffpipe-cosmos",
+    "cosmos-predict2.5": "diffpipe-cosmos",
     "wan": "diffpipe-wan",
     "wan-i2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",
