@@ -16,3 +16,11 @@ def tiny_ltx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from diffpipe_ltx.testing import write_tiny_ltx
 
     return write_tiny_ltx(tmp_path_factory.mktemp("ltx") / "tiny-ltx")
+
+
+@pytest.fixture(scope="session")
+def tiny_ltx2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LTX-2 folder (``LTX2Pipeline``); its single file is ``diffpipe_ltx.ltx2_testing.single_file_path``."""
+    from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
+
+    return write_tiny_ltx2(tmp_path_factory.mktemp("ltx2") / "tiny-ltx2")
