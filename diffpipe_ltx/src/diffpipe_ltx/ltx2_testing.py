@@ -119,6 +119,7 @@ def tiny_vae(cfg: TinyLTX2Config):
         layers_per_block=(1,) * 5,
         decoder_layers_per_block=(1,) * 4,
         upsample_residual=(False,) * 3,
+        upsample_factor=(1,) * 3,
         spatial_compression_ratio=32,  # as LTX-2's vae/config.json states them
         temporal_compression_ratio=8,
     )
