@@ -86,3 +86,22 @@ def test_validate_model_files(tiny_ltx2: Path, tmp_path: Path) -> None:
     (other / "transformer" / "config.json").write_text(json.dumps({**transformer, "cross_attn_mod": True}))
     with pytest.raises(ValueError, match=r"transformer/config\.json.*LTX-2\.3"):
         plugin.load_diffusion_model(model_config=config(other), device=CPU, dtype=torch.float32)
+
+
+def test_full_finetune_exports_load_back(tiny_ltx2: Path, tmp_path: Path) -> None:
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from diffpipe_core.testing import runs
+
+    cfg = config(tiny_ltx2)
+    model = plugin.load_diffusion_model(model_config=cfg, device=CPU, dtype=torch.float32)
+    with torch.no_grad():
+        model.transformer_blocks[0].attn1.to_q.weight.add_(1.0)  # "fine-tuned"
+        model.transformer_blocks[1].video_a2v_cross_attn_scale_shift_table.add_(1.0)
+    state = runs.export_full_finetune(plugin, model, cfg, tmp_path / "saved")
+    single = tmp_path / "saved" / "single_file" / "ltx2-transformer.safetensors"
+    assert "model.diffusion_model.transformer_blocks.1.scale_shift_table_a2v_ca_video" in load_file(str(single))
+    from_single = plugin.load_diffusion_model(model_config=config(tiny_ltx2, transformer_file=single), device=CPU,
+                                              dtype=torch.float32).state_dict()
+    from_folder = LTX2VideoTransformer3DModel.from_pretrained(str(tmp_path / "saved" / "diffusers")).state_dict()
+    assert all(torch.equal(from_single[k], v) and torch.equal(from_folder[k], v) for k, v in state.items())

@@ -74,7 +74,9 @@ class LTX2(DiffusersModel, FlowSampling):
         video=(8, 1, FRAME_RATE), spatial_multiple=32, encoder_settings=("max_sequence_length",),
         block_layers=("BlockLayer",), first_frame="optional",
     )
-    folder = DiffusersFolder("ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors")
+    folder = DiffusersFolder(
+        "ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors"
+    )
     model_class = "LTX2VideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight", "audio_patchify_proj.weight")
     single_file_name = "ltx2-transformer.safetensors"
@@ -84,6 +86,9 @@ class LTX2(DiffusersModel, FlowSampling):
         "ff.net.0.proj", "ff.net.2",
     )
     key_tables = "diffpipe_ltx.ltx2_original"
+
+    def __init__(self) -> None:
+        self._grids: dict[int, tuple[int, int, int, int]] = {}  # sample latents' size -> (F, H, W, audio frames)
 
     def geometry(self, model_config: LTX2Config) -> Geometry:
         vae = self.folder.config(model_config.path, "vae")
@@ -175,7 +180,9 @@ class LTX2(DiffusersModel, FlowSampling):
             )
             side = getattr(encoders.tokenizer, "padding_side", "left")
             video, audio, text_mask = encoders.connectors(embeds, mask, padding_side=side)
-        return {"video_text": video.float().cpu(), "audio_text": audio.float().cpu(), "text_mask": text_mask.bool().cpu()}
+        return {
+            "video_text": video.float().cpu(), "audio_text": audio.float().cpu(), "text_mask": text_mask.bool().cpu()
+        }
 
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
@@ -226,9 +233,6 @@ class LTX2(DiffusersModel, FlowSampling):
         return inputs, (target, join(pack(weight).expand(-1, -1, latents.shape[1]), torch.zeros_like(audio)))
 
     # ------------------------------------------------------------------------------------------ sampling
-    def __init__(self) -> None:
-        self._grids: dict[int, tuple[int, int, int, int]] = {}  # flat latent size -> (F, H, W, audio frames)
-
     @hookimpl
     def denoise_init(self, request: SampleRequest, model_config: LTX2Config, generator: torch.Generator):
         """Video noise ``(1, C, (F - 1) / 8 + 1, H / 32, W / 32)`` then audio noise, as ``LTX2Pipeline`` draws them,
