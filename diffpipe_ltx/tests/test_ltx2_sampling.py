@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 
-from diffpipe_core.registry import Registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import registered, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_ltx.config import LTX2Config
 from diffpipe_ltx.ltx2 import FRAME_RATE
@@ -28,17 +27,13 @@ CPU = torch.device("cpu")
 def test_ltx2_sample_equals_the_pipeline(tiny_ltx2: Path) -> None:
     from diffusers import LTX2Pipeline
 
-    registry = Registry()
-    assert registry.register_model("ltx-2", ltx2_plugin).ok
-    plugin = registry.model("ltx-2")
+    plugin = registered(ltx2_plugin)
     table = {"type": "ltx-2", "path": tiny_ltx2, "dtype": "float32", "encoder_dtype": "float32",
              "max_sequence_length": 16}
     cfg = validate(LTX2Config, table, "test")
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], None, CPU)
-    model = ltx2_plugin.load_diffusion_model(model_config=cfg, device=CPU, dtype=torch.float32)
-    forward = LayerChainForward(ltx2_plugin.split_into_layers(model=model, model_config=cfg))
     request = SampleRequest(width=SIZE, height=SIZE, frames=FRAMES, steps=STEPS)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward)
+    ours = sample_latents(plugin, cfg, request, texts, SEED)
 
     pipe = LTX2Pipeline.from_pretrained(str(tiny_ltx2), local_files_only=True)
     call = dict(

@@ -86,6 +86,7 @@ class LTX2(DiffusersModel, FlowSampling):
         "ff.net.0.proj", "ff.net.2",
     )
     key_tables = "diffpipe_ltx.ltx2_original"
+    encoder_components = ("vae", "text_encoder", "tokenizer", "connectors")  # caching: the video VAE, Gemma 3, ...
 
     def __init__(self) -> None:
         self._grids: dict[int, tuple[int, int, int, int]] = {}  # sample latents' size -> (F, H, W, audio frames)
@@ -131,14 +132,6 @@ class LTX2(DiffusersModel, FlowSampling):
         return found
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: LTX2Config, device: torch.device) -> Any:
-        """The video VAE, Gemma 3, its tokenizer and the text connectors, from the folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        names = ("vae", "text_encoder", "tokenizer", "connectors")
-        return load_components(self.folder, model_config, device, *names)
-
     @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Media: ``latents`` (B, C, F, H/32, W/32) normalised as ``LTX2Pipeline._normalize_latents`` (images are one
@@ -199,7 +192,7 @@ class LTX2(DiffusersModel, FlowSampling):
         shift), then the first-frame conditioning draw, then the audio noise; all randomness from ``generator``."""
         import torch
 
-        from diffpipe_core.diffusion import flux_resolution_shift
+        from diffpipe_core.diffusion import first_frame_conditioning, flux_resolution_shift
         from diffpipe_core.parts.flow import flow_sample
         from diffpipe_ltx.geometry import shift_constants
         from diffpipe_ltx.ltx2_layers import join
@@ -210,18 +203,12 @@ class LTX2(DiffusersModel, FlowSampling):
         b, _, f, h, w = latents.shape
         shift = flux_resolution_shift(f * h * w, *shift_constants(cfg)) if cfg.resolution_shift else cfg.shift
         s = flow_sample(latents, cfg, context, generator, shift)
-        draw = torch.rand(b, generator=generator)  # drawn always, so p does not change the other draws
-        conditioned = (draw < cfg.first_frame_conditioning_p) & (f > 1) & (context.eval_quantile is None)
-        if "first_frame_latents" not in batch:
-            conditioned[:] = False  # images (and clips cached without their first frame)
-        x_t = s.x_t
-        if bool(conditioned.any()):  # LTX2ImageToVideoPipeline: init_latents * mask + noise * (1 - mask)
-            x_t = x_t.clone()
-            x_t[conditioned, :, 0] = batch["first_frame_latents"].float()[conditioned, :, 0]
-        frame_t = s.t[:, None].repeat(1, f)
-        frame_t[conditioned, 0] = 0.0
-        weight = torch.ones(b, 1, f, h, w)
-        weight[conditioned, :, 0] = 0.0
+        # LTX2ImageToVideoPipeline's init_latents * mask + noise * (1 - mask): the clip's first frame encoded alone
+        first = batch.get("first_frame_latents")
+        clean = latents if first is None else torch.cat([first.float(), latents[:, :, 1:]], dim=2)
+        p, evaluating = cfg.first_frame_conditioning_p, context.eval_quantile is not None
+        c = first_frame_conditioning(clean, s.x_t, s.t, p, generator, evaluating)
+        x_t, frame_t, weight = c.x_t, c.frame_t, c.weight
         if "mask" in batch:
             weight = weight * batch["mask"].float()
         audio = torch.randn(self.geometry(cfg).audio_shape(b, f), generator=generator)
