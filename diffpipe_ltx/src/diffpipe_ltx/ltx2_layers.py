@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_ltx.layers import frame_time_embedding
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -65,13 +66,7 @@ class EmbedLayer(nn.Module):
         hidden = self.proj_in(x.to(self.proj_in.weight.dtype))
         audio = self.audio_proj_in(audio_x.to(self.audio_proj_in.weight.dtype))
         dtype, audio_dtype = hidden.dtype, audio.dtype
-        same_time = bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
-        per_frame = t[:, :1] if same_time else t
-        temb, embedded = self.time_embed(per_frame.flatten() * 1000, batch_size=b, hidden_dtype=dtype)
-        temb, embedded = temb.view(b, per_frame.shape[1], -1), embedded.view(b, per_frame.shape[1], -1)
-        if per_frame.shape[1] > 1:  # one time per frame -> one per token
-            temb = temb.repeat_interleave(height * width, dim=1)
-            embedded = embedded.repeat_interleave(height * width, dim=1)
+        temb, embedded = frame_time_embedding(self.time_embed, t, height * width, dtype)
         sigma = t[:, -1] * 1000  # the sample's time: the audio stream's and the cross modulations'
         audio_temb, audio_embedded = self.audio_time_embed(sigma, batch_size=b, hidden_dtype=audio_dtype)
         audio_temb, audio_embedded = audio_temb.view(b, 1, -1), audio_embedded.view(b, 1, -1)
