@@ -48,6 +48,7 @@ DISTRIBUTIONS = {
     "sdxl": "diffpipe-sdxl",
     "hunyuan-video": "diffpipe-hunyuan",
     "ltx-video": "diffpipe-ltx",
+    "ltx-2": "diffpipe-ltx",
     "cosmos": "diffpipe-cosmos",
     "cosmos-predict2": "diffpipe-cosmos",
     "cosmos-predict2.5": "diffpipe-cosmos",
