@@ -1,11 +1,13 @@
 """Framework overhead on Cosmos: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA,
-for both entry points.
+for each entry point.
 
-    python diffpipe_cosmos/bench/step_time.py [--entry cosmos cosmos-predict2] [--steps 20] [--rounds 3] [--smoke]
+    python diffpipe_cosmos/bench/step_time.py [--entry cosmos cosmos-predict2 cosmos-predict2.5] [--steps 20]
+        [--rounds 3] [--smoke]
 
 A tiny-but-not-trivial Cosmos transformer (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents, 64 T5
 tokens) is written to disk in the diffusers layout: ``cosmos-predict2`` trains on 256x256 images (32x32 latents,
-256 tokens), ``cosmos`` on 9-frame 256x256 clips (2 x 32x32 latents, 512 tokens). diffpipe trains it with
+256 tokens), ``cosmos`` on 9-frame 256x256 clips (2 x 32x32 latents, 512 tokens); ``cosmos-predict2.5`` on the
+same images with 64 Qwen2.5-VL tokens (2 layers x 64: 128 features into its ``crossattn_proj``). diffpipe trains it with
 `diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); the median step time comes from
 metrics.jsonl (step_seconds) after warm-up. The plain loop runs the same objective (the core's EDM or flow-matching
 maths), diffusers' ``CosmosTransformer3DModel.forward``, backward, gradient clipping and an AdamW step with the same
@@ -28,13 +30,17 @@ from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.plugin import cosmos1, predict2
+from diffpipe_cosmos.predict25 import predict25
 from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
+from diffpipe_cosmos.testing_predict25 import TinyPredict25Config, write_tiny_predict25
 
 T5_LEN, LATENT = 64, 32
 ENTRIES = {
     "cosmos": {"hooks": cosmos1, "variant": "1.0", "frames": 9, "pixels": 256},
     "cosmos-predict2": {"hooks": predict2, "variant": "predict2", "frames": 1, "pixels": 256},
+    "cosmos-predict2.5": {"hooks": predict25, "variant": "predict2.5", "frames": 1, "pixels": 256},
 }
+TEXT_KEYS = {"cosmos-predict2.5": "text_max_length"}  # the others': t5_max_length
 
 
 def model_config(variant: str) -> TinyCosmosConfig:
@@ -54,7 +60,15 @@ def diffpipe_times(root: Path, entry: str, args: argparse.Namespace) -> list[flo
             write_video(root / "media" / f"clip_{i}.mp4", e["frames"], fps=30, size=(size, size), seed=i)
             (root / "media" / f"clip_{i}.txt").write_text(f"a robot arm {i}")
     write_dataset_toml(root / "dataset.toml", root / "media", resolutions=[size], frame_buckets=[e["frames"]])
-    return bench.train_times(root, args, bench.model_table(entry, t5_max_length=T5_LEN))
+    length = {TEXT_KEYS.get(entry, "t5_max_length"): T5_LEN}
+    return bench.train_times(root, args, bench.model_table(entry, **length))
+
+
+def write_model(model_dir: Path, entry: str) -> Path:
+    if entry == "cosmos-predict2.5":
+        sizes = vars(model_config("predict2")) | {"qwen_dim": 64}
+        return write_tiny_predict25(model_dir, TinyPredict25Config(**sizes))
+    return write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"]))
 
 
 def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[float]:
@@ -64,7 +78,10 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
     cfg, model = bench.plain_model(hooks, model_dir)
     frames = 1 if e["frames"] == 1 else (e["frames"] - 1) // 8 + 1
     latents = torch.randn(args.batch, 16, frames, LATENT, LATENT)
-    text = torch.randn(args.batch, T5_LEN, 64)
+    text = torch.randn(args.batch, T5_LEN, 128 if entry == "cosmos-predict2.5" else 64)
+    extra = {}
+    if entry == "cosmos-predict2.5":  # its text-to-world loop's all-zero condition mask
+        extra["condition_mask"] = torch.zeros(args.batch, 1, frames, LATENT, LATENT)
     padding = torch.zeros(1, 1, e["pixels"], e["pixels"])
     fps = hooks.default_fps if frames > 1 else None
 
@@ -78,7 +95,7 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
             return edm.edm_loss(out, x, latents, sigma, 0.5)
         t = sample_timesteps(args.batch, gen)
         x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(x_t, t, text, padding_mask=padding).sample
+        out = model(x_t, t, text, padding_mask=padding, **extra).sample
         return masked_mse(out, target)
 
     return bench.plain_step_times(model, hooks.lora_targets(cfg), loss, args.steps)
@@ -88,7 +105,7 @@ def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, flo
     """The (diffpipe, plain) median step seconds of each pair for one entry point."""
     return bench.measure_overhead(
         args,
-        lambda model_dir: write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"])),
+        lambda model_dir: write_model(model_dir, entry),
         lambda root, args: diffpipe_times(root, entry, args),
         lambda model_dir, args: plain_times(model_dir, entry, args),
         args.rounds,

@@ -113,13 +113,6 @@ class Cosmos(DiffusersModel, FlowSampling):
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
-    def load_encoders(self, model_config: CosmosConfigBase, device: torch.device) -> Any:
-        """The VAE and T5 with its tokenizer, from the diffusers folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
-
-    @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Media: ``latents`` (B, C, T, H/8, W/8) as ``(mode - mean) * sigma_data / std`` with the VAE's statistics
         (1.0: per channel and latent frame, ``mode * sigma_data`` without; Predict2: per channel, sigma_data 1),
