@@ -118,8 +118,17 @@ def test_training_conditioning_is_the_pipelines(tiny_v2w: dict[str, Path], name:
     try:
         with torch.no_grad():
             _, init, indicator, _, mask, _ = pipe.prepare_latents(
-                cond_pixels, 1, 4, HEIGHT, WIDTH, frames, False, *([False] if name == "cosmos" else []),
-                torch.float32, torch.device("cpu"), None,
+                cond_pixels,
+                1,
+                4,
+                HEIGHT,
+                WIDTH,
+                frames,
+                False,
+                *([False] if name == "cosmos" else []),
+                torch.float32,
+                torch.device("cpu"),
+                None,
             )
     finally:
         pipe.vae = vae
@@ -161,8 +170,17 @@ def test_sample_conditioning_is_prepare_latents(tiny_v2w: dict[str, Path], name:
     pixels = pipe.video_processor.preprocess_video(video2world.read_frames(video, 99), HEIGHT, WIDTH)
     with torch.no_grad():
         _, init, indicator, _, _, _ = pipe.prepare_latents(
-            pixels, 1, 4, HEIGHT, WIDTH, frames, False, *([False] if name == "cosmos" else []), torch.float32,
-            torch.device("cpu"), torch.Generator().manual_seed(3),
+            pixels,
+            1,
+            4,
+            HEIGHT,
+            WIDTH,
+            frames,
+            False,
+            *([False] if name == "cosmos" else []),
+            torch.float32,
+            torch.device("cpu"),
+            torch.Generator().manual_seed(3),
         )
     assert pixels.shape[2] == 1 + TEMPORAL[name] * (n - 1)
     torch.testing.assert_close(ours.latents, init, rtol=1e-4, atol=1e-5)
@@ -226,8 +244,9 @@ def test_v2w_samples_equal_the_pipeline(tiny_v2w: dict[str, Path], name: str, tm
     for frames, n, cfg_scale in SAMPLES[name]:
         video = sample_video(folder, 1 + TEMPORAL[name] * (n - 1))
         cfg = v2w_config(name, folder, conditioning_frames=n, sample_video=video)
-        model = plugin.require("load_diffusion_model", model_config=cfg, device=torch.device("cpu"),
-                               dtype=torch.float32)
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg, device=torch.device("cpu"), dtype=torch.float32
+        )
         forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=cfg))
         request = SampleRequest(width=WIDTH, height=HEIGHT, frames=frames, steps=STEPS)
         (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)

@@ -235,7 +235,7 @@ class Cosmos(DiffusersModel, FlowSampling):
 
         if model_config.sample_video is None:
             raise ValueError(
-                'video-to-world samples continue a video: set [model] sample_video to a video or image file '
+                "video-to-world samples continue a video: set [model] sample_video to a video or image file "
                 '(conditioning = "video")'
             )
         temporal, spatial = self.vae_factors(model_config)
