@@ -204,12 +204,16 @@ def test_layers_chained_equal_the_forward_on_conditioned_inputs(tiny_v2w: dict[s
 
 
 @functools.cache
-def pipeline_v2w_latents(name: str, folder: Path, video: Path, frames: int, cfg: float, n: int = 1) -> torch.Tensor:
-    """The video-to-world pipeline's final latents for ``video``'s first conditioning frames, from the plugin's
-    prompt embeddings and the sampler's seed."""
+def pipeline_v2w_latents(
+    name: str, folder: Path, video: Path, frames: int, cfg: float, n: int = 1, augment: float | None = None
+) -> torch.Tensor:
+    """The video-to-world pipeline's final latents for ``video``'s first ``n`` conditioning latent frames, from the
+    plugin's prompt embeddings and the sampler's seed (1.0: at ``augment_sigma`` ``augment``, else its default)."""
     pipe = pipeline(name, folder)
     texts = prompt_texts(name, folder)
     kwargs = {"negative_prompt_embeds": texts.uncond["t5_embeds"]} if cfg > 1 else {}
+    if augment is not None:
+        kwargs["augment_sigma"] = augment
     return pipe(
         video=video2world.read_frames(video, 1 + TEMPORAL[name] * (n - 1)),
         prompt_embeds=texts.cond["t5_embeds"],
@@ -231,8 +235,10 @@ def prompt_texts(name: str, folder: Path):
     return texts
 
 
-# (pixel frames, conditioning latent frames, [sample] cfg)
+# (pixel frames, conditioning latent frames, [sample] cfg); 1.0 also at a large augment_sigma (its noise then
+# matters at this tolerance; and at the last of the 3 levels, below it, the frames are not replaced)
 SAMPLES = {"cosmos": [(17, 1, 3.5), (17, 2, 1.0)], "cosmos-predict2": [(9, 1, 1.0), (9, 2, 3.5)]}
+AUGMENT = {"cosmos": [None, 0.5], "cosmos-predict2": [None]}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -241,16 +247,18 @@ def test_v2w_samples_equal_the_pipeline(tiny_v2w: dict[str, Path], name: str, tm
 
     folder, plugin = tiny_v2w[name], get_registry().model(name)
     texts = prompt_texts(name, folder)
-    for frames, n, cfg_scale in SAMPLES[name]:
+    cases = [(*case, aug) for case in SAMPLES[name] for aug in AUGMENT[name]]
+    for frames, n, cfg_scale, aug in cases:
         video = sample_video(folder, 1 + TEMPORAL[name] * (n - 1))
-        cfg = v2w_config(name, folder, conditioning_frames=n, sample_video=video)
+        extra = {} if aug is None else {"augment_sigma": aug}
+        cfg = v2w_config(name, folder, conditioning_frames=n, sample_video=video, **extra)
         model = plugin.require(
             "load_diffusion_model", model_config=cfg, device=torch.device("cpu"), dtype=torch.float32
         )
         forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=cfg))
         request = SampleRequest(width=WIDTH, height=HEIGHT, frames=frames, steps=STEPS)
         (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
-        want = pipeline_v2w_latents(name, folder, video, frames, cfg_scale, n)
+        want = pipeline_v2w_latents(name, folder, video, frames, cfg_scale, n, aug)
         torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
         assert ours.abs().max() < 20, "the latents were not denoised from sigma_max = 80"
     assert not PLUGINS[name]._sampling  # every sample's conditioning released after its last step

@@ -27,8 +27,10 @@ from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
 
 pytestmark = pytest.mark.slow
 
-STEPS, TWO_STAGE_STEPS = 16, 3
+STEPS, TWO_STAGE_STEPS = 20, 3
+LR = {"cosmos": 5e-3, "cosmos-predict2": 1e-2}
 FRAMES = {"cosmos": 9, "cosmos-predict2": 9}  # 2 latent frames (1.0 VAE: 8x), 3 (Wan VAE: 4x)
+FPS = {"cosmos": 30, "cosmos-predict2": 16}  # the clips at the models' rates: every frame is a training frame
 OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
 SAMPLE_TABLE = """
 [sample]
@@ -48,7 +50,7 @@ def make_v2w_project(root: Path, name: str) -> Path:
     media = root / "media"
     write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
     for i in range(4):
-        clip = write_video(media / f"clip_{i}.mp4", FRAMES[name] + 2, fps=FRAMES[name] * 4, size=(48, 32), seed=i)
+        clip = write_video(media / f"clip_{i}.mp4", FRAMES[name] + 2, fps=FPS[name], size=(48, 32), seed=i)
         clip.with_suffix(".txt").write_text(f"a robot arm walking {i}")
     write_dataset_toml(
         root / "dataset.toml",
@@ -66,7 +68,7 @@ def make_v2w_project(root: Path, name: str) -> Path:
         model["sample_video"] = str(media / "clip_0.mp4")
         sample = SAMPLE_TABLE
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
-    text = runs.lora_run_toml(model, 5e-3, None, RANK, ALPHA, max_steps=STEPS, **top)
+    text = runs.lora_run_toml(model, LR[name], None, RANK, ALPHA, max_steps=STEPS, **top)
     (root / "run.toml").write_text(text + sample)
     return root / "run.toml"
 

@@ -3,7 +3,9 @@
 :func:`write_tiny_cosmos` saves a diffusers folder (``model_index.json``, ``transformer/``, ``vae/``,
 ``text_encoder/`` (T5), ``tokenizer/``, ``scheduler/``) for Cosmos-1.0 text-to-world
 (``CosmosTextToWorldPipeline``: ``AutoencoderKLCosmos``, ``EDMEulerScheduler``) or Cosmos-Predict2
-(``Cosmos2TextToImagePipeline``: ``AutoencoderKLWan``, ``FlowMatchEulerDiscreteScheduler``) and, beside it,
+(``Cosmos2TextToImagePipeline``: ``AutoencoderKLWan``, ``FlowMatchEulerDiscreteScheduler``), with ``video2world``
+the video-to-world transformer (one more input channel: the condition mask) and pipeline class
+(``CosmosVideoToWorldPipeline``, ``Cosmos2VideoToWorldPipeline``), and, beside it,
 the same transformer as one safetensors file in NVIDIA's original key layout (``net.blocks...``, with the
 training-only tensors original checkpoints carry). The tokenizer is trained in-process (no hub access).
 """
