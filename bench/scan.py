@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -59,8 +58,8 @@ def main() -> None:
 
     data = ensure_media_set(args.data or default_folder(args.files), args.files)
     cores = len(os.sched_getaffinity(0))
-    tmp = Path(tempfile.mkdtemp(prefix="diffpipe-scan-bench-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="diffpipe-scan-bench-", ignore_cleanup_errors=True) as name:
+        tmp = Path(name)
         first: dict[int, list[float]] = {1: [], cores: []}
         first_cpu: dict[int, list[float]] = {1: [], cores: []}
         tomls: list[Path] = []
@@ -108,8 +107,6 @@ def main() -> None:
         print(f"re-scan, 1% touched:          {spread(touched)}  ({spread(touched_cpu)})  "
               f"{len(paths[::100])} files read again")
         print(load_line())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

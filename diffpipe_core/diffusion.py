@@ -113,13 +113,17 @@ def first_frame_conditioning(
     return FirstFrameConditioned(x_t, frame_t, weight, conditioned)
 
 
-def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean squared error in float32; with ``mask`` (broadcastable to ``pred``), a mask-weighted mean."""
-    err = (pred.float() - target.float()) ** 2
+def masked_mean(err: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of ``err``; with ``mask`` (broadcastable to ``err``), the mask-weighted mean."""
     if mask is None:
         return err.mean()
     mask = mask.float().expand_as(err)
     return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in float32; with ``mask`` (broadcastable to ``pred``), a mask-weighted mean."""
+    return masked_mean((pred.float() - target.float()) ** 2, mask)
 
 
 def training_loss(

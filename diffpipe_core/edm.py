@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffpipe_core.diffusion import masked_mean
+
 
 @dataclass(frozen=True)
 class Preconditioning:
@@ -105,11 +107,7 @@ def weighted_mse(
     """``mean(weight * (pred - target)^2)`` in float32 with one ``weight`` per sample; with ``mask``
     (broadcastable to ``pred``), the mask-weighted mean instead of the plain mean."""
     err = (pred.float() - target.float()) ** 2
-    err = err * _bcast(weight.float(), err)
-    if mask is None:
-        return err.mean()
-    mask = mask.float().expand_as(err)
-    return (err * mask).sum() / mask.sum().clamp_min(1e-8)
+    return masked_mean(err * _bcast(weight.float(), err), mask)
 
 
 def edm_loss(

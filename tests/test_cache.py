@@ -4,6 +4,7 @@ encode, caption dropout, resume after an interruption, decode failures and the s
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from diffpipe_core.data.dataset_config import load_dataset_config
 from diffpipe_core.data.decode import load_media
 from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import Registry
+from diffpipe_core.testing.cache import rows_by_id
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_png
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec
 from diffpipe_reference.model import write_tiny_model
 
@@ -86,16 +89,6 @@ def _cache(toml: Path, plugin, config, **kw) -> CachedDataset:
     return prepare_cache(toml, plugin, config, **kw)
 
 
-def _all_tensors(ds: CachedDataset) -> dict[str, dict[str, torch.Tensor]]:
-    """Every sample's tensors by item id (no dropout, so no randomness)."""
-    out = {}
-    for group in ds.groups():
-        batch = ds.collate(group, torch.Generator().manual_seed(0))
-        for j, sample_id in enumerate(ds.sample_ids(group)):
-            out[sample_id] = {k: v[j] for k, v in batch.items()}
-    return out
-
-
 def _direct(plugin, config, toml: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Encode every item of the dataset directly, without the cache."""
     encoders = plugin.require("load_encoders", model_config=config, device=torch.device("cpu"))
@@ -124,12 +117,12 @@ def test_cached_tensors_equal_a_direct_encode(setup):
     assert len(ds) == 6 and sorted(len(g) for g in ds.groups()) == [3, 3]
     direct = _direct(plugin, config, toml)
     counter.reset()
-    _assert_same(_all_tensors(ds), direct)
+    _assert_same(rows_by_id(ds), direct)
     # A second process opening the finished cache reads the same tensors without encoding anything.
     again = _cache(toml, plugin, config)
     assert counter.calls == 0
     assert again.summary["reused_media"] == 6 and again.summary["encoded_media"] == 0
-    _assert_same(_all_tensors(again), direct)
+    _assert_same(rows_by_id(again), direct)
 
 
 def test_invalidation_reencodes_exactly_what_changed(setup):
@@ -160,7 +153,7 @@ def test_invalidation_reencodes_exactly_what_changed(setup):
     assert counter.media == 1 and counter.captions == []
     item = next(i for i in scan_dataset(load_dataset_config(toml), plugin.spec).items if i.path == image)
     torch.testing.assert_close(counter.pixels[0], load_media(item, plugin.spec).pixels, rtol=0, atol=0)
-    _assert_same(_all_tensors(ds), _direct(plugin, config, toml))
+    _assert_same(rows_by_id(ds), _direct(plugin, config, toml))
 
     # An encoder setting (the model path the spec lists in encoder_settings): everything.
     assert plugin.spec.encoder_settings == ("path",)
@@ -169,7 +162,7 @@ def test_invalidation_reencodes_exactly_what_changed(setup):
     ds = _cache(toml, plugin, config_b)
     assert counter.media == 4 and len(counter.captions) == 4
     direct_b = _direct(plugin, config_b, toml)
-    _assert_same(_all_tensors(ds), direct_b)
+    _assert_same(rows_by_id(ds), direct_b)
     assert not torch.equal(direct_b[item.id]["latents"], _direct(plugin, config, toml)[item.id]["latents"])
     # Both encoders' folders are kept (another run may use the first); `diffpipe cache --prune` removes one.
     assert len([p for p in (tmp_path / "cache" / "reference" / "dataset").iterdir() if p.is_dir()]) == 2
@@ -215,7 +208,7 @@ def test_interrupted_caching_resumes(setup):
     ds = _cache(toml, plugin, config, shard_batches=1)
     assert counter.media == 4 and counter.captions == []
     assert ds.summary["reused_media"] == 2 and ds.summary["reused_captions"] == 6
-    _assert_same(_all_tensors(ds), _direct(plugin, config, toml))
+    _assert_same(rows_by_id(ds), _direct(plugin, config, toml))
 
 
 def test_caption_dropout_and_variants(setup):
@@ -311,7 +304,7 @@ def test_masks_are_keyed_by_content_and_default_to_ones(setup):
         tmp_path / "dataset.toml", tmp_path / "data", {"mask_path": str(tmp_path / "masks")}, resolutions=[64]
     )
     ds = _cache(toml, plugin, config)
-    masks = {sid: t["mask"] for sid, t in _all_tensors(ds).items()}
+    masks = {sid: t["mask"] for sid, t in rows_by_id(ds).items()}
     assert len(masks) == 3
     for sample_id, mask in masks.items():
         if "img_001" in sample_id:  # left half trains, right half does not
@@ -325,7 +318,7 @@ def test_masks_are_keyed_by_content_and_default_to_ones(setup):
     os.utime(mask_file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     ds = _cache(toml, plugin, config)
     assert counter.media == 1 and counter.captions == []  # only the item whose mask changed
-    mask = next(t["mask"] for sid, t in _all_tensors(ds).items() if "img_001" in sid)
+    mask = next(t["mask"] for sid, t in rows_by_id(ds).items() if "img_001" in sid)
     assert mask[..., :4].eq(0).all() and mask[..., 4:].eq(1).all()
 
 
@@ -350,16 +343,7 @@ class TinyVideo:
 
     @hookimpl
     def model_spec(self) -> ModelSpec:
-        return ModelSpec(
-            name="tinyvideo",
-            modality="video",
-            config_schema=TinyVideoConfig,
-            spatial_multiple=16,
-            frame_multiple=4,
-            frame_offset=1,
-            video_fps=8,
-            encoder_settings=("scale",),
-        )
+        return replace(TINY_VIDEO_SPEC, config_schema=TinyVideoConfig, encoder_settings=("scale",))
 
     @hookimpl
     def load_encoders(self, model_config: TinyVideoConfig, device):
@@ -440,7 +424,7 @@ def test_model_folder_replaced_in_place_rebuilds_the_cache(setup):
     ds = _cache(toml, plugin, config)
     assert counter.media == 4 and len(counter.captions) == 4
     new = _direct(plugin, config, toml)
-    _assert_same(_all_tensors(ds), new)
+    _assert_same(rows_by_id(ds), new)
     some = next(iter(new))
     assert not torch.equal(new[some]["latents"], old[some]["latents"])
 

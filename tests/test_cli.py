@@ -8,16 +8,10 @@ import pytest
 
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_core.testing.runs import run_toml
 from diffpipe_reference.model import write_tiny_model
 
-RUN = """
-output_dir = "out"
-dataset = "dataset.toml"
-micro_batch_size_per_gpu = 2
-[model]
-type = "reference"
-path = "model"
-"""
+MODEL = {"type": "reference", "path": "model"}
 
 
 @pytest.fixture
@@ -26,7 +20,7 @@ def project(tmp_path: Path) -> Path:
     write_image_dataset(tmp_path / "images", 5, size=[(64, 64)] * 3 + [(128, 64)] * 2)
     (tmp_path / "images" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
     write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "images", resolutions=[64], enable_ar_bucket=True)
-    (tmp_path / "run.toml").write_text(RUN)
+    (tmp_path / "run.toml").write_text(run_toml(MODEL, {}, micro_batch_size_per_gpu=2))
     return tmp_path
 
 
@@ -40,7 +34,8 @@ def test_data_command_lists_buckets_and_left_out_files(project: Path) -> None:
 
 
 def test_validate_prints_the_stage_plan_and_warns_of_an_uneven_split(project: Path) -> None:
-    (project / "run2.toml").write_text(RUN.replace("[model]", "pipeline_stages = 2\npartition_split = [1]\n[model]"))
+    run2 = run_toml(MODEL, {}, micro_batch_size_per_gpu=2, pipeline_stages=2, partition_split=[1])
+    (project / "run2.toml").write_text(run2)
     result = run_diffpipe(["validate", "--config", "run2.toml"], cwd=project, timeout=120)
     assert result.returncode == 0, result.output
     lines = result.stdout.splitlines()

@@ -33,6 +33,7 @@ from diffpipe_core.data.scan import DatasetError, scan_dataset
 from diffpipe_core.diffusion import first_frame_conditioning, flow_matching_pair, sample_timesteps
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import ConfigError
+from diffpipe_core.testing.cache import rows_by_id
 from diffpipe_core.testing.media import write_png, write_video
 from diffpipe_core.types import EncodeBatch, control_key
 from diffpipe_reference.model import write_tiny_model
@@ -157,15 +158,6 @@ def _cache(dataset: Path, plugin, config, **kw):
     return prepare_cache(dataset, plugin, config, **{"decode_workers": 0, "progress": False, "batch_size": 2, **kw})
 
 
-def _rows(ds) -> dict[str, dict[str, torch.Tensor]]:
-    out = {}
-    for group in ds.groups():
-        batch = ds.collate(group, torch.Generator().manual_seed(0))
-        for j, sample_id in enumerate(ds.sample_ids(group)):
-            out[sample_id] = {k: v[j] for k, v in batch.items()}
-    return out
-
-
 # ------------------------------------------------------------------------------------------------- test 1
 def test_edit_pairs_what_is_kept_what_is_left_out_and_the_control_crop(tmp_path: Path, model_dir: Path,
                                                                         caplog) -> None:
@@ -220,7 +212,7 @@ def test_edit_pairs_what_is_kept_what_is_left_out_and_the_control_crop(tmp_path:
     # ... and its latents reach prepare_inputs beside the target's, as the plugin's VAE makes them
     encoders = plugin.require("load_encoders", model_config=config, device=torch.device("cpu"))
     direct = plugin.call("encode_batch", encoders=encoders, batch=EncodeBatch(pixels=decoded[None], control_index=0))
-    row = _rows(ds)["data/wide.png"]
+    row = rows_by_id(ds)["data/wide.png"]
     assert sorted(row) == ["control_0_latents", "latents", "text_embeds"]
     torch.testing.assert_close(row[control_key(0, "latents")], direct["latents"][0], rtol=1e-5, atol=1e-6)
 
@@ -326,12 +318,12 @@ def test_one_changed_control_image_reencodes_that_control_latent_only(tmp_path: 
     ds = _cache(dataset, plugin, config)
     assert sorted(b.control_index for b in recorder.controls()) == [0, 0, 1, 1]  # 3 + 3 in batches of 2
     assert sum(len(b.pixels) for b in recorder.media()) == 3 and len(recorder.captions()) == 3
-    before = _rows(ds)
+    before = rows_by_id(ds)
     assert sorted(before["data/t1.png"]) == ["control_0_latents", "control_1_latents", "latents", "text_embeds"]
 
     recorder.reset()
     for trust in (False, True):  # nothing changed: the cache opens from its index, control images included
-        again = _rows(_cache(dataset, plugin, config, trust_cache=trust))
+        again = rows_by_id(_cache(dataset, plugin, config, trust_cache=trust))
         assert recorder.batches == [] and again.keys() == before.keys()
         assert all(torch.equal(again[i][k], before[i][k]) for i in before for k in before[i])
 
@@ -345,7 +337,7 @@ def test_one_changed_control_image_reencodes_that_control_latent_only(tmp_path: 
     assert torch.equal(batch.pixels[0], load_media(control_work("", item, 1).item, plugin.spec).pixels)
     assert ds.summary["encoded_controls"] == 1 and ds.summary["reused_controls"] == 5
     assert ds.summary["encoded_media_all_ranks"] == 0 and ds.summary["encoded_captions_all_ranks"] == 0
-    after = _rows(ds)
+    after = rows_by_id(ds)
     for sample_id, row in after.items():
         for key, tensor in row.items():
             if (sample_id, key) == ("data/t1.png", "control_1_latents"):
@@ -401,7 +393,7 @@ def test_a_first_frame_model_gets_each_clips_first_frame_cached_with_the_clip(tm
     decoded = [load_media(item, plugin.spec).pixels for item in items.values()]
     firsts = {bytes(d[:, 0].numpy().tobytes()) for d in decoded}
     assert {bytes(f.numpy().tobytes()) for f in batch.first_frames} == firsts  # the clips' own first frames
-    rows = _rows(ds)
+    rows = rows_by_id(ds)
     assert sorted(rows["clips/clip0.mp4"]) == ["first_frame_latents", "image_embeds", "latents", "text_embeds"]
     assert rows["clips/clip0.mp4"]["first_frame_latents"].shape == (4, 4, 4)
 

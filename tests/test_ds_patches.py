@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from diffpipe_core.engine.launcher import free_port
+from diffpipe_core.engine.launcher import free_port, local_rank_env
 from diffpipe_core.testing.processes import cli_env, kill_group
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,7 @@ def run_ranks(scenarios: str, out: Path, timeout: float = 90, grace: float = 5) 
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(WORLD):
-            env = cli_env(
-                [REPO],
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                WORLD_SIZE=str(WORLD),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(WORLD),
-                OMP_NUM_THREADS="1",
-            )
+            env = cli_env([REPO], **local_rank_env(rank, WORLD, port), OMP_NUM_THREADS="1")
             log = open(out / f"log{rank}.txt", "w")  # the child keeps its own copy
             procs.append(
                 subprocess.Popen(

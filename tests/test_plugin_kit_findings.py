@@ -9,6 +9,7 @@ later layer uses, and a video model (plus one that cannot take image batches).
 from __future__ import annotations
 
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import diffpipe_reference.plugin as reference
-from diffpipe_core import EncodeBatch, ModelSpec, hookimpl
+from diffpipe_core import EncodeBatch, hookimpl
 from diffpipe_core.adapters import lora_config
 from diffpipe_core.cli import main as cli
 from diffpipe_core.config import load_config
@@ -31,8 +32,10 @@ from diffpipe_core.schema import ConfigError
 from diffpipe_core.testing.conformance import check_model_plugin
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_reference.layers import BlockLayer, EmbedLayer, FinalLayer
 from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
+from diffpipe_reference.variants import ReferenceTraining
 
 PIXELS = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
 
@@ -70,16 +73,9 @@ def write_table_model(folder: Path) -> Path:
     return folder
 
 
-class TablePlugin:
+class TablePlugin(ReferenceTraining):
     """The reference plugin on :class:`TableDiT`; its skeleton is cast the way ``from_pretrained`` casts."""
 
-    model_spec = staticmethod(reference.model_spec)
-    load_encoders = staticmethod(reference.load_encoders)
-    encode_batch = staticmethod(reference.encode_batch)
-    diffusion_model_weights = staticmethod(reference.diffusion_model_weights)
-    prepare_inputs = staticmethod(reference.prepare_inputs)
-    compute_loss = staticmethod(reference.compute_loss)
-    lora_targets = staticmethod(reference.lora_targets)
     copy_table = False
 
     @hookimpl
@@ -182,17 +178,8 @@ class DropsSpare(nn.Module):
         return self.layer(inputs[:3])
 
 
-class SpareOutputPlugin:
+class SpareOutputPlugin(ReferenceTraining):
     """The embedder returns a 4th float tensor the first block drops: fine unless a stage ends at layer 0."""
-
-    model_spec = staticmethod(reference.model_spec)
-    load_encoders = staticmethod(reference.load_encoders)
-    encode_batch = staticmethod(reference.encode_batch)
-    load_diffusion_model = staticmethod(reference.load_diffusion_model)
-    diffusion_model_weights = staticmethod(reference.diffusion_model_weights)
-    prepare_inputs = staticmethod(reference.prepare_inputs)
-    compute_loss = staticmethod(reference.compute_loss)
-    lora_targets = staticmethod(reference.lora_targets)
 
     @hookimpl
     def split_into_layers(self, model, model_config):
@@ -274,26 +261,12 @@ def test_validate_names_the_process_counts_a_pipeline_needs(project: Path) -> No
 
 
 # ------------------------------------------------------------------- 6. video plugins and image batches
-VIDEO_SPEC = ModelSpec(
-    name="tinyvideo",
-    modality="video",
-    config_schema=reference.ReferenceConfig,
-    frame_multiple=4,
-    frame_offset=1,
-    video_fps=8,
-)
+VIDEO_SPEC = replace(TINY_VIDEO_SPEC, config_schema=reference.ReferenceConfig)
 
 
-class TinyVideoPlugin:
+class TinyVideoPlugin(ReferenceTraining):
     """The reference model on videos: every frame goes through its "VAE", and the frames of a latent video
     are stacked along the height for the DiT. Images arrive 4-D and are 1-frame videos."""
-
-    load_encoders = staticmethod(reference.load_encoders)
-    load_diffusion_model = staticmethod(reference.load_diffusion_model)
-    diffusion_model_weights = staticmethod(reference.diffusion_model_weights)
-    split_into_layers = staticmethod(reference.split_into_layers)
-    compute_loss = staticmethod(reference.compute_loss)
-    lora_targets = staticmethod(reference.lora_targets)
 
     @hookimpl
     def model_spec(self):

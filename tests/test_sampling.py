@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import av
@@ -40,8 +41,10 @@ from diffpipe_core.sampling.schedules import flow_euler_step
 from diffpipe_core.schema import ConfigError
 from diffpipe_core.testing.media import write_dataset_toml
 from diffpipe_core.testing.processes import cli_env, run_diffpipe, write_plugin_distribution
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import SampleRequest
 from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
+from diffpipe_reference.variants import ReferenceSampling
 
 PROMPTS = ["a red cat", "a blue dog"]
 SAMPLE_TABLE = """
@@ -346,26 +349,12 @@ def test_models_lists_which_plugins_can_sample() -> None:
 
 
 # ----------------------------------------------------------------------------- 4. a video plugin writes an MP4
-VIDEO_SPEC = ModelSpec(
-    name="tinyvideo-sampler",
-    modality="video",
-    config_schema=reference.ReferenceConfig,
-    spatial_multiple=16,
-    frame_multiple=4,
-    frame_offset=1,
-    video_fps=8,
-)
+VIDEO_SPEC = replace(TINY_VIDEO_SPEC, name="tinyvideo-sampler", config_schema=reference.ReferenceConfig)
 
 
-class TinyVideoSampler:
+class TinyVideoSampler(ReferenceSampling):
     """The reference model on videos: latents ``(1, C, F, h, w)``, the frames stacked along the height for the
     DiT, each frame decoded by the reference VAE."""
-
-    load_encoders = staticmethod(reference.load_encoders)
-    encode_batch = staticmethod(reference.encode_batch)
-    load_diffusion_model = staticmethod(reference.load_diffusion_model)
-    split_into_layers = staticmethod(reference.split_into_layers)
-    load_decoder = staticmethod(reference.load_decoder)
 
     @hookimpl
     def model_spec(self):
@@ -493,19 +482,7 @@ def test_contact_sheet_scales_large_samples_down() -> None:
     assert (sheet[y : y + 512, x : x + 384] == 120).all()
 
 
-class ReferenceImageHooks:
-    """The reference plugin's hooks as methods, for in-test variants of it."""
-
-    load_encoders = staticmethod(reference.load_encoders)
-    encode_batch = staticmethod(reference.encode_batch)
-    denoise_init = staticmethod(reference.denoise_init)
-    denoise_inputs = staticmethod(reference.denoise_inputs)
-    denoise_step = staticmethod(reference.denoise_step)
-    load_decoder = staticmethod(reference.load_decoder)
-    decode_latents = staticmethod(reference.decode_latents)
-
-
-class RescaledCFG(ReferenceImageHooks):
+class RescaledCFG(ReferenceSampling):
     """The reference model with Qwen-Image's ``true_cfg_scale`` combination (the norm of the positive prediction
     kept), through the guidance hook."""
 
@@ -563,7 +540,7 @@ def test_a_model_hook_combines_the_guided_predictions(tmp_path: Path) -> None:
     assert (default - ours).abs().max() > 1e-3  # without the hook: uncond + scale * (cond - uncond)
 
 
-class DecoderInADict(ReferenceImageHooks):
+class DecoderInADict(ReferenceSampling):
     """A decoder object that is not a module itself: the VAE and a scale in a dict."""
 
     @hookimpl

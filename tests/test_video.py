@@ -18,6 +18,7 @@ from diffpipe_core.data.decode import MediaError, load_media
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import Registry
+from diffpipe_core.testing.media import best_codec
 from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_core.types import ModelConfigBase, ModelSpec
 
@@ -38,19 +39,11 @@ def spec() -> ModelSpec:
     return registry.model("tinyvideo").spec
 
 
-def codec() -> str:
-    try:
-        av.codec.Codec("libx264", "w")
-        return "libx264"
-    except Exception:
-        return "mpeg4"
-
-
 def write_video(path: Path, frames: int, fps: int, level, size=(64, 48), options=None, caption="clip") -> Path:
     """Frame i is flat gray at ``level(i)``; that is how the tests tell frames apart after decoding."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w", options=options or {}) as container:
-        stream = container.add_stream(codec(), rate=Fraction(fps))
+        stream = container.add_stream(best_codec(), rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         for i in range(frames):
             value = level(i)

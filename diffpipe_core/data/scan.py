@@ -319,18 +319,9 @@ def _scan_file(
             )
             items.append(
                 MediaItem(
-                    id=item_id,
-                    path=path,
-                    caption=full_caption,
-                    bucket=bucket,
-                    content_key=content,
-                    mask_path=mask,
-                    clip_start=start,
-                    repeats=settings.num_repeats,
-                    directory=settings.index,
-                    caption_variants=variants,
-                    crop_fraction=crop,
-                    controls=item_controls,
+                    id=item_id, path=path, caption=full_caption, bucket=bucket, content_key=content, mask_path=mask,
+                    clip_start=start, repeats=settings.num_repeats, directory=settings.index,
+                    caption_variants=variants, crop_fraction=crop, controls=item_controls,
                 )
             )
     return items

@@ -169,6 +169,19 @@ def launch_workers(
         return _supervise(start, num_procs, Path(errors), backend)
 
 
+def local_rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The torch.distributed environment of ``rank`` among ``world`` processes on this machine, rendezvous at
+    ``127.0.0.1:port``."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
+
+
 def _supervise(start: Callable[[dict[str, str]], Any], num_procs: int, errors: Path, backend: str) -> int:
     """Start ``num_procs`` ranks with ``start(environment)`` (a :class:`subprocess.Popen` or a forked worker) and
     watch them until all are done, one failed, or a signal stopped them; return the run's exit code."""
@@ -176,15 +189,7 @@ def _supervise(start: Callable[[dict[str, str]], Any], num_procs: int, errors: P
     procs: list[Any] = []
     for rank in range(num_procs):
         env = dict(os.environ)
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(num_procs),
-            LOCAL_WORLD_SIZE=str(num_procs),
-            DIFFPIPE_BACKEND=backend,
-        )
+        env.update(local_rank_env(rank, num_procs, port), DIFFPIPE_BACKEND=backend)
         env[ERROR_DIR_ENV] = str(errors)
         if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
             # N CPU workers each using every core slow each other down many times over

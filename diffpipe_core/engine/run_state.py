@@ -18,6 +18,11 @@ from diffpipe_core.engine.stage_build import DTYPES, Layout, Stage
 from diffpipe_core.registry import ModelPlugin
 
 
+def _place(layout: Layout) -> dict[str, int]:
+    """This process's place in the run, as the checkpoint and shard writers name their files by it."""
+    return {"rank": layout.rank, "stage_id": layout.stage_id, "dp_rank": layout.dp_rank}
+
+
 def write_checkpoint(
     run_dir: Path,
     cfg: ResolvedConfig,
@@ -45,9 +50,7 @@ def write_checkpoint(
     ckpt_io.write_checkpoint(
         run_dir,
         step,
-        rank=layout.rank,
-        stage_id=layout.stage_id,
-        dp_rank=layout.dp_rank,
+        **_place(layout),
         params=stage.trainable,
         optimizer_state=optim_state,
         train_state=state,
@@ -123,16 +126,8 @@ def save_trained(
         dist.barrier()
     else:
         local = {n: p for n, p in stage.model.state_dict().items() if p.device.type != "meta"}
-        write_model_shards(
-            out,
-            local,
-            rank=layout.rank,
-            stage_id=layout.stage_id,
-            dp_rank=layout.dp_rank,
-            num_stages=layout.stages,
-            dtype=save_dtype,
-            barrier=dist.barrier,
-        )
+        shards = {"num_stages": layout.stages, "dtype": save_dtype, "barrier": dist.barrier}
+        write_model_shards(out, local, **_place(layout), **shards)
         if layout.rank == 0 and run.save_model_formats:
             problems = export_model_formats(out, plugin, cfg.model, run.save_model_formats)
             _report_save_problems(out, problems)

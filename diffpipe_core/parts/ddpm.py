@@ -12,12 +12,11 @@ import torch
 
 from diffpipe_core import ddpm
 from diffpipe_core.diffusion import masked_mse
+from diffpipe_core.parts.flow import Tensors
 
 if TYPE_CHECKING:
     from diffpipe_core.parts.config import DDPMConfig
     from diffpipe_core.types import TrainingContext
-
-Tensors = tuple[torch.Tensor, ...]
 
 
 @dataclass

@@ -93,6 +93,8 @@ class DiffusersModel:
             ``txt_mlp.net.2``). The default targets then name those modules in every joint block but the last, by
             full name (a LoRA on them in the last block would get no gradient).
         joint_blocks: where those blocks are: ``(module list, config key of their count)``.
+        encoder_components: the folder's components the default ``load_encoders`` loads for caching (the VAE, the
+            text encoders, their tokenizers), in ``encoder_dtype``; ``encoders.config`` is the ``[model]`` table.
 
     and override :meth:`original_layout` when the model has an original single-file layout,
     :meth:`default_lora_targets` when the default targets depend on the config otherwise, :meth:`build_skeleton`
@@ -111,6 +113,7 @@ class DiffusersModel:
     lora_target_names: ClassVar[tuple[str, ...]] = ()
     last_block_unused: ClassVar[tuple[str, ...]] = ()
     joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
+    encoder_components: ClassVar[tuple[str, ...]] = ("vae", "text_encoder", "tokenizer")
     #: The module holding the original single-file key tables: its ``layout_for_config(transformer_config)`` and
     #: ``lora_layout(state_dict)`` are :meth:`original_layout` and :meth:`lora_layout` (imported when first used).
     key_tables: ClassVar[str | None] = None
@@ -237,6 +240,14 @@ class DiffusersModel:
                 return [str(exc)]
         folder, component = self.model_folder(model_config), self.model_component(model_config)
         return self.checked_folder(model_config).problems(folder, single, layout, self.single_file_markers, component)
+
+    @hookimpl
+    def load_encoders(self, model_config: ModelConfigBase, device: Any) -> Any:
+        """The folder's :attr:`encoder_components`, frozen, on ``device``
+        (:func:`~diffpipe_core.parts.encoders.load_components`)."""
+        from diffpipe_core.parts.encoders import load_components
+
+        return load_components(self.folder, model_config, device, *self.encoder_components)
 
     def build_skeleton(self, model_config: ModelConfigBase, device: Any, dtype: torch.dtype) -> nn.Module:
         """The diffusion model from its config, without weights, cast the way ``from_pretrained(torch_dtype=dtype)``

@@ -64,17 +64,8 @@ def generate(
         inputs = []
         for latents, schedule, batch_text in states:
             model_latents = torch.cat([latents, latents]) if guided else latents
-            inputs.append(
-                plugin.require(
-                    "denoise_inputs",
-                    latents=model_latents,
-                    schedule=schedule,
-                    index=index,
-                    text=batch_text,
-                    request=request,
-                    model_config=model_config,
-                )
-            )
+            step = {"schedule": schedule, "index": index, "request": request, "model_config": model_config}
+            inputs.append(plugin.require("denoise_inputs", latents=model_latents, text=batch_text, **step))
         predictions = forward(inputs)
         for state, prediction in zip(states, predictions, strict=True):
             if guided:
@@ -103,15 +94,8 @@ def combine_guidance(
     """The guided prediction: the plugin's ``combine_guidance`` hook when it implements one (a pipeline that
     rescales true CFG, e.g. Qwen-Image), else ``uncond + scale * (cond - uncond)``."""
     if plugin.has("combine_guidance"):
-        return plugin.require(
-            "combine_guidance",
-            uncond=uncond,
-            cond=cond,
-            scale=scale,
-            schedule=schedule,
-            index=index,
-            model_config=model_config,
-        ).float()
+        step = {"schedule": schedule, "index": index, "model_config": model_config}
+        return plugin.require("combine_guidance", uncond=uncond, cond=cond, scale=scale, **step).float()
     return uncond + scale * (cond - uncond)
 
 

@@ -291,3 +291,25 @@ def ratio_line(pairs: list[tuple[float, float]], what: str = "overhead ratio", u
     ratios = [a / b for a, b in pairs]
     return (f"{what}: {statistics.median(ratios):.3f} (median of {len(ratios)} {unit}, spread "
             f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.10)")
+
+
+def clip_trainer(
+    write_clips: Callable[..., object], frames: int, width: int, height: int, table: str
+) -> Callable[[Path, argparse.Namespace], list[float]]:
+    """A video bench's ``diffpipe_times``: in ``root`` (which holds ``model/``), :func:`clip_dataset` of ``frames`` at
+    ``width`` x ``height``, then :func:`train_times` with the ``[model]`` ``table``."""
+
+    def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
+        clip_dataset(root, write_clips, frames, width, height)
+        return train_times(root, args, table)
+
+    return diffpipe_times
+
+
+def setup_line(model: str, args: argparse.Namespace) -> str:
+    """What an overhead bench measured: ``model`` (its size and tokens), then the batch, the LoRA, the dtype, the CPU
+    threads and the steps each median is over."""
+    import torch
+
+    return (f"model: {model}, batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; "
+            f"medians of {args.steps - args.warmup} steps after {args.warmup} warm-up")

@@ -83,7 +83,8 @@ def write_video(path: Path, frames: int, fps: int = 16, size: tuple[int, int] = 
     return path
 
 
-def _best_codec() -> str:
+def best_codec() -> str:
+    """H.264 where this PyAV build can write it, else MPEG-4 part 2."""
     import av
 
     try:
@@ -108,7 +109,7 @@ def write_drifting_video(
     field = np.asarray(Image.fromarray(coarse).resize((2 * w, h), Image.BILINEAR))
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
-        stream = container.add_stream(_best_codec(), rate=Fraction(fps))
+        stream = container.add_stream(best_codec(), rate=Fraction(fps))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
         for i in range(frames):
             frame = np.ascontiguousarray(field[:, (2 * i) % w : (2 * i) % w + w])
@@ -135,3 +136,18 @@ def write_clip_dataset(
         path.with_suffix(".txt").write_text(caption, encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def assert_video_sample_point(folder: Path, fps: int, frames: int, name: str = "00-a-red-cat") -> None:
+    """A sampling point's folder (``samples/step-N``) of one prompt's video: ``name.mp4`` (PyAV decodes ``frames``
+    frames at ``fps``), the contact sheet, the latents and the prompts, and nothing else."""
+    from fractions import Fraction
+
+    import av
+
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [f"{name}.mp4", "contact-sheet.png", "latents.safetensors", "prompts.json"], files
+    with av.open(str(folder / f"{name}.mp4")) as container:
+        stream = container.streams.video[0]
+        assert stream.average_rate == Fraction(fps), stream.average_rate
+        assert len(list(container.decode(stream))) == frames

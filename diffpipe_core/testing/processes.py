@@ -55,15 +55,8 @@ def start_diffpipe(
 
 def _start_fresh(args: list[str], cwd: Path, env: dict[str, str], program: Path | None) -> subprocess.Popen:
     command = [str(program)] if program is not None else [sys.executable, "-m", "diffpipe_core.cli"]
-    return subprocess.Popen(
-        [*command, *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    return subprocess.Popen([*command, *args], cwd=cwd, env=env, start_new_session=True, **pipes)
 
 
 def kill_group(proc: subprocess.Popen | warm_cli.WarmProcess) -> None:

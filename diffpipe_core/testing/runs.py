@@ -159,13 +159,20 @@ def trained_transformer(
     return with_trained_lora(model, run, rank, alpha, targets)
 
 
-def read_saved_lora(saved: Path, rank: int, alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_saved_lora(
+    saved: Path, rank: int, alpha: float, holding: tuple[str, ...] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The diffusers-format LoRA a run saved in ``saved`` (e.g. ``saved/final``): its tensors and peft config, after
-    checking the config's rank and alpha."""
+    checking the config's rank and alpha; with ``holding`` (keys without the ``transformer.`` prefix), that every key
+    is the transformer's and those are among them."""
     from diffpipe_core.adapters import read_adapter
 
     state, cfg = read_adapter(saved)
     assert cfg["r"] == rank and cfg["lora_alpha"] == alpha, (cfg["r"], cfg["lora_alpha"])
+    if holding:
+        assert all(k.startswith("transformer.") for k in state), sorted(state)[:3]
+        missing = [k for k in holding if f"transformer.{k}" not in state]
+        assert not missing, f"{missing} not among the {len(state)} saved LoRA tensors"
     return state, cfg
 
 
@@ -248,6 +255,23 @@ def assert_reproduces(got: torch.Tensor, expected: torch.Tensor, untrained: torc
     err = (got - expected).abs().max()
     assert torch.allclose(got, expected, atol=atol), err
     assert (expected - untrained).abs().max() > 100 * max(float(err), 1e-7), "training did not change the output"
+
+
+def assert_lora_reproduces(
+    pipe: Any,
+    lora_file: Path,
+    reference: Callable[..., Any],
+    inputs: dict[str, torch.Tensor],
+    alpha: float | None = None,
+) -> None:
+    """The diffusers LoRA ``lora_file`` loaded into ``pipe`` with :func:`load_lora_into` makes ``pipe.transformer``
+    give the trained model ``reference``'s outputs on ``inputs`` (and not the untrained ones); with ``alpha``, the
+    adapter diffusers built carries that strength."""
+    untrained = outputs(pipe.transformer, inputs)
+    load_lora_into(pipe, lora_file)
+    if alpha is not None:
+        assert pipe.transformer.peft_config["trained"].lora_alpha == alpha
+    assert_reproduces(outputs(pipe.transformer, inputs), outputs(reference, inputs), untrained)
 
 
 def merge_peft(base: dict[str, torch.Tensor], params: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

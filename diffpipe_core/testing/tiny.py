@@ -242,24 +242,34 @@ def t5_encoder(
     return UMT5EncoderModel(UMT5Config(**kwargs)) if umt5 else T5EncoderModel(T5Config(**kwargs))
 
 
+def decoder_config(
+    config_class: Any, tokenizer: Any, dim: int, layers: int, heads: int = 4, kv_heads: int = 2, **keys: Any
+) -> Any:
+    """A transformers config of a tiny decoder-only text encoder (Llama, Qwen3, ...): ``tokenizer``'s vocabulary
+    and special tokens, width ``dim`` (MLP ``2 * dim``), ``layers`` layers of ``heads`` query and ``kv_heads``
+    key/value heads, 1024 positions, then ``keys``."""
+    return config_class(
+        **{
+            "vocab_size": len(tokenizer),
+            "hidden_size": dim,
+            "intermediate_size": 2 * dim,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "max_position_embeddings": 1024,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            **keys,
+        }
+    )
+
+
 def llama(tokenizer: Any, dim: int = 32, layers: int = 2, positions: int = 1024) -> Any:
     """A ``LlamaModel`` (decoder-only text encoder)."""
     from transformers import LlamaConfig, LlamaModel
 
-    return LlamaModel(
-        LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=dim,
-            intermediate_size=2 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=positions,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    keys = {"max_position_embeddings": positions, "bos_token_id": tokenizer.bos_token_id}
+    return LlamaModel(decoder_config(LlamaConfig, tokenizer, dim, layers, **keys))
 
 
 # ---------------------------------------------------------------------------------------------- VAEs
@@ -322,8 +332,7 @@ def autoencoder_kl(
         sample_size=sample_size,
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
-        use_quant_conv=quant_conv,
-        use_post_quant_conv=quant_conv,
+        use_quant_conv=quant_conv, use_post_quant_conv=quant_conv,
     )
 
 

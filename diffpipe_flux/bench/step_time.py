@@ -69,12 +69,8 @@ def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
 
 def main() -> None:
     args = bench.overhead_args(bench.bench_parser(threads=True))
-    print(
-        f"model: Flux inner dim 256, 2 double + 4 single blocks, {(LATENT // 2) ** 2} image + {T5_LEN} text tokens, "
-        f"batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
-        f"{args.steps - args.warmup} steps after {args.warmup} warm-up",
-        flush=True,
-    )
+    tokens = f"{(LATENT // 2) ** 2} image + {T5_LEN} text tokens"
+    print(bench.setup_line(f"Flux inner dim 256, 2 double + 4 single blocks, {tokens}", args), flush=True)
     write = lambda model_dir: write_tiny_flux(model_dir, MODEL)  # noqa: E731
     pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.pairs)
     if not args.smoke:

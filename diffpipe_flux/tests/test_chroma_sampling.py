@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from diffpipe_core.registry import get_registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_flux.config import ChromaConfig
 from diffpipe_flux.packing import pack, unpack
@@ -66,10 +66,8 @@ def test_chroma_sample_equals_chromapipeline(tiny_chroma: Path, cfg_scale: float
     plugin = get_registry().model("chroma")
     cfg = chroma_config(tiny_chroma)
     texts = encoded(tiny_chroma, PROMPT, "blurry" if cfg_scale > 1 else None)
-    model = plugin.require("load_diffusion_model", model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
-    forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=cfg))
     request = SampleRequest(width=32, height=32, steps=3)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+    ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
     torch.testing.assert_close(ours, chromapipeline_latents(tiny_chroma, texts, cfg_scale, 32, 3), rtol=1e-4, atol=1e-5)
     assert (ours - torch.randn((1, 4, 4, 4), generator=noise_generator(SEED, 0))).abs().max() > 0.1  # it denoised
 

@@ -81,10 +81,7 @@ def test_diffusers_lora_loads_in_chroma_pipeline_and_reproduces(chroma_run: Path
     reference = runs.trained_transformer(ChromaTransformer2DModel, chroma_run, folder, RANK, ALPHA, targets, ())
 
     pipe = ChromaPipeline.from_pretrained(str(model_dir(chroma_run)), local_files_only=True)
-    untrained = runs.outputs(pipe.transformer, transformer_inputs())
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
-    runs.assert_reproduces(got, expected, untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs())
 
 
 def test_comfyui_lora_keys_and_fused_weights(chroma_run: Path) -> None:

@@ -39,7 +39,4 @@ def test_trains_on_two_stages_from_the_folder_and_the_lora_reproduces(two_stage_
     fresh = ChromaTransformer2DModel.from_pretrained(str(model_dir(two_stage_run) / "transformer"))
     reference = runs.with_trained_lora(fresh, two_stage_run, RANK, cfg["lora_alpha"], cfg["target_modules"])
     pipe = ChromaPipeline.from_pretrained(str(model_dir(two_stage_run)), local_files_only=True)
-    untrained = runs.outputs(pipe.transformer, transformer_inputs())
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
-    runs.assert_reproduces(got, expected, untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs())

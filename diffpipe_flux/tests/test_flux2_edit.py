@@ -139,9 +139,7 @@ def test_edit_lora_reproduces_on_reference_tokens(edit_run: Path, tiny_klein: Pa
         "img_ids": torch.cat([image_ids(2, 2), ref_ids])[None],
         "txt_ids": text_ids(8)[None],
     }
-    untrained = runs.outputs(pipe.transformer, inputs)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    runs.assert_reproduces(runs.outputs(pipe.transformer, inputs), runs.outputs(reference, inputs), untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, inputs)
 
 
 @pytest.mark.slow

@@ -91,11 +91,7 @@ def test_diffusers_lora_loads_in_the_pipeline_and_reproduces(run) -> None:
     reference = runs.trained_transformer(Flux2Transformer2DModel, run_dir, model_dir(run_dir), RANK, ALPHA, targets, ())
 
     pipe = getattr(diffusers, VARIANTS[variant][0]).from_pretrained(str(model_dir(run_dir)), local_files_only=True)
-    inputs = transformer_inputs(variant)
-    untrained = runs.outputs(pipe.transformer, inputs)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    got, expected = runs.outputs(pipe.transformer, inputs), runs.outputs(reference, inputs)
-    runs.assert_reproduces(got, expected, untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs(variant))
 
 
 def test_comfyui_lora_keys_and_fused_weights(run) -> None:

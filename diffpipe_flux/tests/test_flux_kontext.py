@@ -15,11 +15,12 @@ from diffpipe_core.adapters import read_adapter
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_png
+from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import control_key
 from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.kontext import plugin as kontext
 from diffpipe_flux.packing import image_ids, pack, text_ids
-from diffpipe_flux.testing import TinyFluxConfig, write_tiny_flux
+from diffpipe_flux.testing import TinyFluxConfig, pipeline_latents, write_tiny_flux
 
 RANK, ALPHA, STEPS = 4, 8.0, 12
 MODEL = {"type": "flux-kontext", "t5_max_length": 8, "timestep_sample_method": "uniform"}
@@ -153,9 +154,7 @@ def test_kontext_lora_loads_in_the_kontext_pipeline_and_reproduces(kontext_runs:
         k.startswith("diffusion_model.double_blocks.") or k.startswith("diffusion_model.single_blocks.") for k in comfy
     )
     pipe = FluxKontextPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    untrained = runs.outputs(pipe.transformer, inputs)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    runs.assert_reproduces(runs.outputs(pipe.transformer, inputs), runs.outputs(reference, inputs), untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, inputs)
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
@@ -164,16 +163,11 @@ def test_kontext_sample_with_a_control_image_equals_the_pipeline(tiny_flux: Path
     ``FluxKontextPipeline``'s for the same noise, prompt embeddings, control latents, steps and guidance."""
     from diffusers import FluxKontextPipeline
 
-    from diffpipe_core.registry import Registry
-    from diffpipe_core.sampling.loop import generate, noise_generator
-    from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.sampling.loop import noise_generator
     from diffpipe_core.sampling.prompts import encode_prompts
     from diffpipe_core.types import SampleRequest
-    from diffpipe_flux.packing import unpack
 
-    registry = Registry()
-    assert registry.register_model("flux-kontext", kontext).ok
-    plugin = registry.model("flux-kontext")
+    plugin = registered(kontext, "flux-kontext")
     control = write_png(tmp_path / "control.png", 96, 64, seed=3)  # center-cropped to the 64x64 sample
     cfg = validate(
         FluxConfig,
@@ -190,32 +184,10 @@ def test_kontext_sample_with_a_control_image_equals_the_pipeline(tiny_flux: Path
     (texts,) = encode_prompts(plugin, cfg, ["make it red"], negative, torch.device("cpu"), [[control]], (64, 64))
     image_latents = texts.cond[control_key(0, "latents")]
     assert image_latents.shape == (1, 4, 8, 8)
-    model = kontext.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    forward = LayerChainForward(kontext.split_into_layers(model, cfg))
     request = SampleRequest(width=64, height=64, steps=3)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(5, 0)], forward, cfg=cfg_scale)
+    ours = sample_latents(plugin, cfg, request, texts, 5, cfg_scale)
 
     pipe = FluxKontextPipeline.from_pretrained(str(tiny_flux), local_files_only=True)
     noise = torch.randn((1, 4, 8, 8), generator=noise_generator(5, 0))
-    kwargs = {}
-    if cfg_scale > 1:
-        kwargs = {
-            "negative_prompt_embeds": texts.uncond["t5_embeds"],
-            "negative_pooled_prompt_embeds": texts.uncond["clip_pooled"],
-            "true_cfg_scale": cfg_scale,
-        }
-    out = pipe(
-        image=image_latents,
-        prompt_embeds=texts.cond["t5_embeds"],
-        pooled_prompt_embeds=texts.cond["clip_pooled"],
-        latents=pack(noise),
-        num_inference_steps=3,
-        guidance_scale=3.5,
-        height=64,
-        width=64,
-        output_type="latent",
-        max_area=64 * 64,
-        **kwargs,
-    ).images
-    torch.testing.assert_close(ours, unpack(out, 8, 8), rtol=1e-4, atol=1e-5)
-    assert (ours - noise).abs().max() > 0.1
+    expected = pipeline_latents(pipe, texts, noise, 3, cfg_scale, image=image_latents, max_area=64 * 64)
+    assert_same_sample(ours, expected, noise)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.layouts import assert_round_trip
 from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
 from diffpipe_flux.config import FluxConfig
 from diffpipe_flux.packing import image_ids, pack, unpack
@@ -60,12 +61,8 @@ def test_bfl_key_names_match_diffusers_converter() -> None:
 
 def test_bfl_round_trip_values_including_final_swap(tiny_flux: Path) -> None:
     state = load_file(str(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors"))
-    bfl = diffusers_to_bfl(state)
-    shift, scale = bfl["final_layer.adaLN_modulation.1.weight"].chunk(2)
-    d_scale, d_shift = state["norm_out.linear.weight"].chunk(2)  # diffusers: scale first; BFL: shift first
-    assert torch.equal(shift, d_shift) and torch.equal(scale, d_scale)
-    back = bfl_to_diffusers({f"model.diffusion_model.{k}": v for k, v in bfl.items()})
-    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    final = ("final_layer.adaLN_modulation.1.weight", "norm_out.linear.weight")
+    assert_round_trip(state, diffusers_to_bfl, bfl_to_diffusers, final)
 
 
 def test_bad_single_file_names_file_and_key(tiny_flux: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from diffpipe_core.engine.saving import write_adapter
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.comfy import KeyTarget, apply_file, merged_weights
 from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
-from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer
+from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer, transformer_inputs
 
 TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_v_proj", "attn.to_out.0", "proj_mlp",
@@ -124,26 +124,11 @@ def test_lokr_diffusers_file_loads_in_diffusers_to_the_trained_outputs(tmp_path:
     # the pipelines' load_lora_weights take LoRA keys only; the model's load_lora_adapter reads a peft LoKr and,
     # from the file's metadata, its alpha and factor
     base.load_lora_adapter(str(tmp_path / "saved"), weight_name="adapter_model.safetensors", prefix="transformer")
-    inputs = flux_inputs()
+    inputs = transformer_inputs()
     with torch.no_grad():
         expected, got = model(**inputs).sample, base(**inputs).sample
     assert (expected - tiny_transformer(TinyFluxConfig())(**inputs).sample).abs().max() > 1e-3
     assert torch.allclose(got, expected, atol=1e-5)
-
-
-def flux_inputs() -> dict[str, torch.Tensor]:
-    from diffpipe_flux.packing import image_ids, text_ids
-
-    g = torch.Generator().manual_seed(0)
-    return {
-        "hidden_states": torch.randn(2, 16, 16, generator=g),
-        "encoder_hidden_states": torch.randn(2, 16, 32, generator=g),
-        "pooled_projections": torch.randn(2, 32, generator=g),
-        "timestep": torch.rand(2, generator=g),
-        "guidance": torch.ones(2),
-        "img_ids": image_ids(8, 8).float(),
-        "txt_ids": text_ids(16).float(),
-    }
 
 
 def test_a_module_comfyui_has_no_name_for_is_reported(tmp_path: Path) -> None:

@@ -14,13 +14,13 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffpipe_core.registry import get_registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
+from diffpipe_core.testing.sampling import assert_same_sample, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_flux.config import FluxConfig
-from diffpipe_flux.packing import pack, unpack
+from diffpipe_flux.testing import pipeline_latents
 
 PROMPT = "a red cat"
 STEPS, SEED = 3, 5
@@ -36,25 +36,7 @@ def fluxpipeline_latents(path: Path, texts, cfg_scale: float = 1.0) -> torch.Ten
 
     pipe = FluxPipeline.from_pretrained(str(path), torch_dtype=torch.float32, local_files_only=True)
     noise = torch.randn((1, 4, 8, 8), generator=noise_generator(SEED, 0))
-    kwargs = {}
-    if cfg_scale > 1:
-        kwargs = {
-            "negative_prompt_embeds": texts.uncond["t5_embeds"],
-            "negative_pooled_prompt_embeds": texts.uncond["clip_pooled"],
-            "true_cfg_scale": cfg_scale,
-        }
-    out = pipe(
-        prompt_embeds=texts.cond["t5_embeds"],
-        pooled_prompt_embeds=texts.cond["clip_pooled"],
-        latents=pack(noise),
-        num_inference_steps=STEPS,
-        guidance_scale=3.5,
-        height=64,
-        width=64,
-        output_type="latent",
-        **kwargs,
-    ).images
-    return unpack(out, 8, 8)
+    return pipeline_latents(pipe, texts, noise, STEPS, cfg_scale)
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
@@ -65,14 +47,10 @@ def test_flux_sample_equals_fluxpipeline(tiny_flux: Path, cfg_scale: float) -> N
     cfg = flux_config(tiny_flux)
     negative = "blurry" if cfg_scale > 1 else None
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], negative, torch.device("cpu"))
-    model = plugin.require("load_diffusion_model", model_config=cfg, device=torch.device("cpu"), dtype=torch.float32)
-    forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=cfg))
     request = SampleRequest(width=64, height=64, steps=STEPS)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
-    expected = fluxpipeline_latents(tiny_flux, texts, cfg_scale)
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
     noise = torch.randn((1, 4, 8, 8), generator=noise_generator(SEED, 0))
-    assert (ours - noise).abs().max() > 0.1  # it did denoise
+    assert_same_sample(ours, fluxpipeline_latents(tiny_flux, texts, cfg_scale), noise)
 
     # decoding as FluxPipeline does: (latents / scaling + shift) through the VAE
     ((_, pixels),) = decode(plugin, cfg, {0: ours}, torch.device("cpu"))

@@ -16,8 +16,7 @@ from diffpipe_core.testing import runs
 from diffpipe_core.testing.golden import assert_matches
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.bfl import bfl_to_diffusers
-from diffpipe_flux.packing import image_ids, text_ids
-from diffpipe_flux.testing import TinyFluxConfig, bfl_path, write_tiny_flux
+from diffpipe_flux.testing import TinyFluxConfig, bfl_path, transformer_inputs, write_tiny_flux
 
 pytestmark = pytest.mark.slow
 
@@ -87,38 +86,19 @@ def trained_reference(run: Path, model_dir: Path, target_modules: list[str]):
     return runs.trained_transformer(FluxTransformer2DModel, run, model_dir, RANK, ALPHA, target_modules, trained)
 
 
-def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(2, 16, 16, generator=g),
-        "encoder_hidden_states": torch.randn(2, 16, 32, generator=g),
-        "pooled_projections": torch.randn(2, 32, generator=g),
-        "timestep": torch.rand(2, generator=g),
-        "guidance": torch.ones(2),
-        "img_ids": image_ids(8, 8).float(),
-        "txt_ids": text_ids(16).float(),
-    }
-
-
 def test_diffusers_lora_loads_in_flux_pipeline_and_reproduces(two_stages: Path) -> None:
     from diffusers import FluxPipeline
 
     model_dir = two_stages.parent.parent / "model"
     saved = two_stages / "saved" / "final"
-    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
-    assert all(k.startswith("transformer.") for k in state)
-    assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in state
-    assert "transformer.single_transformer_blocks.1.proj_out.lora_B.weight" in state
+    holding = ("transformer_blocks.0.attn.to_q.lora_A.weight", "single_transformer_blocks.1.proj_out.lora_B.weight")
+    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA, holding)
     assert not any(k.startswith("transformer.proj_out") for k in state)  # the final projection is not adapted
     reference = trained_reference(two_stages, model_dir, cfg["target_modules"])
 
     # alpha != rank here, so reproducing the outputs also proves diffusers applied the trained strength
     pipe = FluxPipeline.from_pretrained(str(model_dir), local_files_only=True)
-    untrained = runs.outputs(pipe.transformer, transformer_inputs())
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
-    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
-    runs.assert_reproduces(got, expected, untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs(), ALPHA)
 
 
 def comfy_expected_keys(n_double: int, n_single: int) -> set[str]:

@@ -48,18 +48,12 @@ class Chroma(Flux):
         single_file_example="Chroma1-HD.safetensors",
     )
     model_class = "ChromaTransformer2DModel"
+    encoder_components = ("vae", "text_encoder", "tokenizer")  # T5 only
     single_file_markers = ("distilled_guidance_layer.in_proj.weight", "double_blocks.0.img_attn.qkv.weight")
     single_file_name = "chroma-transformer.safetensors"
     key_tables = "diffpipe_flux.chroma_keys"
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: ChromaConfig, device: torch.device) -> Any:
-        """The VAE and T5 with its tokenizer, from the diffusers folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
-
     def encode_captions(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """``t5_embeds`` (B, t5_max_length, d) from T5 run with the attention mask, and ``t5_mask`` (B, t5_max_length)
         keeping each caption's tokens and its first padding token, as ``ChromaPipeline.encode_prompt`` makes them."""

@@ -48,6 +48,7 @@ class Flux(DiffusersModel, FlowSampling):
         "flux", (*PIPELINES, "FluxKontextPipeline"), COMPONENTS, single_file_example="flux1-dev.safetensors"
     )
     model_class = "FluxTransformer2DModel"
+    encoder_components = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")  # CLIP-L, then T5
     comfy_takes_diffusers_names = True
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "flux1-transformer.safetensors"
@@ -60,14 +61,6 @@ class Flux(DiffusersModel, FlowSampling):
         return ATTENTION_AND_MLP + [f"single_transformer_blocks.{i}.proj_out" for i in range(n_single)]
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: FluxConfig, device: torch.device) -> Any:
-        """VAE, CLIP-L (pooled vector) and T5 (sequence) with their tokenizers, from the diffusers folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(
-            self.folder, model_config, device, "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"
-        )
 
     @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:

@@ -99,6 +99,48 @@ def comfy_lora_keys(n_double: int, n_single: int) -> set[str]:
     return {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
 
 
+def transformer_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs for the default tiny Flux transformer: 2 samples of 8x8 image and 16 text tokens."""
+    from diffpipe_flux.packing import image_ids, text_ids
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(2, 16, 16, generator=g),
+        "encoder_hidden_states": torch.randn(2, 16, 32, generator=g),
+        "pooled_projections": torch.randn(2, 32, generator=g),
+        "timestep": torch.rand(2, generator=g),
+        "guidance": torch.ones(2),
+        "img_ids": image_ids(8, 8).float(),
+        "txt_ids": text_ids(16).float(),
+    }
+
+
+def pipeline_latents(pipe, texts, noise: torch.Tensor, steps: int, cfg_scale: float = 1.0, **kwargs) -> torch.Tensor:
+    """A Flux or Kontext pipeline's final latents (unpacked) from ``noise`` ``(1, C, h, w)`` and diffpipe's encoded
+    prompt ``texts``, guidance 3.5; true CFG on its negative embeddings where ``cfg_scale > 1``."""
+    from diffpipe_flux.packing import pack, unpack
+
+    if cfg_scale > 1:
+        kwargs |= {
+            "negative_prompt_embeds": texts.uncond["t5_embeds"],
+            "negative_pooled_prompt_embeds": texts.uncond["clip_pooled"],
+            "true_cfg_scale": cfg_scale,
+        }
+    h, w = noise.shape[-2:]
+    out = pipe(
+        prompt_embeds=texts.cond["t5_embeds"],
+        pooled_prompt_embeds=texts.cond["clip_pooled"],
+        latents=pack(noise),
+        num_inference_steps=steps,
+        guidance_scale=3.5,
+        height=8 * h,
+        width=8 * w,
+        output_type="latent",
+        **kwargs,
+    ).images
+    return unpack(out, h, w)
+
+
 def bfl_path(folder: Path) -> Path:
     """Where :func:`write_tiny_flux` puts the BFL single file by default."""
     return tiny.beside(folder, ".bfl.safetensors")
@@ -219,20 +261,8 @@ def qwen3_causal(tokenizer, cfg: TinyFlux2Config):
     """A tiny ``Qwen3ForCausalLM`` (Klein's text encoder)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=cfg.text_dim,
-            intermediate_size=2 * cfg.text_dim,
-            num_hidden_layers=cfg.text_layers,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    config = tiny.decoder_config(Qwen3Config, tokenizer, cfg.text_dim, cfg.text_layers, 2, 1, head_dim=8)
+    return Qwen3ForCausalLM(config)
 
 
 def flux2_parts(cfg: TinyFlux2Config, text_encoder, tokenizer) -> dict[str, tiny.Part]:

@@ -58,11 +58,8 @@ def main() -> None:
     args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
     write = lambda model_dir: write_tiny_qwen(model_dir, cfg=MODEL)  # noqa: E731
     pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    print(
-        f"model: Qwen-Image inner dim 256, 4 blocks, {(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens, batch "
-        f"{args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; medians of "
-        f"{args.steps - args.warmup} steps after {args.warmup} warm-up"
-    )
+    tokens = f"{(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens"
+    print(bench.setup_line(f"Qwen-Image inner dim 256, 4 blocks, {tokens}", args))
     print(bench.ratio_line(pairs))
 
 

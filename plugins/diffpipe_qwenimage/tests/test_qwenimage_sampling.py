@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from diffpipe_core.parts.latents import pack_2x2, unpack_2x2
-from diffpipe_core.registry import Registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_qwenimage.config import QwenImageConfig
 from diffpipe_qwenimage.plugin import plugin as qwen
@@ -53,30 +52,24 @@ def test_combine_guidance_rescales_to_the_conditional_norm() -> None:
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_qwen_sample_equals_the_pipeline(tiny_qwen: Path, cfg_scale: float) -> None:
-    registry = Registry()
-    assert registry.register_model("qwen-image", qwen).ok
-    plugin = registry.model("qwen-image")
+    plugin = registered(qwen, "qwen-image")
     assert all(plugin.has(h) for h in ("denoise_init", "denoise_inputs", "denoise_step", "combine_guidance"))
     table = {"type": "qwen-image", "path": tiny_qwen, "dtype": "float32", "encoder_dtype": "float32",
              "text_max_length": 32}
     cfg = validate(QwenImageConfig, table, "test")
     negative = NEGATIVE if cfg_scale > 1 else None
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], negative, torch.device("cpu"))
-    model = qwen.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    forward = LayerChainForward(qwen.split_into_layers(model, cfg))
     request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+    ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
 
     pipe = load_pipeline(tiny_qwen)
     noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
     out = pipe(latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
     expected = unpack_2x2(out, 4, 4)
     assert ours.shape == (1, 4, 4, 4)
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
-    assert (ours - noise).abs().max() > 0.1  # it did denoise
+    assert_same_sample(ours, expected, noise)
     if cfg_scale > 1:  # the rescale matters: the plain combination lands elsewhere
-        (plain,) = generate(registry_without_combine(), cfg, request, [texts], [noise_generator(SEED, 0)], forward,
-                            cfg=cfg_scale)
+        plain = sample_latents(registry_without_combine(), cfg, request, texts, SEED, cfg_scale)
         assert (plain - expected).abs().max() > 1e-3
 
     ((_, pixels),) = decode(plugin, cfg, {0: ours}, torch.device("cpu"))
@@ -95,9 +88,7 @@ def registry_without_combine():
     class Plain(QwenImage):
         combine_guidance = None  # type: ignore[assignment]
 
-    registry = Registry()
-    assert registry.register_model("qwen-image", Plain()).ok
-    return registry.model("qwen-image")
+    return registered(Plain(), "qwen-image")
 
 
 @pytest.mark.parametrize("cfg_scale", [3.0])  # the plain path is the text-to-image test's
@@ -118,26 +109,21 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
     vl_area = 56 * 56
     monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", vl_area)
     monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
-    registry = Registry()
-    assert registry.register_model("qwen-image-edit", edit).ok
-    plugin = registry.model("qwen-image-edit")
+    plugin = registered(edit, "qwen-image-edit")
     references = [write_png(tmp_path / "a.png", SIZE, SIZE, seed=1), write_png(tmp_path / "b.png", SIZE, SIZE, seed=2)]
     table = {"type": "qwen-image-edit", "path": tiny_edit_plus, "dtype": "float32", "encoder_dtype": "float32",
              "text_max_length": 64, "vl_image_area": vl_area}
     cfg = validate(QwenImageEditConfig, table, "test")
     negative = NEGATIVE if cfg_scale > 1 else None
     (texts,) = encode_prompts(plugin, cfg, ["make it red"], negative, torch.device("cpu"), [references], (SIZE, SIZE))
-    model = edit.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    forward = LayerChainForward(edit.split_into_layers(model, cfg))
     request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+    ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
 
     pipe = load_pipeline(tiny_edit_plus)
     noise = torch.randn((1, 1, 4, 4, 4), generator=noise_generator(SEED, 0))[:, 0]
     images = [Image.open(p).convert("RGB") for p in references]
     out = pipe(image=images, latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
-    torch.testing.assert_close(ours, unpack_2x2(out, 4, 4), rtol=1e-4, atol=1e-5)
-    assert (ours - noise).abs().max() > 0.1
+    assert_same_sample(ours, unpack_2x2(out, 4, 4), noise)
     # the instruction's embedding holds the references' vision tokens: it equals encode_prompt with the images
     with torch.no_grad():
         w, h = plus.calculate_dimensions(vl_area, 1.0)

@@ -99,11 +99,7 @@ def test_diffusers_lora_loads_in_qwen_image_pipeline_and_reproduces(qwen_run: Pa
         cfg["target_modules"],
     )
     pipe = load_pipeline(model_dir)
-    untrained = runs.outputs(pipe.transformer, transformer_inputs())
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
-    got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
-    runs.assert_reproduces(got, expected, untrained)
+    runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs(), ALPHA)
 
 
 def test_comfyui_lora_has_comfyuis_keys_and_applies_like_the_separate_loras(qwen_run: Path) -> None:

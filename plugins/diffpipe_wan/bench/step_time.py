@@ -31,10 +31,7 @@ LATENT = (FRAMES - 1) // 4 + 1, HEIGHT // 8, WIDTH // 8
 MODEL_TABLE = bench.model_table("wan", text_max_length=TEXT_LEN)
 
 
-def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
-    bench.clip_dataset(root, write_clips, FRAMES, WIDTH, HEIGHT)
-    return bench.train_times(root, args, MODEL_TABLE)
+diffpipe_times = bench.clip_trainer(write_clips, FRAMES, WIDTH, HEIGHT, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
@@ -54,11 +51,8 @@ def main() -> None:
     write = lambda model_dir: write_tiny_wan(model_dir, MODEL)  # noqa: E731
     pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
     f, h, w = LATENT
-    print(
-        f"model: Wan inner dim 256, 4 blocks, {f}x{h // 2}x{w // 2} = {f * h * w // 4} video + {TEXT_LEN} text tokens,"
-        f" batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()};"
-        f" medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
-    )
+    tokens = f"{f}x{h // 2}x{w // 2} = {f * h * w // 4} video + {TEXT_LEN} text tokens"
+    print(bench.setup_line(f"Wan inner dim 256, 4 blocks, {tokens}", args))
     print(bench.ratio_line(pairs))
 
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from diffpipe_core.registry import Registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.media import write_png
+from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_wan.i2v import wan_i2v
 from diffpipe_wan.plugin import wan
@@ -28,24 +27,31 @@ CPU = torch.device("cpu")
 
 def sample(plugin, cfg, cfg_scale: float) -> tuple[torch.Tensor, object]:
     """The core's loop over the plugin's layers: the final latents and the prompt's text tensors."""
-    registry = Registry()
-    assert registry.register_model(plugin.spec.name, plugin).ok
-    registered = registry.model(plugin.spec.name)
-    (texts,) = encode_prompts(registered, cfg, [PROMPT], "blurry", CPU)
-    model = plugin.load_diffusion_model(cfg, CPU, torch.float32)
-    forward = LayerChainForward(plugin.split_into_layers(model, cfg))
+    handle = registered(plugin)
+    (texts,) = encode_prompts(handle, cfg, [PROMPT], "blurry", CPU)
     request = SampleRequest(width=W, height=H, frames=FRAMES, steps=STEPS)
-    (latents,) = generate(registered, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
-    return latents, texts, registered
+    return sample_latents(handle, cfg, request, texts, SEED, cfg_scale), texts, handle
 
 
 def noise() -> torch.Tensor:
     return torch.randn((1, 4, 2, H // 8, W // 8), generator=noise_generator(SEED, 0))
 
 
-def guidance(texts, cfg_scale: float) -> dict:
-    """Classifier-free guidance as the core's loop does it: the negative prompt's embeddings, the same scale."""
-    return {"guidance_scale": cfg_scale, "negative_prompt_embeds": texts.uncond["text_embeds"]}
+def pipeline_latents(pipe, texts, cfg_scale: float, **kwargs) -> torch.Tensor:
+    """The pipeline's final latents from the same noise and prompt embeddings, with classifier-free guidance as the
+    core's loop does it (the negative prompt's embeddings, the same scale)."""
+    return pipe(
+        prompt_embeds=texts.cond["text_embeds"],
+        negative_prompt_embeds=texts.uncond["text_embeds"],
+        guidance_scale=cfg_scale,
+        latents=noise(),
+        num_inference_steps=STEPS,
+        height=H,
+        width=W,
+        num_frames=FRAMES,
+        output_type="latent",
+        **kwargs,
+    ).frames
 
 
 def assert_decodes_like_the_pipeline(registered, cfg, latents: torch.Tensor, pipe) -> None:
@@ -66,18 +72,7 @@ def test_wan_sample_equals_wan_pipeline(tiny_wan: Path) -> None:
     cfg = validate(wan.spec.config_schema, table, "test")
     ours, texts, registered = sample(wan, cfg, 3.0)
     pipe = WanPipeline.from_pretrained(str(tiny_wan), torch_dtype=torch.float32, local_files_only=True)
-    expected = pipe(
-        prompt_embeds=texts.cond["text_embeds"],
-        latents=noise(),
-        num_inference_steps=STEPS,
-        height=H,
-        width=W,
-        num_frames=FRAMES,
-        output_type="latent",
-        **guidance(texts, 3.0),
-    ).frames
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
-    assert (ours - noise()).abs().max() > 0.1  # it did denoise
+    assert_same_sample(ours, pipeline_latents(pipe, texts, 3.0), noise())
     assert_decodes_like_the_pipeline(registered, cfg, ours, pipe)
 
 
@@ -89,17 +84,7 @@ def test_wan_i2v_sample_equals_wan_image_to_video_pipeline(tiny_wan_i2v: Path, t
     cfg = validate(wan_i2v.spec.config_schema, {**table, "sample_image": image_file}, "test")
     ours, texts, _ = sample(wan_i2v, cfg, 2.0)
     pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_i2v), torch_dtype=torch.float32, local_files_only=True)
-    expected = pipe(
-        image=Image.open(image_file).convert("RGB"),
-        prompt_embeds=texts.cond["text_embeds"],
-        latents=noise(),
-        num_inference_steps=STEPS,
-        height=H,
-        width=W,
-        num_frames=FRAMES,
-        output_type="latent",
-        **guidance(texts, 2.0),
-    ).frames
+    expected = pipeline_latents(pipe, texts, 2.0, image=Image.open(image_file).convert("RGB"))
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)  # (decoding: as wan's, the test above)
 
     without = validate(wan_i2v.spec.config_schema, table, "test")

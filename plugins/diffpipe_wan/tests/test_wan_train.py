@@ -11,7 +11,6 @@ from the noise within 40 steps, so that the per-step loss, which swings with the
 
 from __future__ import annotations
 
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffpipe_core.testing import comfy, runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_core.testing.media import assert_video_sample_point, write_dataset_toml, write_image_dataset
 from diffpipe_wan.original import layout
 from diffpipe_wan.testing import single_file_path, write_clips, write_tiny_wan
 
@@ -115,17 +114,12 @@ def test_comfyui_lora_has_comfyuis_wan_keys_and_applies(wan_run: Path) -> None:
 def test_sample_before_the_first_step_is_wan_pipelines_as_an_mp4(wan_run: Path) -> None:
     """Sampled through the pipeline engine before the first step (LoRA B = 0: the base model): the MP4 has the
     dataset's 5 frames at 16 fps, and its latents are ``WanPipeline``'s for the same prompt, seed and steps."""
-    import av
     from diffusers import WanPipeline
 
     from diffpipe_core.sampling.loop import noise_generator
 
     folder = wan_run / "samples" / "step-0000000"
-    files = sorted(p.name for p in folder.iterdir())
-    assert files == ["00-a-red-cat.mp4", "contact-sheet.png", "latents.safetensors", "prompts.json"], files
-    with av.open(str(folder / "00-a-red-cat.mp4")) as container:
-        stream = container.streams.video[0]
-        assert stream.average_rate == Fraction(16) and len(list(container.decode(stream))) == 5
+    assert_video_sample_point(folder, fps=16, frames=5)
     got = load_file(str(folder / "latents.safetensors"))["sample_00"]
     pipe = WanPipeline.from_pretrained(str(model_dir(wan_run)), local_files_only=True)
     expected = pipe(

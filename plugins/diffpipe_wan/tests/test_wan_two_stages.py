@@ -82,10 +82,8 @@ def test_i2v_trains_with_two_stages_and_its_lora_reproduces_in_the_i2v_pipeline(
         "encoder_hidden_states_image": torch.randn(2, 5, 16, generator=g),
     }
     pipe = WanImageToVideoPipeline.from_pretrained(str(i2v_run.parent.parent / "model"), local_files_only=True)
-    untrained = runs.outputs(pipe.transformer, inputs)
-    runs.load_lora_into(pipe, i2v_run / "saved" / "final" / "adapter_model.safetensors")
-    expected = runs.outputs(_reference(i2v_run, "transformer"), inputs)
-    runs.assert_reproduces(runs.outputs(pipe.transformer, inputs), expected, untrained)
+    lora = i2v_run / "saved" / "final" / "adapter_model.safetensors"
+    runs.assert_lora_reproduces(pipe, lora, _reference(i2v_run, "transformer"), inputs)
 
 
 def test_a14b_low_expert_fine_tunes_only_transformer_2_with_two_stages(a14b_run: Path) -> None:

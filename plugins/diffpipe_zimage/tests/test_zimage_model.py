@@ -14,27 +14,20 @@ from safetensors.torch import load_file, save_file
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.adapters import lora_state_dict
 from diffpipe_core.registry import Registry
-from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
-from diffpipe_zimage.config import ZImageConfig
 from diffpipe_zimage.original import diffusers_to_original, original_to_diffusers
 from diffpipe_zimage.plugin import plugin as zi
-from diffpipe_zimage.testing import TinyZImageConfig, apply_comfyui_lora, original_path, tiny_transformer
+from diffpipe_zimage.testing import TinyZImageConfig, apply_comfyui_lora, original_path, tiny_config, tiny_transformer
 
 CPU = torch.device("cpu")
 CAPTIONS = ["a red cat", "a photo of a large dark mountain with a river in the city on a bright sky"]
 
 
-def config(path: Path, **kw) -> ZImageConfig:
-    table = {"type": "z-image", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 40}
-    return validate(ZImageConfig, {**table, **kw}, "test")
-
-
 def test_text_tensors_equal_the_pipeline_encode_prompt(tiny_zimage: Path) -> None:
     from diffusers import ZImagePipeline
 
-    enc = zi.load_encoders(config(tiny_zimage), CPU)
+    enc = zi.load_encoders(tiny_config(tiny_zimage), CPU)
     out = zi.encode_batch(enc, EncodeBatch(captions=list(CAPTIONS)))
     pipe = ZImagePipeline.from_pretrained(str(tiny_zimage), local_files_only=True)
     with torch.no_grad():
@@ -58,7 +51,7 @@ def test_text_tensors_equal_the_pipeline_encode_prompt(tiny_zimage: Path) -> Non
 
 
 def test_latents_as_the_pipeline_normalises_them(tiny_zimage: Path) -> None:
-    enc = zi.load_encoders(config(tiny_zimage), CPU)
+    enc = zi.load_encoders(tiny_config(tiny_zimage), CPU)
     pixels = torch.rand(2, 3, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     masks = torch.zeros(2, 1, 32, 48)
     masks[:, :, :16] = 1
@@ -73,7 +66,7 @@ def test_latents_as_the_pipeline_normalises_them(tiny_zimage: Path) -> None:
 
 @pytest.mark.parametrize("lengths", [(5, 37), (9,)])
 def test_layers_compute_the_diffusers_forward(tiny_zimage: Path, lengths: tuple[int, ...]) -> None:
-    cfg = config(tiny_zimage)
+    cfg = tiny_config(tiny_zimage)
     model = zi.load_diffusion_model(cfg, CPU, torch.float32).eval()
     b, g = len(lengths), torch.Generator().manual_seed(1)
     mask = torch.zeros(b, 40, dtype=torch.long)
@@ -97,8 +90,8 @@ def test_layers_compute_the_diffusers_forward(tiny_zimage: Path, lengths: tuple[
 def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(tiny_zimage: Path) -> None:
     from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
-    folder = zi.load_diffusion_model(config(tiny_zimage), CPU, torch.float32).state_dict()
-    single = zi.load_diffusion_model(config(tiny_zimage, transformer_file=original_path(tiny_zimage)), CPU,
+    folder = zi.load_diffusion_model(tiny_config(tiny_zimage), CPU, torch.float32).state_dict()
+    single = zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=original_path(tiny_zimage)), CPU,
                                      torch.float32).state_dict()
     assert folder.keys() == single.keys() and len(folder) > 50
     for key in folder:
@@ -117,7 +110,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(tiny_zima
 def test_bad_single_file_names_file_and_key(tiny_zimage: Path, tmp_path: Path) -> None:
     bad = load_file(str(original_path(tiny_zimage)))
     file = tmp_path / "bad.safetensors"
-    load = lambda: zi.load_diffusion_model(config(tiny_zimage, transformer_file=file), CPU, torch.float32)  # noqa: E731
+    load = lambda: zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=file), CPU, torch.float32)  # noqa: E731
     save_file({k: v for k, v in bad.items() if k != "layers.0.attention.qkv.weight"}, str(file))
     with pytest.raises(KeyError, match=r"bad\.safetensors.*missing key 'layers\.0\.attention\.qkv\.weight'"):
         load()
@@ -125,7 +118,7 @@ def test_bad_single_file_names_file_and_key(tiny_zimage: Path, tmp_path: Path) -
     with pytest.raises(ValueError, match=r"(?s)bad\.safetensors.*all_x_embedder\.2-1\.bias"):
         load()
     diffusers_file = tiny_zimage / "transformer" / "diffusion_pytorch_model.safetensors"
-    [problem] = zi.validate_model_files(config(tiny_zimage, transformer_file=diffusers_file))
+    [problem] = zi.validate_model_files(tiny_config(tiny_zimage, transformer_file=diffusers_file))
     assert str(diffusers_file) in problem and "layers.0.attention.qkv.weight" in problem
 
 
@@ -134,7 +127,7 @@ def test_per_stage_loading_reads_only_the_stage_layers(tiny_zimage: Path, layout
     single = {"transformer_file": original_path(tiny_zimage)} if layout == "original" else {}
     registry = Registry()
     assert registry.register_model("z-image", zi).ok
-    stages = assert_stages_read_their_own(registry.model("z-image"), config(tiny_zimage, **single))
+    stages = assert_stages_read_their_own(registry.model("z-image"), tiny_config(tiny_zimage, **single))
     blocks = [{".".join(k.split(".")[:2]) for k in s.reads if k.startswith("layers.")} for s in stages]
     assert "layers.1" in blocks[1] and "layers.1" not in blocks[0]
 
@@ -146,7 +139,7 @@ def lora_model(targets: list[str], rank: int = 4):
 
 
 def test_comfyui_lora_applies_to_the_original_weights_like_the_separate_loras(tiny_zimage: Path) -> None:
-    targets = zi.lora_targets(config(tiny_zimage))
+    targets = zi.lora_targets(tiny_config(tiny_zimage))
     model = lora_model(targets)
     state = lora_state_dict(model)
     adapted = {k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
@@ -169,14 +162,14 @@ def test_comfyui_lora_applies_to_the_original_weights_like_the_separate_loras(ti
 def test_full_model_exports_load_back(tiny_zimage: Path, tmp_path: Path) -> None:
     from diffusers import ZImageTransformer2DModel
 
-    cfg = config(tiny_zimage)
+    cfg = tiny_config(tiny_zimage)
     model = zi.load_diffusion_model(cfg, CPU, torch.float32)
     with torch.no_grad():
         model.layers[1].feed_forward.w1.weight.add_(1.0)  # "fine-tuned"
     saved = tmp_path / "saved"
     state = runs.export_full_finetune(zi, model, cfg, saved)
     single = saved / "single_file" / "z_image_transformer.safetensors"
-    from_single = zi.load_diffusion_model(config(tiny_zimage, transformer_file=single), CPU, torch.float32)
+    from_single = zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=single), CPU, torch.float32)
     from_folder = ZImageTransformer2DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():
         assert torch.equal(from_single.state_dict()[key], value), key

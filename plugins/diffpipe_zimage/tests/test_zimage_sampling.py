@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffpipe_core.registry import Registry
-from diffpipe_core.sampling.loop import generate, noise_generator
-from diffpipe_core.sampling.pipeline import LayerChainForward
+from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import SampleRequest
-from diffpipe_zimage.config import ZImageConfig
 from diffpipe_zimage.plugin import plugin as zi
+from diffpipe_zimage.testing import tiny_config
 
 PROMPT, STEPS, SEED, SIZE = "a red cat on a tree", 3, 5, 32
 
@@ -31,19 +29,13 @@ def real_tokens(text: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def test_zimage_sample_equals_the_pipeline(tiny_zimage: Path, cfg_scale: float) -> None:
     from diffusers import ZImagePipeline
 
-    registry = Registry()
-    assert registry.register_model("z-image", zi).ok
-    plugin = registry.model("z-image")
+    plugin = registered(zi, "z-image")
     assert all(plugin.has(h) for h in ("denoise_init", "denoise_inputs", "denoise_step", "load_decoder"))
-    table = {"type": "z-image", "path": tiny_zimage, "dtype": "float32", "encoder_dtype": "float32",
-             "text_max_length": 40}
-    cfg = validate(ZImageConfig, table, "test")
+    cfg = tiny_config(tiny_zimage)
     negative = "blurry" if cfg_scale > 1 else None
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], negative, torch.device("cpu"))
-    model = zi.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
-    forward = LayerChainForward(zi.split_into_layers(model, cfg))
     request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
-    (ours,) = generate(plugin, cfg, request, [texts], [noise_generator(SEED, 0)], forward, cfg=cfg_scale)
+    ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
 
     pipe = ZImagePipeline.from_pretrained(str(tiny_zimage), dtype=torch.float32, local_files_only=True)
     noise = torch.randn((1, 4, 4, 4), generator=noise_generator(SEED, 0))
@@ -58,8 +50,7 @@ def test_zimage_sample_equals_the_pipeline(tiny_zimage: Path, cfg_scale: float) 
         output_type="latent",
         **kwargs,
     ).images
-    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
-    assert (ours - noise).abs().max() > 0.1  # it did denoise
+    assert_same_sample(ours, expected, noise)
 
     ((_, pixels),) = decode(plugin, cfg, {0: ours}, torch.device("cpu"))
     with torch.no_grad():

@@ -8,10 +8,12 @@ spec and the training inputs is the reference model's own.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_reference.plugin import (  # noqa: F401  (hook implementations of this plugin too)
+    SPEC,
     ReferenceConfig,
     adapter_key_prefix,
     diffusion_model_weights,
@@ -28,13 +30,9 @@ if TYPE_CHECKING:
 
     from diffpipe_core import TrainingContext
 
-EDIT_SPEC = ModelSpec(
+EDIT_SPEC = replace(
+    SPEC,
     name="reference-edit",
-    modality="image",
-    config_schema=ReferenceConfig,
-    spatial_multiple=16,
-    encoder_settings=("path",),
-    block_layers=("BlockLayer",),
     control_images="optional",
     control_size="target",
     description="The reference model trained on edit pairs (tests)",
@@ -52,19 +50,15 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
     latents (``control_0_latents``), else the noisy target alone; targets ``(velocity,)`` (and the mask)."""
     import torch
 
-    from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps
+    from diffpipe_core.parts.flow import flow_sample
     from diffpipe_core.types import control_key
 
     cfg: ReferenceConfig = context.model_config  # type: ignore[assignment]
-    latents = batch["latents"].float()
-    noise = torch.randn(latents.shape, generator=generator)
-    t = sample_timesteps(latents.shape[0], generator, cfg.timestep_sample_method, cfg.sigmoid_scale, cfg.shift,
-                         quantile=context.eval_quantile)
-    x_t, target = flow_matching_pair(latents, noise, t)
+    s = flow_sample(batch["latents"], cfg, context, generator, time_range=(0.0, 1.0))  # type: ignore[arg-type]
     control = batch.get(control_key(0, "latents"))
-    x = x_t if control is None else torch.cat([x_t, control.float()], dim=-1)
-    targets = (target, batch["mask"]) if "mask" in batch else (target,)
-    return (x, t, batch["text_embeds"].float()), targets
+    x = s.x_t if control is None else torch.cat([s.x_t, control.float()], dim=-1)
+    targets = (s.target, batch["mask"]) if "mask" in batch else (s.target,)
+    return (x, s.t, batch["text_embeds"].float()), targets
 
 
 @hookimpl

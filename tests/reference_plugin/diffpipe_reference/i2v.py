@@ -9,9 +9,11 @@ the clip and used. The model trains image-to-video only: an image in its dataset
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 from diffpipe_reference.plugin import (  # noqa: F401  (hook implementations of this plugin too)
     ReferenceConfig,
     adapter_key_prefix,
@@ -28,14 +30,10 @@ if TYPE_CHECKING:
 
     from diffpipe_core import EncodeBatch, TrainingContext
 
-I2V_SPEC = ModelSpec(
+I2V_SPEC = replace(
+    TINY_VIDEO_SPEC,
     name="reference-i2v",
-    modality="video",
     config_schema=ReferenceConfig,
-    spatial_multiple=16,
-    frame_multiple=4,
-    frame_offset=1,
-    video_fps=8,
     encoder_settings=("path",),
     block_layers=("BlockLayer",),
     first_frame="required",
@@ -91,17 +89,13 @@ def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, gen
     """``([first-frame latents | noisy frames], t, text + image embedding)`` and the folded velocity target."""
     import torch
 
-    from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps
+    from diffpipe_core.parts.flow import flow_sample
 
     cfg: ReferenceConfig = context.model_config  # type: ignore[assignment]
-    latents = batch["latents"].float()
-    noise = torch.randn(latents.shape, generator=generator)
-    t = sample_timesteps(latents.shape[0], generator, cfg.timestep_sample_method, cfg.sigmoid_scale, cfg.shift,
-                         quantile=context.eval_quantile)
-    x_t, target = flow_matching_pair(latents, noise, t)
-    x = torch.cat([batch["first_frame_latents"].float(), fold(x_t)], dim=-1)
+    s = flow_sample(batch["latents"], cfg, context, generator, time_range=(0.0, 1.0))  # type: ignore[arg-type]
+    x = torch.cat([batch["first_frame_latents"].float(), fold(s.x_t)], dim=-1)
     text = batch["text_embeds"].float() + batch["image_embeds"].float()[:, None]
-    return (x, t, text), (fold(target),)
+    return (x, s.t, text), (fold(s.target),)
 
 
 @hookimpl

@@ -32,17 +32,20 @@ class ReferenceConfig(ModelConfigBase):
     shift: float = Field(1.0, gt=0, description="Time shift applied after sampling.")
 
 
+SPEC = ModelSpec(
+    name="reference",
+    modality="image",
+    config_schema=ReferenceConfig,
+    spatial_multiple=16,
+    encoder_settings=("path",),
+    block_layers=("BlockLayer",),
+    description="Tiny pure-PyTorch DiT for tests and the demo",
+)
+
+
 @hookimpl
 def model_spec() -> ModelSpec:
-    return ModelSpec(
-        name="reference",
-        modality="image",
-        config_schema=ReferenceConfig,
-        spatial_multiple=16,
-        encoder_settings=("path",),
-        block_layers=("BlockLayer",),
-        description="Tiny pure-PyTorch DiT for tests and the demo",
-    )
+    return SPEC
 
 
 @hookimpl
@@ -120,24 +123,12 @@ def split_into_layers(model: TinyDiT, model_config: ReferenceConfig) -> list[nn.
 
 @hookimpl
 def prepare_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-    import torch
-
-    from diffpipe_core.diffusion import flow_matching_pair, sample_timesteps
+    from diffpipe_core.parts.flow import flow_sample
 
     cfg: ReferenceConfig = context.model_config  # type: ignore[assignment]
-    latents = batch["latents"].float()
-    noise = torch.randn(latents.shape, generator=generator)
-    t = sample_timesteps(
-        latents.shape[0],
-        generator,
-        cfg.timestep_sample_method,
-        cfg.sigmoid_scale,
-        cfg.shift,
-        quantile=context.eval_quantile,
-    )
-    x_t, target = flow_matching_pair(latents, noise, t)
-    targets = (target, batch["mask"]) if "mask" in batch else (target,)
-    return (x_t, t, batch["text_embeds"].float()), targets
+    s = flow_sample(batch["latents"], cfg, context, generator, time_range=(0.0, 1.0))  # type: ignore[arg-type]
+    targets = (s.target, batch["mask"]) if "mask" in batch else (s.target,)
+    return (s.x_t, s.t, batch["text_embeds"].float()), targets
 
 
 @hookimpl

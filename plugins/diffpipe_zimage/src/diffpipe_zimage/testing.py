@@ -36,20 +36,7 @@ def qwen3(tokenizer: Any, dim: int = 32, layers: int = 3) -> Any:
     """A tiny ``Qwen3Model`` (the text encoder; Z-Image reads its penultimate hidden state)."""
     from transformers import Qwen3Config, Qwen3Model
 
-    return Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tokenizer),
-            hidden_size=dim,
-            intermediate_size=2 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=dim // 4,
-            max_position_embeddings=1024,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    return Qwen3Model(tiny.decoder_config(Qwen3Config, tokenizer, dim, layers, head_dim=dim // 4))
 
 
 def tiny_transformer(cfg: TinyZImageConfig) -> Any:
@@ -127,3 +114,12 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def tiny_config(path: Path, **keys: Any) -> Any:
+    """The validated ``[model]`` table of the tiny Z-Image at ``path`` in float32 (40 text tokens), plus ``keys``."""
+    from diffpipe_core.schema import validate
+    from diffpipe_zimage.config import ZImageConfig
+
+    table = {"type": "z-image", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 40}
+    return validate(ZImageConfig, {**table, **keys}, "test")

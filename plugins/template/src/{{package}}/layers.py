@@ -9,6 +9,7 @@ after any layer); the latent size travels as an integer tensor, and the last blo
 from __future__ import annotations
 
 import torch
+from diffpipe_core.parts.blocks import WrappedBlock
 from torch import nn
 
 from {{package}}.model import TinyDiT, unpatchify
@@ -31,12 +32,8 @@ class EmbedLayer(nn.Module):
         return self.x_embedder(x.to(dtype)), self.context_embedder(text.to(dtype)), self.time_embed(t), size
 
 
-class BlockLayer(nn.Module):
+class BlockLayer(WrappedBlock):
     """One joint block; the last returns no text tokens, which nothing after it reads."""
-
-    def __init__(self, block: nn.Module, last: bool) -> None:
-        super().__init__()
-        self.block, self.last = block, last
 
     def forward(self, inputs: Tensors) -> Tensors:
         tokens, context, temb, size = inputs

@@ -1,7 +1,7 @@
 """The {{name}} model plugin: what differs from diffpipe's shared diffusers parts.
 
-Declared: the diffusers folder's components, the diffusion model's class, the LoRA targets. Written: loading and
-running the encoders, the pipeline layers, the first layer's inputs, the sampler's noise and inputs. The rest comes
+Declared: the diffusers folder's components, the diffusion model's class, the LoRA targets. Written: running
+the encoders, the pipeline layers, the first layer's inputs, the sampler's noise and inputs. The rest comes
 from ``DiffusersModel`` (validating the folder, whole and per-stage loading, the loss, exports) and ``FlowSampling``
 (the Euler step, decoding). This module imports no torch, diffusers or transformers (``diffpipe models``,
 ``validate`` and ``--help`` import every plugin): each hook imports what it needs when it runs.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
-from diffpipe_core.parts.plugin import DiffusersModel
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 
 from {{package}}.config import ModelConfig
@@ -37,19 +37,15 @@ COMPONENTS = {  # model_index.json's components -> class name ("module:Class" fo
 class {{class_name}}(DiffusersModel, FlowSampling):
     """A {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
-    spec = ModelSpec(
-        name="{{name}}",
-        modality="{{modality}}",
-        config_schema=ModelConfig,
-        spatial_multiple=16,
-        frame_multiple={{frame_multiple}},  # video frame counts are frame_multiple * k + frame_offset
-        frame_offset={{frame_offset}},
-        video_fps={{video_fps}},
-        encoder_settings=("path", "encoder_dtype", "text_max_length"),  # [model] keys that change the cache
+    spec = diffusers_spec(
+        "{{name}}",
+        ModelConfig,
+        "{{description}}",
+        video={{video_frames}},  # a video: (frame_multiple, frame_offset, fps), (4, 1, 16.0) = 4k + 1 frames
+        encoder_settings=("text_max_length",),  # [model] keys that change the cache (besides path, encoder_dtype)
         block_layers=("BlockLayer",),  # what activation checkpointing and block swapping act on
         adapter_formats=("diffusers",),
         model_formats=("diffusers",),
-        description="{{description}}",
         contract={{contract}},  # the plugin contract this is written against (diffpipe_core.CONTRACT_VERSION)
     )
     folder = DiffusersFolder("{{name}}", PIPELINES, COMPONENTS)
@@ -63,13 +59,7 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     last_block_unused = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: ModelConfig, device: torch.device) -> Any:
-        """The VAE, the T5 encoder and its tokenizer; ``encoders.config`` is the run's ``[model]`` table."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
-
+    # load_encoders (DiffusersModel's): the VAE, text_encoder and tokenizer; encoders.config is the [model] table
     @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Media: ``latents`` (the VAE posterior's mode, ``(z - shift_factor) * scaling_factor``) and ``mask`` on the
