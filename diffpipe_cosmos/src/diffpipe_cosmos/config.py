@@ -34,8 +34,8 @@ class CosmosConfigBase(DiffusersModelConfig):
         1,
         ge=1,
         description='conditioning = "video": latent frames each clip is conditioned on (the pipelines\' conditioning '
-        "latent frames: 1 for an image, 1 + (pixel frames - 1) // temporal compression for a video); clips with no "
-        "more latent frames than this train with one frame fewer.",
+        "latent frames: 1 for an image, 1 + (pixel frames - 1) // temporal compression for a video); a clip with no "
+        "more latent frames than this is conditioned on all but its last.",
     )
     sample_video: Path | None = Field(
         None,

@@ -82,6 +82,7 @@ class Cosmos(DiffusersModel, FlowSampling):
     def __init__(self) -> None:
         super().__init__()
         self._sampling: dict[int, tuple[torch.Tensor, Any]] = {}  # video-to-world samples' conditioning, by schedule
+        self._posteriors: dict[tuple, tuple[Any, int]] = {}  # the sample video's VAE posterior, per file and size
 
     def sigma_data(self, model_config: CosmosConfigBase) -> float:
         """The EDM sigma_data the latents are scaled by (Predict2's pipelines use 1)."""
@@ -240,14 +241,18 @@ class Cosmos(DiffusersModel, FlowSampling):
             )
         temporal, spatial = self.vae_factors(model_config)
         want = 1 + temporal * (model_config.conditioning_frames - 1)
-        pixels = video2world.conditioning_pixels(
-            model_config.sample_video, want, request.width, request.height, spatial
-        )
-        pixels, have = video2world.pad_frames(pixels.float(), request.frames, repeat_last=self.variant != "1.0")
-        vae = load_components(self.folder, model_config, torch.device("cpu"), "vae").vae
-        with torch.no_grad():
-            z = vae.encode(pixels.to(vae.dtype)).latent_dist.sample(generator)
-        latents = normalize(z.float(), *_stats(vae), self.sigma_data(model_config))
+        key = (str(model_config.path), str(model_config.sample_video), want, request.width, request.height)
+        key += (request.frames, model_config.encoder_dtype)
+        if key not in self._posteriors:  # the VAE runs once per file and size; each sample draws from its posterior
+            pixels = video2world.conditioning_pixels(
+                model_config.sample_video, want, request.width, request.height, spatial
+            )
+            pixels, have = video2world.pad_frames(pixels.float(), request.frames, repeat_last=self.variant != "1.0")
+            vae = load_components(self.folder, model_config, torch.device("cpu"), "vae").vae
+            with torch.no_grad():
+                self._posteriors[key] = (vae.encode(pixels.to(vae.dtype)).latent_dist, _stats(vae)), have
+        (posterior, stats), have = self._posteriors[key]
+        latents = normalize(posterior.sample(generator).float(), *stats, self.sigma_data(model_config))
         cond = latents.new_zeros(1, 1, latents.shape[2], 1, 1)
         cond[:, :, : (have - 1) // temporal + 1] = 1.0
         return video2world.SampleCondition(latents, cond, generator)

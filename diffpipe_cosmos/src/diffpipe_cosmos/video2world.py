@@ -14,7 +14,8 @@ conditioning frames:
 
 Both pipelines replace the denoised latents of the conditioning frames by the conditioning latents; NVIDIA's trainers
 do the same (``denoise_replace_gt_frames``), so those frames carry no loss: the loss mask is zero on them and the loss
-is the mask-weighted mean over the generated frames. Torch is imported by the functions' callers (the plugin's hooks).
+is the mask-weighted mean over the generated frames. This module imports torch: the plugin's hooks import it when
+they are called.
 """
 
 from __future__ import annotations
