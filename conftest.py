@@ -6,7 +6,10 @@ modules that use the same session- or package-scoped conftest fixture join one g
 
 The workers compute the groups from their collection (the fixtures each test uses) and write them to a file the
 controller's scheduler reads; xdist's own ``--dist loadgroup`` cannot be used, since it renames node ids in a way
-pytest 9 no longer lets it. xdist hands out the groups with the most tests first. Without xdist none of this runs.
+pytest 9 no longer lets it. The scheduler hands out the groups that took longest in a measured run first
+(``tests/durations.json``, written by ``scripts/test_durations.py`` from a ``--durations=0`` report; a module not in
+it counts as a short one): longest-first keeps both workers busy to the end instead of leaving one to finish a long
+group alone. Without xdist none of this runs.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 _SHARED_SCOPES = ("session", "package")
 _GROUPS_ENV = "DIFFPIPE_TEST_GROUPS"
+_DURATIONS = Path(__file__).parent / "tests" / "durations.json"
+_UNMEASURED_SECONDS = 2.0
 
 
 def _find(parent: dict[str, str], key: str) -> str:
@@ -81,9 +88,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedFixtureScheduling(LoadScopeScheduling):
-        """xdist's per-module scheduling (the largest scopes first), with modules joined into the workers' groups."""
+        """xdist's per-module scheduling, with modules joined into the workers' groups, the longest group first."""
 
         _groups: dict | None = None
+
+        def __init__(self, config: pytest.Config, log: object = None) -> None:
+            super().__init__(config, log)
+            self.workqueue = LongestFirst(self._seconds)
 
         def _table(self) -> dict:
             if self._groups is None:
@@ -93,4 +104,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             return self._table().get(_module(nodeid), _module(nodeid))
 
+        _group_seconds: dict[str, float] | None = None
+
+        def _seconds(self, scope: str) -> float:
+            if self._group_seconds is None:
+                measured = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+                self._group_seconds = {}
+                for module, group in self._table().items():
+                    seconds = measured.get(module, _UNMEASURED_SECONDS)
+                    self._group_seconds[group] = self._group_seconds.get(group, 0.0) + seconds
+            return self._group_seconds.get(scope, _UNMEASURED_SECONDS)
+
     return SharedFixtureScheduling(config, log)
+
+
+class LongestFirst(OrderedDict):
+    """xdist's queue of work units (scope -> tests), handing out the unit ``seconds(scope)`` rates longest first
+    (xdist takes the next unit with ``popitem(last=False)``)."""
+
+    def __init__(self, seconds: Callable[[str], float]) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def popitem(self, last: bool = True) -> tuple[str, dict]:
+        if last or not self:
+            return super().popitem(last)
+        scope = max(self, key=self.seconds)
+        return scope, self.pop(scope)

@@ -119,7 +119,7 @@ def test_rendered_template_is_ruff_clean(tmp_path: Path, name: str, video: bool)
         )
         assert out.returncode == 0, out.stdout + out.stderr
     spec = (pkg / "src" / f"diffpipe_{name.replace('-', '_')}" / "plugin.py").read_text()
-    assert f'modality="{"video" if video else "image"}"' in spec
+    assert f'video={"(4, 1, 16.0)" if video else "None"},' in spec  # diffusers_spec: a video model's frame rules
 
 
 def test_the_guide_shows_the_rendered_template_a_complete_plugin_in_under_150_lines(tmp_path: Path) -> None:

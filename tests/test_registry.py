@@ -106,7 +106,7 @@ def test_unknown_model_names_installed_models_and_package() -> None:
         registry.model("refernce")
     text = str(err.value)
     assert "Did you mean 'reference'" in text
-    installed = text.split("Installed models: ", 1)[1].split(".", 1)[0].split(", ")
+    installed = text.split("Installed models: ", 1)[1].split(". ", 1)[0].split(", ")  # names may hold dots
     assert "reference" in installed and "refernce" not in installed
     assert "pip install diffpipe-refernce" in text
 

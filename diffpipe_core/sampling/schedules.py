@@ -62,6 +62,10 @@ def scheduler_sigmas(model_path: Path, steps: int) -> torch.Tensor:
     ``scheduler/scheduler_config.json`` names (``FlowMatchEulerDiscreteScheduler``, ``UniPCMultistepScheduler`` with
     flow sigmas, ...), after ``set_timesteps(steps)`` with its default spacing and shift: the schedule a pipeline that
     calls ``scheduler.set_timesteps(num_inference_steps)`` (Wan's) steps through. Float32."""
+    return _folder_scheduler(model_path, steps)[1]
+
+
+def _folder_scheduler(model_path: Path, steps: int) -> tuple[Any, torch.Tensor]:
     import json
 
     import diffusers
@@ -78,7 +82,30 @@ def scheduler_sigmas(model_path: Path, steps: int) -> torch.Tensor:
     sigmas = torch.as_tensor(scheduler.sigmas).float()
     if len(sigmas) != steps + 1:
         raise ValueError(f"{file}: {cls.__name__} made {len(sigmas)} sigmas for {steps} steps; expected {steps + 1}")
+    return scheduler, sigmas
+
+
+def stepped_schedule(model_path: Path, steps: int) -> torch.Tensor:
+    """:func:`scheduler_sigmas`, carrying the scheduler that made them (a fresh one per call) for
+    :func:`scheduler_step`. A multistep solver (``UniPCMultistepScheduler``, DPM-Solver++) combines the model outputs
+    of earlier steps, so only its own ``step`` takes the steps its pipeline takes; the schedule tensor is the state
+    the sampling hooks carry from ``denoise_init`` to every ``denoise_step`` of one sample."""
+    scheduler, sigmas = _folder_scheduler(model_path, steps)
+    sigmas.diffpipe_scheduler = scheduler
     return sigmas
+
+
+def scheduler_step(latents: torch.Tensor, prediction: torch.Tensor, schedule: torch.Tensor, index: int) -> torch.Tensor:
+    """Step ``index`` of the folder's scheduler that :func:`stepped_schedule` attached to ``schedule``: its ``step``
+    from ``schedule[index]`` to ``schedule[index + 1]`` on float32 latents (what its pipeline's loop calls, with
+    the prediction the model makes of them)."""
+    scheduler = getattr(schedule, "diffpipe_scheduler", None)
+    if scheduler is None:
+        raise ValueError("scheduler_step needs the schedule stepped_schedule made (it carries the scheduler's state)")
+    if index != (scheduler.step_index or 0):
+        raise ValueError(f"scheduler_step: step {index} out of order (the scheduler is at step {scheduler.step_index})")
+    timestep = scheduler.timesteps[index]
+    return scheduler.step(prediction.float(), timestep, latents.float(), return_dict=False)[0]
 
 
 def karras_sigmas(

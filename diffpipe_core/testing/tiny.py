@@ -201,6 +201,31 @@ def qwen3_tokenizer(max_length: int = 512) -> Any:
     return tok
 
 
+#: Qwen2-VL's chat template, cut to text: a default system turn when the conversation has none, message contents
+#: given as a string or as a list of ``{"type": "text", "text": ...}`` parts, the generation prompt
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- if loop.first and message['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen2_vl_tokenizer(texts: Sequence[str] = (), max_length: int = 512) -> Any:
+    """A Qwen2.5-VL-like byte-level BPE tokenizer (Qwen2's pre-tokenizer split, ``<|endoftext|>`` padding, the vision
+    tokens atomic) with Qwen2-VL's chat template (text parts only), trained on ``texts`` and :data:`WORDS`."""
+    tok = bpe_tokenizer(
+        ["<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n", *texts, " ".join(WORDS)],
+        QWEN2_VL_SPECIALS, "$A", max_length, split=QWEN2_SPLIT, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+    )
+    tok.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    return tok
+
+
 # ---------------------------------------------------------------------------------------------- encoders
 def clip_text(tokenizer: Any, dim: int = 32, layers: int = 2, projection: bool = False, max_positions: int = 77) -> Any:
     """A CLIP text encoder (``CLIPTextModel``, or ``CLIPTextModelWithProjection`` with ``projection``)."""
@@ -270,6 +295,26 @@ def llama(tokenizer: Any, dim: int = 32, layers: int = 2, positions: int = 1024)
 
     keys = {"max_position_embeddings": positions, "bos_token_id": tokenizer.bos_token_id}
     return LlamaModel(decoder_config(LlamaConfig, tokenizer, dim, layers, **keys))
+
+
+def qwen25_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
+    """A ``Qwen2_5_VLForConditionalGeneration`` of ``layers`` text layers (4 heads, 2 KV heads, multimodal RoPE split
+    ``[1, 1, 2]`` of the head's 4 frequencies at ``dim`` 32) and a 1-block vision tower, for :func:`qwen2_vl_tokenizer`
+    (its vision tokens)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    half = dim // 8  # head_dim / 2 frequencies, split (time, height, width)
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]}
+    tokens = {"image": "image_pad", "video": "video_pad", "vision_start": "vision_start", "vision_end": "vision_end"}
+    ids = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for role, token in tokens.items()}
+    text = dict(vocab_size=len(tokenizer), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, **ids)
+    return Qwen2_5_VLForConditionalGeneration(config)
 
 
 # ---------------------------------------------------------------------------------------------- VAEs

@@ -1,21 +1,22 @@
 """Framework overhead on Cosmos: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA,
-for both entry points.
+for each entry point.
 
-    python diffpipe_cosmos/bench/step_time.py [--entry cosmos cosmos-predict2] [--steps 20] [--rounds 3] [--smoke]
-        [--conditioning text|video]
+    python diffpipe_cosmos/bench/step_time.py [--entry cosmos cosmos-predict2 cosmos-predict2.5] [--steps 20]
+        [--rounds 3] [--smoke] [--conditioning text|video]
 
 A tiny-but-not-trivial Cosmos transformer (inner dim 256 = 4 heads x 64, 4 blocks, 16-channel latents, 64 T5
 tokens) is written to disk in the diffusers layout: ``cosmos-predict2`` trains on 256x256 images (32x32 latents,
-256 tokens), ``cosmos`` on 9-frame 256x256 clips (2 x 32x32 latents, 512 tokens). diffpipe trains it with
+256 tokens), ``cosmos`` on 9-frame 256x256 clips (2 x 32x32 latents, 512 tokens); ``cosmos-predict2.5`` on the
+same images with 64 Qwen2.5-VL tokens (2 layers x 64: 128 features into its ``crossattn_proj``). diffpipe trains it with
 `diffpipe train` (1 worker, the real cache, DeepSpeed PipelineEngine); the median step time comes from
 metrics.jsonl (step_seconds) after warm-up. The plain loop runs the same objective (the core's EDM or flow-matching
 maths), diffusers' ``CosmosTransformer3DModel.forward``, backward, gradient clipping and an AdamW step with the same
 peft LoRA (rank 16 on the plugin's lora_targets). The two sides alternate in pairs (which goes first swaps every
 pair); the median ratio and its spread are printed. Target: ratio <= 1.10. The shared skeleton is in
-``diffpipe_core.testing.bench``. ``--conditioning video``: the video-to-world transformer trained video-to-world
-(``[model] conditioning = "video"``) on 9-frame 128x128 clips conditioned on their first latent frame; the plain loop
-gives the transformer the clean first frame, the condition mask (and Predict2's per-frame timesteps) and masks the
-loss to the generated frames.
+``diffpipe_core.testing.bench``. ``--conditioning video`` (``cosmos``, ``cosmos-predict2``): the video-to-world
+transformer trained video-to-world (``[model] conditioning = "video"``) on 9-frame 128x128 clips conditioned on their
+first latent frame; the plain loop gives the transformer the clean first frame, the condition mask (and Predict2's
+per-frame timesteps) and masks the loss to the generated frames.
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ from diffpipe_core.testing import bench
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.plugin import cosmos1, predict2
+from diffpipe_cosmos.predict25 import predict25
 from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
+from diffpipe_cosmos.testing_predict25 import TinyPredict25Config, write_tiny_predict25
 
-T5_LEN, LATENT = 64, 32
+T5_LEN = 64
 ENTRIES = {
     "cosmos": {"hooks": cosmos1, "variant": "1.0", "frames": 9, "pixels": 256},
     "cosmos-predict2": {"hooks": predict2, "variant": "predict2", "frames": 1, "pixels": 256},
+    "cosmos-predict2.5": {"hooks": predict25, "variant": "predict2.5", "frames": 1, "pixels": 256},
 }
+TEXT_KEYS = {"cosmos-predict2.5": "text_max_length"}  # the others': t5_max_length
 
 
 def model_config(variant: str, video2world: bool = False) -> TinyCosmosConfig:
@@ -70,8 +75,17 @@ def diffpipe_times(root: Path, entry: str, args: argparse.Namespace) -> list[flo
             write_video(root / "media" / f"clip_{i}.mp4", e["frames"], fps=fps, size=(size, size), seed=i)
             (root / "media" / f"clip_{i}.txt").write_text(f"a robot arm {i}")
     write_dataset_toml(root / "dataset.toml", root / "media", resolutions=[size], frame_buckets=[e["frames"]])
-    keys = {"conditioning": "video", "conditioning_frames": 1} if args.conditioning == "video" else {}
-    return bench.train_times(root, args, bench.model_table(entry, t5_max_length=T5_LEN, **keys))
+    keys = {TEXT_KEYS.get(entry, "t5_max_length"): T5_LEN}
+    if args.conditioning == "video":
+        keys |= {"conditioning": "video", "conditioning_frames": 1}
+    return bench.train_times(root, args, bench.model_table(entry, **keys))
+
+
+def write_model(model_dir: Path, entry: str, video2world: bool = False) -> Path:
+    if entry == "cosmos-predict2.5":
+        sizes = vars(model_config("predict2")) | {"qwen_dim": 64}
+        return write_tiny_predict25(model_dir, TinyPredict25Config(**sizes))
+    return write_tiny_cosmos(model_dir, model_config(ENTRIES[entry]["variant"], video2world))
 
 
 def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[float]:
@@ -82,7 +96,10 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
     frames = 1 if e["frames"] == 1 else (e["frames"] - 1) // (8 if e["variant"] == "1.0" else 4) + 1
     latent = e["pixels"] // 8
     latents = torch.randn(args.batch, 16, frames, latent, latent)
-    text = torch.randn(args.batch, T5_LEN, 64)
+    text = torch.randn(args.batch, T5_LEN, 128 if entry == "cosmos-predict2.5" else 64)
+    extra = {}
+    if entry == "cosmos-predict2.5":  # its text-to-world loop's all-zero condition mask
+        extra["condition_mask"] = torch.zeros(args.batch, 1, frames, latent, latent)
     padding = torch.zeros(1, 1, e["pixels"], e["pixels"])
     fps = hooks.default_fps if frames > 1 else None
 
@@ -116,7 +133,7 @@ def plain_times(model_dir: Path, entry: str, args: argparse.Namespace) -> list[f
             return edm.edm_loss(out, x, latents, sigma, 0.5)
         t = sample_timesteps(args.batch, gen)
         x_t, target = flow_matching_pair(latents, noise, t)
-        out = model(x_t, t, text, padding_mask=padding).sample
+        out = model(x_t, t, text, padding_mask=padding, **extra).sample
         return masked_mse(out, target)
 
     return bench.plain_step_times(model, hooks.lora_targets(cfg), loss, args.steps)
@@ -126,9 +143,7 @@ def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, flo
     """The (diffpipe, plain) median step seconds of each pair for one entry point."""
     return bench.measure_overhead(
         args,
-        lambda model_dir: write_tiny_cosmos(
-            model_dir, model_config(ENTRIES[entry]["variant"], args.conditioning == "video")
-        ),
+        lambda model_dir: write_model(model_dir, entry, args.conditioning == "video"),
         lambda root, args: diffpipe_times(root, entry, args),
         lambda model_dir, args: plain_times(model_dir, entry, args),
         args.rounds,
@@ -139,15 +154,17 @@ def measure_entry(entry: str, args: argparse.Namespace) -> list[tuple[float, flo
 def main() -> None:
     parser = bench.bench_parser(pairs="--rounds", threads=True)
     parser.add_argument("--entry", nargs="+", choices=sorted(ENTRIES), default=sorted(ENTRIES))
-    parser.add_argument("--conditioning", choices=["text", "video"], default="text")
+    parser.add_argument("--conditioning", choices=["text", "video"], default="text", help="video: video-to-world")
     args = bench.overhead_args(parser)
+    if args.conditioning == "video" and "cosmos-predict2.5" in args.entry:
+        parser.error("--conditioning video: cosmos and cosmos-predict2 only (give --entry cosmos cosmos-predict2)")
     for entry in args.entry:
         pairs = measure_entry(entry, args)
         ratios = [a / b for a, b in pairs]
         print(
-            f"{entry} ({args.conditioning} conditioning): inner dim 256, 4 blocks, LoRA r=16, float32, batch "
-            f"{args.batch}, CPU threads "
-            f"{torch.get_num_threads()}; medians of {args.steps - args.warmup} steps after {args.warmup} warm-up"
+            f"{entry} ({args.conditioning}): inner dim 256, 4 blocks, LoRA r=16, float32, batch {args.batch}, CPU "
+            f"threads {torch.get_num_threads()}; medians of {args.steps - args.warmup} steps after {args.warmup} "
+            "warm-up"
         )
         print(
             f"{entry} overhead ratio: {statistics.median(ratios):.3f} (median of {len(ratios)} rounds, spread "

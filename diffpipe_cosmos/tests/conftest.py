@@ -100,3 +100,22 @@ def cosmos1_v2w_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("cosmos1-v2w-run")
     return runs.train(root, make_v2w_project(root, "cosmos"), procs=1, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def tiny_predict25(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Cosmos-Predict2.5 folder (``Cosmos2_5_PredictBasePipeline``)."""
+    from diffpipe_cosmos.testing_predict25 import write_tiny_predict25
+
+    return write_tiny_predict25(tmp_path_factory.mktemp("predict25") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def predict25_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``cosmos-predict2.5``: the shared 1-process run on images and clips. Returns its run folder."""
+    from test_cosmos_predict25_train import STEPS, make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("predict25-run")
+    return runs.train(root, make_project(root, stages=1, steps=STEPS), procs=1, timeout=600)

@@ -38,12 +38,13 @@ OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
-def make_project(root: Path, name: str, stages: int, single_file: bool, extra: str = "") -> Path:
-    write_tiny_cosmos(root / "model", TinyCosmosConfig(variant=VARIANTS[name]))
+def write_media(root: Path, frames: int) -> None:
+    """6 captioned images and 4 captioned clips of ``frames + 2`` frames in ``root/media``, and ``root/dataset.toml``
+    bucketing them into images and ``frames``-frame clips."""
     media = root / "media"
     write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
     for i in range(4):
-        clip = write_video(media / f"clip_{i}.mp4", FRAMES[name] + 2, fps=FRAMES[name] * 4, size=(48, 32), seed=i)
+        clip = write_video(media / f"clip_{i}.mp4", frames + 2, fps=frames * 4, size=(48, 32), seed=i)
         clip.with_suffix(".txt").write_text(f"a robot arm walking {i}")
     write_dataset_toml(
         root / "dataset.toml",
@@ -53,8 +54,13 @@ def make_project(root: Path, name: str, stages: int, single_file: bool, extra: s
         min_ar=0.5,
         max_ar=2.0,
         num_ar_buckets=3,
-        frame_buckets=[1, FRAMES[name]],
+        frame_buckets=[1, frames],
     )
+
+
+def make_project(root: Path, name: str, stages: int, single_file: bool, extra: str = "") -> Path:
+    write_tiny_cosmos(root / "model", TinyCosmosConfig(variant=VARIANTS[name]))
+    write_media(root, FRAMES[name])
     model = {"type": name, "t5_max_length": 16, **OBJECTIVE[name]}
     if single_file:
         model["transformer_file"] = original_path(root / "model").name

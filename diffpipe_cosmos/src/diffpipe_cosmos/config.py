@@ -75,3 +75,17 @@ class Predict2Config(CosmosConfigBase, FlowMatchingConfig):
         description='conditioning = "video": the noise level the conditioning frames are given at (timestep '
         "sigma / (1 + sigma); Cosmos2VideoToWorldPipeline's sigma_conditioning).",
     )
+
+
+class Predict25Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of Cosmos-Predict2.5 (text-to-world, images as 1-frame videos; rectified-flow training as
+    Predict2, whose ``nvidia_weighting`` it shares). Its diffusers folders only: NVIDIA publishes the original 2.5
+    checkpoints as pickles and ComfyUI has no 2.5 model, so there is no single-file layout (``transformer_file``)."""
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        description="Qwen2.5-VL tokens of the chat-templated caption, padded or truncated to it (the pipeline's "
+        "max_sequence_length); the transformer attends to every position.",
+    )
+    nvidia_weighting: bool = Predict2Config.model_fields["nvidia_weighting"]

@@ -107,7 +107,7 @@ class Cosmos(DiffusersModel, FlowSampling):
     def conditioning_problems(self, model_config: CosmosConfigBase) -> list[str]:
         """``conditioning = "video"`` with a text-to-world transformer (no condition-mask channel), or a missing
         ``sample_video``."""
-        if model_config.conditioning != "video":
+        if not self.conditioned(model_config):
             return []
         found = []
         config = self.model_folder_config(model_config)
@@ -144,13 +144,6 @@ class Cosmos(DiffusersModel, FlowSampling):
         return super().load_diffusion_model(model_config, device, dtype)
 
     # ------------------------------------------------------------------------------------------ caching
-    @hookimpl
-    def load_encoders(self, model_config: CosmosConfigBase, device: torch.device) -> Any:
-        """The VAE and T5 with its tokenizer, from the diffusers folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
-
     @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Media: ``latents`` (B, C, T, H/8, W/8) as ``(mode - mean) * sigma_data / std`` with the VAE's statistics
@@ -221,8 +214,8 @@ class Cosmos(DiffusersModel, FlowSampling):
         return noise, sigmas
 
     def conditioned(self, model_config: CosmosConfigBase) -> bool:
-        """Video-to-world (``[model] conditioning = "video"``)."""
-        return model_config.conditioning == "video"
+        """Video-to-world (``[model] conditioning = "video"``; a subclass's table without the key: text-to-world)."""
+        return getattr(model_config, "conditioning", "text") == "video"
 
     def sample_condition(self, model_config: CosmosConfigBase, request: SampleRequest, generator: torch.Generator):
         """The :class:`~diffpipe_cosmos.video2world.SampleCondition` of ``[model] sample_video`` for ``request``:

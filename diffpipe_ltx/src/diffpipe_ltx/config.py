@@ -27,3 +27,31 @@ class LTXConfig(DiffusersModelConfig, FlowMatchingConfig):
         description="Probability that a video's first latent frame stays clean (timestep 0) and is left out of the "
         "loss: trains image-to-video. Images (one latent frame) are never conditioned.",
     )
+
+
+class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of LTX-2. ``path`` is a diffusers ``LTX2Pipeline`` / ``LTX2ImageToVideoPipeline`` folder;
+    ``transformer_file`` a single file in the original Lightricks layout (``ltx-2-19b-dev.safetensors``:
+    ``model.diffusion_model.patchify_proj``, ``...audio_adaln_single``, ...), whose transformer replaces the folder's
+    (the VAEs, Gemma 3 and the text connectors still come from ``path``)."""
+
+    max_sequence_length: int = Field(
+        1024,
+        ge=1,
+        le=4096,
+        description="Gemma tokens (left-padded/truncated; LTX2Pipeline's max_sequence_length default). A multiple "
+        "of the text connectors' learnable registers (128 in LTX-2).",
+    )
+    resolution_shift: bool = Field(
+        False,
+        description="LTX2Pipeline's sequence-length-dependent shift instead of shift: e^mu, mu linear in the video "
+        "token count (frames x height x width) with the constants of path/scheduler/scheduler_config.json.",
+    )
+    first_frame_conditioning_p: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Probability that a clip trains image-to-video as LTX2ImageToVideoPipeline runs it: its first "
+        "latent frame is the clip's first frame encoded alone, clean (timestep 0), and left out of the loss. Images "
+        "(one latent frame) are never conditioned.",
+    )

@@ -24,6 +24,25 @@ from diffpipe_core.parts.blocks import WrappedBlock
 Tensors = tuple[torch.Tensor, ...]
 
 
+def frame_time_embedding(
+    time_embed: nn.Module, t: torch.Tensor, tokens_per_frame: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``time_embed`` (an adaLN-single: LTX-Video's and LTX-2's video ``time_embed``) of ``1000 t`` for the times
+    ``t`` (B, F) of each latent frame: ``(temb, embedded)`` with one row per sample when every frame of every sample
+    has the same time (no conditioned first frame: as the pipelines pass one timestep), else one row per token (each
+    frame's embedding spread over its ``tokens_per_frame`` tokens, as the image-to-video pipelines' per-token
+    timesteps give)."""
+    b = t.shape[0]
+    same_time = bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
+    per_frame = t[:, :1] if same_time else t
+    temb, embedded = time_embed(per_frame.flatten() * 1000, batch_size=b, hidden_dtype=dtype)
+    temb, embedded = temb.view(b, per_frame.shape[1], -1), embedded.view(b, per_frame.shape[1], -1)
+    if per_frame.shape[1] > 1:  # one time per frame -> one per token
+        temb = temb.repeat_interleave(tokens_per_frame, dim=1)
+        embedded = embedded.repeat_interleave(tokens_per_frame, dim=1)
+    return temb, embedded
+
+
 class EmbedLayer(nn.Module):
     """Patch projection, rotary embedding, time embedding (adaLN-single) and caption projection."""
 
@@ -40,13 +59,7 @@ class EmbedLayer(nn.Module):
         hidden = self.proj_in(x.to(self.proj_in.weight.dtype))
         dtype = hidden.dtype
         cos, sin = self.rope(hidden, frames, height, width, self.rope_scale)
-        same_time = bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
-        per_frame = t[:, :1] if same_time else t
-        temb, embedded = self.time_embed(per_frame.flatten() * 1000, batch_size=b, hidden_dtype=dtype)
-        temb, embedded = temb.view(b, per_frame.shape[1], -1), embedded.view(b, per_frame.shape[1], -1)
-        if per_frame.shape[1] > 1:  # one time per frame -> one per token
-            temb = temb.repeat_interleave(height * width, dim=1)
-            embedded = embedded.repeat_interleave(height * width, dim=1)
+        temb, embedded = frame_time_embedding(self.time_embed, t, height * width, dtype)
         text = self.caption_projection(text.to(dtype)).view(b, -1, hidden.shape[-1])
         return hidden, text, temb, embedded, cos, sin, text_mask
 

@@ -67,13 +67,6 @@ class LTXVideo(DiffusersModel, FlowSampling):
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
-    def load_encoders(self, model_config: LTXConfig, device: torch.device) -> Any:
-        """``AutoencoderKLLTXVideo``, the T5 encoder and its tokenizer, from the folder."""
-        from diffpipe_core.parts.encoders import load_components
-
-        return load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
-
-    @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Media: ``latents`` (B, C, F, H/32, W/32), ``(z - latents_mean) * scaling_factor / latents_std`` as the
         inverse of ``LTXPipeline._denormalize_latents`` (images are one frame), ``mask`` (B, 1, h, w) when given.

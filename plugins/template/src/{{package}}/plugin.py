@@ -38,9 +38,9 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     """A {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
     spec = diffusers_spec(
-        "{{name}}",
-        ModelConfig,
-        "{{description}}",
+        name="{{name}}",
+        config_schema=ModelConfig,
+        description="{{description}}",
         video={{video_frames}},  # a video: (frame_multiple, frame_offset, fps), (4, 1, 16.0) = 4k + 1 frames
         encoder_settings=("text_max_length",),  # [model] keys that change the cache (besides path, encoder_dtype)
         block_layers=("BlockLayer",),  # what activation checkpointing and block swapping act on

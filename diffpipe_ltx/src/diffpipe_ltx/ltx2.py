@@ -1,0 +1,287 @@
+"""The LTX-2 model plugin (entry point ``ltx-2``) on the core's shared plugin parts: the video branch of LTX-2's
+audio-video transformer trains, the audio branch stays frozen and keeps working.
+
+``prepare_inputs`` gives the first pipeline layer ``(x, t, audio_x, video_text, audio_text, text_mask, grid)``
+(:mod:`diffpipe_ltx.ltx2_layers`): the packed noisy video latents, each latent frame's flow time (0 on a first frame
+conditioned as ``LTX2ImageToVideoPipeline`` conditions it), the packed audio latents, the connectors' text for each
+stream and its mask, and the latent ``(F, H, W)``. There is no audio to train on, so the audio stream gets what
+``LTX2Pipeline`` gives it when no ``audio_latents`` are passed: Gaussian noise of the clip's duration
+(``prepare_audio_latents``, drawn after the video's noise), at the video's time (the pipeline passes one timestep
+to both streams, ``sigma = timestep``). The loss covers the video prediction only (the audio part of the output
+weighs 0). This module imports no torch, diffusers or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from diffpipe_core import hookimpl
+from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
+from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
+from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_ltx.config import LTX2Config
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core.types import SampleRequest
+
+FRAME_RATE = 24  # LTX2Pipeline's default frame_rate; videos are resampled to it (ModelSpec.video_fps)
+PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
+COMPONENTS = {
+    "transformer": "LTX2VideoTransformer3DModel",
+    "vae": "AutoencoderKLLTX2Video",
+    "audio_vae": "AutoencoderKLLTX2Audio",
+    "text_encoder": "Gemma3ForConditionalGeneration",
+    "tokenizer": TOKENIZER,
+    "connectors": "diffusers.pipelines.ltx2.connectors:LTX2TextConnectors",
+}
+SIZES = (
+    SizeMatch("connectors", "caption_channels", "caption_channels", 3840),
+    SizeMatch("vae", "latent_channels", "in_channels", 128),
+)
+AUDIO_COMPRESSION = 4  # AutoencoderKLLTX2Audio's temporal and mel compression (LATENT_DOWNSAMPLE_FACTOR)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What ``LTX2Pipeline`` derives from the folder's configs: VAE compression, the audio latents' rate and size."""
+
+    temporal: int
+    spatial: int
+    channels: int
+    audio_per_second: float
+    audio_channels: int
+    audio_mel: int
+
+    def audio_frames(self, latent_frames: int) -> int:
+        """``round(num_frames / frame_rate * audio latents per second)`` for ``latent_frames`` video frames."""
+        return round(((latent_frames - 1) * self.temporal + 1) / FRAME_RATE * self.audio_per_second)
+
+    def audio_shape(self, batch: int, latent_frames: int) -> tuple[int, int, int, int]:
+        return batch, self.audio_channels, self.audio_frames(latent_frames), self.audio_mel
+
+
+class LTX2(DiffusersModel, FlowSampling):
+    """LTX-2: video (and images as one-frame videos) with first-frame conditioning; VAE 32x spatial, 8x temporal:
+    frames 8k + 1 at 24 fps."""
+
+    spec = diffusers_spec(
+        "ltx-2", LTX2Config, "LTX-2 video branch (diffusers folder or original Lightricks single-file transformer)",
+        video=(8, 1, FRAME_RATE), spatial_multiple=32, encoder_settings=("max_sequence_length",),
+        block_layers=("BlockLayer",), first_frame="optional",
+    )
+    folder = DiffusersFolder(
+        "ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors"
+    )
+    model_class = "LTX2VideoTransformer3DModel"
+    single_file_markers = ("patchify_proj.weight", "audio_patchify_proj.weight")
+    single_file_name = "ltx2-transformer.safetensors"
+    # the video stream's self-attention (attn1), text cross-attention (attn2) and feed-forward of every block; the
+    # audio stream's modules (audio_attn1, audio_ff, ...) and the audio-video cross-attentions stay frozen
+    lora_target_names = tuple(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "to_out.0")) + (
+        "ff.net.0.proj", "ff.net.2",
+    )
+    key_tables = "diffpipe_ltx.ltx2_original"
+    encoder_components = ("vae", "text_encoder", "tokenizer", "connectors")  # caching: the video VAE, Gemma 3, ...
+
+    def __init__(self) -> None:
+        self._grids: dict[int, tuple[int, int, int, int]] = {}  # sample latents' size -> (F, H, W, audio frames)
+
+    def geometry(self, model_config: LTX2Config) -> Geometry:
+        vae = self.folder.config(model_config.path, "vae")
+        audio = self.folder.config(model_config.path, "audio_vae")
+        levels = sum(bool(s) for s in vae.get("spatio_temporal_scaling", (True,) * 4))
+        spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2**levels
+        temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2**levels
+        per_second = audio.get("sample_rate", 16000) / audio.get("mel_hop_length", 160) / AUDIO_COMPRESSION
+        return Geometry(int(temporal), int(spatial), int(self.model_folder_config(model_config)["in_channels"]),
+                        per_second, int(audio.get("latent_channels", 8)), int(audio.get("mel_bins", 64)) // 4)
+
+    def build_skeleton(self, model_config: LTX2Config, device: Any, dtype: torch.dtype) -> nn.Module:
+        config = self.model_folder_config(model_config)
+        file = model_config.path / "transformer" / "config.json"
+        if (config.get("patch_size", 1), config.get("patch_size_t", 1), config.get("audio_patch_size", 1)) != (1,) * 3:
+            raise ValueError(f"{file}: patch sizes other than 1; diffpipe-ltx supports LTX-2's (all 1)")
+        if config.get("cross_attn_mod") or config.get("audio_cross_attn_mod") or not config.get(
+            "use_prompt_embeddings", True
+        ):
+            raise ValueError(
+                f"{file}: an LTX-2.3-style transformer (cross_attn_mod / no caption projection); ltx-2 trains "
+                "LTX-2.0 transformers"
+            )
+        return super().build_skeleton(model_config, device, dtype)
+
+    @hookimpl
+    def validate_model_files(self, model_config: LTX2Config) -> list[str]:
+        """The folder and single file (the shared checks), and that ``max_sequence_length`` is a multiple of the
+        connectors' learnable registers (``LTX2ConnectorTransformer1d`` refuses other lengths)."""
+        found = super().validate_model_files(model_config)
+        if found:
+            return found
+        connectors = self.folder.config(model_config.path, "connectors")
+        registers = connectors.get("video_connector_num_learnable_registers", 128)
+        if registers and model_config.max_sequence_length % registers:
+            found.append(
+                f"[model] max_sequence_length {model_config.max_sequence_length} is not a multiple of the "
+                f"{registers} learnable registers of {model_config.path / 'connectors' / 'config.json'}"
+            )
+        return found
+
+    # ------------------------------------------------------------------------------------------ caching
+    @hookimpl
+    def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """Media: ``latents`` (B, C, F, H/32, W/32) normalised as ``LTX2Pipeline._normalize_latents`` (images are one
+        frame), ``mask`` (B, 1, 1, h, w) when given, and for a clip ``first_frame_latents`` (B, C, 1, h, w): its first
+        frame encoded alone and normalised as ``LTX2ImageToVideoPipeline.prepare_latents`` does the image (without the
+        scaling factor). Captions: ``video_text``, ``audio_text`` (B, max_sequence_length, d) and ``text_mask``,
+        what the connectors make of ``LTX2Pipeline.encode_prompt``'s Gemma hidden states (the transformer's
+        ``encoder_hidden_states``, ``audio_encoder_hidden_states`` and ``encoder_attention_mask``)."""
+        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+
+        out: dict[str, torch.Tensor] = {}
+        vae = encoders.vae
+        if batch.pixels is not None:
+            z = vae_mode(vae, batch.pixels, video=True)
+            out["latents"] = normalize(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor).cpu()
+            if batch.masks is not None:
+                out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True)
+            if batch.first_frames is not None:
+                first = vae_mode(vae, batch.first_frames, video=True)
+                out["first_frame_latents"] = normalize(first, vae.latents_mean, vae.latents_std).cpu()
+        if batch.captions is not None:
+            out.update(self.encode_text(encoders, batch.captions))
+        return out
+
+    def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
+        """``LTX2Pipeline.encode_prompt`` (Gemma 3's hidden states of every layer, left-padded) through the
+        pipeline's connectors, as ``LTX2Pipeline.__call__`` runs them."""
+        import torch
+
+        from diffpipe_core.parts.text import text_pipeline
+
+        pipe = text_pipeline("LTX2Pipeline", text_encoder=encoders.text_encoder, tokenizer=encoders.tokenizer,
+                             connectors=encoders.connectors)
+        device = next(encoders.text_encoder.parameters()).device
+        with torch.no_grad():
+            embeds, mask, _, _ = pipe.encode_prompt(
+                captions, do_classifier_free_guidance=False, max_sequence_length=encoders.config.max_sequence_length,
+                device=device,
+            )
+            side = getattr(encoders.tokenizer, "padding_side", "left")
+            video, audio, text_mask = encoders.connectors(embeds, mask, padding_side=side)
+        return {
+            "video_text": video.float().cpu(), "audio_text": audio.float().cpu(), "text_mask": text_mask.bool().cpu()
+        }
+
+    # ------------------------------------------------------------------------------------------ training
+    @hookimpl
+    def split_into_layers(self, model: nn.Module, model_config: LTX2Config) -> list[nn.Module]:
+        """Embedders, each audio-video block, the output norms and projections."""
+        from diffpipe_ltx import ltx2_layers
+
+        return ltx2_layers.split_into_layers(model, float(FRAME_RATE))
+
+    @hookimpl
+    def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
+        """``((x, t, audio_x, video_text, audio_text, text_mask, grid), (target, weight))`` (module docstring):
+        rectified flow (:func:`diffpipe_core.parts.flow.flow_sample`, with ``shift`` or LTX2Pipeline's resolution
+        shift), then the first-frame conditioning draw, then the audio noise; all randomness from ``generator``."""
+        import torch
+
+        from diffpipe_core.diffusion import first_frame_conditioning, flux_resolution_shift
+        from diffpipe_core.parts.flow import flow_sample
+        from diffpipe_ltx.geometry import shift_constants
+        from diffpipe_ltx.ltx2_layers import join
+        from diffpipe_ltx.packing import pack
+
+        cfg: LTX2Config = context.model_config  # type: ignore[assignment]
+        latents = batch["latents"].float()
+        b, _, f, h, w = latents.shape
+        shift = flux_resolution_shift(f * h * w, *shift_constants(cfg)) if cfg.resolution_shift else cfg.shift
+        s = flow_sample(latents, cfg, context, generator, shift)
+        # LTX2ImageToVideoPipeline's init_latents * mask + noise * (1 - mask): the clip's first frame encoded alone
+        first = batch.get("first_frame_latents")
+        clean = latents if first is None else torch.cat([first.float(), latents[:, :, 1:]], dim=2)
+        p, evaluating = cfg.first_frame_conditioning_p, context.eval_quantile is not None
+        c = first_frame_conditioning(clean, s.x_t, s.t, p, generator, evaluating)
+        x_t, frame_t, weight = c.x_t, c.frame_t, c.weight
+        if "mask" in batch:
+            weight = weight * batch["mask"].float()
+        audio = torch.randn(self.geometry(cfg).audio_shape(b, f), generator=generator)
+        audio = audio.transpose(1, 2).flatten(2, 3)  # LTX2Pipeline._pack_audio_latents
+        grid = torch.tensor([f, h, w], dtype=torch.long)
+        inputs = (pack(x_t), frame_t, audio, batch["video_text"].float(), batch["audio_text"].float(),
+                  batch["text_mask"].bool(), grid)
+        target = join(pack(s.target), torch.zeros_like(audio))
+        return inputs, (target, join(pack(weight).expand(-1, -1, latents.shape[1]), torch.zeros_like(audio)))
+
+    # ------------------------------------------------------------------------------------------ sampling
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: LTX2Config, generator: torch.Generator):
+        """Video noise ``(1, C, (F - 1) / 8 + 1, H / 32, W / 32)`` then audio noise, as ``LTX2Pipeline`` draws them,
+        packed and side by side (:func:`diffpipe_ltx.ltx2_layers.join`), and the folder's scheduler sigmas of
+        ``linspace(1, 1/steps, steps)`` with the pipeline's sequence-length shift (``shift_terminal`` too)."""
+        import numpy as np
+        import torch
+
+        from diffpipe_core.sampling.schedules import scheduler_flow_sigmas
+        from diffpipe_ltx.ltx2_layers import join
+        from diffpipe_ltx.packing import pack
+
+        g = self.geometry(model_config)
+        f, h, w = (request.frames - 1) // g.temporal + 1, request.height // g.spatial, request.width // g.spatial
+        video = torch.randn((1, g.channels, f, h, w), generator=generator)
+        audio_shape = (1, g.audio_channels, round(request.frames / FRAME_RATE * g.audio_per_second), g.audio_mel)
+        audio = torch.randn(audio_shape, generator=generator).transpose(1, 2).flatten(2, 3)
+        latents = join(pack(video), audio)
+        self._grids[latents.shape[1]] = (f, h, w, audio.shape[1])
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        return latents, scheduler_flow_sigmas(model_config.path, sigmas, f * h * w)
+
+    def _grid(self, latents: torch.Tensor) -> tuple[int, int, int, int]:
+        if latents.shape[1] not in self._grids:
+            raise ValueError(f"ltx-2: latents of {latents.shape[1]} values were not made by this plugin's denoise_init")
+        return self._grids[latents.shape[1]]
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's inputs (module docstring) for the sample's video and audio latents at ``index``."""
+        import torch
+
+        from diffpipe_ltx.ltx2_layers import split
+
+        f, h, w, audio_frames = self._grid(latents)
+        video, audio = split(latents.float(), f * h * w, self.geometry(model_config).channels, audio_frames)
+        b = latents.shape[0]
+        t = schedule[index].float().expand(b, f)
+        grid = torch.tensor([f, h, w], dtype=torch.long)
+        return (video, t, audio, text["video_text"].float(), text["audio_text"].float(), text["text_mask"].bool(),
+                grid)
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The video part of the latents, unpacked and denormalised (``LTX2Pipeline._denormalize_latents``), through
+        the VAE (decode timestep 0 when it is timestep-conditioned); float RGB in [-1, 1], ``(B, 3, F, H, W)``. The
+        audio part is not decoded (samples are silent MP4s)."""
+        import torch
+
+        from diffpipe_core.parts.latents import denormalize
+        from diffpipe_ltx.ltx2_layers import split
+        from diffpipe_ltx.packing import unpack
+
+        f, h, w, audio_frames = self._grid(latents)
+        video, _ = split(latents.float(), f * h * w, int(decoder.config.latent_channels), audio_frames)
+        with torch.no_grad():
+            z = denormalize(unpack(video, f, h, w), decoder.latents_mean, decoder.latents_std,
+                            decoder.config.scaling_factor)
+            param = next(decoder.parameters())
+            timestep = torch.zeros(z.shape[0], device=param.device, dtype=param.dtype)
+            timestep = timestep if decoder.config.timestep_conditioning else None
+            return decoder.decode(z.to(param.device, param.dtype), timestep).sample.float().clamp(-1, 1)
+
+
+ltx2 = LTX2()

@@ -1,0 +1,72 @@
+"""LTX-2 samples: the plugin's denoising hooks under the core's loop equal ``LTX2Pipeline`` for the same tiny model,
+seed, prompt and steps (video and audio latents denoised together, as the pipeline does), the decoded video included;
+the shared run wrote its sample as an MP4 (video only: the audio is not decoded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffpipe_core.sampling.loop import noise_generator
+from diffpipe_core.sampling.prompts import encode_prompts
+from diffpipe_core.sampling.runner import decode
+from diffpipe_core.schema import validate
+from diffpipe_core.testing.sampling import registered, sample_latents
+from diffpipe_core.types import SampleRequest
+from diffpipe_ltx.config import LTX2Config
+from diffpipe_ltx.ltx2 import FRAME_RATE
+from diffpipe_ltx.ltx2 import ltx2 as ltx2_plugin
+from diffpipe_ltx.ltx2_layers import split
+from diffpipe_ltx.packing import unpack
+
+PROMPT, STEPS, SEED, FRAMES, SIZE = "a red car", 3, 5, 9, 64
+CPU = torch.device("cpu")
+
+
+def test_ltx2_sample_equals_the_pipeline(tiny_ltx2: Path) -> None:
+    from diffusers import LTX2Pipeline
+
+    plugin = registered(ltx2_plugin)
+    table = {"type": "ltx-2", "path": tiny_ltx2, "dtype": "float32", "encoder_dtype": "float32",
+             "max_sequence_length": 16}
+    cfg = validate(LTX2Config, table, "test")
+    (texts,) = encode_prompts(plugin, cfg, [PROMPT], None, CPU)
+    request = SampleRequest(width=SIZE, height=SIZE, frames=FRAMES, steps=STEPS)
+    ours = sample_latents(plugin, cfg, request, texts, SEED)
+
+    pipe = LTX2Pipeline.from_pretrained(str(tiny_ltx2), local_files_only=True)
+    call = dict(
+        prompt=PROMPT, height=SIZE, width=SIZE, num_frames=FRAMES, frame_rate=FRAME_RATE, num_inference_steps=STEPS,
+        guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=1.0,
+        audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
+        spatio_temporal_guidance_blocks=None, max_sequence_length=16,
+    )
+    video_latents, audio_latents = pipe(**call, generator=noise_generator(SEED, 0), output_type="latent",
+                                        return_dict=False)
+    f, h, w = 2, 2, 2
+    video, audio = split(ours, f * h * w, 4, audio_latents.shape[2])
+    vae = pipe.vae
+    expected = LTX2Pipeline._normalize_latents(video_latents, vae.latents_mean, vae.latents_std,
+                                               vae.config.scaling_factor)
+    torch.testing.assert_close(unpack(video, f, h, w), expected, rtol=1e-4, atol=1e-4)
+    packed = audio_latents.transpose(1, 2).flatten(2, 3)  # the pipeline denormalises the packed audio latents
+    sound = LTX2Pipeline._normalize_audio_latents(packed, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
+    torch.testing.assert_close(audio, sound, rtol=1e-4, atol=1e-4)
+
+    ((_, pixels),) = decode(plugin, cfg, {0: ours}, CPU)
+    frames = pipe(**call, generator=noise_generator(SEED, 0), output_type="pt").frames  # (1, F, 3, H, W) in [0, 1]
+    assert pixels.shape == (3, FRAMES, SIZE, SIZE)
+    torch.testing.assert_close((pixels + 1) / 2, frames[0].permute(1, 0, 2, 3), rtol=1e-3, atol=1e-3)
+
+
+def test_the_shared_run_wrote_an_mp4_sample(ltx2_run: Path) -> None:
+    import av
+
+    files = sorted((ltx2_run / "samples").rglob("*.mp4"))
+    assert len(files) == 1, files
+    with av.open(str(files[0])) as container:
+        stream = container.streams.video[0]
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        assert not container.streams.audio  # video only
+    assert len(frames) == 9 and frames[0].shape == (64, 64, 3)
