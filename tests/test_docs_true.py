@@ -33,7 +33,7 @@ def test_the_demo_dataset_says_where_it_caches() -> None:
 
 
 def test_plugin_readmes_use_the_current_diffusers_dtype_argument() -> None:
-    for readme in REPO.glob("diffpipe_*/README.md"):
+    for readme in [*REPO.glob("diffpipe_*/README.md"), *REPO.glob("plugins/diffpipe_*/README.md")]:
         assert "torch_dtype=" not in readme.read_text(), readme  # deprecated in diffusers 0.42: dtype=
 
 

@@ -345,6 +345,23 @@ def folder_parser(description: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def video_demo_main(
+    argv: list[str] | None,
+    description: str | None,
+    write_model: Callable[[Path], Path],
+    single_file: Callable[[Path], Path],
+    clips: tuple[str, Callable[[Path], Any], int],
+) -> None:
+    """A video plugin's ``python -m <package>.testing FOLDER [--clips DIR]``: ``write_model(FOLDER)`` (a folder and
+    its ``single_file(folder)``), and with ``--clips`` the demo dataset ``clips = (what, write(DIR), count)``."""
+    parser = folder_parser(description)
+    parser.add_argument("--clips", type=Path, help=f"also write {clips[0]} here")
+    args = parser.parse_args(argv)
+    folder = write_model(args.folder)
+    print(f"wrote {folder} and {single_file(folder)}")
+    demo_clips(args.clips, clips[1], clips[2])
+
+
 def demo_clips(clips: Path | None, write: Callable[[Path], Any], count: int) -> None:
     """A tiny model's ``--clips DIR`` (its ``testing`` module's command line): ``write(DIR)`` the ``count`` captioned
     clips of a demo dataset and say so."""

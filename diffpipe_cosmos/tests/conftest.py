@@ -67,6 +67,41 @@ def cosmos1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs.train(root, make_project(root, "cosmos", 1, False), procs=1, timeout=600, OMP_NUM_THREADS="2")
 
 
+# Video-to-world ([model] conditioning = "video"): tiny video-to-world models and the shared runs on them
+@pytest.fixture(scope="session")
+def tiny_v2w(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny video-to-world folders (``CosmosVideoToWorldPipeline``, ``Cosmos2VideoToWorldPipeline``) by entry point."""
+    from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
+
+    root = tmp_path_factory.mktemp("v2w")
+    return {
+        name: write_tiny_cosmos(root / name, TinyCosmosConfig(variant=variant, video2world=True))
+        for name, variant in (("cosmos", "1.0"), ("cosmos-predict2", "predict2"))
+    }
+
+
+@pytest.fixture(scope="session")
+def predict2_v2w_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``cosmos-predict2`` video-to-world: 1 stage in 1 process, images and clips. Returns its run folder."""
+    from test_cosmos_v2w_train import make_v2w_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("predict2-v2w-run")
+    return runs.train(root, make_v2w_project(root, "cosmos-predict2"), procs=1, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def cosmos1_v2w_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``cosmos`` video-to-world: 1 stage in 1 process, images and clips. Returns its run folder."""
+    from test_cosmos_v2w_train import make_v2w_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("cosmos1-v2w-run")
+    return runs.train(root, make_v2w_project(root, "cosmos"), procs=1, timeout=600)
+
+
 @pytest.fixture(scope="session")
 def tiny_predict25(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Cosmos-Predict2.5 folder (``Cosmos2_5_PredictBasePipeline``)."""

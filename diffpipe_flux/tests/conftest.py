@@ -8,16 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
-
-
-@pytest.fixture(scope="session")
-def tiny_flux(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny dev-like Flux folder; its BFL single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
-    from diffpipe_flux.testing import write_tiny_flux
-
-    return write_tiny_flux(tmp_path_factory.mktemp("flux") / "tiny-flux")
-
+from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noqa: F401  (hf_offline: autouse)
 
 # Samples during the shared 2-stage run (issue 14): the base model before the first step, then every 12 steps.
 SAMPLE_TABLE = """
@@ -44,14 +35,6 @@ def flux_two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_chroma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Chroma folder; its original-layout single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
-    from diffpipe_flux.testing import write_tiny_chroma
-
-    return write_tiny_chroma(tmp_path_factory.mktemp("chroma") / "tiny-chroma")
-
-
-@pytest.fixture(scope="session")
 def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared Chroma run: 1 process from Chroma's original single file, sampling before the first and after the
     last step (test_chroma_train). Returns its run folder."""
@@ -61,22 +44,6 @@ def chroma_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("chroma_run")
     return runs.train(root, make_project(root), procs=1, timeout=400)
-
-
-@pytest.fixture(scope="session")
-def tiny_klein(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny FLUX.2 [klein] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
-    from diffpipe_flux.testing import write_tiny_klein
-
-    return write_tiny_klein(tmp_path_factory.mktemp("klein") / "tiny-klein")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny FLUX.2 [dev] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``."""
-    from diffpipe_flux.testing import write_tiny_flux2
-
-    return write_tiny_flux2(tmp_path_factory.mktemp("flux2") / "tiny-flux2")
 
 
 def _flux2_run(tmp_path_factory: pytest.TempPathFactory, variant: str, stages: int) -> Path:
@@ -100,3 +67,26 @@ def flux2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared FLUX.2 [dev] run, as ``klein_run`` but on 2 pipeline stages in 2 processes (the two entry points
     share the layers, so the pair trains them on 1 and on 2 stages)."""
     return _flux2_run(tmp_path_factory, "flux2", 2)
+
+
+# the tiny models, each written once per session
+tiny_flux = tiny_model_fixture(
+    "tiny_flux",
+    "diffpipe_flux.testing:write_tiny_flux",
+    "A tiny dev-like Flux folder; its BFL single file is ``diffpipe_flux.testing.bfl_path(folder)``.",
+)
+tiny_chroma = tiny_model_fixture(
+    "tiny_chroma",
+    "diffpipe_flux.testing:write_tiny_chroma",
+    "A tiny Chroma folder; its original-layout single file is ``diffpipe_flux.testing.bfl_path(folder)``.",
+)
+tiny_klein = tiny_model_fixture(
+    "tiny_klein",
+    "diffpipe_flux.testing:write_tiny_klein",
+    "A tiny FLUX.2 [klein] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``.",
+)
+tiny_flux2 = tiny_model_fixture(
+    "tiny_flux2",
+    "diffpipe_flux.testing:write_tiny_flux2",
+    "A tiny FLUX.2 [dev] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``.",
+)

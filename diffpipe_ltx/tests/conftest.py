@@ -7,23 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
-
-
-@pytest.fixture(scope="session")
-def tiny_ltx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LTX-Video folder; its single file is ``diffpipe_ltx.testing.single_file_path(folder)``."""
-    from diffpipe_ltx.testing import write_tiny_ltx
-
-    return write_tiny_ltx(tmp_path_factory.mktemp("ltx") / "tiny-ltx")
-
-
-@pytest.fixture(scope="session")
-def tiny_ltx2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LTX-2 folder (``LTX2Pipeline``); its single file is ``diffpipe_ltx.ltx2_testing.single_file_path``."""
-    from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
-
-    return write_tiny_ltx2(tmp_path_factory.mktemp("ltx2") / "tiny-ltx2")
+from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noqa: F401  (hf_offline: autouse)
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +20,16 @@ def ltx2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("ltx2_run")
     return runs.train(root, make_project(root), procs=1, timeout=500)
+
+
+# the tiny models, each written once per session
+tiny_ltx = tiny_model_fixture(
+    "tiny_ltx",
+    "diffpipe_ltx.testing:write_tiny_ltx",
+    "A tiny LTX-Video folder; its single file is ``diffpipe_ltx.testing.single_file_path(folder)``.",
+)
+tiny_ltx2 = tiny_model_fixture(
+    "tiny_ltx2",
+    "diffpipe_ltx.ltx2_testing:write_tiny_ltx2",
+    "A tiny LTX-2 folder (``LTX2Pipeline``); its single file is ``diffpipe_ltx.ltx2_testing.single_file_path``.",
+)

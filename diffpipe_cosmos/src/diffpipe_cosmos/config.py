@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -20,6 +23,26 @@ class CosmosConfigBase(DiffusersModelConfig):
         description="Frame rate given to the transformer's rotary embedding for videos (None: the model default "
         "of the entry point). Images (1 latent frame) get none, as in the text-to-image pipelines.",
     )
+    conditioning: Literal["text", "video"] = Field(
+        "text",
+        description='"text": text-to-world. "video": video-to-world (a video-to-world transformer, in_channels = '
+        "out_channels + 1): each clip's first conditioning_frames latent frames are given clean, as "
+        "CosmosVideoToWorldPipeline / Cosmos2VideoToWorldPipeline give the conditioning video's, and the loss covers "
+        "the frames after them; images (1 latent frame) train unconditioned.",
+    )
+    conditioning_frames: int = Field(
+        1,
+        ge=1,
+        description='conditioning = "video": latent frames each clip is conditioned on (the pipelines\' conditioning '
+        "latent frames: 1 for an image, 1 + (pixel frames - 1) // temporal compression for a video); a clip with no "
+        "more latent frames than this is conditioned on all but its last.",
+    )
+    sample_video: Path | None = Field(
+        None,
+        description='conditioning = "video": the video (or image) file samples continue: its first '
+        "1 + temporal compression * (conditioning_frames - 1) frames (an image: itself), resized to the sample size "
+        "as the video-to-world pipeline resizes its video.",
+    )
 
 
 class Cosmos1Config(CosmosConfigBase):
@@ -28,6 +51,12 @@ class Cosmos1Config(CosmosConfigBase):
     sigma_data: float = Field(0.5, gt=0, description="EDM sigma_data (the Cosmos-1.0 scheduler's).")
     p_mean: float = Field(0.0, description="Training noise levels: log sigma ~ N(p_mean, p_std).")
     p_std: float = Field(1.0, gt=0, description="Training noise levels: log sigma ~ N(p_mean, p_std).")
+    augment_sigma: float = Field(
+        0.001,
+        ge=0,
+        description='conditioning = "video": noise level of the conditioning latents (CosmosVideoToWorldPipeline\'s '
+        "augment_sigma); at noise levels not above it the frames are not conditioned, as in the pipeline.",
+    )
 
 
 class Predict2Config(CosmosConfigBase, FlowMatchingConfig):
@@ -39,6 +68,12 @@ class Predict2Config(CosmosConfigBase, FlowMatchingConfig):
         False,
         description="Weight each sample's velocity loss by t^2 + (1-t)^2: NVIDIA's EDM loss weight (sigma_data 1) "
         "rewritten in t. Off: the plain rectified-flow MSE.",
+    )
+    sigma_conditioning: float = Field(
+        0.0001,
+        ge=0,
+        description='conditioning = "video": the noise level the conditioning frames are given at (timestep '
+        "sigma / (1 + sigma); Cosmos2VideoToWorldPipeline's sigma_conditioning).",
     )
 
 

@@ -2,7 +2,9 @@
 
 What flows between layers (a tuple of tensors; every float tensor is used by a later layer):
 
-- into the first layer: ``(x (B, C, T, H, W), timestep (B,), t5_embeds (B, L, D))``
+- into the first layer: ``(x (B, C, T, H, W), timestep (B,), t5_embeds (B, L, D))``; video-to-world
+  (``[model] conditioning = "video"``): ``x`` with the condition mask as its last channel ``(B, C + 1, T, H, W)``
+  and, for Predict2, per-frame timesteps ``(B, 1, T, 1, 1)``
 - between blocks: ``(tokens, text, embedded_timestep, temb, rope_cos, rope_sin[, extra_pos], grid)``;
   ``extra_pos`` only for models with a learnable position embedding (Cosmos-1.0), ``grid`` = the int64
   post-patch sizes ``(T', H', W')`` the final layer needs to unpatchify
@@ -12,7 +14,7 @@ What flows between layers (a tuple of tensors; every float tensor is used by a l
 The layers wrap the model's own submodules and call them as ``CosmosTransformer3DModel.forward`` does, with an
 all-zero padding mask (no padded pixels; the pipelines pass zeros too, so its nearest resize to the latent grid,
 diffusers' one torchvision call, is zeros as well) and, for models whose ``in_channels`` has one more channel than
-the output (Predict2 video-to-world), an all-zero condition mask (no conditioning frames).
+the output (video-to-world) and an ``x`` without it, an all-zero condition mask (no conditioning frames).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class EmbedLayer(nn.Module):
         self.crossattn_proj = getattr(model, "crossattn_proj", None)
         config = model.config
         self.patch_size, self.max_size, self.fps = tuple(config.patch_size), tuple(config.max_size), fps
-        self.extra_channels = int(config.in_channels == config.out_channels + 1) + int(config.concat_padding_mask)
+        self.channels = int(config.in_channels) + int(config.concat_padding_mask)  # channels the patch embed takes
 
     def forward(self, inputs: Tensors) -> Tensors:
         x, timestep, text = inputs
@@ -46,13 +48,20 @@ class EmbedLayer(nn.Module):
                 f"{'x'.join(map(str, self.max_size))} (transformer/config.json); use smaller sizes or fewer frames"
             )
         dtype = self.patch_embed.proj.weight.dtype
-        x = torch.cat([x.to(dtype), x.new_zeros(b, self.extra_channels, t, h, w, dtype=dtype)], dim=1)
+        x = torch.cat([x.to(dtype), x.new_zeros(b, self.channels - x.shape[1], t, h, w, dtype=dtype)], dim=1)
         cos, sin = self.rope(x, fps=self.fps if t > 1 else None)
         extra = (self.learnable_pos_embed(x),) if self.learnable_pos_embed is not None else ()
         p_t, p_h, p_w = self.patch_size
         grid = torch.tensor([t // p_t, h // p_h, w // p_w], dtype=torch.long)
         tokens = self.patch_embed(x).flatten(1, 3)
-        temb, embedded = self.time_embed(tokens, timestep.to(dtype))
+        if timestep.dim() == 5:  # per latent frame (video-to-world), as CosmosTransformer3DModel.forward spreads it
+            temb, embedded = self.time_embed(tokens, timestep.flatten().to(dtype))
+            temb, embedded = (
+                v.view(b, int(grid[0]), 1, 1, -1).expand(-1, -1, int(grid[1]), int(grid[2]), -1).flatten(1, 3)
+                for v in (temb, embedded)
+            )
+        else:
+            temb, embedded = self.time_embed(tokens, timestep.to(dtype))
         text = text.to(dtype)
         if self.crossattn_proj is not None:
             text = self.crossattn_proj(text)

@@ -3,7 +3,9 @@
 :func:`write_tiny_cosmos` saves a diffusers folder (``model_index.json``, ``transformer/``, ``vae/``,
 ``text_encoder/`` (T5), ``tokenizer/``, ``scheduler/``) for Cosmos-1.0 text-to-world
 (``CosmosTextToWorldPipeline``: ``AutoencoderKLCosmos``, ``EDMEulerScheduler``) or Cosmos-Predict2
-(``Cosmos2TextToImagePipeline``: ``AutoencoderKLWan``, ``FlowMatchEulerDiscreteScheduler``) and, beside it,
+(``Cosmos2TextToImagePipeline``: ``AutoencoderKLWan``, ``FlowMatchEulerDiscreteScheduler``), with ``video2world``
+the video-to-world transformer (one more input channel: the condition mask) and pipeline class
+(``CosmosVideoToWorldPipeline``, ``Cosmos2VideoToWorldPipeline``), and, beside it,
 the same transformer as one safetensors file in NVIDIA's original key layout (``net.blocks...``, with the
 training-only tensors original checkpoints carry). The tokenizer is trained in-process (no hub access).
 """
@@ -26,6 +28,7 @@ WORDS = (
     "bright dark river mountain city car person walking driving robot arm 0 1 2 3 4 5 6 7 8 9"
 ).split()
 PIPELINES = {"1.0": "CosmosTextToWorldPipeline", "predict2": "Cosmos2TextToImagePipeline"}
+VIDEO_PIPELINES = {"1.0": "CosmosVideoToWorldPipeline", "predict2": "Cosmos2VideoToWorldPipeline"}
 LIBRARIES = {"text_encoder": "transformers", "tokenizer": "transformers"}
 
 
@@ -37,6 +40,7 @@ class TinyCosmosConfig(tiny.TinySizes):
     attention_head_dim: int = 12
     text_dim: int = 16
     mlp_ratio: float = 2.0
+    video2world: bool = False  # the video-to-world transformer (in_channels + 1: the condition mask) and pipeline
 
 
 def tiny_transformer(cfg: TinyCosmosConfig):
@@ -49,7 +53,7 @@ def tiny_transformer(cfg: TinyCosmosConfig):
     sizes = {name: getattr(cfg, name) for name in ("num_attention_heads", "attention_head_dim", "num_layers")}
     model = CosmosTransformer3DModel(
         **sizes,
-        in_channels=cfg.latent_channels,
+        in_channels=cfg.latent_channels + int(cfg.video2world),
         out_channels=cfg.latent_channels,
         mlp_ratio=cfg.mlp_ratio,
         text_embed_dim=cfg.text_dim,
@@ -137,7 +141,8 @@ def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, origina
     cfg = cfg or TinyCosmosConfig()
     folder = Path(folder)
     components = tiny.build_components(parts(cfg))
-    index: dict[str, Any] = {"_class_name": PIPELINES[cfg.variant], "_diffusers_version": "0.42.1"}
+    pipeline = (VIDEO_PIPELINES if cfg.video2world else PIPELINES)[cfg.variant]
+    index: dict[str, Any] = {"_class_name": pipeline, "_diffusers_version": "0.42.1"}
     index["safety_checker"] = [None, None]
     for name, part in components.items():
         kw = {} if name in ("tokenizer", "scheduler") else {"safe_serialization": True}
@@ -157,12 +162,13 @@ def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, origina
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m diffpipe_cosmos.testing FOLDER [--variant 1.0|predict2]``: write a tiny Cosmos
+    """``python -m diffpipe_cosmos.testing FOLDER [--variant 1.0|predict2] [--video2world]``: write a tiny Cosmos
     (folder + ``FOLDER.original.safetensors``)."""
     parser = tiny.folder_parser(main.__doc__)
     parser.add_argument("--variant", choices=["1.0", "predict2"], default="predict2")
+    parser.add_argument("--video2world", action="store_true", help="the video-to-world transformer and pipeline")
     args = parser.parse_args(argv)
-    folder = write_tiny_cosmos(args.folder, TinyCosmosConfig(variant=args.variant))
+    folder = write_tiny_cosmos(args.folder, TinyCosmosConfig(variant=args.variant, video2world=args.video2world))
     print(f"wrote {folder} and {original_path(folder)}")
 
 

@@ -9,7 +9,7 @@ Loading, per-stage loading, the ``single_file`` export and the ComfyUI LoRA expo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from diffpipe_core.parts.layout import KeyTable, Module
@@ -45,11 +45,17 @@ def lora_layout(state: Mapping[str, Any]) -> KeyTable:
     return layout(0)
 
 
-def to_original(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A diffusers transformer state dict in original key names (without the file prefix)."""
+def keys_in_original(table_of: Callable[[int], KeyTable], state: Mapping[str, Any]) -> dict[str, Any]:
+    """A diffusers transformer state dict in original key names (without the file prefix), by the table
+    ``table_of(number of transformer blocks)``: LTX-Video's :func:`layout` or LTX-2's."""
     blocks = {int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")}
-    out = layout(max(blocks, default=-1) + 1).to_original(state)
+    out = table_of(max(blocks, default=-1) + 1).to_original(state)
     return {k[len(FILE_PREFIX) :]: v for k, v in out.items()}
+
+
+def to_original(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A diffusers LTX-Video transformer state dict in original key names (without the file prefix)."""
+    return keys_in_original(layout, state)
 
 
 def original_name(name: str) -> str:

@@ -140,18 +140,16 @@ class LTX2(DiffusersModel, FlowSampling):
         scaling factor). Captions: ``video_text``, ``audio_text`` (B, max_sequence_length, d) and ``text_mask``,
         what the connectors make of ``LTX2Pipeline.encode_prompt``'s Gemma hidden states (the transformer's
         ``encoder_hidden_states``, ``audio_encoder_hidden_states`` and ``encoder_attention_mask``)."""
-        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.latents import latent_mask
+        from diffpipe_ltx.packing import encode_latents
 
         out: dict[str, torch.Tensor] = {}
-        vae = encoders.vae
         if batch.pixels is not None:
-            z = vae_mode(vae, batch.pixels, video=True)
-            out["latents"] = normalize(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor).cpu()
+            out["latents"] = encode_latents(encoders.vae, batch.pixels)
             if batch.masks is not None:
                 out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True)
             if batch.first_frames is not None:
-                first = vae_mode(vae, batch.first_frames, video=True)
-                out["first_frame_latents"] = normalize(first, vae.latents_mean, vae.latents_std).cpu()
+                out["first_frame_latents"] = encode_latents(encoders.vae, batch.first_frames, scale=False)
         if batch.captions is not None:
             out.update(self.encode_text(encoders, batch.captions))
         return out

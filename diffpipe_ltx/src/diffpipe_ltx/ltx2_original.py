@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from diffpipe_core.parts.layout import KeyTable, Module
+from diffpipe_ltx.lightricks import FILE_PREFIX, keys_in_original
 
-FILE_PREFIX = "model.diffusion_model."
 ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 #: (original, diffusers) top-level subtrees; the first match wins, so ``audio_adaln_single`` comes first
 RENAMES = (
@@ -76,10 +76,8 @@ def lora_layout(state: Mapping[str, Any]) -> KeyTable:
 
 
 def to_original(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A diffusers transformer state dict in original key names (without the file prefix)."""
-    blocks = {int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks.")}
-    out = layout(max(blocks, default=-1) + 1).to_original(state)
-    return {k[len(FILE_PREFIX) :]: v for k, v in out.items()}
+    """A diffusers LTX-2 transformer state dict in original key names (without the file prefix)."""
+    return keys_in_original(layout, state)
 
 
 def diffusers_name(name: str, num_layers: int = 0) -> str:

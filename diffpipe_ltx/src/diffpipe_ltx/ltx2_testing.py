@@ -18,6 +18,7 @@ import torch
 
 from diffpipe_core.testing import tiny
 from diffpipe_ltx.ltx2_original import layout_for_config
+from diffpipe_ltx.testing import CLIP_CAPTIONS
 
 FRAME_RATE = 24  # LTX2Pipeline's default frame_rate
 
@@ -201,18 +202,12 @@ def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int
     return write_clip_dataset(folder, frames, captions, size, fps=FRAME_RATE)
 
 
-CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans over a mountain", "a dog running")
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_ltx.ltx2_testing FOLDER [--clips DIR]``: write a tiny LTX-2 (folder +
     ``FOLDER.ltx2.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""
-    parser = tiny.folder_parser(main.__doc__)
-    parser.add_argument("--clips", type=Path, help="also write 4 captioned 1 s mp4 clips (24 fps, 64x64) here")
-    args = parser.parse_args(argv)
-    folder = write_tiny_ltx2(args.folder)
-    print(f"wrote {folder} and {single_file_path(folder)}")
-    tiny.demo_clips(args.clips, lambda d: write_clips(d, CLIP_CAPTIONS, frames=25, size=(64, 64)), len(CLIP_CAPTIONS))
+    clips = lambda d: write_clips(d, CLIP_CAPTIONS, frames=25, size=(64, 64))  # noqa: E731
+    what = "4 captioned 1 s mp4 clips (24 fps, 64x64)"
+    tiny.video_demo_main(argv, main.__doc__, write_tiny_ltx2, single_file_path, (what, clips, len(CLIP_CAPTIONS)))
 
 
 if __name__ == "__main__":

@@ -72,14 +72,13 @@ class LTXVideo(DiffusersModel, FlowSampling):
         inverse of ``LTXPipeline._denormalize_latents`` (images are one frame), ``mask`` (B, 1, h, w) when given.
         Captions: ``t5_embeds`` (B, t5_max_length, d) and ``t5_mask`` (B, t5_max_length) bool, as
         ``LTXPipeline.encode_prompt`` makes them (T5 runs without the mask; the cross-attention uses it)."""
-        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.latents import latent_mask
         from diffpipe_core.parts.text import TextEncoding, encode_text
+        from diffpipe_ltx.packing import encode_latents
 
         out: dict[str, torch.Tensor] = {}
-        vae = encoders.vae
         if batch.pixels is not None:
-            z = vae_mode(vae, batch.pixels, video=True)
-            out["latents"] = normalize(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor).cpu()
+            out["latents"] = encode_latents(encoders.vae, batch.pixels)
             if batch.masks is not None:
                 out["mask"] = latent_mask(batch.masks, out["latents"].shape)
         if batch.captions is not None:

@@ -139,12 +139,9 @@ CLIP_CAPTIONS = ("a red car moving slowly", "a river in a city", "camera pans ov
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_ltx.testing FOLDER [--clips DIR]``: write a tiny LTX-Video (folder +
     ``FOLDER.ltxv.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""
-    parser = tiny.folder_parser(main.__doc__)
-    parser.add_argument("--clips", type=Path, help="also write 4 captioned 1 s mp4 clips (25 fps, 96x64) here")
-    args = parser.parse_args(argv)
-    folder = write_tiny_ltx(args.folder)
-    print(f"wrote {folder} and {single_file_path(folder)}")
-    tiny.demo_clips(args.clips, lambda d: write_clips(d, CLIP_CAPTIONS, frames=25, size=(96, 64)), len(CLIP_CAPTIONS))
+    clips = lambda d: write_clips(d, CLIP_CAPTIONS, frames=25, size=(96, 64))  # noqa: E731
+    what = "4 captioned 1 s mp4 clips (25 fps, 96x64)"
+    tiny.video_demo_main(argv, main.__doc__, write_tiny_ltx, single_file_path, (what, clips, len(CLIP_CAPTIONS)))
 
 
 if __name__ == "__main__":

@@ -7,15 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe_core.testing.fixtures import hf_offline  # noqa: F401  (autouse)
-
-
-@pytest.fixture(scope="session")
-def tiny_zimage(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Z-Image folder; its original-layout file is ``diffpipe_zimage.testing.original_path(folder)``."""
-    from diffpipe_zimage.testing import write_tiny_zimage
-
-    return write_tiny_zimage(tmp_path_factory.mktemp("zimage") / "tiny-zimage")
+from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noqa: F401  (hf_offline: autouse)
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +20,11 @@ def zimage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = make_project(tmp_path_factory.mktemp("zimage-train"))
     return runs.train(root, "run.toml", 1, OMP_NUM_THREADS="1")
+
+
+# the tiny models, each written once per session
+tiny_zimage = tiny_model_fixture(
+    "tiny_zimage",
+    "diffpipe_zimage.testing:write_tiny_zimage",
+    "A tiny Z-Image folder; its original-layout file is ``diffpipe_zimage.testing.original_path(folder)``.",
+)
