@@ -8,8 +8,8 @@ The workers compute the groups from their collection (the fixtures each test use
 controller's scheduler reads; xdist's own ``--dist loadgroup`` cannot be used, since it renames node ids in a way
 pytest 9 no longer lets it. The scheduler hands out the groups that took longest in a measured run first
 (``tests/durations.json``, written by ``scripts/test_durations.py`` from a ``--durations=0`` report; a module not in
-it counts as a short one): longest-first keeps both workers busy to the end instead of leaving one to finish a long
-group alone. Without xdist none of this runs.
+it, usually a new one with a shared run, counts as a long one): longest-first keeps both workers busy to the end
+instead of leaving one to finish a long group alone. Without xdist none of this runs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 _SHARED_SCOPES = ("session", "package")
 _GROUPS_ENV = "DIFFPIPE_TEST_GROUPS"
 _DURATIONS = Path(__file__).parent / "tests" / "durations.json"
-_UNMEASURED_SECONDS = 2.0
+_UNMEASURED_SECONDS = 30.0  # a new module often holds a shared run: started early, it cannot leave a long tail
 
 
 def _find(parent: dict[str, str], key: str) -> str:

@@ -47,15 +47,8 @@ TEXT_KEYS = {"cosmos-predict2.5": "text_max_length"}  # the others': t5_max_leng
 
 
 def model_config(variant: str, video2world: bool = False) -> TinyCosmosConfig:
-    return TinyCosmosConfig(
-        variant=variant,
-        num_layers=4,
-        num_attention_heads=4,
-        attention_head_dim=64,
-        latent_channels=16,
-        text_dim=64,
-        video2world=video2world,
-    )
+    sizes = {"num_layers": 4, "num_attention_heads": 4, "attention_head_dim": 64, "latent_channels": 16, "text_dim": 64}
+    return TinyCosmosConfig(variant=variant, video2world=video2world, **sizes)
 
 
 def entry_sizes(entry: str, args: argparse.Namespace) -> dict:

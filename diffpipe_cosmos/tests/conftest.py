@@ -32,22 +32,11 @@ def tiny_models(tiny_cosmos1: Path, tiny_predict2: Path) -> dict[str, Path]:
     return {"cosmos": tiny_cosmos1, "cosmos-predict2": tiny_predict2}
 
 
-# Samples during the shared cosmos-predict2 run (issue 21): the base model's, before the first step.
-SAMPLE_TABLE = """
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-steps = 3
-seed = 5
-resolution = [48, 32]
-"""
-
-
 @pytest.fixture(scope="session")
 def predict2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``cosmos-predict2``: 2 pipeline stages over 2 processes, per stage from NVIDIA's single file, sampling as
     SAMPLE_TABLE says (a 5-frame video). Returns its run folder."""
-    from test_cosmos_train import make_project
+    from test_cosmos_train import SAMPLE_TABLE, make_project
 
     from diffpipe_core.testing import runs
 

@@ -38,13 +38,24 @@ OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
 GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
 
 
-def write_media(root: Path, frames: int) -> None:
-    """6 captioned images and 4 captioned clips of ``frames + 2`` frames in ``root/media``, and ``root/dataset.toml``
-    bucketing them into images and ``frames``-frame clips."""
+# Samples during the shared cosmos-predict2 run (issue 21, conftest.py): the base model's, before the first step.
+SAMPLE_TABLE = """
+[sample]
+prompts = ["a red cat"]
+before_first_step = true
+steps = 3
+seed = 5
+resolution = [48, 32]
+"""
+
+
+def write_media(root: Path, frames: int, fps: int | None = None) -> None:
+    """6 captioned images and 4 captioned clips of ``frames + 2`` frames at ``fps`` (default ``4 * frames``) in
+    ``root/media``, and ``root/dataset.toml`` bucketing them into images and ``frames``-frame clips."""
     media = root / "media"
     write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
     for i in range(4):
-        clip = write_video(media / f"clip_{i}.mp4", frames + 2, fps=frames * 4, size=(48, 32), seed=i)
+        clip = write_video(media / f"clip_{i}.mp4", frames + 2, fps=fps or frames * 4, size=(48, 32), seed=i)
         clip.with_suffix(".txt").write_text(f"a robot arm walking {i}")
     write_dataset_toml(
         root / "dataset.toml",

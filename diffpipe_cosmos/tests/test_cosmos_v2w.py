@@ -117,19 +117,7 @@ def test_training_conditioning_is_the_pipelines(tiny_v2w: dict[str, Path], name:
     vae, pipe.vae = pipe.vae, ModeOf(pipe.vae)
     try:
         with torch.no_grad():
-            _, init, indicator, _, mask, _ = pipe.prepare_latents(
-                cond_pixels,
-                1,
-                4,
-                HEIGHT,
-                WIDTH,
-                frames,
-                False,
-                *([False] if name == "cosmos" else []),
-                torch.float32,
-                torch.device("cpu"),
-                None,
-            )
+            _, init, indicator, _, mask, _ = prepare_latents(pipe, name, cond_pixels, frames, None)
     finally:
         pipe.vae = vae
     assert indicator.flatten().tolist() == [1.0] * n + [0.0] * (latents.shape[2] - n)
@@ -158,6 +146,15 @@ def sample_video(folder: Path, frames: int) -> Path:
     return file if file.is_file() else write_video(file, frames, fps=16, size=(WIDTH, HEIGHT), seed=7)
 
 
+def prepare_latents(pipe, name: str, pixels: torch.Tensor, frames: int, generator: torch.Generator | None):
+    """The video-to-world pipeline's ``prepare_latents`` for one 4-channel, ``frames``-frame video conditioned on
+    ``pixels`` (1.0 takes one more flag, ``do_classifier_free_guidance``, than Predict2)."""
+    flags = [False, False] if name == "cosmos" else [False]
+    return pipe.prepare_latents(
+        pixels, 1, 4, HEIGHT, WIDTH, frames, *flags, torch.float32, torch.device("cpu"), generator
+    )
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_sample_conditioning_is_prepare_latents(tiny_v2w: dict[str, Path], name: str) -> None:
     folder, (frames, n) = tiny_v2w[name], CLIP[name]
@@ -169,19 +166,7 @@ def test_sample_conditioning_is_prepare_latents(tiny_v2w: dict[str, Path], name:
     pipe = pipeline(name, folder)
     pixels = pipe.video_processor.preprocess_video(video2world.read_frames(video, 99), HEIGHT, WIDTH)
     with torch.no_grad():
-        _, init, indicator, _, _, _ = pipe.prepare_latents(
-            pixels,
-            1,
-            4,
-            HEIGHT,
-            WIDTH,
-            frames,
-            False,
-            *([False] if name == "cosmos" else []),
-            torch.float32,
-            torch.device("cpu"),
-            torch.Generator().manual_seed(3),
-        )
+        _, init, indicator, _, _, _ = prepare_latents(pipe, name, pixels, frames, torch.Generator().manual_seed(3))
     assert pixels.shape[2] == 1 + TEMPORAL[name] * (n - 1)
     torch.testing.assert_close(ours.latents, init, rtol=1e-4, atol=1e-5)
     assert torch.equal(ours.cond, indicator)

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from cosmos_common import VARIANTS
-from test_cosmos_train import ALPHA, CAPTIONS, RANK, cached_latent_shapes, trained_reference
+from test_cosmos_train import ALPHA, RANK, SAMPLE_TABLE, cached_latent_shapes, trained_reference, write_media
 
 from diffpipe_core.testing import runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_video
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
 
@@ -32,15 +31,7 @@ LR = {"cosmos": 5e-3, "cosmos-predict2": 1e-2}
 FRAMES = {"cosmos": 9, "cosmos-predict2": 9}  # 2 latent frames (1.0 VAE: 8x), 3 (Wan VAE: 4x)
 FPS = {"cosmos": 30, "cosmos-predict2": 16}  # the clips at the models' rates: every frame is a training frame
 OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
-SAMPLE_TABLE = """
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-steps = 3
-seed = 5
-resolution = [48, 32]
-frames = 9
-"""
+V2W_SAMPLE_TABLE = SAMPLE_TABLE + "frames = 9\n"
 
 
 def make_v2w_project(root: Path, name: str) -> Path:
@@ -48,35 +39,24 @@ def make_v2w_project(root: Path, name: str) -> Path:
     ``cosmos-predict2`` one samples from ``media/clip_0.mp4`` before its first step)."""
     write_tiny_cosmos(root / "model", TinyCosmosConfig(variant=VARIANTS[name], video2world=True))
     media = root / "media"
-    write_image_dataset(media, 6, size=(48, 32), captions=CAPTIONS)
-    for i in range(4):
-        clip = write_video(media / f"clip_{i}.mp4", FRAMES[name] + 2, fps=FPS[name], size=(48, 32), seed=i)
-        clip.with_suffix(".txt").write_text(f"a robot arm walking {i}")
-    write_dataset_toml(
-        root / "dataset.toml",
-        media,
-        resolutions=[40],
-        enable_ar_bucket=True,
-        min_ar=0.5,
-        max_ar=2.0,
-        num_ar_buckets=3,
-        frame_buckets=[1, FRAMES[name]],
-    )
+    write_media(root, FRAMES[name], fps=FPS[name])
     model = {"type": name, "t5_max_length": 16, "conditioning": "video", "conditioning_frames": 1, **OBJECTIVE[name]}
     sample = ""
     if name == "cosmos-predict2":
         model["sample_video"] = str(media / "clip_0.mp4")
-        sample = SAMPLE_TABLE
+        sample = V2W_SAMPLE_TABLE
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
     text = runs.lora_run_toml(model, LR[name], None, RANK, ALPHA, max_steps=STEPS, **top)
     (root / "run.toml").write_text(text + sample)
     return root / "run.toml"
 
 
-@pytest.fixture(params=["cosmos", "cosmos-predict2"])
+RUNS = {"cosmos": "cosmos1_v2w_run", "cosmos-predict2": "predict2_v2w_run"}  # entry point -> its shared run
+
+
+@pytest.fixture(params=list(RUNS))
 def run(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    fixture = "cosmos1_v2w_run" if request.param == "cosmos" else "predict2_v2w_run"
-    return request.param, request.getfixturevalue(fixture)
+    return request.param, request.getfixturevalue(RUNS[request.param])
 
 
 def test_v2w_loss_falls_on_images_and_clips(run: tuple[str, Path]) -> None:

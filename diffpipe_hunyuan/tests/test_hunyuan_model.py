@@ -16,28 +16,17 @@ from safetensors.torch import load_file, save_file
 from diffpipe_core import EncodeBatch, TrainingContext
 from diffpipe_core.model_files import model_file_problems
 from diffpipe_core.registry import Registry
-from diffpipe_core.schema import ConfigError, validate
+from diffpipe_core.schema import ConfigError
 from diffpipe_core.testing.layouts import assert_same_weights
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
-from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.original import diffusers_to_original, original_to_diffusers
 from diffpipe_hunyuan.plugin import plugin as hy
-from diffpipe_hunyuan.testing import TinyHunyuanConfig, original_path, tiny_transformer
+from diffpipe_hunyuan.testing import TinyHunyuanConfig, original_path, tiny_config, tiny_transformer
 
 CPU = torch.device("cpu")
 
 
-def config(path: Path, crop: int, **kw) -> HunyuanConfig:
-    table = {
-        "type": "hunyuan-video",
-        "path": path,
-        "dtype": "float32",
-        "encoder_dtype": "float32",
-        "text_max_length": 16,
-        "text_crop_start": crop,
-        **kw,
-    }
-    return validate(HunyuanConfig, table, "test")
+config = tiny_config
 
 
 def test_both_layouts_load_the_same_weights(tiny_hunyuan: Path, crop_start: int) -> None:

@@ -14,24 +14,14 @@ from diffpipe_core.sampling.loop import generate, noise_generator
 from diffpipe_core.sampling.pipeline import LayerChainForward
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
 from diffpipe_core.types import SampleRequest
-from diffpipe_hunyuan.config import HunyuanConfig
 from diffpipe_hunyuan.plugin import plugin as hy
+from diffpipe_hunyuan.testing import tiny_config
 
 PROMPT, STEPS, SEED, FRAMES, SIZE = "a red cat walks", 3, 5, 5, 32
 
 
-def config(path: Path, crop: int) -> HunyuanConfig:
-    table = {
-        "type": "hunyuan-video",
-        "path": path,
-        "dtype": "float32",
-        "encoder_dtype": "float32",
-        "text_max_length": 16,
-        "text_crop_start": crop,
-    }
-    return validate(HunyuanConfig, table, "test")
+config = tiny_config
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])

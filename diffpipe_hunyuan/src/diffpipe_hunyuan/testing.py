@@ -174,5 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"its tokenizer needs [model] text_crop_start = {template_crop_start(llama_tokenizer())}")
 
 
+def tiny_config(path: Path, crop: int, **keys: Any) -> Any:
+    """The validated ``[model]`` table of the tiny HunyuanVideo at ``path`` in float32 (16 Llama tokens after the
+    template's ``crop`` tokens), plus ``keys``."""
+    from diffpipe_core.schema import validate
+    from diffpipe_hunyuan.config import HunyuanConfig
+
+    table = {"type": "hunyuan-video", "path": path, "dtype": "float32", "encoder_dtype": "float32"}
+    return validate(HunyuanConfig, {**table, "text_max_length": 16, "text_crop_start": crop, **keys}, "test")
+
+
 if __name__ == "__main__":
     main()

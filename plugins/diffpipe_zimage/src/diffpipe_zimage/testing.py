@@ -112,10 +112,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {folder} and {original_path(folder)}")
 
 
-if __name__ == "__main__":
-    main()
-
-
 def tiny_config(path: Path, **keys: Any) -> Any:
     """The validated ``[model]`` table of the tiny Z-Image at ``path`` in float32 (40 text tokens), plus ``keys``."""
     from diffpipe_core.schema import validate
@@ -123,3 +119,7 @@ def tiny_config(path: Path, **keys: Any) -> Any:
 
     table = {"type": "z-image", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 40}
     return validate(ZImageConfig, {**table, **keys}, "test")
+
+
+if __name__ == "__main__":
+    main()
