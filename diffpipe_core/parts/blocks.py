@@ -1,4 +1,5 @@
-"""The base of a pipeline layer that wraps one of the model's repeated blocks (``ModelSpec.block_layers``).
+"""The bases of pipeline layers: one wrapping a repeated block of the model (``ModelSpec.block_layers``), and the
+output head.
 
 Imported by a plugin's layer module (which imports torch anyway), never by its ``plugin.py``.
 """
@@ -16,3 +17,13 @@ class WrappedBlock(nn.Module):
     def __init__(self, block: nn.Module, last: bool = False) -> None:
         super().__init__()
         self.block, self.last = block, last
+
+
+class OutputHead(nn.Module):
+    """The last layer: the model's output norm and projection as ``self.norm_out`` and ``self.proj_out`` (their
+    parameters keep the model's names). A subclass sets what else its ``forward`` needs after
+    ``super().__init__(model)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.norm_out, self.proj_out = model.norm_out, model.proj_out

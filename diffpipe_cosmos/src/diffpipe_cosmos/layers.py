@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -75,10 +75,9 @@ class BlockLayer(WrappedBlock):
         return (tokens, embedded, temb, grid) if self.last else (tokens, text, embedded, temb, cos, sin, *extra, grid)
 
 
-class FinalLayer(nn.Module):
+class FinalLayer(OutputHead):
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.patch_size = tuple(model.config.patch_size)
 
     def forward(self, inputs: Tensors) -> Tensors:

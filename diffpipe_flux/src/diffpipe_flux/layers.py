@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -64,11 +64,7 @@ class SingleBlockLayer(WrappedBlock):
         return (img, temb) if self.last else (img, txt, temb, cos, sin)
 
 
-class FinalLayer(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
-
+class FinalLayer(OutputHead):
     def forward(self, inputs: Tensors) -> Tensors:
         img, temb = inputs
         return (self.proj_out(self.norm_out(img, temb)).float(),)

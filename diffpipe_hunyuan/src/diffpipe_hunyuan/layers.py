@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -72,10 +72,9 @@ class SingleBlockLayer(WrappedBlock):
         return (img, temb, grid) if self.last else (img, txt, temb, cos, sin, mask, grid)
 
 
-class FinalLayer(nn.Module):
+class FinalLayer(OutputHead):
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.patch = (int(model.config.patch_size_t), int(model.config.patch_size))
 
     def forward(self, inputs: Tensors) -> Tensors:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -78,12 +78,11 @@ class BlockLayer(WrappedBlock):
         return (hidden, embedded) if self.last else (hidden, text, temb, embedded, cos, sin, text_mask)
 
 
-class OutputLayer(nn.Module):
+class OutputLayer(OutputHead):
     """Final norm modulated by the model's ``scale_shift_table`` and the embedded timestep, then ``proj_out``."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.scale_shift_table = model.scale_shift_table  # the model's own Parameter, shared
 
     def forward(self, inputs: Tensors) -> Tensors:

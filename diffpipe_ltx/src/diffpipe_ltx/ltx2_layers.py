@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 from diffpipe_ltx.layers import frame_time_embedding
 
 Tensors = tuple[torch.Tensor, ...]
@@ -113,13 +113,12 @@ class BlockLayer(WrappedBlock):
         return (new_hidden, new_audio, *inputs[2:])
 
 
-class OutputLayer(nn.Module):
+class OutputLayer(OutputHead):
     """Final norms modulated by the model's scale-shift tables and embedded timesteps, then the output projections;
     the video and audio predictions flattened side by side."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.audio_norm_out, self.audio_proj_out = model.audio_norm_out, model.audio_proj_out
         self.scale_shift_table = model.scale_shift_table  # the model's own Parameters, shared
         self.audio_scale_shift_table = model.audio_scale_shift_table

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -74,12 +74,11 @@ class BlockLayer(WrappedBlock):
         return (img, txt_out, temb, mask, shapes, img_rope, txt_rope, *extra)
 
 
-class FinalLayer(nn.Module):
+class FinalLayer(OutputHead):
     """Final adaptive norm and projection, of the target's tokens."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.zero_cond_t = bool(model.config.zero_cond_t)
 
     def forward(self, inputs: Tensors) -> Tensors:

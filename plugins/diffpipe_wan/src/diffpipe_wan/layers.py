@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -58,12 +58,11 @@ class BlockLayer(WrappedBlock):
         return (hidden, temb, grid) if self.last else (hidden, context, modulation, temb, cos, sin, grid)
 
 
-class HeadLayer(nn.Module):
+class HeadLayer(OutputHead):
     """Output norm modulated by the model's ``scale_shift_table`` and the time embedding, ``proj_out``, unpatchify."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.scale_shift_table = model.scale_shift_table  # the model's own Parameter, shared
         self.patch_size = tuple(model.config.patch_size)
 

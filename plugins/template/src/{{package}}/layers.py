@@ -9,7 +9,7 @@ after any layer); the latent size travels as an integer tensor, and the last blo
 from __future__ import annotations
 
 import torch
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
 from torch import nn
 
 from {{package}}.model import TinyDiT, unpatchify
@@ -41,12 +41,11 @@ class BlockLayer(WrappedBlock):
         return (tokens, temb, size) if self.last else (tokens, context, temb, size)
 
 
-class FinalLayer(nn.Module):
+class FinalLayer(OutputHead):
     """``(tokens, temb, size)`` -> ``(velocity,)`` in the latents' layout, float32."""
 
     def __init__(self, model: TinyDiT) -> None:
-        super().__init__()
-        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+        super().__init__(model)
         self.patch_size, self.channels = model.config.patch_size, model.config.in_channels
 
     def forward(self, inputs: Tensors) -> Tensors:
