@@ -207,10 +207,11 @@ def run_workers(project: Project, stages: int, threads: int, timeout: float = 18
     deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None and time.monotonic() < deadline:
+            # every descendant: CPU workers are forked from the launcher (its command line), NCCL ones spawned;
+            # the workers' own reports name their pids, so helper processes sampled here are dropped below
             for child in psutil.Process(proc.pid).children(recursive=True):
                 try:
-                    if "diffpipe_core.engine.worker" in " ".join(child.cmdline()):
-                        peaks[child.pid] = max(peaks.get(child.pid, 0), rss_anon(child.pid))
+                    peaks[child.pid] = max(peaks.get(child.pid, 0), rss_anon(child.pid))
                 except psutil.NoSuchProcess:
                     continue
             time.sleep(0.02)
