@@ -17,7 +17,7 @@ live tensor by what holds it) beside the stage plan's estimate. Targets for Huny
 >= 0.6 B parameters: share <= 0.55 for 2 stages and <= 0.30 for 4; estimated peak within 15% of the measured model
 memory of each stage.
 
-Adding a model (e.g. Wan, once its plugin is installed) is one :data:`SIZES` entry: a function writing the model
+Adding a model is one :data:`SIZES` entry: a function writing the model
 at the bench size (or the tiny one) and returning its ``[model]`` keys.
 """
 
@@ -92,6 +92,15 @@ def _cosmos(variant: str) -> Callable[[Path, bool], dict]:
     return write
 
 
+def _wan(folder: Path, big: bool) -> dict:
+    from diffpipe_wan.testing import TinyWanConfig, single_file_path, write_tiny_wan
+
+    size = dict(num_layers=14, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=64)
+    write_tiny_wan(folder, TinyWanConfig(**size) if big else TinyWanConfig())
+    single_file_path(folder).unlink()  # the original-layout copy: not used here
+    return {"text_max_length": 16}
+
+
 def _sdxl(folder: Path, big: bool) -> dict:
     from diffusers import UNet2DConditionModel
 
@@ -127,7 +136,7 @@ SIZES: dict[str, Size] = {
     "ltx-video": Size(_ltx, "LTX-Video width 1024 (16 x 64), 16 blocks"),
     "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
-    # "wan": Size(_wan, "Wan 2.1-like width 1536, 12 blocks"),  # one entry like these once diffpipe-wan exists
+    "wan": Size(_wan, "Wan 2.1 1.3B-like width 1536 (12 x 128), FFN 8960, 14 blocks (half of 30)"),
 }
 
 RUN = """

@@ -25,6 +25,7 @@ from diffpipe_core.engine.ds_patches import (
     forward_outputs,
     init_distributed,
     name_gradless_boundary_tensors,
+    skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
 
@@ -174,12 +175,46 @@ def scenario_forward(rank: int, out: Path) -> dict[str, Any]:
     return {"max_error": max(float((g - e).abs().max()) for g, e in zip(got, expected)), "count": len(got)}
 
 
+def count_calls(obj: Any, method: str) -> list[int]:
+    """Count ``obj.method``'s calls (it still runs); the returned list grows by one per call."""
+    calls: list[int] = []
+    original = getattr(obj, method)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(obj, method, counted)
+    return calls
+
+
+def scenario_single_replica(rank: int, out: Path) -> dict[str, Any]:
+    """Two stages, one replica each: the same step with DeepSpeed's all-reduce and with it skipped."""
+    result: dict[str, Any] = {}
+    for skip in (False, True):
+        torch.manual_seed(0)
+        parts = [0, 2, 3]
+        module = ExplicitPartitionPipelineModule(
+            layers=[FirstLinear(DIM, DIM), nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()), nn.Linear(DIM, DIM)],
+            parts=parts, num_stages=2, loss_fn=mse, dynamic_shape=True,
+        )  # fmt: skip
+        engine = engine_for(module)
+        skipped = skip_single_replica_allreduce(engine) if skip else False
+        calls = count_calls(engine, "buffered_allreduce_fallback")
+        loss = float(engine.train_batch(data_iter=iter(batches())))
+        state = local_state(module)
+        result["skipped" if skip else "reduced"] = {"turned_off": skipped, "allreduce_calls": len(calls), "loss": loss}
+        torch.save(state, out / f"single_replica_{'skipped' if skip else 'reduced'}_rank{rank}.pt")
+    return result
+
+
 SCENARIOS = {
     "parts": scenario_parts,
     "wrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=True),
     "unwrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=False),
     "unused_boundary": scenario_unused_boundary,
     "forward": scenario_forward,
+    "single_replica": scenario_single_replica,
 }
 
 

@@ -82,7 +82,7 @@ def working_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The scenarios expected to succeed, in one 2-process run (each DeepSpeed start costs seconds).
     A scenario that fails ends the run, so the tests of it and of the ones after it fail."""
     out = tmp_path_factory.mktemp("ds_ok")
-    run_ranks("parts,wrapped,forward", out)
+    run_ranks("parts,wrapped,forward,single_replica", out)
     return out
 
 
@@ -138,6 +138,21 @@ def test_forward_outputs_after_a_training_step(working_run: Path) -> None:
     stage0, stage1 = scenario(working_run, "forward")
     assert stage0["outputs"] is None
     assert stage1["count"] == 2 and stage1["max_error"] < 1e-6, stage1
+
+
+def test_one_replica_skips_the_gradient_allreduce_and_trains_the_same_weights(working_run: Path) -> None:
+    """Each stage is its own data-parallel group of one: DeepSpeed still all-reduces every gradient at the end of
+    the step (if that stops, a newer DeepSpeed skips it itself and patch 8 can go); skipped, the weights after the
+    step are bit for bit the same."""
+    for rank, result in enumerate(scenario(working_run, "single_replica")):
+        assert result["reduced"]["allreduce_calls"] >= 1 and not result["reduced"]["turned_off"], result
+        assert result["skipped"]["allreduce_calls"] == 0 and result["skipped"]["turned_off"], result
+        assert result["skipped"]["loss"] == result["reduced"]["loss"]
+        reduced = torch.load(working_run / f"single_replica_reduced_rank{rank}.pt", weights_only=True)
+        skipped = torch.load(working_run / f"single_replica_skipped_rank{rank}.pt", weights_only=True)
+        assert reduced.keys() == skipped.keys() and reduced
+        for name, weight in reduced.items():
+            assert torch.equal(weight, skipped[name]), f"rank {rank}: {name} differs without the all-reduce"
 
 
 OP_START = """

@@ -21,6 +21,7 @@ from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     keep_compiled_backward_buffers,
     name_gradless_boundary_tensors,
+    skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
@@ -202,6 +203,7 @@ def build_stage(
         config=ds_config,
         model_parameters=list(trainable.values()),
     )
+    skip_single_replica_allreduce(engine)
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
