@@ -262,7 +262,8 @@ def breakdown(stages: Workers, baseline: int) -> list[str]:
             f"  stage {stage} (layers {est.get('start')}-{est.get('stop', 0) - 1}): peak {_mib(peak)} MiB, model "
             f"{_mib(measured)} MiB; estimated {_mib(est.get('peak_bytes', 0))} MiB (weights "
             f"{_mib(est.get('weight_bytes', 0))}, trainable {_mib(est.get('state_bytes', 0))}, activations "
-            f"{_mib(est.get('activation_bytes', 0) + est.get('transient_bytes', 0))}), estimate/measured {ratio:.2f}"
+            f"{_mib(est.get('activation_bytes', 0) + est.get('transient_bytes', 0))}, saving "
+            f"{_mib(est.get('save_bytes', 0))}), estimate/measured {ratio:.2f}"
         )
         lines.append(f"    RssAnon MiB by phase: {rss}")
         lines.append(f"    live tensors after the step, MiB: {tensors}")

@@ -54,7 +54,7 @@ def _temp_beside(path: Path) -> tuple[int, str]:
     return fd, tmp
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -193,8 +193,9 @@ class RunConfig(Strict):
         "memory",
         description="How layers are spread over stages: 'memory' balances each stage's estimated peak (weights in "
         "their real dtypes, quantized or swapped where set, trainable tensors with gradients and optimizer state, "
-        "and activations of a micro-batch of the largest bucket); 'parameters' by parameter count (frozen ones "
-        "included); 'uniform' by layer count. `diffpipe data` (and `validate` with several stages) prints the plan.",
+        "and activations of a micro-batch of the largest bucket, or what saving holds when that is more); "
+        "'parameters' by parameter count (frozen ones included); 'uniform' by layer count. `diffpipe data` (and "
+        "`validate` with several stages) prints the plan.",
     )
     partition_split: list[int] | None = Field(
         None,

@@ -18,7 +18,7 @@ from diffpipe_core.engine.model_loading import cast_skeleton, load_for_stages, m
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.engine.plan_build import example_inputs, make_plan
 from diffpipe_core.engine.stage_costs import layer_costs, meta_twin
-from diffpipe_core.engine.stage_plan import format_plan
+from diffpipe_core.engine.stage_plan import format_plan, plan_stages
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.activations import check_meta_activations
@@ -189,6 +189,28 @@ def test_trainable_state_counts_lora_weights_gradients_and_adamw_moments(project
     lora = sum(p.numel() for n, p in twin.named_parameters() if "lora_" in n)
     assert sum(c.trainable for c in costs.layers) == lora
     assert sum(c.state_bytes for c in costs.layers) == lora * 4 * 4  # float32 weight, gradient, two moments
+
+
+def test_saving_holds_the_gathered_adapter_on_rank_0_and_each_stages_share_elsewhere(project: Path) -> None:
+    cfg, plugin = configured(project, stages=3, extra='save_dtype = "bfloat16"')
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    costs = layer_costs(cfg, plugin, stage.model, stage.layers)
+    lora = sum(c.trainable for c in costs.layers)
+    assert sum(c.trainable_bytes for c in costs.layers) == 4 * lora  # float32 LoRA weights
+    assert sum(c.optimizer_bytes for c in costs.layers) == 8 * lora  # AdamW's two float32 moments
+    # a second format (one the reference model does not export, so the run config is edited past validation)
+    run = cfg.run.model_copy(update={"adapter": cfg.run.adapter.model_copy(update={"save_formats": ["kohya"]})})
+    plan = plan_stages(costs, run, 3, on_gpu=False, activations="-")
+    first, *others = plan.stages
+    own = [4 * sum(c.trainable for c in costs.layers[s.start : s.stop]) for s in plan.stages]
+    # rank 0: its pickled share, the received pickles and their tensors, one bf16 copy per file, kohya's own tensors
+    assert first.save_bytes == own[0] + 2 * 4 * lora + 2 * 2 * lora + 4 * lora
+    for s, mine in zip(others, own[1:]):
+        assert s.save_bytes == max(2 * mine, mine)  # the checkpoint's serialised moments outweigh its pickled share
+    assert first.peak_bytes == first.weight_bytes + first.state_bytes + max(
+        first.activation_bytes + first.transient_bytes, first.save_bytes
+    )
+    assert "saving" in format_plan(plan)[1]
 
 
 def test_methods_and_the_plan(project: Path) -> None:

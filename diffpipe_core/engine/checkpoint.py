@@ -82,7 +82,7 @@ def write_checkpoint(
         files = [f"params-stage{stage_id}.safetensors", f"optimizer-stage{stage_id}.pt"]
         with space_checked(tmp, needed, f"stage {stage_id}'s part of checkpoint {final.name}", kept):
             atomic_save_safetensors(tensors, tmp / files[0])
-            atomic_write_bytes(tmp / files[1], buf.getvalue())
+            atomic_write_bytes(tmp / files[1], buf.getbuffer())  # a view: getvalue() would copy the state
             sums = {name: file_digest(tmp / name) for name in files}
             atomic_write_text(tmp / f".sums-stage{stage_id}.json", json.dumps(sums))
     barrier()

@@ -121,7 +121,7 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
         report["estimate"] = {
             key: getattr(estimate, key)
             for key in ("start", "stop", "params", "weight_bytes", "host_bytes", "state_bytes", "activation_bytes",
-                        "transient_bytes", "in_flight", "peak_bytes")
+                        "transient_bytes", "in_flight", "save_bytes", "peak_bytes")
         }
     path = Path(folder) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,8 @@ class LayerCost:
     trainable: int  # trainable parameters (LoRA weights, or all float weights of a full fine-tune)
     state_bytes: int  # gradients and optimizer state of those, plus the LoRA weights themselves
     tensors: LayerTensors  # what its forward keeps for backward, takes in and sends on (empty when not measured)
+    trainable_bytes: int = 0  # the trainable tensors' own bytes (what a save gathers and converts)
+    optimizer_bytes: int = 0  # their optimizer state alone (what a checkpoint serialises in memory)
 
 
 @dataclass
@@ -128,7 +130,7 @@ def layer_costs(
         if mode is not None and block:
             chosen, _ = quantizable_linears(twin, layer)
             quantized = {id(m.weight): quantized_weight_bytes(mode, m.out_features, m.in_features) for m in chosen}
-        weight = swappable = trainable = state = 0
+        weight = swappable = trainable = state = trainable_bytes = optimizer = 0
         for t in [*layer.parameters(), *layer.buffers()]:
             if id(t) in seen:
                 continue
@@ -136,6 +138,8 @@ def layer_costs(
             size = quantized.get(id(t), _bytes(t))
             if t.requires_grad:
                 trainable += t.numel()
+                trainable_bytes += _bytes(t)
+                optimizer += optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype)
                 state += 2 * _bytes(t) + optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype)  # + gradient
                 if run.adapter is None:  # a full fine-tune's weights are weights; LoRA's count with the states
                     weight, state = weight + _bytes(t), state - _bytes(t)
@@ -144,6 +148,9 @@ def layer_costs(
                 if block and id(t) not in quantized and t.is_floating_point() and isinstance(t, nn.Parameter):
                     swappable += size
         tensors = measurement.layers[i] if measurement is not None else LayerTensors(measured=False)
-        costs.append(LayerCost(type(layer).__name__, counts[i], weight, swappable, block, trainable, state, tensors))
+        costs.append(
+            LayerCost(type(layer).__name__, counts[i], weight, swappable, block, trainable, state, tensors,
+                      trainable_bytes, optimizer)
+        )  # fmt: skip
     return ModelCosts(costs, measurement is not None, measurement.failed if measurement else None)
 

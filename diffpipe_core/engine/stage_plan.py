@@ -8,7 +8,11 @@ A stage's estimated peak (bytes on its device) is
       none on the device with "offload"), its input and output tensors, times the micro-batches in flight
       there (DeepSpeed's 1F1B schedule: min(stages - stage, gradient_accumulation_steps)), plus one set of receive
       buffers for the boundary tensors and their gradients
-    + a transient: the largest single layer's saved activations (its backward's scratch, or its recomputation)
+    + a transient: the largest single layer's saved activations (its backward's scratch, or its recomputation),
+      or, when larger, what saving holds once the step's activations are gone: a checkpoint serialises the
+      stage's optimizer state in memory; an adapter save gathers every stage's adapter on rank 0 (the pickled
+      copies and the tensors) and converts it to the save dtype once per format, while the other stages hold
+      their pickled share; a full fine-tune's save converts the stage's weights to the save dtype
 
 ``partition_method = "memory"`` chooses the contiguous split that minimises the largest estimated peak (every stage
 keeping at least one trainable layer when possible), then, among those, the most even one.
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from diffpipe_core.config import RunConfig
 from diffpipe_core.engine.partition import balanced_parts, min_max_parts
-from diffpipe_core.engine.stage_costs import ModelCosts
+from diffpipe_core.engine.stage_costs import DTYPES, ModelCosts
 
 IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this times the mean
 
@@ -40,10 +44,11 @@ class StageEstimate:
     activation_bytes: int
     transient_bytes: int
     in_flight: int
+    save_bytes: int = 0  # what saving and checkpointing hold at once, after the step
 
     @property
     def peak_bytes(self) -> int:
-        return self.weight_bytes + self.state_bytes + self.activation_bytes + self.transient_bytes
+        return self.weight_bytes + self.state_bytes + max(self.activation_bytes + self.transient_bytes, self.save_bytes)
 
 
 @dataclass
@@ -93,8 +98,11 @@ class Estimator:
                 self.transient[i][j + 1] = top
         self.prefix = {
             attr: _prefix([getattr(c, attr) for c in self.costs])
-            for attr in ("params", "weight_bytes", "state_bytes", "trainable")
+            for attr in ("params", "weight_bytes", "state_bytes", "trainable", "trainable_bytes", "optimizer_bytes")
         }
+        self.adapter = run.adapter is not None
+        self.save_item = DTYPES[run.save_dtype].itemsize
+        self.formats = len(dict.fromkeys(["diffusers", *run.adapter.save_formats])) if run.adapter else 0
         self.inputs = [sum(c.tensors.inputs.values()) for c in self.costs]
         self.outputs = [sum(c.tensors.outputs.values()) for c in self.costs]
 
@@ -112,6 +120,20 @@ class Estimator:
         blocks = [k for k in range(i, j) if self.costs[k].block]
         return sum(self.costs[k].swappable_bytes for k in blocks[len(blocks) - min(self.swap, len(blocks)) :])
 
+    def save_bytes(self, stage: int, i: int, j: int) -> int:
+        """What saving holds beside the weights and trainable state (the larger of the checkpoint and the save)."""
+        checkpoint = self._sum("optimizer_bytes", i, j)  # torch.save of the optimizer state into memory
+        own = self._sum("trainable_bytes", i, j)
+        if not self.adapter:
+            return max(checkpoint, self._sum("trainable", i, j) * self.save_item)
+        if stage > 0:
+            return max(checkpoint, own)  # its pickled share of the gather
+        n = len(self.costs)
+        gathered = self._sum("trainable_bytes", 0, n)  # rank 0 holds the received pickles and their tensors
+        # each file converted to the save dtype; each format beyond diffusers' also builds its own tensors first
+        converted = self.formats * self._sum("trainable", 0, n) * self.save_item + (self.formats - 1) * gathered
+        return max(checkpoint, own + 2 * gathered + converted)
+
     def estimate(self, stage: int, i: int, j: int) -> StageEstimate:
         host = self.swapped_bytes(i, j) if self.on_gpu else 0
         buffers = (self.inputs[i] if stage > 0 else 0) + (self.outputs[j - 1] if stage < self.stages - 1 else 0)
@@ -128,6 +150,7 @@ class Estimator:
             activation_bytes=flight * self.union[i][j] + buffers,
             transient_bytes=self.transient[i][j],
             in_flight=flight,
+            save_bytes=self.save_bytes(stage, i, j),
         )
 
     def peak(self, stage: int, i: int, j: int) -> int:
@@ -195,17 +218,20 @@ def _layers(est: StageEstimate) -> str:
 
 def format_plan(plan: StagePlan) -> list[str]:
     """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header, one
-    line per stage, and a warning line when the largest stage is more than 10% above the mean."""
+    line per stage (its peak: weights + trainable + the larger of activations and saving), and a warning line when
+    the largest stage is more than 10% above the mean."""
     n = len(plan.stages)
     lines = [
         f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations}):",
-        f"  {'stage':<6}{'params':>10}{'weights':>12}{'trainable':>12}{'activations':>13}{'peak (est.)':>13}  layers",
+        f"  {'stage':<6}{'params':>10}{'weights':>12}{'trainable':>12}{'activations':>13}{'saving':>10}"
+        f"{'peak (est.)':>13}  layers",
     ]
     for s in plan.stages:
         host = f", +{_mib(s.host_bytes)} host" if s.host_bytes else ""
         lines.append(
             f"  {s.stage:<6}{_count(s.params):>10}{_mib(s.weight_bytes):>12}{_mib(s.state_bytes):>12}"
-            f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.peak_bytes):>13}  {_layers(s)}{host}"
+            f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.save_bytes):>10}{_mib(s.peak_bytes):>13}  "
+            f"{_layers(s)}{host}"
         )
     warning = imbalance_warning(plan)
     if warning:
