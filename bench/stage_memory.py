@@ -96,7 +96,7 @@ def _wan(folder: Path, big: bool) -> dict:
     from diffpipe_wan.testing import TinyWanConfig, single_file_path, write_tiny_wan
 
     size = dict(num_layers=14, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=64)
-    write_tiny_wan(folder, TinyWanConfig(**size) if big else TinyWanConfig())
+    write_tiny_wan(folder, TinyWanConfig(**size) if big else TinyWanConfig(num_layers=4))  # 4 stages: 4 blocks
     single_file_path(folder).unlink()  # the original-layout copy: not used here
     return {"text_max_length": 16}
 
