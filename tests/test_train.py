@@ -263,12 +263,19 @@ def test_sigterm_checkpoints_the_step_and_resume_repeats_the_losses(two_stages: 
 
 
 OBSERVER = """
-import json
+import json, sys
 from diffpipe_core import hookimpl
+from diffpipe_core.engine import forked_workers
+
+LIBRARIES = {"torch", "deepspeed", "peft", "diffusers", "transformers"}  # their own lazy submodules cost little
+WHOLE = {"datasets", "pyarrow", "setuptools"}  # any module of these: seconds
 
 @hookimpl
 def on_train_end(run_dir, summary):
-    (run_dir / "observer.json").write_text(json.dumps(summary))
+    # what this forked worker imported that the launcher's preload had not: each costs seconds per worker
+    new = [m for m in sys.modules if m not in forked_workers.PRELOADED]
+    again = sorted(m for m in new if m in LIBRARIES or m.partition(".")[0] in WHOLE)
+    (run_dir / "observer.json").write_text(json.dumps({**summary, "imported_after_fork": sorted(again)}))
 """
 
 
@@ -301,7 +308,9 @@ def test_resume_after_editing_the_config(single: Path, tmp_path: Path) -> None:
     site = write_plugin_distribution(tmp_path / "site", "diffpipe-observer", {"diffpipe.plugins": {"o": "observer"}},
                                      {"observer": OBSERVER})
     out = train(root, config, "--num-procs", "1", "--resume", env=cli_env([site]))
-    assert json.loads((run / "observer.json").read_text())["steps"] == 2  # generic plugins observe the run's end
+    observed = json.loads((run / "observer.json").read_text())
+    assert observed["steps"] == 2  # generic plugins observe the run's end
+    assert observed["imported_after_fork"] == [], observed["imported_after_fork"]  # preload imported them
     assert "optimizer.lr: 0.003 -> 0.001 from step 30" in out and "max_steps: 30 -> 32 from step 30" in out
     factor = lr_lambda("cosine", 2, 32)
     records = {r["step"]: r for r in read_metrics(run) if "loss" in r}

@@ -259,11 +259,12 @@ def guard_op_builds(timeout: float | None = None, notice_after: float = 5.0) -> 
     if _guarded:
         return
     from deepspeed.ops.op_builder.builder import OpBuilder
-    from torch.utils.cpp_extension import _get_build_directory
 
     original = OpBuilder.jit_load
 
     def jit_load(self: OpBuilder, verbose: bool = True) -> Any:
+        from torch.utils.cpp_extension import _get_build_directory  # imports setuptools: ~1 s, only for a build
+
         limit = timeout if timeout is not None else float(os.environ.get(BUILD_LOCK_TIMEOUT_ENV) or 600)
         lock = Path(_get_build_directory(self.name, verbose=False)) / "lock"
         wait_for_build_lock(self.name, lock, limit, notice_after)

@@ -30,22 +30,29 @@ def start_method(backend: str) -> str:
     return "fork" if chosen == "fork" and backend == "gloo" and sys.platform.startswith("linux") else "spawn"
 
 
+#: the modules imported when the last :func:`preload` returned (what a forked worker need not import again)
+PRELOADED: frozenset[str] = frozenset()
+
+
 def preload() -> None:
     """Import what every worker imports, silenced as a worker silences it (before the imports)."""
+    global PRELOADED
     from diffpipe_core.quiet import library_prints, quiet_libraries
 
     quiet_libraries(cuda=False)
     with library_prints():
         import deepspeed  # noqa: F401
+        import deepspeed.ops.op_builder.builder  # noqa: F401  (ds_patches.guard_op_builds)
 
         quiet_libraries()  # again: importing DeepSpeed set its logger's level
-        import diffpipe_core.data  # noqa: F401  (datasets)
+        import diffpipe_core.data.cache  # noqa: F401  (datasets: ``diffpipe_core.data`` itself imports lazily)
         import diffpipe_core.engine.trainer  # noqa: F401  (peft, DeepSpeed's pipeline engine)
         import diffpipe_core.engine.worker  # noqa: F401
         try:
             import diffusers  # noqa: F401  (every bundled plugin's models)
         except ImportError:
             pass
+    PRELOADED = frozenset(sys.modules)
 
 
 class ForkedWorker:
