@@ -24,6 +24,7 @@ from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     forward_outputs,
     init_distributed,
+    lean_step,
     name_gradless_boundary_tensors,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
@@ -208,6 +209,50 @@ def scenario_single_replica(rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
+class Dropped(nn.Module):
+    """A linear with dropout: its output depends on the training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(DIM, DIM), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+def scenario_lean_step(rank: int, out: Path) -> dict[str, Any]:
+    """Three steps with an eval pass between the second and the third, with and without patch 9: the module-tree
+    walks each step does, the gradients left after each step, and the weights (dropout draws included)."""
+    result: dict[str, Any] = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        frozen = FirstLinear(DIM, DIM).requires_grad_(False)
+        layers = [frozen, Dropped(), nn.Linear(DIM, DIM)]
+        module = ExplicitPartitionPipelineModule(
+            layers=wrap_stage_boundaries(layers, [0, 1, 3]), parts=[0, 1, 3], num_stages=2, loss_fn=mse,
+            dynamic_shape=True,
+        )  # fmt: skip
+        engine = engine_for(module)
+        skip_single_replica_allreduce(engine)  # its reduction walks named_parameters too
+        if lean:
+            lean_step(engine)
+        params, submodules = list(module.parameters()), list(module.modules())  # before counting the walks
+        walks = count_calls(layers[1] if rank == 1 else layers[0], "train")  # a submodule's train(): one walk
+        named = count_calls(engine.module, "named_parameters")
+        modes, grads = [], []
+        for step in range(3):
+            if step == 2:
+                forward_outputs(engine, iter(batches(seed=5)), MICRO_BATCHES)  # eval_batch: module.eval()
+            torch.manual_seed(10 + step)
+            engine.train_batch(data_iter=iter(batches(seed=step)))
+            modes.append(all(m.training for m in submodules))
+            grads.append(sum(p.grad is not None for p in params))
+        name = "lean" if lean else "plain"
+        result[name] = {"walks": len(walks), "named_parameters": len(named), "modes": modes, "grads": grads}
+        torch.save(local_state(module), out / f"lean_step_{name}_rank{rank}.pt")
+    return result
+
+
 SCENARIOS = {
     "parts": scenario_parts,
     "wrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=True),
@@ -215,6 +260,7 @@ SCENARIOS = {
     "unused_boundary": scenario_unused_boundary,
     "forward": scenario_forward,
     "single_replica": scenario_single_replica,
+    "lean_step": scenario_lean_step,
 }
 
 

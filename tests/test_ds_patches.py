@@ -82,7 +82,7 @@ def working_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The scenarios expected to succeed, in one 2-process run (each DeepSpeed start costs seconds).
     A scenario that fails ends the run, so the tests of it and of the ones after it fail."""
     out = tmp_path_factory.mktemp("ds_ok")
-    run_ranks("parts,wrapped,forward,single_replica", out)
+    run_ranks("parts,wrapped,forward,single_replica,lean_step", out)
     return out
 
 
@@ -153,6 +153,24 @@ def test_one_replica_skips_the_gradient_allreduce_and_trains_the_same_weights(wo
         assert reduced.keys() == skipped.keys() and reduced
         for name, weight in reduced.items():
             assert torch.equal(weight, skipped[name]), f"rank {rank}: {name} differs without the all-reduce"
+
+
+def test_lean_step_walks_the_module_tree_only_on_a_mode_change_and_trains_the_same(working_run: Path) -> None:
+    """DeepSpeed walks every submodule twice a step (``train()`` and ``zero_grad``'s ``named_parameters``; if it
+    stops, patch 9 can go); patched, ``train`` walks on the first step and after an eval pass only, no gradient is
+    left after a step, every module is in training mode when it trains, and the weights (dropout included) are bit
+    for bit the same."""
+    for rank, result in enumerate(scenario(working_run, "lean_step")):
+        plain, lean = result["plain"], result["lean"]
+        assert plain["walks"] >= 4 and plain["named_parameters"] >= 3, plain  # 3 steps + the eval pass
+        assert lean["walks"] == 3 and lean["named_parameters"] == 0, lean  # first step, eval, the step after it
+        assert plain["modes"] == lean["modes"] == [True, True, True]
+        assert plain["grads"] == lean["grads"] == [0, 0, 0]
+        plain_w = torch.load(working_run / f"lean_step_plain_rank{rank}.pt", weights_only=True)
+        lean_w = torch.load(working_run / f"lean_step_lean_rank{rank}.pt", weights_only=True)
+        assert plain_w.keys() == lean_w.keys() and plain_w
+        for name, weight in plain_w.items():
+            assert torch.equal(weight, lean_w[name]), f"rank {rank}: {name} differs with patch 9"
 
 
 OP_START = """

@@ -20,6 +20,7 @@ from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradi
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     keep_compiled_backward_buffers,
+    lean_step,
     name_gradless_boundary_tensors,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
@@ -204,6 +205,7 @@ def build_stage(
         model_parameters=list(trainable.values()),
     )
     skip_single_replica_allreduce(engine)
+    lean_step(engine)
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
