@@ -5,10 +5,11 @@
 
 For the model type named by ``--model``, a random-weight model of the size in :data:`SIZES` is written to disk in
 its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with two 64x64
-captioned images; the dataset is cached once (``diffpipe cache``). Then ``diffpipe train`` runs one LoRA step
-(rank 4, micro-batch 1) with 1, 2 and 4 stages on as many processes, the layouts taken in turn and in reverse order
-in every other round (alternating, as the other benches), while every worker's anonymous RSS (``RssAnon`` in
-/proc, so memory-mapped files don't count) is sampled every 20 ms and its peak kept. An idle worker's baseline
+captioned images (or the type's own dataset: edit pairs, 5-frame clips); the dataset is cached once (``diffpipe
+cache``). Then ``diffpipe train`` runs one LoRA step (rank 4, micro-batch 1) with 1, 2 and 4 stages on as many
+processes, the layouts taken in turn and in reverse order in every other round (alternating, as the other benches),
+while every worker's anonymous RSS (``RssAnon`` in /proc, so memory-mapped files don't count) is sampled every 20 ms
+and its peak kept. An idle worker's baseline
 (the same layout on the tiny model of the same type) is subtracted to give the model's memory; per round, the
 largest stage's model memory over the 1-stage run's is its share. Reported: each worker's peak, the share's median
 and spread per layout, and, from the last round, where each stage's memory goes (the workers'
@@ -18,7 +19,7 @@ live tensor by what holds it) beside the stage plan's estimate. Targets for Huny
 memory of each stage.
 
 Adding a model is one :data:`SIZES` entry: a function writing the model
-at the bench size (or the tiny one) and returning its ``[model]`` keys.
+at the bench size (or the tiny one) and returning its ``[model]`` keys, and a dataset writer where it needs one.
 """
 
 from __future__ import annotations
@@ -53,13 +54,40 @@ def _reference(folder: Path, big: bool) -> dict:
     return {}
 
 
+#: the tiny model's blocks where its testing default has 2 (one stream): 4 stages need a trainable block each
+TINY = dict(num_layers=4)
+FLUX_SIZE = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128)
+
+
 def _flux(folder: Path, big: bool) -> dict:
     from diffpipe_flux.testing import TinyFluxConfig, tiny_pipeline
 
-    size = dict(num_layers=10, num_single_layers=20, num_attention_heads=8, attention_head_dim=128,
-                axes_dims_rope=(16, 56, 56))  # fmt: skip
+    size = dict(FLUX_SIZE, axes_dims_rope=(16, 56, 56))
     tiny_pipeline(TinyFluxConfig(**size) if big else TinyFluxConfig()).save_pretrained(folder, safe_serialization=True)
     return {"t5_max_length": 16}
+
+
+def _chroma(folder: Path, big: bool) -> dict:
+    from diffpipe_flux.testing import TinyChromaConfig, bfl_path, write_tiny_chroma
+
+    write_tiny_chroma(folder, TinyChromaConfig(**FLUX_SIZE, axes_dims_rope=(16, 56, 56)) if big else None)
+    bfl_path(folder).unlink()  # the original-layout copy: not used here
+    return {"t5_max_length": 16}
+
+
+def _flux2(pipeline: str) -> Callable[[Path, bool], dict]:
+    """FLUX.2 [dev] (``Flux2Pipeline``) or [klein] (``Flux2KleinPipeline``)."""
+
+    def write(folder: Path, big: bool) -> dict:
+        from diffpipe_flux.testing import TinyFlux2Config, bfl_path, dev_config, write_tiny_flux2
+
+        klein = pipeline == "Flux2KleinPipeline"
+        size = dict(FLUX_SIZE, axes_dims_rope=(32, 32, 32, 32)) if big else {}
+        write_tiny_flux2(folder, TinyFlux2Config(**size) if klein else dev_config(**size), pipeline)
+        bfl_path(folder).unlink()  # the original-layout copy: not used here
+        return {"text_max_length": 24 if klein else 48}  # the chat template and the caption fit
+
+    return write
 
 
 def _hunyuan(folder: Path, big: bool) -> dict:
@@ -80,10 +108,39 @@ def _ltx(folder: Path, big: bool) -> dict:
     return {"t5_max_length": 16}
 
 
+def _hunyuan15(i2v: bool) -> Callable[[Path, bool], dict]:
+    """HunyuanVideo-1.5, text-to-video or image-to-video (``i2v``: with SigLIP)."""
+
+    def write(folder: Path, big: bool) -> dict:
+        from diffpipe_hunyuan import testing15 as h15
+
+        size = dict(num_layers=16, num_attention_heads=8, attention_head_dim=128, rope_axes_dim=(16, 56, 56))
+        h15.write_tiny_hunyuan15(folder, h15.TinyHunyuan15Config(**(size if big else TINY)), i2v=i2v)
+        h15.original_path(folder).unlink()  # the original-layout copy: not used here
+        crop = h15.template_crop_start(h15.qwen_tokenizer())
+        return {"text_max_length": 8, "glyph_max_length": 8, "text_crop_start": crop}
+
+    return write
+
+
+def _ltx2(folder: Path, big: bool) -> dict:
+    from diffpipe_ltx.ltx2_testing import TinyLTX2Config, single_file_path, write_tiny_ltx2
+
+    size = dict(num_layers=24, num_attention_heads=16, attention_head_dim=64) if big else TINY
+    write_tiny_ltx2(folder, TinyLTX2Config(**size))
+    single_file_path(folder).unlink()  # the original-layout copy: not used here
+    return {"max_sequence_length": 16}  # a multiple of the connectors' registers
+
+
 def _cosmos(variant: str) -> Callable[[Path, bool], dict]:
     def write(folder: Path, big: bool) -> dict:
         from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, write_tiny_cosmos
+        from diffpipe_cosmos.testing_predict25 import TinyPredict25Config, write_tiny_predict25
 
+        if variant == "predict2.5":  # a diffusers folder only, Qwen2.5-VL text
+            size = dict(num_layers=16, num_attention_heads=24, attention_head_dim=64, mlp_ratio=4.0) if big else TINY
+            write_tiny_predict25(folder, TinyPredict25Config(**size))
+            return {"text_max_length": 32}  # the chat template takes 22
         size = dict(num_layers=16, num_attention_heads=16, attention_head_dim=64, mlp_ratio=4.0) if big else {}
         write_tiny_cosmos(folder, TinyCosmosConfig(variant=variant, **size))
         original_path(folder).unlink()  # the original-layout copy: not used here
@@ -92,13 +149,43 @@ def _cosmos(variant: str) -> Callable[[Path, bool], dict]:
     return write
 
 
-def _wan(folder: Path, big: bool) -> dict:
-    from diffpipe_wan.testing import TinyWanConfig, single_file_path, write_tiny_wan
+def _wan(i2v: bool) -> Callable[[Path, bool], dict]:
+    """Wan 2.1 text-to-video, or image-to-video (``i2v``: with CLIP vision, attending to exactly 512 text tokens)."""
 
-    size = dict(num_layers=14, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=64)
-    write_tiny_wan(folder, TinyWanConfig(**size) if big else TinyWanConfig(num_layers=4))  # 4 stages: 4 blocks
-    single_file_path(folder).unlink()  # the original-layout copy: not used here
-    return {"text_max_length": 16}
+    def write(folder: Path, big: bool) -> dict:
+        from diffpipe_wan.testing import TinyWanConfig, single_file_path, write_tiny_wan
+
+        size = dict(num_layers=14, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=64)
+        write_tiny_wan(folder, TinyWanConfig(i2v=i2v, clip=i2v, **(size if big else TINY)))
+        single_file_path(folder).unlink()  # the original-layout copy: not used here
+        return {"text_max_length": 512 if i2v else 16}
+
+    return write
+
+
+def _qwen(pipeline: str) -> Callable[[Path, bool], dict]:
+    """Qwen-Image (``QwenImagePipeline``) or Qwen-Image-Edit (``QwenImageEditPipeline``)."""
+
+    def write(folder: Path, big: bool) -> dict:
+        from diffpipe_qwenimage.testing import TinyQwenConfig, comfy_path, write_tiny_qwen
+
+        size = dict(num_layers=16, num_attention_heads=8, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
+        write_tiny_qwen(folder, pipeline, TinyQwenConfig(**(size if big else TINY)))
+        comfy_path(folder).unlink()  # the ComfyUI-layout copy: not used here
+        if pipeline == "QwenImagePipeline":
+            return {"text_max_length": 16}
+        return {"text_max_length": 32, "vl_image_area": 1024}  # the edit template and the control image's tokens
+
+    return write
+
+
+def _zimage(folder: Path, big: bool) -> dict:
+    from diffpipe_zimage.testing import TinyZImageConfig, original_path, write_tiny_zimage
+
+    size = dict(dim=1536, n_layers=16, n_heads=12, axes_dims=(32, 48, 48)) if big else {"n_layers": TINY["num_layers"]}
+    write_tiny_zimage(folder, TinyZImageConfig(**size))
+    original_path(folder).unlink()  # the original-layout copy: not used here
+    return {"text_max_length": 24}
 
 
 def _sdxl(folder: Path, big: bool) -> dict:
@@ -118,25 +205,79 @@ def _sdxl(folder: Path, big: bool) -> dict:
     return {}
 
 
+CAPTIONS = ["a red cat", "a blue dog"]
+
+
+def _edit_pairs(root: Path) -> Path:
+    """Two 64x64 captioned targets, each with a control image of the same stem (``control_path``)."""
+    write_image_dataset(root / "images", 2, size=(64, 64), captions=CAPTIONS)
+    for png in write_image_dataset(root / "control", 2, size=(64, 64), seed=1):
+        png.with_suffix(".txt").unlink()  # a control folder holds images only
+    return write_dataset_toml(root / "dataset.toml", root / "images", directory_keys={"control_path": root / "control"},
+                              resolutions=[64])  # fmt: skip
+
+
+def _clips(write: Callable[[Path], object]) -> Callable[[Path], Path]:
+    """Two captioned 5-frame 64x64 clips, as the plugin's ``write(folder)`` writes them (i2v: first frames too)."""
+
+    def dataset(root: Path) -> Path:
+        write(root / "clips")
+        return write_dataset_toml(root / "dataset.toml", root / "clips", resolutions=[64], enable_ar_bucket=False,
+                                  frame_buckets=[5])  # fmt: skip
+
+    return dataset
+
+
+def _wan_clips(folder: Path) -> None:
+    from diffpipe_wan.testing import write_clips
+
+    write_clips(folder, CAPTIONS, frames=5, size=(64, 64))
+
+
+def _hunyuan_clips(folder: Path) -> None:
+    from diffpipe_hunyuan.testing import write_clip_dataset
+
+    write_clip_dataset(folder, [5] * len(CAPTIONS), CAPTIONS, size=(64, 64), fps=24)
+
+
 @dataclass(frozen=True)
 class Size:
     """How the bench writes one model type: ``write(folder, big)`` writes the bench-size model (``big``) or the
     tiny one (the idle baseline) and returns its ``[model]`` keys besides type, path and dtype; ``note`` says what
-    the bench size is."""
+    the bench size is; ``dataset(root)``, where the type needs more than captioned images (control images, clips),
+    writes its dataset under ``root`` and returns its dataset.toml."""
 
     write: Callable[[Path, bool], dict]
     note: str
+    dataset: Callable[[Path], Path] | None = None
 
 
 SIZES: dict[str, Size] = {
     "reference": Size(_reference, "TinyDiT width 1024, 12 blocks"),
     "flux": Size(_flux, "Flux width 1024 (8 x 128), 10 double + 20 single blocks (half Flux.1's counts)"),
+    "flux-kontext": Size(_flux, "Flux Kontext width 1024 (8 x 128), 10 double + 20 single blocks (0.70 B), edit pairs",
+                         _edit_pairs),
+    "chroma": Size(_chroma, "Chroma width 1024 (8 x 128), 10 double + 20 single blocks (0.50 B)"),
+    "flux2": Size(_flux2("Flux2Pipeline"), "FLUX.2 [dev] width 1024 (8 x 128), 10 double + 20 single blocks (0.57 B)"),
+    "flux2-klein": Size(_flux2("Flux2KleinPipeline"),
+                        "FLUX.2 [klein] width 1024 (8 x 128), 10 double + 20 single blocks (0.56 B)"),
     "sdxl": Size(_sdxl, "SDXL-like UNet 256/512/1024 channels, 1 transformer per attention block"),
     "hunyuan-video": Size(_hunyuan, "HunyuanVideo width 1024 (8 x 128), 10 double + 20 single blocks (half the real)"),
+    "hunyuan-video-1.5": Size(_hunyuan15(False), "HunyuanVideo-1.5 width 1024 (8 x 128), 16 blocks (0.63 B)"),
+    "hunyuan-video-1.5-i2v": Size(_hunyuan15(True), "HunyuanVideo-1.5 I2V width 1024 (8 x 128), 16 blocks (0.63 B), "
+                                  "5-frame clips", _clips(_hunyuan_clips)),
     "ltx-video": Size(_ltx, "LTX-Video width 1024 (16 x 64), 16 blocks"),
+    "ltx-2": Size(_ltx2, "LTX-2 video width 1024 (16 x 64), audio 512, 24 blocks (0.60 B)"),
     "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
-    "wan": Size(_wan, "Wan 2.1 1.3B-like width 1536 (12 x 128), FFN 8960, 14 blocks (half of 30)"),
+    "cosmos-predict2.5": Size(_cosmos("predict2.5"), "Cosmos-Predict2.5 width 1536 (24 x 64), 16 blocks (0.54 B)"),
+    "wan": Size(_wan(False), "Wan 2.1 1.3B-like width 1536 (12 x 128), FFN 8960, 14 blocks (half of 30)"),
+    "wan-i2v": Size(_wan(True), "Wan 2.1 I2V width 1536 (12 x 128), FFN 8960, 14 blocks (0.74 B), 5-frame clips",
+                    _clips(_wan_clips)),
+    "qwen-image": Size(_qwen("QwenImagePipeline"), "Qwen-Image width 1024 (8 x 128), 16 blocks (0.61 B)"),
+    "qwen-image-edit": Size(_qwen("QwenImageEditPipeline"),
+                            "Qwen-Image-Edit width 1024 (8 x 128), 16 blocks (0.61 B), edit pairs", _edit_pairs),
+    "z-image": Size(_zimage, "Z-Image width 1536 (12 x 128), 16 + 2 + 2 refiner blocks (0.60 B)"),
 }
 
 RUN = """
@@ -167,17 +308,18 @@ class Project:
     model: str
     path: Path
     keys: dict
+    dataset: Path
 
     def config(self, stages: int) -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
         path = self.root / f"run{stages}.toml"
-        path.write_text(RUN.format(dataset=self.root.parent / "dataset.toml", model=self.model, path=self.path,
+        path.write_text(RUN.format(dataset=self.dataset, model=self.model, path=self.path,
                                    stages=stages, keys=keys))
         return path
 
 
-def write_project(root: Path, model: str, big: bool) -> Project:
-    """The model (bench size or tiny) under ``root`` and its run configs; the dataset is ``root/../dataset.toml``.
+def write_project(root: Path, model: str, big: bool, dataset: Path) -> Project:
+    """The model (bench size or tiny) under ``root`` and its run configs on ``dataset`` (a dataset.toml).
     A model written before into the same folder (``--keep``) is reused."""
     root.mkdir(parents=True, exist_ok=True)
     written = root / "model-keys.json"
@@ -186,11 +328,14 @@ def write_project(root: Path, model: str, big: bool) -> Project:
     else:
         keys = SIZES[model].write(root / "model", big)
         written.write_text(json.dumps({"model": model, "keys": keys}))
-    return Project(root, model, root / "model", keys)
+    return Project(root, model, root / "model", keys, dataset)
 
 
-def write_dataset(root: Path) -> Path:
-    write_image_dataset(root / "images", 2, size=(64, 64), captions=["a red cat", "a blue dog"])
+def write_dataset(root: Path, size: Size) -> Path:
+    """The type's own dataset (:attr:`Size.dataset`) or two 64x64 captioned images; returns its dataset.toml."""
+    if size.dataset is not None:
+        return size.dataset(root)
+    write_image_dataset(root / "images", 2, size=(64, 64), captions=CAPTIONS)
     return write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
 
 
@@ -292,10 +437,10 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="diffpipe-stage-memory-") as tmp:
         root = args.keep or Path(tmp)
-        write_dataset(root)
+        dataset = write_dataset(root, SIZES[args.model])
         t0 = time.monotonic()
-        big = write_project(root / "big", args.model, big=not args.smoke)
-        tiny = write_project(root / "tiny", args.model, big=False)
+        big = write_project(root / "big", args.model, not args.smoke, dataset)
+        tiny = write_project(root / "tiny", args.model, False, dataset)
         cache(big)
         cache(tiny)
         print(f"model: {args.model}, {SIZES[args.model].note if not args.smoke else 'tiny (smoke)'}; written and "
