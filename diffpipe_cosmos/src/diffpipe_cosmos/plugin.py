@@ -7,7 +7,7 @@ levels with the EDM Euler step, 1.0 through the EDM preconditioning (``CosmosTex
 ``t = sigma / (1 + sigma)`` (``Cosmos2TextToImagePipeline``; its video-to-world loop for videos, without conditioning
 frames). The pipelines' ``guidance_scale`` s is ``[sample] cfg`` = 1 + s (they form ``cond + s * (cond - uncond)``).
 ``[model] conditioning = "video"``: video-to-world, as ``CosmosVideoToWorldPipeline`` / ``Cosmos2VideoToWorldPipeline``
-(:mod:`diffpipe_cosmos.video2world`).
+(:mod:`diffpipe_cosmos.conditioning`, :mod:`diffpipe_cosmos.video2world`).
 This module imports no torch, diffusers or transformers; each hook imports what does the work when it is called.
 """
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_cosmos.conditioning import VideoToWorld
 from diffpipe_cosmos.config import Cosmos1Config, CosmosConfigBase, Predict2Config
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def _spec(name: str, schema: type, frames: int, fps: int, settings: tuple[str, .
     return diffusers_spec(name, schema, what, video=(frames, 1, fps), encoder_settings=settings, block_layers=BLOCKS)
 
 
-class Cosmos(DiffusersModel, FlowSampling):
+class Cosmos(DiffusersModel, FlowSampling, VideoToWorld):
     """What both generations share: a video model (images are 1-frame clips), sizes in multiples of 16 (VAE 8 x
     patch 2), the VAE's posterior mode normalised as the pipelines' decode step inverts it, T5 embeddings zero past
     each caption, NVIDIA's original layout, the layer split and the EDM sampler."""
@@ -79,11 +79,6 @@ class Cosmos(DiffusersModel, FlowSampling):
 
         return layout(self.variant, count_blocks(state_dict, r"transformer_blocks\.(\d+)\."))
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._sampling: dict[int, tuple[torch.Tensor, Any]] = {}  # video-to-world samples' conditioning, by schedule
-        self._posteriors: dict[tuple, tuple[Any, int]] = {}  # the sample video's VAE posterior, per file and size
-
     def sigma_data(self, model_config: CosmosConfigBase) -> float:
         """The EDM sigma_data the latents are scaled by (Predict2's pipelines use 1)."""
         return float(getattr(model_config, "sigma_data", 1.0))
@@ -103,26 +98,6 @@ class Cosmos(DiffusersModel, FlowSampling):
             f"{single}: this is a Cosmos {found} checkpoint (a Cosmos {found} transformer in NVIDIA's layout); "
             f'expected a Cosmos {self.variant} transformer, or use [model] type = "{other}"'
         )
-
-    def conditioning_problems(self, model_config: CosmosConfigBase) -> list[str]:
-        """``conditioning = "video"`` with a text-to-world transformer (no condition-mask channel), or a missing
-        ``sample_video``."""
-        if not self.conditioned(model_config):
-            return []
-        found = []
-        config = self.model_folder_config(model_config)
-        channels = int(config.get("in_channels", 16)), int(config.get("out_channels", 16))
-        if channels[0] != channels[1] + 1:
-            found.append(
-                f"{model_config.path / self.model_component(model_config) / 'config.json'}: [model] conditioning = "
-                f'"video" needs a video-to-world transformer (in_channels = out_channels + 1, the condition mask); '
-                f"this one has in_channels {channels[0]}, out_channels {channels[1]}: a text-to-world model, train it "
-                'with conditioning = "text"'
-            )
-        video = model_config.sample_video
-        if video is not None and not Path(video).is_file():
-            found.append(f"[model] sample_video: file not found: {video}")
-        return found
 
     @hookimpl
     def validate_model_files(self, model_config: CosmosConfigBase) -> list[str]:
@@ -157,7 +132,7 @@ class Cosmos(DiffusersModel, FlowSampling):
         if batch.pixels is not None:
             self.warn_untrained(encoders, batch.pixels.shape)
             z = vae_mode(encoders.vae, batch.pixels, video=True)
-            out["latents"] = normalize(z, *_stats(encoders.vae), self.sigma_data(encoders.config)).cpu()
+            out["latents"] = normalize(z, *latent_stats(encoders.vae), self.sigma_data(encoders.config)).cpu()
             if batch.masks is not None:
                 out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True)
         if batch.captions is not None:
@@ -207,58 +182,17 @@ class Cosmos(DiffusersModel, FlowSampling):
         shape = (1, channels, (request.frames - 1) // temporal + 1, request.height // spatial, request.width // spatial)
         zero = s["final_sigmas_type"] == "zero"
         sigmas = karras_sigmas(request.steps, s["sigma_min"], s["sigma_max"], s["rho"], zero)
-        condition = self.sample_condition(model_config, request, generator) if self.conditioned(model_config) else None
-        noise = torch.randn(shape, generator=generator) * s["sigma_max"]
-        if condition is not None:
-            self._sampling[id(sigmas)] = (sigmas, condition)
-        return noise, sigmas
-
-    def conditioned(self, model_config: CosmosConfigBase) -> bool:
-        """Video-to-world (``[model] conditioning = "video"``; a subclass's table without the key: text-to-world)."""
-        return getattr(model_config, "conditioning", "text") == "video"
-
-    def sample_condition(self, model_config: CosmosConfigBase, request: SampleRequest, generator: torch.Generator):
-        """The :class:`~diffpipe_cosmos.video2world.SampleCondition` of ``[model] sample_video`` for ``request``:
-        its first ``1 + temporal * (conditioning_frames - 1)`` frames, padded to the sample's length and encoded as
-        the video-to-world pipeline's ``prepare_latents`` does."""
-        import torch
-
-        from diffpipe_core.parts.encoders import load_components
-        from diffpipe_core.parts.latents import normalize
-        from diffpipe_cosmos import video2world
-
-        if model_config.sample_video is None:
-            raise ValueError(
-                "video-to-world samples continue a video: set [model] sample_video to a video or image file "
-                '(conditioning = "video")'
-            )
-        temporal, spatial = self.vae_factors(model_config)
-        want = 1 + temporal * (model_config.conditioning_frames - 1)
-        key = (str(model_config.path), str(model_config.sample_video), want, request.width, request.height)
-        key += (request.frames, model_config.encoder_dtype)
-        if key not in self._posteriors:  # the VAE runs once per file and size; each sample draws from its posterior
-            pixels = video2world.conditioning_pixels(
-                model_config.sample_video, want, request.width, request.height, spatial
-            )
-            pixels, have = video2world.pad_frames(pixels.float(), request.frames, repeat_last=self.variant != "1.0")
-            vae = load_components(self.folder, model_config, torch.device("cpu"), "vae").vae
-            with torch.no_grad():
-                self._posteriors[key] = (vae.encode(pixels.to(vae.dtype)).latent_dist, _stats(vae)), have
-        (posterior, stats), have = self._posteriors[key]
-        latents = normalize(posterior.sample(generator).float(), *stats, self.sigma_data(model_config))
-        cond = latents.new_zeros(1, 1, latents.shape[2], 1, 1)
-        cond[:, :, : (have - 1) // temporal + 1] = 1.0
-        return video2world.SampleCondition(latents, cond, generator)
+        self.start_conditioned(sigmas, model_config, request, generator)
+        return torch.randn(shape, generator=generator) * s["sigma_max"], sigmas
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
         """``(c_in * x, timestep, t5_embeds)``, the layout :meth:`prepare_inputs` gives the first layer; video-to-
-        world: the conditioning frames and mask as the pipeline gives them (:meth:`conditioned_inputs`)."""
+        world: the conditioning frames and mask as the pipeline gives them (:meth:`conditioned_denoise_inputs`)."""
+        conditioned = self.conditioned_denoise_inputs(latents, schedule, index, model_config)
+        if conditioned is not None:
+            return (*conditioned, text["t5_embeds"].float())
         c_in, timestep = self.input_scaling(schedule[index], model_config)
-        if id(schedule) in self._sampling:
-            condition = self._sampling[id(schedule)][1]
-            x, timestep = self.conditioned_inputs(latents.float(), schedule[index], condition, model_config)
-            return x, timestep, text["t5_embeds"].float()
         return latents.float() * c_in, timestep.expand(latents.shape[0]), text["t5_embeds"].float()
 
     @hookimpl
@@ -268,12 +202,7 @@ class Cosmos(DiffusersModel, FlowSampling):
         from diffpipe_core.sampling.schedules import edm_euler_step
 
         denoised = self.denoised(latents.float(), prediction.float(), schedule[index], model_config)
-        if id(schedule) in self._sampling:
-            condition = self._sampling[id(schedule)][1]
-            cond = self.replaced(condition, schedule[index], model_config)
-            denoised = cond * condition.latents + (1 - cond) * denoised
-            if index == len(schedule) - 2:
-                del self._sampling[id(schedule)]
+        denoised = self.replace_conditioned(denoised, schedule, index, model_config)
         return edm_euler_step(latents, denoised, schedule, index)
 
     @hookimpl
@@ -287,10 +216,10 @@ class Cosmos(DiffusersModel, FlowSampling):
         """``latents * std / sigma_data + mean``: the pipelines' decode step."""
         from diffpipe_core.parts.latents import denormalize
 
-        return denormalize(latents.float(), *_stats(vae), vae.diffpipe_sigma_data)
+        return denormalize(latents.float(), *latent_stats(vae), vae.diffpipe_sigma_data)
 
 
-def _stats(vae: Any) -> tuple[Any, Any]:
+def latent_stats(vae: Any) -> tuple[Any, Any]:
     """The VAE's ``latents_mean`` and ``latents_std`` (0 and 1 when it has none)."""
     c = vae.config
     return (c.latents_mean, c.latents_std) if c.latents_mean is not None and c.latents_std is not None else (0.0, 1.0)
@@ -358,29 +287,6 @@ class Cosmos1(Cosmos):
 
         return denoise(out, x, sigma, self.sigma_data(model_config))
 
-    def conditioned_inputs(self, latents, sigma, condition, model_config):
-        """``CosmosVideoToWorldPipeline``'s transformer input ``(x | cond_mask, c_noise)``: the conditioning latents
-        with ``augment_sigma`` noise (the positive prompt's drawn first, then the negative's) where they replace."""
-        import torch
-
-        from diffpipe_core.edm import preconditioning
-
-        sigma_data, aug = self.sigma_data(model_config), model_config.augment_sigma
-        pre = preconditioning(sigma, sigma_data)
-        c_in_augment = preconditioning(torch.tensor(aug), sigma_data).c_in
-        shape = (1, *latents.shape[1:])
-        noise = torch.cat([torch.randn(shape, generator=condition.generator) for _ in range(latents.shape[0])][::-1])
-        cond = self.replaced(condition, sigma, model_config)
-        augmented = (condition.latents + noise * aug) * c_in_augment / pre.c_in
-        x = (cond * augmented + (1 - cond) * latents) * pre.c_in
-        b, _, t, h, w = latents.shape
-        x = torch.cat([x, condition.cond.expand(b, 1, t, h, w)], dim=1)
-        return x, pre.c_noise.expand(b)
-
-    def replaced(self, condition, sigma, model_config):
-        """The conditioning frames at ``sigma``: none at levels not above ``augment_sigma``."""
-        return condition.cond * 0 if model_config.augment_sigma >= float(sigma) else condition.cond
-
 
 class Predict2(Cosmos):
     """Cosmos-Predict2 text-to-image and video: rectified-flow training; NVIDIA's pipelines sample it in EDM terms
@@ -440,23 +346,6 @@ class Predict2(Cosmos):
     def denoised(self, x, out, sigma, model_config):
         t = sigma / (sigma + 1)
         return (1 - t) * x + -t * out
-
-    def conditioned_inputs(self, latents, sigma, condition, model_config):
-        """``Cosmos2VideoToWorldPipeline``'s transformer input ``(x | cond_mask, per-frame t)``: the clean
-        conditioning latents at ``t_conditioning`` on the conditioning frames."""
-        import torch
-
-        t = sigma / (sigma + 1)
-        sigma_cond = torch.tensor(model_config.sigma_conditioning, dtype=torch.float32)
-        t_cond = sigma_cond / (sigma_cond + 1)
-        cond, (b, _, frames, h, w) = condition.cond, latents.shape
-        x = cond * condition.latents + (1 - cond) * (latents * (1 - t))
-        timestep = cond * t_cond + (1 - cond) * t.view(1, 1, 1, 1, 1).expand(b, -1, frames, -1, -1)
-        return torch.cat([x, cond.expand(b, 1, frames, h, w)], dim=1), timestep
-
-    def replaced(self, condition, sigma, model_config):
-        """The conditioning frames (every step)."""
-        return condition.cond
 
 
 def nvidia_weight(t: torch.Tensor) -> torch.Tensor:

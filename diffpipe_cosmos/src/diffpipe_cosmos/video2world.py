@@ -91,6 +91,39 @@ class SampleCondition:
     generator: torch.Generator
 
 
+def sample_inputs(
+    variant: str, latents: torch.Tensor, sigma: torch.Tensor, condition: SampleCondition, cfg: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer input ``(x | cond_mask, timestep)`` at noise level ``sigma``: 1.0 as
+    ``CosmosVideoToWorldPipeline`` (the conditioning latents with ``augment_sigma`` noise, the positive prompt's drawn
+    first, then the negative's, where they replace; ``c_noise``), Predict2 as ``Cosmos2VideoToWorldPipeline`` (the
+    clean conditioning latents at ``t_conditioning`` on the conditioning frames; per-frame ``t``)."""
+    from diffpipe_core.edm import preconditioning
+
+    cond, (b, _, frames, h, w) = replaced(variant, condition, sigma, cfg), latents.shape
+    if variant == "1.0":
+        pre, aug = preconditioning(sigma, cfg.sigma_data), cfg.augment_sigma
+        c_in_augment = preconditioning(torch.tensor(aug), cfg.sigma_data).c_in
+        shape = (1, *latents.shape[1:])
+        noise = torch.cat([torch.randn(shape, generator=condition.generator) for _ in range(b)][::-1])
+        augmented = (condition.latents + noise * aug) * c_in_augment / pre.c_in
+        x = (cond * augmented + (1 - cond) * latents) * pre.c_in
+        timestep = pre.c_noise.expand(b)
+    else:
+        t = sigma / (sigma + 1)
+        sigma_cond = torch.tensor(cfg.sigma_conditioning, dtype=torch.float32)
+        t_cond = sigma_cond / (sigma_cond + 1)
+        x = cond * condition.latents + (1 - cond) * (latents * (1 - t))
+        timestep = cond * t_cond + (1 - cond) * t.view(1, 1, 1, 1, 1).expand(b, -1, frames, -1, -1)
+    return torch.cat([x, condition.cond.expand(b, 1, frames, h, w)], dim=1), timestep
+
+
+def replaced(variant: str, condition: SampleCondition, sigma: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """The frames the conditioning replaces at ``sigma``: every conditioning frame (Predict2), none at noise levels
+    not above ``augment_sigma`` (1.0)."""
+    return condition.cond * 0 if variant == "1.0" and cfg.augment_sigma >= float(sigma) else condition.cond
+
+
 def conditioning_pixels(path: Path, frames: int, width: int, height: int, spatial: int) -> torch.Tensor:
     """``(1, 3, F, H, W)`` in [-1, 1]: the first ``frames`` frames of the video at ``path`` (an image: itself, one
     frame), resized by the pipelines' ``VideoProcessor`` to ``width`` x ``height``."""
