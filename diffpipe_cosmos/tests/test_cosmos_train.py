@@ -35,7 +35,7 @@ FRAMES = {"cosmos": 9, "cosmos-predict2": 5}  # 8k+1 (Cosmos-1.0 VAE) and 4k+1 (
 # cosmos: noise levels the tiny model can learn in 20 steps (memorising the clean latents at high sigma), so that
 # the per-step loss, which swings with the sampled level, falls clearly.
 OBJECTIVE = {"cosmos": {"p_mean": 1.0, "p_std": 0.5}, "cosmos-predict2": {}}
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.py: bytes, or values on another CPU)
 
 
 # Samples during the shared cosmos-predict2 run (issue 21, conftest.py): the base model's, before the first step.

@@ -20,7 +20,7 @@ from diffpipe_flux.testing import TinyFluxConfig, bfl_path, transformer_inputs, 
 
 pytestmark = pytest.mark.slow
 
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.py: bytes, or values on another CPU)
 
 RANK, ALPHA, STEPS = 4, 8.0, 24
 MODEL = {"type": "flux", "t5_max_length": 16, "timestep_sample_method": "uniform", "flux_shift": True}

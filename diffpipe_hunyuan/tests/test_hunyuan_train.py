@@ -36,7 +36,7 @@ RANK, ALPHA, STEPS = 4, 8.0, 16
 MODEL = {"type": "hunyuan-video", "text_max_length": 8, "timestep_sample_method": "uniform"}
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house"]
 
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.py: bytes, or values on another CPU)
 
 
 def make_project(root: Path) -> Path:

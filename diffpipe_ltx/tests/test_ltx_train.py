@@ -26,7 +26,7 @@ MODEL = {"type": "ltx-video", "t5_max_length": 16, "timestep_sample_method": "un
 CAPTIONS = ["a red car", "a blue river", "a green tree", "a dark city", "a cat", "a dog", "a house", "a sky"]
 TWO_STAGE_STEPS, ONE_PROC_STEPS = 20, 16
 
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.py: bytes, or values on another CPU)
 
 
 def make_project(root: Path) -> Path:

@@ -78,7 +78,7 @@ def train(root: Path, tiny: tuple[Path, Path], stages: int, steps: int, single_f
     return runs.train(root, make_project(root, tiny, stages, steps, single_file, lora), procs=stages, timeout=400)
 
 
-GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs, written before the plugin-base port
+GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.py: bytes, or values on another CPU)
 
 
 @pytest.fixture(scope="module")
