@@ -83,6 +83,9 @@ class DiffusersModel:
             ``"module:Class"`` for a model of the plugin's own (a diffusers ``ModelMixin`` + ``ConfigMixin``).
         single_file_key: the ``[model]`` key of an original-layout single file (None: the model has none).
         single_file_markers: original keys (without a file prefix) every such file holds; ``validate`` checks them.
+        sibling_markers: other model types' markers, ``{type: (what it is, markers)}``: a single file holding
+            them is named as that model's, with the ``type`` to train it with, by ``validate`` and on loading (Cosmos
+            1.0 and Predict2 files, whose layouts share their prefix).
         single_file_name: the file name of a ``single_file`` export.
         lora_target_names: the default ``lora_targets``: exact module names or dotted suffixes (a module matches
             ``attn.to_q`` when its name is ``attn.to_q`` or ends with ``.attn.to_q``: peft's rule for a list), not
@@ -109,6 +112,7 @@ class DiffusersModel:
     model_class: ClassVar[str]
     single_file_key: ClassVar[str | None] = "transformer_file"
     single_file_markers: ClassVar[tuple[str, ...]] = ()
+    sibling_markers: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
     single_file_name: ClassVar[str] = "transformer.safetensors"
     lora_target_names: ClassVar[tuple[str, ...]] = ()
     last_block_unused: ClassVar[tuple[str, ...]] = ()
@@ -227,10 +231,29 @@ class DiffusersModel:
         ones this folder's ``model_index.json`` lists."""
         return self.folder
 
+    def sibling_problem(self, model_config: ModelConfigBase) -> str | None:
+        """The single file is another model type's (:attr:`sibling_markers`): it is named, with the type to use
+        (only its header is read). None otherwise."""
+        from diffpipe_core.model_files import safetensors_keys
+
+        single = self.single_file(model_config)
+        keys, problem = safetensors_keys(single) if single is not None and self.sibling_markers else ([], "none")
+        names = {k.split(".", n)[-1] for k in keys or () for n in (0, 1, 2)}  # with or without a file prefix
+        for other, (what, markers) in ({} if problem else self.sibling_markers).items():
+            if all(m in names for m in markers) and not all(m in names for m in self.single_file_markers):
+                return (
+                    f"{single}: this is a {what} checkpoint (it holds {markers[0]!r}), not a {self.spec.name!r} "
+                    f'model; train it with [model] type = "{other}"'
+                )
+        return None
+
     @hookimpl
     def validate_model_files(self, model_config: ModelConfigBase) -> list[str]:
         """The folder's structure from :meth:`checked_folder`, and the single file's keys, without reading
         weights."""
+        sibling = self.sibling_problem(model_config)
+        if sibling:
+            return [sibling]
         single = self.single_file(model_config)
         layout = None
         if single is not None:
@@ -292,6 +315,9 @@ class DiffusersModel:
         shapes = {k: tuple(v.shape) for k, v in skeleton.items()}
         single = self.single_file(model_config)
         if single is not None:
+            sibling = self.sibling_problem(model_config)
+            if sibling:
+                raise KeyError(sibling)
             layout = self.layout_for(model_config)
             with safe_open(str(single), framework="pt") as f:  # only the model's part of a file holding others too
                 state = layout.to_model({k: f.get_tensor(k) for k in layout.own_keys(f.keys())}, str(single), shapes)

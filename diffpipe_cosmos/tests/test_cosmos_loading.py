@@ -51,12 +51,12 @@ def test_predict2_original_keys_match_diffusers_converter(tiny_predict2: Path) -
 
 def test_original_file_of_the_other_generation_is_refused(tiny_models: dict[str, Path]) -> None:
     cfg = config("cosmos", tiny_models["cosmos"], transformer_file=original_path(tiny_models["cosmos-predict2"]))
-    expected = r"predict2\d*/tiny\.original\.safetensors: this is a Cosmos predict2 checkpoint"
+    expected = r"predict2\d*/tiny\.original\.safetensors: this is a Cosmos-Predict2 transformer checkpoint"
     with pytest.raises(KeyError, match=expected):
         cosmos1.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     problems = cosmos1.validate_model_files(cfg)
     assert len(problems) == 1
-    assert "a Cosmos predict2 transformer" in problems[0] and "expected a Cosmos 1.0" in problems[0]
+    assert "not a 'cosmos' model" in problems[0] and 'type = "cosmos-predict2"' in problems[0]
 
 
 def test_bad_single_file_names_file_and_key(tiny_predict2: Path, tmp_path: Path) -> None:

@@ -10,15 +10,12 @@ applies the Predict2 table to 1.0 files (it empties the checkpoint before testin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Literal
 
 from diffpipe_core.parts.layout import KeyTable, Module
 
 Variant = Literal["1.0", "predict2"]
 TRAINING_ONLY = r"^(logvar\.|pos_embedder\.|accum_)|_extra_state$"
-#: a key only a checkpoint of that generation holds (without ``net.``)
-MARKERS = {"1.0": "blocks.block0.blocks.0.block.attn.to_q.0.weight", "predict2": "blocks.0.self_attn.q_proj.weight"}
 _ATTN = (("q_proj", "to_q"), ("k_proj", "to_k"), ("v_proj", "to_v"), ("output_proj", "to_out.0"))
 
 
@@ -68,8 +65,3 @@ def layout(variant: Variant, num_layers: int) -> KeyTable:
     name = f"NVIDIA Cosmos {variant}"
     return KeyTable(modules, name, "Cosmos transformer", ("net.",), "net.", skip=TRAINING_ONLY)
 
-
-def detect(keys: Iterable[str]) -> Variant | None:
-    """``"1.0"``, ``"predict2"`` or None (neither) from an original-layout checkpoint's keys."""
-    bare = {k.removeprefix("net.") for k in keys}
-    return next((v for v, marker in MARKERS.items() if marker in bare), None)

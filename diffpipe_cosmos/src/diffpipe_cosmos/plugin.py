@@ -83,40 +83,12 @@ class Cosmos(DiffusersModel, FlowSampling, VideoToWorld):
         """The EDM sigma_data the latents are scaled by (Predict2's pipelines use 1)."""
         return float(getattr(model_config, "sigma_data", 1.0))
 
-    def generation_problem(self, model_config: CosmosConfigBase) -> str | None:
-        """An original single file of the other Cosmos generation, named (its header only is read)."""
-        from diffpipe_core.model_files import safetensors_keys
-        from diffpipe_cosmos.nvidia import detect
-
-        single = self.single_file(model_config)
-        keys, problem = safetensors_keys(single) if single is not None else ([], "none")
-        found = None if problem else detect(keys)
-        if found in (None, self.variant):
-            return None
-        other = "cosmos" if found == "1.0" else "cosmos-predict2"
-        return (
-            f"{single}: this is a Cosmos {found} checkpoint (a Cosmos {found} transformer in NVIDIA's layout); "
-            f'expected a Cosmos {self.variant} transformer, or use [model] type = "{other}"'
-        )
-
     @hookimpl
     def validate_model_files(self, model_config: CosmosConfigBase) -> list[str]:
         """The folder's structure (pipeline, transformer, VAE, T5 and tokenizer classes, transformer weights) and
         the single file's keys, of this generation, without reading weights; for video-to-world, the transformer's
         condition-mask channel."""
-        problem = self.generation_problem(model_config)
-        if problem:
-            return [problem]
-        found = super().validate_model_files(model_config)
-        return found or self.conditioning_problems(model_config)
-
-    @hookimpl
-    def load_diffusion_model(self, model_config: CosmosConfigBase, device: torch.device, dtype: torch.dtype):
-        """The base loader (either layout, or a meta skeleton); a file of the other generation raises a KeyError."""
-        problem = self.generation_problem(model_config)
-        if problem:
-            raise KeyError(problem)
-        return super().load_diffusion_model(model_config, device, dtype)
+        return super().validate_model_files(model_config) or self.conditioning_problems(model_config)
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
@@ -233,6 +205,7 @@ class Cosmos1(Cosmos):
     spec = _spec("cosmos", Cosmos1Config, 8, 30, ("sigma_data",), "Cosmos-1.0 Diffusion text-to-world")
     folder = _folder("cosmos", ("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline"), "AutoencoderKLCosmos")
     single_file_markers = ("blocks.block0.blocks.0.block.attn.to_q.0.weight",)
+    sibling_markers = {"cosmos-predict2": ("Cosmos-Predict2 transformer", ("blocks.0.self_attn.q_proj.weight",))}
     single_file_name = "cosmos1-transformer.safetensors"
 
     @hookimpl
@@ -302,6 +275,7 @@ class Predict2(Cosmos):
         "cosmos-predict2", ("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline"), "AutoencoderKLWan"
     )
     single_file_markers = ("blocks.0.self_attn.q_proj.weight",)
+    sibling_markers = {"cosmos": ("Cosmos-1.0 transformer", Cosmos1.single_file_markers)}
     single_file_name = "cosmos-predict2-transformer.safetensors"
 
     @hookimpl
