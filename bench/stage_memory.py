@@ -103,7 +103,7 @@ def _hunyuan(folder: Path, big: bool) -> dict:
 def _ltx(folder: Path, big: bool) -> dict:
     from diffpipe_ltx.testing import TinyLTXConfig, tiny_pipeline
 
-    cfg = TinyLTXConfig(num_layers=16, num_attention_heads=16, attention_head_dim=64) if big else TinyLTXConfig()
+    cfg = TinyLTXConfig(num_layers=16, num_attention_heads=16, attention_head_dim=64) if big else TinyLTXConfig(**TINY)
     tiny_pipeline(cfg).save_pretrained(folder, safe_serialization=True)
     return {"t5_max_length": 16}
 
@@ -141,10 +141,11 @@ def _cosmos(variant: str) -> Callable[[Path, bool], dict]:
             size = dict(num_layers=16, num_attention_heads=24, attention_head_dim=64, mlp_ratio=4.0) if big else TINY
             write_tiny_predict25(folder, TinyPredict25Config(**size))
             return {"text_max_length": 32}  # the chat template takes 22
-        size = dict(num_layers=16, num_attention_heads=16, attention_head_dim=64, mlp_ratio=4.0) if big else {}
+        size = dict(num_layers=16, num_attention_heads=16, attention_head_dim=64, mlp_ratio=4.0) if big else TINY
         write_tiny_cosmos(folder, TinyCosmosConfig(variant=variant, **size))
         original_path(folder).unlink()  # the original-layout copy: not used here
-        return {"t5_max_length": 16}
+        # Cosmos-1.0's VAE pools in 3-D, which torch has no bfloat16 CPU kernel for: it encodes in float32
+        return {"t5_max_length": 16, **({"encoder_dtype": "float32"} if variant == "1.0" else {})}
 
     return write
 
