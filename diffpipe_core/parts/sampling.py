@@ -45,7 +45,9 @@ class VAEDecoding:
 
 
 class FlowSampling(VAEDecoding):
-    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose sampler is the flow-matching Euler step."""
+    """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose sampler is the flow-matching Euler step,
+    or the folder's own scheduler's step when ``denoise_init`` returned its
+    :func:`~diffpipe_core.sampling.schedules.stepped_schedule` (a multistep solver such as Wan's UniPC)."""
 
     def unpack_prediction(self, prediction: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         """The last layer's prediction in the layout of ``latents`` (default: already in it)."""
@@ -53,10 +55,14 @@ class FlowSampling(VAEDecoding):
 
     @hookimpl
     def denoise_step(self, latents, prediction, schedule, index, model_config):
-        """Euler on the flow ODE from ``schedule[index]`` to ``schedule[index + 1]``."""
-        from diffpipe_core.sampling.schedules import flow_euler_step
+        """From ``schedule[index]`` to ``schedule[index + 1]``: the folder scheduler's own step when the schedule
+        carries it (:func:`~diffpipe_core.sampling.schedules.stepped_schedule`), else Euler on the flow ODE."""
+        from diffpipe_core.sampling.schedules import flow_euler_step, scheduler_step
 
-        return flow_euler_step(latents, self.unpack_prediction(prediction, latents), schedule, index)
+        prediction = self.unpack_prediction(prediction, latents)
+        if getattr(schedule, "diffpipe_scheduler", None) is not None:
+            return scheduler_step(latents, prediction, schedule, index)
+        return flow_euler_step(latents, prediction, schedule, index)
 
 
 #: ``scheduler/scheduler_config.json`` keys :class:`DDPMSampling` reads, with SD's and SDXL's values as defaults

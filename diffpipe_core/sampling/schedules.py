@@ -108,6 +108,16 @@ def scheduler_step(latents: torch.Tensor, prediction: torch.Tensor, schedule: to
     return scheduler.step(prediction.float(), timestep, latents.float(), return_dict=False)[0]
 
 
+def schedule_time(schedule: torch.Tensor, index: int) -> torch.Tensor:
+    """The flow time in [0, 1] the model is given at step ``index``: the timestep of the scheduler
+    :func:`stepped_schedule` attached over its ``num_train_timesteps`` (UniPC rounds its timesteps to integers, and its
+    pipeline gives the model those), else ``schedule[index]``."""
+    scheduler = getattr(schedule, "diffpipe_scheduler", None)
+    if scheduler is None:
+        return schedule[index]
+    return scheduler.timesteps[index].float() / float(scheduler.config.num_train_timesteps)
+
+
 def karras_sigmas(
     steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0, final_zero: bool = False
 ) -> torch.Tensor:

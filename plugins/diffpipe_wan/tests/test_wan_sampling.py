@@ -5,6 +5,7 @@ sample starts from ``[model] sample_image``."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,25 +66,48 @@ def assert_decodes_like_the_pipeline(registered, cfg, latents: torch.Tensor, pip
     torch.testing.assert_close(pixels, want, rtol=1e-4, atol=1e-5)
 
 
-def test_wan_sample_equals_wan_pipeline(tiny_wan: Path) -> None:
+def with_unipc(folder: Path, into: Path) -> Path:
+    """A copy of ``folder`` whose scheduler is the released Wan 2.1 folders' ``UniPCMultistepScheduler`` (flow
+    sigmas, ``flow_shift`` 5): a multistep solver, so Euler on its sigmas would not sample what the pipeline does."""
+    import shutil
+
+    from diffusers import UniPCMultistepScheduler
+
+    shutil.copytree(folder, into)
+    shutil.rmtree(into / "scheduler")
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    unipc.save_config(into / "scheduler")
+    index = json.loads((into / "model_index.json").read_text())
+    (into / "model_index.json").write_text(json.dumps({**index, "scheduler": ["diffusers", "UniPCMultistepScheduler"]}))
+    return into
+
+
+@pytest.mark.parametrize("scheduler", ["flow-match Euler", "UniPC"])
+def test_wan_sample_equals_wan_pipeline(tiny_wan: Path, tmp_path: Path, scheduler: str) -> None:
     from diffusers import WanPipeline
 
-    table = {"type": "wan", "path": tiny_wan, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 16}
+    folder = tiny_wan if scheduler == "flow-match Euler" else with_unipc(tiny_wan, tmp_path / "unipc")
+    table = {"type": "wan", "path": folder, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 16}
     cfg = validate(wan.spec.config_schema, table, "test")
     ours, texts, registered = sample(wan, cfg, 3.0)
-    pipe = WanPipeline.from_pretrained(str(tiny_wan), torch_dtype=torch.float32, local_files_only=True)
+    pipe = WanPipeline.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True)
+    assert type(pipe.scheduler).__name__ == ("UniPCMultistepScheduler" if scheduler == "UniPC" else
+                                             "FlowMatchEulerDiscreteScheduler")  # fmt: skip
     assert_same_sample(ours, pipeline_latents(pipe, texts, 3.0), noise())
-    assert_decodes_like_the_pipeline(registered, cfg, ours, pipe)
+    if scheduler == "flow-match Euler":
+        assert_decodes_like_the_pipeline(registered, cfg, ours, pipe)
 
 
-def test_wan_i2v_sample_equals_wan_image_to_video_pipeline(tiny_wan_i2v: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheduler", ["flow-match Euler", "UniPC"])
+def test_wan_i2v_sample_equals_wan_image_to_video_pipeline(tiny_wan_i2v: Path, tmp_path: Path, scheduler: str) -> None:
     from diffusers import WanImageToVideoPipeline
 
+    folder = tiny_wan_i2v if scheduler == "flow-match Euler" else with_unipc(tiny_wan_i2v, tmp_path / "unipc")
     image_file = write_png(tmp_path / "first.png", 60, 40, seed=4)  # resized to 48x32 as the pipeline resizes
-    table = {"type": "wan-i2v", "path": tiny_wan_i2v, "dtype": "float32", "encoder_dtype": "float32"}
+    table = {"type": "wan-i2v", "path": folder, "dtype": "float32", "encoder_dtype": "float32"}
     cfg = validate(wan_i2v.spec.config_schema, {**table, "sample_image": image_file}, "test")
     ours, texts, _ = sample(wan_i2v, cfg, 2.0)
-    pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_i2v), torch_dtype=torch.float32, local_files_only=True)
+    pipe = WanImageToVideoPipeline.from_pretrained(str(folder), torch_dtype=torch.float32, local_files_only=True)
     expected = pipeline_latents(pipe, texts, 2.0, image=Image.open(image_file).convert("RGB"))
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)  # (decoding: as wan's, the test above)
 

@@ -138,14 +138,17 @@ class WanI2V(Wan):
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """The first layer's ``(x, t, text_embeds[, image_embeds])`` with the sample image's conditioning."""
+        """The first layer's ``(x, t, text_embeds[, image_embeds])`` with the sample image's conditioning (``t`` as
+        :meth:`Wan.denoise_inputs` gives it)."""
         import torch
+
+        from diffpipe_core.sampling.schedules import schedule_time
 
         cond = self.sample_condition(model_config, request)
         b = latents.shape[0]
         x = torch.cat([latents.float(), cond["condition"].expand(b, -1, -1, -1, -1)], dim=1)
         image = (cond["image_embeds"].expand(b, -1, -1),) if "image_embeds" in cond else ()
-        return x, schedule[index].float().expand(b), text["text_embeds"].float(), *image
+        return x, schedule_time(schedule, index).float().expand(b), text["text_embeds"].float(), *image
 
     def sample_condition(self, model_config: WanI2VConfig, request: SampleRequest) -> dict[str, torch.Tensor]:
         """``condition`` (1, 4 + z, F', h, w): the first-frame mask and latents of ``[model] sample_image`` resized to

@@ -224,20 +224,24 @@ class Wan(DiffusersModel, FlowSampling):
     @hookimpl
     def denoise_init(self, request: SampleRequest, model_config: WanConfig, generator: torch.Generator):
         """Noise ``(1, z, (F - 1) / 4 + 1, H / s, W / s)`` (sizes rounded down to the VAE factor x patch, as the
-        pipelines round them) and the sigmas of the folder's own scheduler for ``request.steps`` steps."""
+        pipelines round them) and the folder's own scheduler for ``request.steps`` steps, stepped as the pipelines step
+        it (UniPC in the released folders: its multistep updates, not Euler on its sigmas)."""
         import torch
 
-        from diffpipe_core.sampling.schedules import scheduler_sigmas
+        from diffpipe_core.sampling.schedules import stepped_schedule
         from diffpipe_wan.encoding import latent_shape
 
         vae = self.folder.config(model_config.path, "vae")
         shape = latent_shape(vae, self.model_folder_config(model_config), request)
-        return torch.randn(shape, generator=generator), scheduler_sigmas(model_config.path, request.steps)
+        return torch.randn(shape, generator=generator), stepped_schedule(model_config.path, request.steps)
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """The first layer's ``(x_t, t, text_embeds)``."""
-        t = schedule[index].float().expand(latents.shape[0])
+        """The first layer's ``(x_t, t, text_embeds)``, ``t`` the scheduler's timestep (over 1000) as the pipelines give
+        it."""
+        from diffpipe_core.sampling.schedules import schedule_time
+
+        t = schedule_time(schedule, index).float().expand(latents.shape[0])
         return latents.float(), t, text["text_embeds"].float()
 
     def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
