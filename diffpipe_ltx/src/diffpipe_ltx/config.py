@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -54,4 +56,11 @@ class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
         description="Probability that a clip trains image-to-video as LTX2ImageToVideoPipeline runs it: its first "
         "latent frame is the clip's first frame encoded alone, clean (timestep 0), and left out of the loss. Images "
         "(one latent frame) are never conditioned.",
+    )
+    sample_image: Path | None = Field(
+        None,
+        description="A first frame (PNG/JPG) that makes the samples during training (and `diffpipe sample`) "
+        "image-to-video, as LTX2ImageToVideoPipeline generates them from its image: resized to the sample size, "
+        "H.264 re-compressed at the pipeline's default CRF, encoded alone and kept clean (timestep 0) as the first "
+        "latent frame. Unset: text-to-video samples, as LTX2Pipeline.",
     )

@@ -8,7 +8,9 @@ stream and its mask, and the latent ``(F, H, W)``. There is no audio to train on
 ``LTX2Pipeline`` gives it when no ``audio_latents`` are passed: Gaussian noise of the clip's duration
 (``prepare_audio_latents``, drawn after the video's noise), at the video's time (the pipeline passes one timestep
 to both streams, ``sigma = timestep``). The loss covers the video prediction only (the audio part of the output
-weighs 0). This module imports no torch, diffusers or transformers.
+weighs 0). Samples are text-to-video as ``LTX2Pipeline`` generates them, or with ``[model] sample_image``
+image-to-video as ``LTX2ImageToVideoPipeline`` does (the image's latents as the clean first latent frame, at time 0,
+kept through the steps). This module imports no torch, diffusers or transformers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
-from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.sampling import FlowSampling, SampleImageConditioning
 from diffpipe_ltx.config import LTX2Config
 
 if TYPE_CHECKING:
@@ -65,7 +67,7 @@ class Geometry:
         return batch, self.audio_channels, self.audio_frames(latent_frames), self.audio_mel
 
 
-class LTX2(DiffusersModel, FlowSampling):
+class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
     """LTX-2: video (and images as one-frame videos) with first-frame conditioning; VAE 32x spatial, 8x temporal:
     frames 8k + 1 at 24 fps."""
 
@@ -222,7 +224,9 @@ class LTX2(DiffusersModel, FlowSampling):
     def denoise_init(self, request: SampleRequest, model_config: LTX2Config, generator: torch.Generator):
         """Video noise ``(1, C, (F - 1) / 8 + 1, H / 32, W / 32)`` then audio noise, as ``LTX2Pipeline`` draws them,
         packed and side by side (:func:`diffpipe_ltx.ltx2_layers.join`), and the folder's scheduler sigmas of
-        ``linspace(1, 1/steps, steps)`` with the pipeline's sequence-length shift (``shift_terminal`` too)."""
+        ``linspace(1, 1/steps, steps)`` with the pipeline's sequence-length shift (``shift_terminal`` too). With
+        ``[model] sample_image`` the first latent frame is the image's latents (:meth:`encode_sample_image`), as
+        ``LTX2ImageToVideoPipeline.prepare_latents`` puts them over the same noise."""
         import numpy as np
         import torch
 
@@ -233,6 +237,13 @@ class LTX2(DiffusersModel, FlowSampling):
         g = self.geometry(model_config)
         f, h, w = (request.frames - 1) // g.temporal + 1, request.height // g.spatial, request.width // g.spatial
         video = torch.randn((1, g.channels, f, h, w), generator=generator)
+        if model_config.sample_image is not None:
+            if f < 2:
+                raise ValueError(
+                    f"ltx-2: image-to-video samples ([model] sample_image) need more than {g.temporal} frames "
+                    f"(at least 2 latent frames); got {request.frames}"
+                )
+            video[:, :, :1] = self.sample_condition(model_config, request)["latents"]
         audio_shape = (1, g.audio_channels, round(request.frames / FRAME_RATE * g.audio_per_second), g.audio_mel)
         audio = torch.randn(audio_shape, generator=generator).transpose(1, 2).flatten(2, 3)
         latents = join(pack(video), audio)
@@ -247,7 +258,9 @@ class LTX2(DiffusersModel, FlowSampling):
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """The first layer's inputs (module docstring) for the sample's video and audio latents at ``index``."""
+        """The first layer's inputs (module docstring) for the sample's video and audio latents at ``index``; with
+        ``[model] sample_image`` the first latent frame's time is 0 (``LTX2ImageToVideoPipeline``'s
+        ``timestep * (1 - conditioning_mask)``), the audio's stays the step's."""
         import torch
 
         from diffpipe_ltx.ltx2_layers import split
@@ -255,10 +268,55 @@ class LTX2(DiffusersModel, FlowSampling):
         f, h, w, audio_frames = self._grid(latents)
         video, audio = split(latents.float(), f * h * w, self.geometry(model_config).channels, audio_frames)
         b = latents.shape[0]
-        t = schedule[index].float().expand(b, f)
+        t = schedule[index].float().expand(b, f).clone()
+        if model_config.sample_image is not None:
+            t[:, 0] = 0.0
         grid = torch.tensor([f, h, w], dtype=torch.long)
         return (video, t, audio, text["video_text"].float(), text["audio_text"].float(), text["text_mask"].bool(),
                 grid)
+
+    @hookimpl
+    def denoise_step(self, latents, prediction, schedule, index, model_config):
+        """The flow step (:class:`~diffpipe_core.parts.sampling.FlowSampling`); with ``[model] sample_image`` the
+        first latent frame's tokens keep the image's latents (``LTX2ImageToVideoPipeline`` steps only the others)."""
+        stepped = super().denoise_step(latents, prediction, schedule, index, model_config)
+        if model_config.sample_image is not None:
+            _, h, w, _ = self._grid(latents)
+            kept = h * w * self.geometry(model_config).channels  # the flat video tokens of latent frame 0 come first
+            stepped[:, :kept] = latents[:, :kept].to(stepped.dtype)
+        return stepped
+
+    def encode_sample_image(self, model_config: LTX2Config, request: SampleRequest) -> dict[str, Any]:
+        """``latents`` (1, C, 1, h, w) of ``[model] sample_image`` as ``LTX2ImageToVideoPipeline`` computes them
+        from its ``image``: H.264 re-compressed at the pipeline's default CRF for the folder's text encoder (none on
+        a diffusers without it), resized to the sample size (bilinear), encoded alone (the posterior's mode) and
+        normalised without the scaling factor, as the training side encodes a clip's first frame."""
+        from types import SimpleNamespace
+
+        import numpy as np
+        import torch
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        from diffpipe_core.parts.encoders import load_components
+        from diffpipe_ltx.packing import encode_latents
+
+        with Image.open(model_config.sample_image) as opened:
+            image = opened.convert("RGB")
+        try:
+            from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+        except ImportError:  # a diffusers whose pipeline does not re-compress its image
+            crf = 0
+        else:
+            model_type = self.folder.config(model_config.path, "text_encoder").get("model_type")
+            crf = resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
+        if crf:
+            image = Image.fromarray(apply_image_conditioning_crf(np.array(image), crf))
+        processor = VideoProcessor(vae_scale_factor=self.geometry(model_config).spatial, resample="bilinear")
+        pixels = processor.preprocess(image, height=request.height, width=request.width)
+        vae = load_components(self.folder, model_config, torch.device("cpu"), "vae").vae
+        with torch.no_grad():
+            return {"latents": encode_latents(vae, pixels.float(), scale=False).float()}
 
     @hookimpl
     def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
