@@ -54,21 +54,20 @@ def tensor_entry(key: str, t: Any) -> dict[str, Any]:
     return {
         "id": f"{str(t.dtype).removeprefix('torch.')} {shape} {hashlib.sha256(raw).hexdigest()}",
         "l2": float(flat.norm()),
-        "proj": [float(f"{v:.9g}") for v in proj],
+        "proj": " ".join(f"{v:.9g}" for v in proj),  # one string: the manifest stays a line per tensor figure
     }
 
 
 def relative_difference(got: dict[str, Any], want: dict[str, Any]) -> float:
     """The norm of the difference of two entries' tensors (estimated from their projections: each projection of a
     difference d has variance |d|^2 / n) over the wanted tensor's norm; inf when dtype or shape differ."""
-    if got["id"].rsplit(" ", 1)[0] != want["id"].rsplit(" ", 1)[0] or len(got["proj"]) != len(want["proj"]):
-        return float("inf")
-    if not want["proj"]:
-        return float("inf")  # an integer tensor: its bytes decide
+    got_p, want_p = [float(v) for v in got["proj"].split()], [float(v) for v in want["proj"].split()]
+    if got["id"].rsplit(" ", 1)[0] != want["id"].rsplit(" ", 1)[0] or len(got_p) != len(want_p) or not want_p:
+        return float("inf")  # another dtype or shape, or an integer tensor (its bytes decide)
     n = 1
     for size in want["id"].split(" ")[1].split("x"):
         n *= int(size) if size != "scalar" else 1
-    d = sum((a - b) ** 2 for a, b in zip(got["proj"], want["proj"])) ** 0.5 * (n / len(want["proj"])) ** 0.5
+    d = sum((a - b) ** 2 for a, b in zip(got_p, want_p)) ** 0.5 * (n / len(want_p)) ** 0.5
     return d / want["l2"] if want["l2"] > 0 else (0.0 if d == 0 else float("inf"))
 
 
