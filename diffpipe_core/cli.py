@@ -84,6 +84,9 @@ def validate(config_path: Path, model: str | None, num_procs: int | None, show_p
     --plan), print the stage plan (the model built on the meta device)."""
     cfg = load_checked(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
+    describe = getattr(get_registry().model(cfg.model_name).info.module, "model_file_lines", None)
+    for line in describe(cfg.model) if describe else ():
+        click.echo(line)
     if num_procs is None:
         stages = cfg.run.pipeline_stages
         fits = ", ".join(str(stages * k) for k in range(1, 5))

@@ -547,14 +547,35 @@ def _validate_model(
         problems.extend(exc.problems)
         return None
     for key, field in schema.model_fields.items():
+        if not (field.json_schema_extra or {}).get("must_exist", True):
+            continue
         value = getattr(model_cfg, key)
-        if isinstance(value, Path) and (field.json_schema_extra or {}).get("must_exist", True):
-            resolved = (base / value).resolve()
-            if not resolved.exists():
-                problems.append(f"{source}: model.{key}: path not found: {resolved}")
-                continue
-            model_cfg = model_cfg.model_copy(update={key: resolved})
+        if isinstance(value, Path):
+            resolved = _existing(base, value, f"{source}: model.{key}", problems)
+            if resolved is not None:
+                model_cfg = model_cfg.model_copy(update={key: resolved})
+        elif isinstance(value, tuple) and value:  # a list of files ([model] text_encoders): paths or {path, ...}
+            items = []
+            for i, item in enumerate(value):
+                where = f"{source}: model.{key}[{i}]"
+                if isinstance(item, Path):
+                    items.append(_existing(base, item, where, problems) or item)
+                elif isinstance(getattr(item, "path", None), Path):
+                    found = _existing(base, item.path, f"{where}.path", problems)
+                    items.append(item.model_copy(update={"path": found}) if found else item)
+                else:
+                    items.append(item)
+            model_cfg = model_cfg.model_copy(update={key: tuple(items)})
     return model_cfg
+
+
+def _existing(base: Path, value: Path, where: str, problems: list[str]) -> Path | None:
+    """``value`` resolved against the config's folder, or None (with a problem naming it) when it does not exist."""
+    resolved = (base / value.expanduser()).resolve()
+    if not resolved.exists():
+        problems.append(f"{where}: path not found: {resolved}")
+        return None
+    return resolved
 
 
 def check_world_size(run: RunConfig, world_size: int, source: str) -> None:

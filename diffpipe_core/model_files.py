@@ -127,10 +127,15 @@ def check_diffusers_folder(
     return problems
 
 
-def safetensors_keys(path: Path) -> tuple[list[str] | None, str | None]:
-    """The tensor names in a safetensors file's header (no tensor is read), or ``(None, problem)``."""
+Header = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def safetensors_header(path: Path) -> tuple[Header | None, dict[str, str], str | None]:
+    """A safetensors file's tensors (key -> (safetensors dtype such as ``"BF16"``, shape)) and metadata, read from its
+    header alone (no tensor is read), or ``(None, {}, problem)`` naming the file: not found, not safetensors, or
+    truncated (shorter than its tensors' offsets say, as an interrupted download leaves it)."""
     if not path.is_file():
-        return None, f"{path}: not found"
+        return None, {}, f"{path}: not found"
     try:
         with path.open("rb") as f:
             head = f.read(8)
@@ -140,9 +145,32 @@ def safetensors_keys(path: Path) -> tuple[list[str] | None, str | None]:
             if size > 100 * 2**20:
                 raise ValueError(f"header of {size} bytes")
             header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
     except (OSError, ValueError) as exc:
-        return None, f"{path}: not a safetensors file ({exc})"
-    return [k for k in header if k != "__metadata__"], None
+        return None, {}, f"{path}: not a safetensors file ({exc})"
+    metadata = header.pop("__metadata__", None) or {}
+    tensors: Header = {}
+    end = 0
+    for key, info in header.items():
+        try:
+            tensors[key] = (str(info["dtype"]), tuple(int(n) for n in info["shape"]))
+            end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None, {}, f"{path}: not a safetensors file (tensor {key!r} has no dtype, shape or offsets)"
+    have = path.stat().st_size - 8 - size
+    if have < end:
+        return None, {}, (
+            f"{path}: truncated: its header describes {end + 8 + size} bytes but the file has {path.stat().st_size} "
+            "(an interrupted download or copy?); download or copy it again"
+        )
+    return tensors, {str(k): str(v) for k, v in metadata.items()}, None
+
+
+def safetensors_keys(path: Path) -> tuple[list[str] | None, str | None]:
+    """The tensor names in a safetensors file's header (no tensor is read), or ``(None, problem)``."""
+    header, _, problem = safetensors_header(path)
+    return (None, problem) if header is None else (list(header), None)
 
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"

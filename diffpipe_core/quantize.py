@@ -37,26 +37,58 @@ MIN_ELEMENTS = 4096
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Float8Linear(nn.Linear):
-    """A frozen linear stored as float8_e4m3fn with a per-tensor scale (``weight * weight_scale`` is the
-    original weight), computed in ``compute_dtype``. peft wraps it like any ``nn.Linear``."""
+class ScaledLinear(nn.Linear):
+    """A frozen linear whose weight is stored in a low-precision dtype with its scale: ``weight.float() *
+    weight_scale`` is the weight (one float32 scale for the tensor, or one per output row), computed in
+    ``compute_dtype``. A quantized file (ComfyUI's fp8 scaled and int8 files) loads into one as it is stored
+    (:meth:`like` builds the empty module); :class:`Float8Linear` quantizes one. peft wraps it like any
+    ``nn.Linear``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor | None,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        nn.Module.__init__(self)  # no full-precision weight is made: the stored one is the only copy
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        # buffers, not parameters: never trained, and nothing (a data-parallel broadcast) treats them as weights
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def like(
+        cls, linear: nn.Linear, storage: torch.dtype, scale_shape: tuple[int, ...] | None, compute_dtype: torch.dtype
+    ) -> ScaledLinear:
+        """An empty module of ``linear``'s shape on its device (``meta`` for per-stage loading), weight in ``storage``,
+        its bias as ``linear``'s; ``scale_shape`` None: no scale (1)."""
+        device = linear.weight.device
+        weight = torch.empty(linear.out_features, linear.in_features, dtype=storage, device=device)
+        scale = None if scale_shape is None else torch.ones(scale_shape, dtype=torch.float32, device=device)
+        return cls(linear.in_features, linear.out_features, linear.bias, weight, scale, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(self.compute_dtype)
+        if self.weight_scale is not None:  # None: stored unscaled (a plain float8 cast)
+            weight = weight * self.weight_scale.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
+
+
+class Float8Linear(ScaledLinear):
+    """A frozen linear quantized to float8_e4m3fn with a per-tensor scale (``[model] quantize = "float8"``)."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)  # no fresh full-precision weight: the float8 one below is the only copy
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = compute_dtype
         weight = linear.weight.detach()
         amax = weight.abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny)
         scale = amax / torch.finfo(torch.float8_e4m3fn).max
-        # buffers, not parameters: never trained, and nothing (a data-parallel broadcast) treats them as weights
-        self.register_buffer("weight", (weight.float() / scale).to(torch.float8_e4m3fn))
-        self.register_buffer("weight_scale", scale.reshape(()))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
-        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
+        stored = (weight.float() / scale).to(torch.float8_e4m3fn)
+        super().__init__(linear.in_features, linear.out_features, linear.bias, stored, scale.reshape(()), compute_dtype)
 
 
 def quantizable_linears(model: nn.Module, layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:

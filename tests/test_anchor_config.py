@@ -169,7 +169,7 @@ def test_the_anchors_main_example_imports_and_validates(tmp_path: Path, hunyuan_
     run, data = _keys(run_text), _keys(data_text)
     assert run["dataset"] == "dataset.toml" and run["output_dir"] == str(tmp_path / "runs")
     assert run["model"]["quantize"] == "float8" and "transformer_dtype" not in run["model"]
-    assert run["model"]["transformer_file"].endswith(".original.safetensors")
+    assert run["model"]["diffusion_model"].endswith(".original.safetensors")
     assert run["optimizer"]["type"] == "adamw" and run["adapter"] == {"type": "lora", "rank": 32, "dtype": "bfloat16"}
     assert run["eval_before_first_step"] is True and "video_clip_mode" not in run
     assert data["video_clip_mode"] == "single_beginning"
@@ -304,7 +304,7 @@ def dataset_problems(project: Path, top: str = "", directory: str = "") -> list[
 def test_transformer_dtype_float8_names_quantize(project: Path) -> None:
     (problem,) = run_problems(project, model="transformer_dtype = 'float8'")
     assert "model.transformer_dtype: diffusion-pipe's key; write model.quantize = 'float8' instead" in problem
-    assert "transformer_file" not in problem and "Did you mean" not in problem
+    assert "diffusion_model" not in problem and "Did you mean" not in problem
 
 
 def test_skip_empty_caption_names_its_inverse(project: Path) -> None:

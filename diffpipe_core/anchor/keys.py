@@ -254,14 +254,14 @@ MODEL_RULES: dict[str, Rule] = {
     "diffusers_path": _rename("model", "path", is_path=True),
     "transformer_path": _rename(
         "model",
-        "transformer_file",
+        "diffusion_model",
         "a single-file transformer in the original key layout",
         missing="this model's plugin reads the transformer from path",
         is_path=True,
     ),
     "single_file_path": _rename(
         "model",
-        "transformer_file",
+        "diffusion_model",
         "its transformer replaces path/transformer; the VAE and T5 still come from path",
         is_path=True,
     ),

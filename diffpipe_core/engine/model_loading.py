@@ -48,7 +48,7 @@ def _names_by_tensor_id(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def _fill_in_place(holder: torch.Tensor, value: torch.Tensor) -> None:
+def fill_in_place(holder: torch.Tensor, value: torch.Tensor) -> None:
     """Give the existing tensor object ``holder`` the loaded data. Every module that holds it (a layer that
     re-uses a model's top-level parameter, say) then sees the loaded tensor, not a stale meta copy."""
     if isinstance(holder, nn.Parameter):
@@ -56,9 +56,15 @@ def _fill_in_place(holder: torch.Tensor, value: torch.Tensor) -> None:
     torch.utils.swap_tensors(holder, value)
 
 
-def keeps_float32(model: nn.Module, name: str) -> bool:
-    """Whether diffusers' ``from_pretrained`` keeps tensor ``name`` in float32 (``_keep_in_fp32_modules``)."""
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+def keeps_float32(model: nn.Module, name: str, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``from_pretrained`` keeps tensor ``name`` in float32 when loading in ``dtype``: diffusers keeps its
+    ``_keep_in_fp32_modules`` so in any dtype; transformers keeps them only for float16, and its
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16 (T5's ``wo`` is bfloat16 in a bfloat16 load)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if hasattr(model, "_keep_in_fp32_modules_strict"):  # a transformers model
+        keep = keep if dtype == torch.float16 else set()
+        if dtype in (torch.float16, torch.bfloat16):
+            keep |= set(model._keep_in_fp32_modules_strict or [])
     return any(part in keep for part in name.split("."))
 
 
@@ -112,7 +118,7 @@ def cast_skeleton(model: nn.Module, dtype: torch.dtype) -> nn.Module:
                 if tensor is None or not tensor.is_floating_point():
                     continue
                 full = f"{module_name}.{attr}" if module_name else attr
-                target = torch.float32 if keeps_float32(model, full) else dtype
+                target = torch.float32 if keeps_float32(model, full, dtype) else dtype
                 if tensor.dtype != target:
                     cast = tensor.detach().to(target)
                     store[attr] = nn.Parameter(cast, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else cast
@@ -178,7 +184,7 @@ def materialise_layers(
                             f"{file}: {made} has shape {tuple(value.shape)}, but the model's {name!r} "
                             f"needs {tuple(current.shape)}"
                         )
-                    _fill_in_place(current, value.to(current.dtype))
+                    fill_in_place(current, value.to(current.dtype))
                     found.add(name)
     missing = [n for n, t in wanted.items() if n not in found and t.device.type == "meta"]
     if missing:

@@ -9,31 +9,89 @@ Field order in ``diffpipe config-reference`` follows the classes: shared keys fi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diffpipe_core.types import ModelConfigBase
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
-class DiffusersModelConfig(ModelConfigBase):
-    """A model read from a diffusers folder, optionally with its diffusion model from an original single file."""
+class TextEncoderFile(BaseModel):
+    """One text encoder file of ``[model] text_encoders``: ``{path, type}`` as diffusion-pipe writes it."""
 
-    path: Path = Field(
-        description="The model's diffusers folder (model_index.json and its component folders, as "
-        "`save_pretrained` writes them; the components are listed by `diffpipe validate`). With transformer_file, "
-        "the transformer folder needs only its config.json."
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path = Field(description="The text encoder's single file (safetensors).")
+    type: str | None = Field(
+        None, description="ComfyUI's name for the encoder's kind (clip_l, t5, qwen_image, ...); informational: "
+        "diffpipe reads which of the model's text encoders a file holds from its tensors."
     )
-    transformer_file: Path | None = Field(
+
+
+class DiffusersModelConfig(ModelConfigBase):
+    """A model read from a diffusers folder, from component files (as ComfyUI keeps them), or from both."""
+
+    #: Hugging Face repositories whose cached snapshot serves as ``path`` when the table gives none (configs,
+    #: tokenizers and the scheduler, read from the user's cache; weights are never downloaded).
+    hub_repos: ClassVar[tuple[str, ...]] = ()
+
+    path: Path | None = Field(
         None,
-        description="Optional single-file transformer in the model's original key layout (as the model's authors "
-        "and ComfyUI ship it); replaces the weights in path/transformer. Its sizes must match "
-        "path/transformer/config.json.",
+        description="The model's diffusers folder (model_index.json and its component folders, as "
+        "`save_pretrained` writes them; the components are listed by `diffpipe validate`). A component given as a "
+        "file below needs only its config (and tokenizer) files here. Absent: the snapshot of the model's published "
+        "repository in the Hugging Face cache, if there is one (configs and tokenizers only are read).",
+    )
+    diffusion_model: Path | None = Field(
+        None,
+        description="The diffusion model (transformer) as one file, as the model's authors or ComfyUI ship it: in "
+        "diffusers', the original release's or ComfyUI's key names, in any float dtype or quantized (ComfyUI's fp8 "
+        "scaled and int8 files stay quantized; LoRA only). Replaces the weights in path/transformer, whose "
+        "config.json sizes it. transformer_file is the older name of this key.",
+    )
+    vae: Path | None = Field(
+        None,
+        description="The VAE as one file (diffusers', the original or ComfyUI's key names); replaces path/vae's "
+        "weights.",
+    )
+    text_encoders: tuple[Path | TextEncoderFile, ...] = Field(
+        (),
+        description="Text encoder files (paths, or {path, type} tables as diffusion-pipe writes them), in "
+        "transformers', the original or ComfyUI's key names, fp8 scaled ones too. Which of the model's text "
+        "encoders each holds is read from its tensors; each replaces that component's weights in path.",
+    )
+    audio_vae: Path | None = Field(
+        None, description="The audio VAE as one file, for a model that has one; replaces path/audio_vae's weights."
     )
     dtype: Dtype = Field("bfloat16", description="dtype of the diffusion model's base weights while training.")
     encoder_dtype: Dtype = Field("bfloat16", description="dtype of the VAE and text encoders while caching.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "transformer_file" in data:
+            data = dict(data)
+            if "diffusion_model" in data:
+                raise ValueError("give diffusion_model or transformer_file (its older name), not both")
+            data["diffusion_model"] = data.pop("transformer_file")
+        return data
+
+    @model_validator(mode="after")
+    def _config_folder(self) -> DiffusersModelConfig:
+        if self.path is None:
+            from diffpipe_core.component_files import cached_snapshot
+
+            object.__setattr__(self, "path", cached_snapshot(type(self).hub_repos, self.type))
+        return self
+
+    def component_file_paths(self) -> dict[str, Path]:
+        """The component files the table names, by key (``text_encoders`` as ``text_encoders[i]``)."""
+        found = {k: getattr(self, k) for k in ("diffusion_model", "vae", "audio_vae") if getattr(self, k) is not None}
+        for i, entry in enumerate(self.text_encoders):
+            found[f"text_encoders[{i}]"] = entry if isinstance(entry, Path) else entry.path
+        return found
 
 
 class FlowMatchingConfig(ModelConfigBase):

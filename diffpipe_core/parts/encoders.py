@@ -40,9 +40,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def load_components(
     folder: DiffusersFolder, model_config: ModelConfigBase, device: Any, *names: str, dtype: str | None = None
 ) -> Encoders:
-    """Each named component of ``model_config.path`` (``folder``'s classes), models in ``dtype`` (default the
-    config's ``encoder_dtype``), frozen, on ``device``."""
+    """Each named component of ``model_config.path`` (``folder``'s classes), or of the component file that replaces
+    its weights (``[model] vae``, ``text_encoders``), models in ``dtype`` (default the config's ``encoder_dtype``),
+    frozen, on ``device``."""
     dtype = torch_dtype(dtype or getattr(model_config, "encoder_dtype", "float32"))
     path = model_config.path  # type: ignore[attr-defined]
-    loaded = {name: folder.load(path, name, dtype, device) for name in names}
+    files = folder.component_files(path, model_config)  # [model] vae / text_encoders given as files
+    loaded = {name: folder.load(path, name, dtype, device, files.get(name)) for name in names}
     return Encoders(model_config, device, **loaded)

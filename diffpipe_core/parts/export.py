@@ -85,6 +85,6 @@ def export_diffusers_folder(saved_dir: Path, model_config_file: Path, out_dir: P
 
 
 def export_single_file(saved_dir: Path, layout: KeyTable, out_file: Path) -> None:
-    """The core's saved shards as one safetensors file in the original layout (loadable as ``transformer_file``)."""
+    """The core's saved shards as one safetensors file in the original layout (loadable as ``diffusion_model``)."""
     state = {k: v.contiguous() for k, v in read_saved_model(saved_dir).items()}
     atomic_save_safetensors(layout.to_original(state), Path(out_file), {"format": "pt"})

@@ -15,7 +15,7 @@ its class, the diffusion model's weight files, an original-layout single file's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,10 @@ class DiffusersFolder:
         title: how messages call the model ("SDXL"); default ``model_name``.
         model_title: how messages call the diffusion model ("UNet"); default ``model``.
         single_file_hint: what a missing weight file's message suggests instead.
+        file_layouts: component -> a function of its config returning the :class:`KeyTable` of its original layout,
+            for a component given as a file in that layout (``[model] vae``, ``text_encoders``); files in diffusers'
+            or transformers' names need none. An ``AutoencoderKL`` reads the LDM layout (Flux's ``ae.safetensors``)
+            without one.
     """
 
     model_name: str
@@ -80,7 +84,8 @@ class DiffusersFolder:
     single_file_example: str = ""
     title: str = ""
     model_title: str = ""
-    single_file_hint: str = "give transformer_file for an original-layout single file"
+    single_file_hint: str = "give diffusion_model for an original-layout single file"
+    file_layouts: Mapping[str, Callable[[Mapping[str, Any]], KeyTable]] = field(default_factory=dict)
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -193,10 +198,20 @@ class DiffusersFolder:
     def component_class(self, component: str) -> str:
         return self._classes[component][0]
 
-    def load(self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None) -> Any:
+    def load(
+        self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None, file: Any = None
+    ) -> Any:
         """One component from its folder: a diffusers or transformers class by the table's first name (frozen,
         in eval mode, on ``device``), a tokenizer (``AutoTokenizer``) or an image processor
-        (``AutoImageProcessor``). Only local files are read."""
+        (``AutoImageProcessor``). Only local files are read. ``file``: the component's weights come from this
+        component file instead (a ``(ComponentFile, Fit)`` pair from :meth:`component_files`), its config from the
+        folder."""
+        if file is not None:
+            from diffpipe_core.component_files import load_into
+
+            component_file, fit = file
+            model = load_into(self.skeleton(path, component, dtype), component_file, fit, component)
+            return (model.to(device) if device is not None else model).eval().requires_grad_(False)
         folder = Path(path) / component
         if not folder.is_dir():
             raise FileNotFoundError(
@@ -221,6 +236,69 @@ class DiffusersFolder:
         return module.eval().requires_grad_(False)
 
 
+    def file_tables(self, path: Path, component: str) -> list[KeyTable]:
+        """The original layouts a file of ``component`` may be in (:attr:`file_layouts`; the LDM VAE's for an
+        ``AutoencoderKL``)."""
+        config = self.model_config(path, component)
+        if component in self.file_layouts:
+            return [self.file_layouts[component](config)]
+        if self.component_class(component) == "AutoencoderKL":
+            from diffpipe_core.parts.ldm import vae_table
+
+            return [vae_table(config, "")]
+        return []
+
+    def text_encoder_names(self) -> list[str]:
+        """The components a ``[model] text_encoders`` file may give: every model component named ``text_encoder*``."""
+        return [n for n, c in self._classes.items() if n.startswith("text_encoder") and c[0] not in (TOKENIZER,)]
+
+    def component_files(self, path: Path, model_config: Any) -> dict[str, Any]:
+        """The components ``[model] vae``, ``audio_vae`` and ``text_encoders`` give as files, each as a
+        ``(ComponentFile, Fit)`` pair for :meth:`load`: which text encoder a file holds, and the layout of every
+        file, are read from its tensors against the component's config. Raises ValueError naming the key and the
+        file when a file fits nothing it could be, or when the model has no such component."""
+        import torch
+
+        from diffpipe_core.component_files import (
+            assign_text_encoders,
+            fit_file,
+            model_shapes,
+            read_component_file,
+            tied_names,
+        )
+
+        found: dict[str, Any] = {}
+        for key in ("vae", "audio_vae"):
+            file = getattr(model_config, key, None)
+            if file is None:
+                continue
+            if key not in self._classes:
+                raise ValueError(f"model.{key}: {self.title or self.model_name} has no {key.replace('_', ' ')}")
+            header = read_component_file(file, key)
+            skeleton = self.skeleton(path, key, torch.float32)
+            shapes = model_shapes(skeleton)
+            fit = fit_file(header, shapes, self.file_tables(path, key), tied_names(skeleton))
+            if fit is None or not fit.complete:
+                got = f"fills {fit.covered} of its {fit.total} tensors" if fit else "fits none of its tensors"
+                raise ValueError(
+                    f"model.{key}: {file}: not the {self.title or self.model_name} {key.replace('_', ' ')} of "
+                    f"{Path(path) / key / 'config.json'} (read as diffusers' names or the original layout, it {got}; "
+                    f"its keys begin {', '.join(list(header.weights)[:3])})"
+                )
+            found[key] = (header, fit)
+        entries = tuple(getattr(model_config, "text_encoders", ()) or ())
+        if entries:
+            names = self.text_encoder_names()
+            if not names:
+                raise ValueError(f"model.text_encoders: {self.title or self.model_name} has no text encoder")
+            files = [(f"text_encoders[{i}]", e if isinstance(e, Path) else e.path) for i, e in enumerate(entries)]
+            skeletons = {n: self.skeleton(path, n, torch.float32) for n in names}
+            describe = {n: f"{type(m).__name__}, {_count(m)} parameters" for n, m in skeletons.items()}
+            shapes = {n: model_shapes(m) for n, m in skeletons.items()}
+            tied = {n: tied_names(m) for n, m in skeletons.items()}
+            found.update(assign_text_encoders(files, shapes, describe, tied))
+        return found
+
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
         """``component`` from its config with its parameters on the meta device and its buffers real (a buffer no
         file holds, CLIP's ``position_ids``, keeps its value), cast as ``from_pretrained(torch_dtype=dtype)`` casts."""
@@ -234,6 +312,8 @@ class DiffusersFolder:
                 model = cls(cls.config_class.from_pretrained(where))
             else:
                 model = cls.from_config(cls.load_config(where))
+        if hasattr(model, "tie_weights"):  # one tensor under both names (T5's shared and embed_tokens), as files
+            model.tie_weights()  # hold it (outside init_empty_weights, which would register a copy)
         return cast_skeleton(model, dtype)
 
     def load_original(
@@ -272,6 +352,12 @@ class DiffusersFolder:
         else:
             files = diffusers_weight_files(folder, what=f"{component} weights")
         return [(f, lambda key, c=component: f"{c}.{key}") for f in files]
+
+
+def _count(model: Any) -> str:
+    from diffpipe_core.component_files import human_count
+
+    return human_count(sum(t.numel() for t in model.parameters()))
 
 
 def find_class(name: str) -> Any:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from diffpipe_core.component_files import DiffusionModelFile
     from diffpipe_core.parts.folder import DiffusersFolder
     from diffpipe_core.parts.layout import KeyTable
 
@@ -110,7 +111,7 @@ class DiffusersModel:
     spec: ClassVar[ModelSpec]
     folder: ClassVar[DiffusersFolder]
     model_class: ClassVar[str]
-    single_file_key: ClassVar[str | None] = "transformer_file"
+    single_file_key: ClassVar[str | None] = "diffusion_model"
     single_file_markers: ClassVar[tuple[str, ...]] = ()
     sibling_markers: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
     single_file_name: ClassVar[str] = "transformer.safetensors"
@@ -163,7 +164,7 @@ class DiffusersModel:
     def model_component(self, model_config: ModelConfigBase) -> str:
         """The folder component holding the diffusion model this run trains (default :attr:`folder`'s ``model``).
         Its config sizes the model, its weights are loaded, its config goes with a ``diffusers`` export, and a
-        ``transformer_file`` replaces its weights."""
+        ``diffusion_model`` replaces its weights."""
         return self.folder.model
 
     def model_folder(self, model_config: ModelConfigBase) -> Path:
@@ -202,7 +203,8 @@ class DiffusersModel:
             return self.folder.skeleton(folder, component, dtype)
         layout = self.component_layout(model_config, component) if single is not None else None
         if layout is None:
-            return self.folder.load(folder, component, dtype, device)
+            given = self.folder.component_files(folder, model_config).get(component)  # [model] vae, text_encoders
+            return self.folder.load(folder, component, dtype, device, given)
         return self.folder.load_original(folder, component, Path(single), layout, dtype, device)  # type: ignore[arg-type]
 
     def original_components(self, model_config: ModelConfigBase, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -255,14 +257,59 @@ class DiffusersModel:
         if sibling:
             return [sibling]
         single = self.single_file(model_config)
-        layout = None
+        layout, markers = None, self.single_file_markers
+        folder, component = self.model_folder(model_config), self.model_component(model_config)
         if single is not None:
             try:
-                layout = self.layout_for(model_config)
+                layout = self.original_layout(self.model_folder_config(model_config))
+                found = self.diffusion_model_file(model_config) if single.is_file() else None
             except (OSError, ValueError) as exc:
                 return [str(exc)]
-        folder, component = self.model_folder(model_config), self.model_component(model_config)
-        return self.checked_folder(model_config).problems(folder, single, layout, self.single_file_markers, component)
+            if found is not None and found.fit is not None:
+                if not found.fit.complete:
+                    return [
+                        f"{single}: fills {found.fit.covered} of the {found.fit.total} tensors of the "
+                        f"{self.spec.name} {component} that {folder / component / 'config.json'} describes (read as "
+                        f"{found.fit.layout}): a file of another size or variant of the model?"
+                    ]
+                markers = ()  # its keys fit: diffusers' names are as good as the original layout's
+            elif layout is None:
+                layout = self.layout_for(model_config)
+        problems = self.checked_folder(model_config).problems(folder, single, layout, markers, component)
+        if problems:
+            return problems
+        try:
+            self.folder.component_files(folder, model_config)
+        except (OSError, ValueError) as exc:
+            return [str(exc)]
+        return []
+
+    def model_file_lines(self, model_config: ModelConfigBase) -> list[str]:
+        """One line per component file (``diffpipe validate``): the layout found, dtype or quantization, parameter
+        count and the component it gives; and where the configs come from."""
+        from diffpipe_core.component_files import human_count
+
+        folder = self.model_folder(model_config)
+        lines = []
+        if getattr(model_config, "path", None) is not None and "snapshots" in Path(folder).parts:
+            lines.append(f"configs and tokenizers: {folder} (the Hugging Face cache)")
+        single = self.single_file(model_config)
+        if single is not None and self.single_file_key == "diffusion_model":
+            found = self.diffusion_model_file(model_config)
+            component = self.model_component(model_config)
+            layout = found.fit.layout if found.fit else "unknown layout"
+            kept = f", {len(found.plan)} linears kept quantized" if found.plan else ""
+            lines.append(
+                f"diffusion_model: {single}: {layout}, {found.file.quantization()}{kept}, "
+                f"{human_count(found.file.parameter_count())} parameters, sized by {folder / component / 'config.json'}"
+            )
+        for component, (file, fit) in self.folder.component_files(folder, model_config).items():
+            cls = self.folder.component_class(component)
+            lines.append(
+                f"{component}: {file.path}: {fit.layout}, {file.quantization()}, "
+                f"{human_count(file.parameter_count())} parameters ({cls})"
+            )
+        return lines
 
     @hookimpl
     def load_encoders(self, model_config: ModelConfigBase, device: Any) -> Any:
@@ -308,12 +355,22 @@ class DiffusersModel:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        if torch.device(device).type == "meta":
-            return self._with_components(self.build_skeleton(model_config, "meta", dtype), model_config, device, dtype)
+        single = self.single_file(model_config)
+        found = self.diffusion_model_file(model_config) if single is not None else None
         model = self.build_skeleton(model_config, "meta", dtype)
+        if found is not None and found.plan:  # a quantized file: its linears stay quantized
+            from diffpipe_core.component_files import keep_quantized
+
+            keep_quantized(model, found.plan, dtype)
+        if torch.device(device).type == "meta":
+            return self._with_components(model, model_config, device, dtype)
         skeleton = model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in skeleton.items()}
-        single = self.single_file(model_config)
+        if found is not None and found.fit is not None and (found.fit.table is None or found.file.quantized):
+            from diffpipe_core.component_files import fill_whole
+
+            fill_whole(model, single, self.diffusion_model_weights(model_config)[0][1], device)
+            return self._with_components(model, model_config, device, dtype)
         if single is not None:
             sibling = self.sibling_problem(model_config)
             if sibling:
@@ -361,12 +418,31 @@ class DiffusersModel:
         keys, problem = safetensors_keys(Path(single))
         if problem:
             raise FileNotFoundError(problem)
-        found = [(Path(single), self.layout_for(model_config).key_map(keys))]
+        file = self.diffusion_model_file(model_config)
+        key_map = file.key_map if file.fit is not None else self.layout_for(model_config).key_map(keys)
+        found = [(Path(single), key_map)]
         for name in held:
             layout = self.component_layout(model_config, name)
             in_file = [(Path(single), layout.key_map(keys, name))] if layout else None
             found += in_file or self.folder.component_weights(folder, name)
         return found
+
+    def diffusion_model_file(self, model_config: ModelConfigBase) -> DiffusionModelFile:
+        """The ``diffusion_model`` file: its header, how its keys fit the model (diffusers' names under any prefix,
+        or :meth:`original_layout`'s), and which linears keep its quantized weights. Read once per file state."""
+        from diffpipe_core.component_files import describe_diffusion_model
+
+        single = Path(self.single_file(model_config))  # type: ignore[arg-type]
+        stat = single.stat()
+        key = (str(single), stat.st_mtime_ns, stat.st_size, str(self.model_folder(model_config)))
+        cache = self.__dict__.setdefault("_diffusion_model_files", {})
+        if key not in cache:
+            import torch
+
+            skeleton = self.build_skeleton(model_config, "meta", torch.float32)
+            tables = [t for t in [self.original_layout(self.model_folder_config(model_config))] if t is not None]
+            cache[key] = describe_diffusion_model(single, skeleton, tables)
+        return cache[key]
 
     @hookimpl
     def lora_targets(self, model_config: ModelConfigBase) -> list[str]:

@@ -19,7 +19,7 @@ def test_cosmos_plugins_conform(tiny_models: dict[str, Path], name: str, layout:
     folder = tiny_models[name]
     table = {"type": name, "path": folder, "dtype": "float32", "encoder_dtype": "float32", "t5_max_length": 16}
     if layout == "original":
-        table["transformer_file"] = original_path(folder)
+        table["diffusion_model"] = original_path(folder)
     frames = 9 if name == "cosmos" else 5
     pixels = torch.rand(2, 3, frames, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     check_model_plugin(PLUGINS[name], name, table, pixels=pixels, captions=["a red cat", "a robot arm walking"])

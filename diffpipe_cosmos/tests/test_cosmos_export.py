@@ -59,9 +59,9 @@ def test_full_model_exports_load_back(tiny_models: dict[str, Path], tmp_path: Pa
     assert plugin.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
     single = next((saved / "single_file").glob("*.safetensors"))
     assert all(k.startswith("net.") for k in load_file(str(single)))
-    assert plugin.validate_model_files(validate(type(cfg), {**table, "transformer_file": single}, "test")) == []
+    assert plugin.validate_model_files(validate(type(cfg), {**table, "diffusion_model": single}, "test")) == []
     from_single = plugin.load_diffusion_model(
-        validate(type(cfg), {**table, "transformer_file": single}, "test"), torch.device("cpu"), torch.float32
+        validate(type(cfg), {**table, "diffusion_model": single}, "test"), torch.device("cpu"), torch.float32
     )
     from diffusers import CosmosTransformer3DModel
 

@@ -24,7 +24,7 @@ from diffpipe_cosmos.testing import TinyCosmosConfig, original_path, tiny_transf
 def test_both_layouts_load_the_same_weights(tiny_models: dict[str, Path], name: str) -> None:
     folder, plugin = tiny_models[name], PLUGINS[name]
     a = plugin.load_diffusion_model(config(name, folder), torch.device("cpu"), torch.float32).state_dict()
-    cfg = config(name, folder, transformer_file=original_path(folder))
+    cfg = config(name, folder, diffusion_model=original_path(folder))
     b = plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32).state_dict()
     assert a.keys() == b.keys() and len(a) > 40
     for key in a:
@@ -50,7 +50,7 @@ def test_predict2_original_keys_match_diffusers_converter(tiny_predict2: Path) -
 
 
 def test_original_file_of_the_other_generation_is_refused(tiny_models: dict[str, Path]) -> None:
-    cfg = config("cosmos", tiny_models["cosmos"], transformer_file=original_path(tiny_models["cosmos-predict2"]))
+    cfg = config("cosmos", tiny_models["cosmos"], diffusion_model=original_path(tiny_models["cosmos-predict2"]))
     expected = r"predict2\d*/tiny\.original\.safetensors: this is a Cosmos-Predict2 transformer checkpoint"
     with pytest.raises(KeyError, match=expected):
         cosmos1.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
@@ -65,7 +65,7 @@ def test_bad_single_file_names_file_and_key(tiny_predict2: Path, tmp_path: Path)
     file = tmp_path / "bad.safetensors"
     save_file(bad, str(file))
     plugin = predict2
-    cfg = config("cosmos-predict2", tiny_predict2, transformer_file=file)
+    cfg = config("cosmos-predict2", tiny_predict2, diffusion_model=file)
     with pytest.raises(KeyError, match=r"bad\.safetensors: unexpected key 'blocks\.0\.self_attn\.extra\.weight'"):
         plugin.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     del bad["net.blocks.0.self_attn.extra.weight"]
@@ -78,7 +78,7 @@ def test_bad_single_file_names_file_and_key(tiny_predict2: Path, tmp_path: Path)
 def test_validate_model_files(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     for name, folder in tiny_models.items():
         assert PLUGINS[name].validate_model_files(config(name, folder)) == []
-        assert PLUGINS[name].validate_model_files(config(name, folder, transformer_file=original_path(folder))) == []
+        assert PLUGINS[name].validate_model_files(config(name, folder, diffusion_model=original_path(folder))) == []
     # a Predict2 folder given to the 1.0 entry point: the pipeline class says so, alone
     problems = cosmos1.validate_model_files(config("cosmos", tiny_models["cosmos-predict2"]))
     assert len(problems) == 1 and "'Cosmos2TextToImagePipeline'" in problems[0]
@@ -207,7 +207,7 @@ def test_original_file_is_read_per_stage(tiny_models: dict[str, Path]) -> None:
     from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 
     folder = tiny_models["cosmos"]
-    cfg = config("cosmos", folder, transformer_file=original_path(folder))
+    cfg = config("cosmos", folder, diffusion_model=original_path(folder))
     first, second = (set(s.reads) for s in assert_stages_read_their_own(get_registry().model("cosmos"), cfg))
     assert first and second and all(k.startswith("net.") for k in first | second)
     assert "net.blocks.block0.blocks.0.block.attn.to_q.0.weight" in first

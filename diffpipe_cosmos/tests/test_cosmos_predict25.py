@@ -175,7 +175,7 @@ def test_folder_checks(tiny_predict25: Path, tmp_path: Path) -> None:
     assert predict25.validate_model_files(config(tiny_predict25)) == []
     single = tmp_path / "x.safetensors"
     single.write_bytes(b"")
-    problems = predict25.validate_model_files(config(tiny_predict25, transformer_file=single))
+    problems = predict25.validate_model_files(config(tiny_predict25, diffusion_model=single))
     assert problems and any("no original single-file layout" in p or "x.safetensors" in p for p in problems)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_predict25, broken)

@@ -74,7 +74,7 @@ def make_project(root: Path, name: str, stages: int, single_file: bool, extra: s
     write_media(root, FRAMES[name])
     model = {"type": name, "t5_max_length": 16, **OBJECTIVE[name]}
     if single_file:
-        model["transformer_file"] = original_path(root / "model").name
+        model["diffusion_model"] = original_path(root / "model").name
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "checkpoint_every_n_steps": STEPS, "seed": 3}
     text = runs.lora_run_toml(model, 5e-3, None, RANK, ALPHA, max_steps=STEPS, **top)
     (root / "run.toml").write_text(text + extra)

@@ -84,7 +84,7 @@ def test_layers_compute_the_chroma_forward(tmp_path: Path) -> None:
 
 def test_both_layouts_load_the_same_weights(tiny_chroma: Path) -> None:
     folder = chroma.load_diffusion_model(config(tiny_chroma), torch.device("cpu"), torch.float32).state_dict()
-    single_cfg = config(tiny_chroma, transformer_file=bfl_path(tiny_chroma))
+    single_cfg = config(tiny_chroma, diffusion_model=bfl_path(tiny_chroma))
     single = chroma.load_diffusion_model(single_cfg, torch.device("cpu"), torch.float32).state_dict()
     assert folder.keys() == single.keys() and len(folder) > 50
     for key in folder:
@@ -114,7 +114,7 @@ def test_original_keys_are_diffusers_converters() -> None:
 
 def test_single_file_is_read_per_stage(tiny_chroma: Path) -> None:
     plugin = get_registry().model("chroma")
-    cfg = config(tiny_chroma, transformer_file=bfl_path(tiny_chroma))
+    cfg = config(tiny_chroma, diffusion_model=bfl_path(tiny_chroma))
     first, second = assert_stages_read_their_own(plugin, cfg)
     assert set(first.reads) | set(second.reads) == set(load_file(str(bfl_path(tiny_chroma))))
     assert "distilled_guidance_layer.in_proj.weight" in first.reads and "final_layer.linear.weight" in second.reads
@@ -122,5 +122,5 @@ def test_single_file_is_read_per_stage(tiny_chroma: Path) -> None:
 
 def test_chroma_plugin_conforms(tiny_chroma: Path) -> None:
     """From the original single file (the folder layout's loading is the one Flux's conformance test covers)."""
-    model = table(tiny_chroma, transformer_file=bfl_path(tiny_chroma))
+    model = table(tiny_chroma, diffusion_model=bfl_path(tiny_chroma))
     check_model_plugin(chroma, "chroma", model, torch.rand(2, 3, 32, 48) * 2 - 1, CAPTIONS)

@@ -21,7 +21,7 @@ from diffpipe_flux.testing import bfl_path, comfy_lora_keys, write_tiny_chroma
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 16
-MODEL = {"type": "chroma", "transformer_file": "model.bfl.safetensors", "t5_max_length": 8}
+MODEL = {"type": "chroma", "diffusion_model": "model.bfl.safetensors", "t5_max_length": 8}
 SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "every_n_steps": STEPS, "steps": 2, "seed": 5}
 
 
@@ -30,7 +30,7 @@ def run_config(steps: int = STEPS, single_file: bool = True, sample: bool = True
     the first step and at the end (or not at all)."""
     model = {**MODEL, "timestep_sample_method": "uniform"}
     if not single_file:
-        del model["transformer_file"]
+        del model["diffusion_model"]
     top = {"max_steps": steps, "gradient_accumulation_steps": 2, "checkpoint_every_n_steps": steps, "seed": 7, **top}
     return runs.lora_run_toml(model, 3e-2, {**SAMPLE, "resolution": 32} if sample else None, RANK, ALPHA, **top)
 CAPTIONS = ["a red cat", "a blue dog", "a green tree", "a small house", "a dark river", "a bright sky"]

@@ -151,7 +151,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(variant) 
 
     v, path = variant
     folder = v.plugin.load_diffusion_model(config(v, path), torch.device("cpu"), torch.float32).state_dict()
-    single_cfg = config(v, path, transformer_file=bfl_path(path))
+    single_cfg = config(v, path, diffusion_model=bfl_path(path))
     single = v.plugin.load_diffusion_model(single_cfg, torch.device("cpu"), torch.float32).state_dict()
     original = load_file(str(bfl_path(path)))
     theirs = convert_flux2_transformer_checkpoint_to_diffusers(dict(original))
@@ -165,7 +165,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(variant) 
 
 
 def test_single_file_is_read_per_stage(tiny_klein: Path) -> None:
-    cfg = config(VARIANTS["flux2-klein"], tiny_klein, transformer_file=bfl_path(tiny_klein))
+    cfg = config(VARIANTS["flux2-klein"], tiny_klein, diffusion_model=bfl_path(tiny_klein))
     first, second = assert_stages_read_their_own(get_registry().model("flux2-klein"), cfg)
     assert set(first.reads) | set(second.reads) == set(load_file(str(bfl_path(tiny_klein))))
     assert "double_stream_modulation_img.lin.weight" in first.reads and "final_layer.linear.weight" in second.reads
@@ -187,7 +187,7 @@ def test_the_other_variants_folder_is_refused(tiny_klein: Path, tiny_flux2: Path
 def test_plugin_conforms(variant) -> None:
     """From the BFL / ComfyUI single file (the folder layout's loading: the tests above)."""
     v, folder = variant
-    model = table(v, folder, transformer_file=bfl_path(folder))
+    model = table(v, folder, diffusion_model=bfl_path(folder))
     check_model_plugin(v.plugin, v.name, model, torch.rand(2, 3, 32, 48) * 2 - 1, CAPTIONS)
 
 

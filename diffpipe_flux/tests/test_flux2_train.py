@@ -35,7 +35,7 @@ def make_project(root: Path, variant: str, stages: int = 1) -> Path:
     write(root / "model")
     write_image_dataset(root / "images", 6, size=(32, 32), captions=CAPTIONS)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[32])
-    model = {"type": variant, "transformer_file": "model.bfl.safetensors", "text_max_length": length}
+    model = {"type": variant, "diffusion_model": "model.bfl.safetensors", "text_max_length": length}
     sample = {"prompts": [PROMPT], "before_first_step": True, "every_n_steps": STEPS, "steps": 2, "seed": SEED}
     toml = runs.lora_run_toml(
         {**model, "timestep_sample_method": "uniform"}, 3e-2, {**sample, "resolution": 32}, RANK, ALPHA,

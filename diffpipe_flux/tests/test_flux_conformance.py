@@ -16,7 +16,7 @@ from diffpipe_flux.testing import bfl_path
 def test_flux_plugin_conforms(tiny_flux: Path, layout: str) -> None:
     table = {"type": "flux", "path": tiny_flux, "dtype": "float32", "encoder_dtype": "float32", "t5_max_length": 16}
     if layout == "bfl":
-        table["transformer_file"] = bfl_path(tiny_flux)
+        table["diffusion_model"] = bfl_path(tiny_flux)
     check_model_plugin(
         flux, "flux", table, pixels=torch.rand(2, 3, 32, 48) * 2 - 1, captions=["a red cat", "a photo of a dog"]
     )

@@ -82,7 +82,7 @@ def test_full_model_exports_load_back(tiny_flux: Path, tmp_path: Path) -> None:
     bfl_file = saved / "single_file" / "flux1-transformer.safetensors"
     assert "double_blocks.0.img_attn.qkv.weight" in load_file(str(bfl_file))
     from_bfl = flux.load_diffusion_model(
-        validate(FluxConfig, {**table, "transformer_file": bfl_file}, "test"), torch.device("cpu"), torch.float32
+        validate(FluxConfig, {**table, "diffusion_model": bfl_file}, "test"), torch.device("cpu"), torch.float32
     )
     from diffusers import FluxTransformer2DModel
 

@@ -24,7 +24,7 @@ def _check(**keys) -> list[str]:
 
 def test_flux_folder_passes_and_other_architectures_are_named(tiny_flux: Path, tmp_path: Path) -> None:
     assert _check(path=tiny_flux) == []
-    assert _check(path=tiny_flux, transformer_file=bfl_path(tiny_flux)) == []
+    assert _check(path=tiny_flux, diffusion_model=bfl_path(tiny_flux)) == []
 
     sdxl = tmp_path / "sdxl"  # an SDXL folder's structure (its JSON files are all the check reads)
     (sdxl / "unet").mkdir(parents=True)
@@ -53,5 +53,5 @@ def test_flux_folder_passes_and_other_architectures_are_named(tiny_flux: Path, t
 
     not_bfl = tmp_path / "not_bfl.safetensors"
     save_file({"down_blocks.0.weight": torch.zeros(1)}, str(not_bfl))
-    (problem,) = _check(path=tiny_flux, transformer_file=not_bfl)
+    (problem,) = _check(path=tiny_flux, diffusion_model=not_bfl)
     assert str(not_bfl) in problem and "double_blocks" in problem and "down_blocks.0.weight" in problem

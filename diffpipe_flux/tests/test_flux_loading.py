@@ -28,7 +28,7 @@ def config(path: Path, **kw) -> FluxConfig:
 def test_both_layouts_load_the_same_weights(tiny_flux: Path) -> None:
     folder = flux.load_diffusion_model(config(tiny_flux), torch.device("cpu"), torch.float32)
     single = flux.load_diffusion_model(
-        config(tiny_flux, transformer_file=bfl_path(tiny_flux)), torch.device("cpu"), torch.float32
+        config(tiny_flux, diffusion_model=bfl_path(tiny_flux)), torch.device("cpu"), torch.float32
     )
     a, b = folder.state_dict(), single.state_dict()
     assert a.keys() == b.keys() and len(a) > 50
@@ -71,15 +71,15 @@ def test_bad_single_file_names_file_and_key(tiny_flux: Path, tmp_path: Path) -> 
     file = tmp_path / "bad.safetensors"
     save_file(bad, str(file))
     with pytest.raises(KeyError, match=r"bad\.safetensors.*unexpected.*double_blocks\.0\.img_attn\.extra\.weight"):
-        flux.load_diffusion_model(config(tiny_flux, transformer_file=file), torch.device("cpu"), torch.float32)
+        flux.load_diffusion_model(config(tiny_flux, diffusion_model=file), torch.device("cpu"), torch.float32)
     del bad["double_blocks.0.img_attn.extra.weight"], bad["txt_in.bias"]
     save_file(bad, str(file))
     with pytest.raises(KeyError, match=r"bad\.safetensors.*missing key 'txt_in\.bias'"):
-        flux.load_diffusion_model(config(tiny_flux, transformer_file=file), torch.device("cpu"), torch.float32)
+        flux.load_diffusion_model(config(tiny_flux, diffusion_model=file), torch.device("cpu"), torch.float32)
     bad["txt_in.bias"] = torch.zeros(3)
     save_file(bad, str(file))
     with pytest.raises(ValueError, match=r"bad\.safetensors.*'context_embedder\.bias' has shape \(3,\)"):
-        flux.load_diffusion_model(config(tiny_flux, transformer_file=file), torch.device("cpu"), torch.float32)
+        flux.load_diffusion_model(config(tiny_flux, diffusion_model=file), torch.device("cpu"), torch.float32)
 
 
 def test_missing_folder_is_reported(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from diffpipe_flux.testing import bfl_path
 
 def test_bfl_single_file_is_read_per_stage(tiny_flux: Path) -> None:
     plugin = get_registry().model("flux")
-    table = {"type": "flux", "path": tiny_flux, "dtype": "float32", "transformer_file": bfl_path(tiny_flux)}
+    table = {"type": "flux", "path": tiny_flux, "dtype": "float32", "diffusion_model": bfl_path(tiny_flux)}
     first, second = (set(s.reads) for s in assert_stages_read_their_own(plugin, validate(FluxConfig, table, "test")))
     with safe_open(str(bfl_path(tiny_flux)), "pt") as f:
         file_keys = set(f.keys())

@@ -40,7 +40,7 @@ def make_project(root: Path, stages: int, single_file: bool) -> Path:
     write_tiny_flux(root / "model", TinyFluxConfig(num_single_layers=2))
     write_image_dataset(root / "images", 8, size=(64, 64), captions=CAPTIONS)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
-    model = {**MODEL, "transformer_file": bfl_path(root / "model").name} if single_file else MODEL
+    model = {**MODEL, "diffusion_model": bfl_path(root / "model").name} if single_file else MODEL
     # the data-parallel run also recomputes activations (activation checkpointing through the Flux layers)
     top = {"gradient_accumulation_steps": 2, "pipeline_stages": stages, "activation_checkpointing": single_file}
     top |= {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, "seed": 7}

@@ -28,6 +28,6 @@ def test_hunyuan15_plugins_conform(
         Image.fromarray(np.full((32, 32, 3), 90, dtype=np.uint8)).save(tmp_path / "first.png")
         table |= {"path": tiny_hunyuan15_i2v, "sample_image": tmp_path / "first.png"}
     else:
-        table |= {"path": tiny_hunyuan15, "transformer_file": original_path(tiny_hunyuan15)}
+        table |= {"path": tiny_hunyuan15, "diffusion_model": original_path(tiny_hunyuan15)}
     pixels = torch.rand(2, 3, 5, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     check_model_plugin(plugin, name, table, pixels=pixels, captions=["a red cat", 'a sign saying "open"'])

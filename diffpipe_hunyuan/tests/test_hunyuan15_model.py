@@ -150,7 +150,7 @@ def test_layers_compute_the_diffusers_forward(
 
 def test_both_layouts_load_the_same_weights(tiny_hunyuan15: Path, crop_start15: int) -> None:
     folder = t2v.load_diffusion_model(config(t2v, tiny_hunyuan15, crop_start15), CPU, torch.float32)
-    single_cfg = config(t2v, tiny_hunyuan15, crop_start15, transformer_file=original_path(tiny_hunyuan15))
+    single_cfg = config(t2v, tiny_hunyuan15, crop_start15, diffusion_model=original_path(tiny_hunyuan15))
     single = t2v.load_diffusion_model(single_cfg, CPU, torch.float32)
     assert_same_weights(folder.state_dict(), single.state_dict(), at_least=100)
     # the single file is Tencent's layout: split q, k, v, the 1.5 embedders, no diffusers names
@@ -164,7 +164,7 @@ def test_both_layouts_load_the_same_weights(tiny_hunyuan15: Path, crop_start15: 
 
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
 def test_per_stage_loading_reads_only_the_stage_layers(tiny_hunyuan15: Path, crop_start15: int, layout: str) -> None:
-    single = {"transformer_file": original_path(tiny_hunyuan15)} if layout == "original" else {}
+    single = {"diffusion_model": original_path(tiny_hunyuan15)} if layout == "original" else {}
     registry = Registry()
     assert registry.register_model("hunyuan-video-1.5", t2v).ok
     cfg = config(t2v, tiny_hunyuan15, crop_start15, **single)

@@ -47,7 +47,7 @@ def train_project(root: Path, model_type: str, model: Path) -> Path:
     table = {"type": model_type, "text_max_length": 8, "glyph_max_length": 8, "timestep_sample_method": "uniform"}
     table["text_crop_start"] = template_crop_start(qwen_tokenizer())
     if not i2v:
-        table["transformer_file"] = original_path(root / "model").name
+        table["diffusion_model"] = original_path(root / "model").name
     top = {"max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7, "checkpoint_every_n_steps": STEPS}
     sample = None if i2v else SAMPLE
     (root / "run.toml").write_text(runs.lora_run_toml(table, 1.5e-2, sample, RANK, ALPHA, **top))

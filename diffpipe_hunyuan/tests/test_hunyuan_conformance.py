@@ -24,6 +24,6 @@ def test_hunyuan_plugin_conforms(tiny_hunyuan: Path, crop_start: int, layout: st
         "text_crop_start": crop_start,
     }
     if layout == "original":
-        table["transformer_file"] = original_path(tiny_hunyuan)
+        table["diffusion_model"] = original_path(tiny_hunyuan)
     pixels = torch.rand(2, 3, 5, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
     check_model_plugin(hy, "hunyuan-video", table, pixels=pixels, captions=["a red cat", "a photo of a dog"])

@@ -88,7 +88,7 @@ def test_full_model_exports_load_back(tiny_hunyuan: Path, tmp_path: Path) -> Non
     assert hy.export_model(saved_dir=saved, model_config=cfg, out_dir=saved / "x", format="ckpt") is None
     single = saved / "single_file" / "hunyuan_video_transformer.safetensors"
     assert "double_blocks.0.img_attn_qkv.weight" in load_file(str(single))
-    single_cfg = validate(HunyuanConfig, {**table, "transformer_file": single}, "test")
+    single_cfg = validate(HunyuanConfig, {**table, "diffusion_model": single}, "test")
     from_single = hy.load_diffusion_model(single_cfg, torch.device("cpu"), torch.float32).state_dict()
     from_folder = HunyuanVideoTransformer3DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():

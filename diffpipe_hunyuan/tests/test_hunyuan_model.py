@@ -31,7 +31,7 @@ config = tiny_config
 
 def test_both_layouts_load_the_same_weights(tiny_hunyuan: Path, crop_start: int) -> None:
     folder = hy.load_diffusion_model(config(tiny_hunyuan, crop_start), CPU, torch.float32)
-    single_cfg = config(tiny_hunyuan, crop_start, transformer_file=original_path(tiny_hunyuan))
+    single_cfg = config(tiny_hunyuan, crop_start, diffusion_model=original_path(tiny_hunyuan))
     single = hy.load_diffusion_model(single_cfg, CPU, torch.float32)
     assert_same_weights(folder.state_dict(), single.state_dict(), at_least=100)
     # the single file really is in the original layout (fused qkv, Tencent names), not a diffusers dump
@@ -43,7 +43,7 @@ def test_both_layouts_load_the_same_weights(tiny_hunyuan: Path, crop_start: int)
 
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
 def test_per_stage_loading_reads_only_the_stage_layers(tiny_hunyuan: Path, crop_start: int, layout: str) -> None:
-    single = {"transformer_file": original_path(tiny_hunyuan)} if layout == "original" else {}
+    single = {"diffusion_model": original_path(tiny_hunyuan)} if layout == "original" else {}
     registry = Registry()
     assert registry.register_model("hunyuan-video", hy).ok
     stages = assert_stages_read_their_own(registry.model("hunyuan-video"), config(tiny_hunyuan, crop_start, **single))
@@ -169,7 +169,7 @@ def test_bad_single_file_names_file_and_key(tiny_hunyuan: Path, crop_start: int,
     bad = load_file(str(original_path(tiny_hunyuan)))
     file = tmp_path / "bad.safetensors"
     load = lambda: hy.load_diffusion_model(  # noqa: E731
-        config(tiny_hunyuan, crop_start, transformer_file=file), CPU, torch.float32
+        config(tiny_hunyuan, crop_start, diffusion_model=file), CPU, torch.float32
     )
     save_file({**bad, "double_blocks.0.img_attn_extra.weight": torch.zeros(2)}, str(file))
     with pytest.raises(KeyError, match=r"bad\.safetensors.*unexpected.*double_blocks\.0\.img_attn_extra\.weight"):
@@ -188,10 +188,10 @@ def test_validate_model_files(tiny_hunyuan: Path, crop_start: int, tmp_path: Pat
     plugin = registry.model("hunyuan-video")
     assert plugin.has("validate_model_files")  # the core finds the hook (diffpipe validate, before caching)
     assert model_file_problems(plugin, config(tiny_hunyuan, crop_start)) == []
-    single = config(tiny_hunyuan, crop_start, transformer_file=original_path(tiny_hunyuan))
+    single = config(tiny_hunyuan, crop_start, diffusion_model=original_path(tiny_hunyuan))
     assert hy.validate_model_files(single) == []
     diffusers_file = tiny_hunyuan / "transformer" / "diffusion_pytorch_model.safetensors"
-    [problem] = hy.validate_model_files(config(tiny_hunyuan, crop_start, transformer_file=diffusers_file))
+    [problem] = hy.validate_model_files(config(tiny_hunyuan, crop_start, diffusion_model=diffusers_file))
     assert str(diffusers_file) in problem and "double_blocks.0.img_attn_qkv.weight" in problem
 
     other = tmp_path / "other"

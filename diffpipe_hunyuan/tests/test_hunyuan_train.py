@@ -53,7 +53,7 @@ def make_project(root: Path) -> Path:
     for stages, single_file in ((2, False), (1, True)):
         model = {**MODEL, "text_crop_start": crop}
         if single_file:
-            model["transformer_file"] = original_path(root / "model").name
+            model["diffusion_model"] = original_path(root / "model").name
         top = {"output_dir": f"out{stages}", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7}
         top |= {"pipeline_stages": stages, "checkpoint_every_n_steps": STEPS}
         text = runs.lora_run_toml(model, 4e-3, None, RANK, ALPHA, **top)

@@ -34,7 +34,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts(tiny_ltx2: Pat
 
     file = single_file_path(tiny_ltx2)
     folder = plugin.load_diffusion_model(model_config=config(tiny_ltx2), device=CPU, dtype=torch.float32)
-    single = plugin.load_diffusion_model(model_config=config(tiny_ltx2, transformer_file=file), device=CPU,
+    single = plugin.load_diffusion_model(model_config=config(tiny_ltx2, diffusion_model=file), device=CPU,
                                          dtype=torch.float32)
     a, b = folder.state_dict(), single.state_dict()
     assert a.keys() == b.keys() and len(a) > 100
@@ -56,7 +56,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts(tiny_ltx2: Pat
 
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
 def test_per_stage_loading_reads_only_the_stage_tensors(tiny_ltx2: Path, layout: str) -> None:
-    cfg = config(tiny_ltx2, transformer_file=single_file_path(tiny_ltx2) if layout == "original" else None)
+    cfg = config(tiny_ltx2, diffusion_model=single_file_path(tiny_ltx2) if layout == "original" else None)
     registry = Registry()
     assert registry.register_model("ltx-2", plugin).ok
     stages = assert_stages_read_their_own(registry.model("ltx-2"), cfg, stages=2)
@@ -67,7 +67,7 @@ def test_per_stage_loading_reads_only_the_stage_tensors(tiny_ltx2: Path, layout:
 def test_validate_model_files(tiny_ltx2: Path, tmp_path: Path) -> None:
     assert plugin.validate_model_files(model_config=config(tiny_ltx2)) == []
     assert plugin.validate_model_files(
-        model_config=config(tiny_ltx2, transformer_file=single_file_path(tiny_ltx2))
+        model_config=config(tiny_ltx2, diffusion_model=single_file_path(tiny_ltx2))
     ) == []
     (found,) = plugin.validate_model_files(model_config=config(tiny_ltx2, max_sequence_length=12))
     assert "max_sequence_length 12" in found and "8 learnable registers" in found
@@ -101,7 +101,7 @@ def test_full_finetune_exports_load_back(tiny_ltx2: Path, tmp_path: Path) -> Non
     state = runs.export_full_finetune(plugin, model, cfg, tmp_path / "saved")
     single = tmp_path / "saved" / "single_file" / "ltx2-transformer.safetensors"
     assert "model.diffusion_model.transformer_blocks.1.scale_shift_table_a2v_ca_video" in load_file(str(single))
-    from_single = plugin.load_diffusion_model(model_config=config(tiny_ltx2, transformer_file=single), device=CPU,
+    from_single = plugin.load_diffusion_model(model_config=config(tiny_ltx2, diffusion_model=single), device=CPU,
                                               dtype=torch.float32).state_dict()
     from_folder = LTX2VideoTransformer3DModel.from_pretrained(str(tmp_path / "saved" / "diffusers")).state_dict()
     assert all(torch.equal(from_single[k], v) and torch.equal(from_folder[k], v) for k, v in state.items())

@@ -23,6 +23,6 @@ def test_ltx_plugin_conforms(tiny_ltx: Path, layout: str) -> None:
         "first_frame_conditioning_p": 0.5,
     }
     if layout == "original":
-        table["transformer_file"] = single_file_path(tiny_ltx)
+        table["diffusion_model"] = single_file_path(tiny_ltx)
     pixels = torch.rand(2, 3, 9, 64, 96, generator=torch.Generator().manual_seed(0)) * 2 - 1
     check_model_plugin(ltx, "ltx-video", table, pixels=pixels, captions=["a red cat", "a photo of a dog"])

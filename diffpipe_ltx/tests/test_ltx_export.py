@@ -83,7 +83,7 @@ def test_full_model_exports_load_back(tiny_ltx: Path, tmp_path: Path) -> None:
     single = saved / "single_file" / "ltxv-transformer.safetensors"
     assert "model.diffusion_model.patchify_proj.weight" in load_file(str(single))
     from_single = ltx.load_diffusion_model(
-        model_config=validate(LTXConfig, {**table, "transformer_file": single}, "test"),
+        model_config=validate(LTXConfig, {**table, "diffusion_model": single}, "test"),
         device=torch.device("cpu"),
         dtype=torch.float32,
     )

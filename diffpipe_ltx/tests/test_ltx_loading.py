@@ -30,7 +30,7 @@ def config(path: Path, **kw) -> LTXConfig:
 def test_both_layouts_load_the_same_weights(tiny_ltx: Path) -> None:
     folder = ltx.load_diffusion_model(model_config=config(tiny_ltx), device=torch.device("cpu"), dtype=torch.float32)
     single = ltx.load_diffusion_model(
-        model_config=config(tiny_ltx, transformer_file=single_file_path(tiny_ltx)),
+        model_config=config(tiny_ltx, diffusion_model=single_file_path(tiny_ltx)),
         device=torch.device("cpu"),
         dtype=torch.float32,
     )
@@ -59,7 +59,7 @@ def test_original_layout_matches_diffusers_converter(tiny_ltx: Path) -> None:
 def test_per_stage_loading_reads_only_the_stage_tensors(
     tiny_ltx: Path, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = config(tiny_ltx, transformer_file=single_file_path(tiny_ltx) if layout == "original" else None)
+    cfg = config(tiny_ltx, diffusion_model=single_file_path(tiny_ltx) if layout == "original" else None)
     registry = Registry()
     assert registry.register_model("ltx-video", ltx).ok
     plugin = registry.model("ltx-video")
@@ -92,21 +92,21 @@ def test_bad_single_file_names_file_and_key(tiny_ltx: Path, tmp_path: Path) -> N
     save_file(bad, str(file))
     cpu = torch.device("cpu")
     with pytest.raises(KeyError, match=r"bad\.safetensors.*unexpected.*transformer_blocks\.0\.extra\.weight"):
-        ltx.load_diffusion_model(model_config=config(tiny_ltx, transformer_file=file), device=cpu, dtype=torch.float32)
+        ltx.load_diffusion_model(model_config=config(tiny_ltx, diffusion_model=file), device=cpu, dtype=torch.float32)
     del bad["model.diffusion_model.transformer_blocks.0.extra.weight"]
     bad["model.diffusion_model.patchify_proj.bias"] = torch.zeros(3)
     save_file(bad, str(file))
     with pytest.raises(ValueError, match=r"bad\.safetensors.*'model\.diffusion_model\.patchify_proj\.bias'.*\(3,\)"):
-        ltx.load_diffusion_model(model_config=config(tiny_ltx, transformer_file=file), device=cpu, dtype=torch.float32)
+        ltx.load_diffusion_model(model_config=config(tiny_ltx, diffusion_model=file), device=cpu, dtype=torch.float32)
 
 
 def test_validate_model_files(tiny_ltx: Path, tmp_path: Path) -> None:
     assert ltx.validate_model_files(model_config=config(tiny_ltx)) == []
-    assert ltx.validate_model_files(model_config=config(tiny_ltx, transformer_file=single_file_path(tiny_ltx))) == []
+    assert ltx.validate_model_files(model_config=config(tiny_ltx, diffusion_model=single_file_path(tiny_ltx))) == []
 
     # a diffusers-layout file given as the original single file
     diffusers_file = tiny_ltx / "transformer" / "diffusion_pytorch_model.safetensors"
-    (found,) = ltx.validate_model_files(model_config=config(tiny_ltx, transformer_file=diffusers_file))
+    (found,) = ltx.validate_model_files(model_config=config(tiny_ltx, diffusion_model=diffusers_file))
     assert str(diffusers_file) in found and "'patchify_proj.weight'" in found and "diffusers-layout" in found
 
     # another model's folder, and components of different sizes

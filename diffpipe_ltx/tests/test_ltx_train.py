@@ -43,7 +43,7 @@ def make_project(root: Path) -> Path:
 def train(root: Path, name: str, stages: int, procs: int, steps: int, p: float, single_file: bool) -> Path:
     model = {**MODEL, "first_frame_conditioning_p": p}
     if single_file:
-        model["transformer_file"] = single_file_path(root / "model").name
+        model["diffusion_model"] = single_file_path(root / "model").name
     top = {"output_dir": name, "max_steps": steps, "gradient_accumulation_steps": 2, "pipeline_stages": stages}
     if stages == 2:  # embedders + block 0 | block 1 + output: the boundary carries every between-block tensor
         top["partition_split"] = [2]

@@ -11,7 +11,7 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 
 class CosmosConfigBase(DiffusersModelConfig):
-    """``[model]`` keys common to Cosmos-1.0 and Cosmos-Predict2. ``transformer_file``: NVIDIA's original layout
+    """``[model]`` keys common to Cosmos-1.0 and Cosmos-Predict2. ``diffusion_model``: NVIDIA's original layout
     (``net.blocks...``)."""
 
     t5_max_length: int = Field(
@@ -80,7 +80,7 @@ class Predict2Config(CosmosConfigBase, FlowMatchingConfig):
 class Predict25Config(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of Cosmos-Predict2.5 (text-to-world, images as 1-frame videos; rectified-flow training as
     Predict2, whose ``nvidia_weighting`` it shares). Its diffusers folders only: NVIDIA publishes the original 2.5
-    checkpoints as pickles and ComfyUI has no 2.5 model, so there is no single-file layout (``transformer_file``)."""
+    checkpoints as pickles and ComfyUI has no 2.5 model, so there is no single-file layout (``diffusion_model``)."""
 
     text_max_length: int = Field(
         512,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -20,7 +22,9 @@ class T5FluxConfig(DiffusersModelConfig, FlowMatchingConfig):
 
 class FluxConfig(T5FluxConfig):
     """``[model]`` keys of Flux (dev or schnell; which one is read from the transformer's config). ``path`` is a
-    diffusers Flux folder; ``transformer_file`` a BFL single file (``flux1-dev.safetensors``)."""
+    diffusers Flux folder; ``diffusion_model`` a BFL single file (``flux1-dev.safetensors``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell")
 
     guidance: float = Field(
         1.0, ge=0, description="Guidance value fed to guidance-distilled (dev) models; schnell has no guidance input."
@@ -28,12 +32,12 @@ class FluxConfig(T5FluxConfig):
 
 
 class ChromaConfig(T5FluxConfig):
-    """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``transformer_file`` one of
+    """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``diffusion_model`` one of
     Chroma's original checkpoints (``Chroma1-HD.safetensors``)."""
 
 
 class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):
-    """``[model]`` keys of FLUX.2 [klein]. ``path`` is a diffusers ``Flux2KleinPipeline`` folder; ``transformer_file``
+    """``[model]`` keys of FLUX.2 [klein]. ``path`` is a diffusers ``Flux2KleinPipeline`` folder; ``diffusion_model``
     a single file in the BFL / ComfyUI layout (``flux-2-klein-4b.safetensors``)."""
 
     text_max_length: int = Field(
@@ -43,7 +47,7 @@ class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):
 
 
 class Flux2Config(Flux2KleinConfig):
-    """``[model]`` keys of FLUX.2 [dev]. ``path`` is a diffusers ``Flux2Pipeline`` folder; ``transformer_file`` a
+    """``[model]`` keys of FLUX.2 [dev]. ``path`` is a diffusers ``Flux2Pipeline`` folder; ``diffusion_model`` a
     single file in the BFL / ComfyUI layout (``flux2_dev.safetensors``)."""
 
     guidance: float = Field(1.0, ge=0, description="Guidance value fed to the guidance-distilled transformer.")

@@ -11,7 +11,7 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 class HunyuanConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of HunyuanVideo (text-to-video; the guidance-distilled checkpoint). ``path`` is a diffusers
-    HunyuanVideo folder (Llama ``text_encoder``, CLIP-L ``text_encoder_2``); ``transformer_file`` a single file in the
+    HunyuanVideo folder (Llama ``text_encoder``, CLIP-L ``text_encoder_2``); ``diffusion_model`` a single file in the
     original Tencent key layout (``double_blocks.N.img_attn_qkv.weight``, ...)."""
 
     text_max_length: int = Field(
@@ -43,7 +43,7 @@ class HunyuanConfig(DiffusersModelConfig, FlowMatchingConfig):
 
 class HunyuanVideo15Config(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of HunyuanVideo-1.5 text-to-video. ``path`` is a diffusers ``HunyuanVideo15Pipeline`` folder
-    (Qwen2.5-VL ``text_encoder``, glyph ByT5 ``text_encoder_2``); ``transformer_file`` a single file in Tencent's
+    (Qwen2.5-VL ``text_encoder``, glyph ByT5 ``text_encoder_2``); ``diffusion_model`` a single file in Tencent's
     key layout (``double_blocks.N.img_attn_q.weight``, ...)."""
 
     text_max_length: int = Field(

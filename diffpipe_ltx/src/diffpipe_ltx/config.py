@@ -10,7 +10,7 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 
 class LTXConfig(DiffusersModelConfig, FlowMatchingConfig):
-    """``[model]`` keys of LTX-Video. ``path`` is a diffusers LTX-Video folder; ``transformer_file`` a single file in
+    """``[model]`` keys of LTX-Video. ``path`` is a diffusers LTX-Video folder; ``diffusion_model`` a single file in
     the original Lightricks key layout (``ltx-video-2b-v0.9.safetensors``: ``model.diffusion_model.patchify_proj``,
     ...), whose transformer replaces the folder's (the VAE and T5 still come from ``path``)."""
 
@@ -33,7 +33,7 @@ class LTXConfig(DiffusersModelConfig, FlowMatchingConfig):
 
 class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of LTX-2. ``path`` is a diffusers ``LTX2Pipeline`` / ``LTX2ImageToVideoPipeline`` folder;
-    ``transformer_file`` a single file in the original Lightricks layout (``ltx-2-19b-dev.safetensors``:
+    ``diffusion_model`` a single file in the original Lightricks layout (``ltx-2-19b-dev.safetensors``:
     ``model.diffusion_model.patchify_proj``, ``...audio_adaln_single``, ...), whose transformer replaces the folder's
     (the VAEs, Gemma 3 and the text connectors still come from ``path``)."""
 

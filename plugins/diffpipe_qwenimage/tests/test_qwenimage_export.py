@@ -28,7 +28,7 @@ def test_full_model_exports_load_back(tiny_qwen: Path, tmp_path: Path) -> None:
     single = saved / "single_file" / qwen.single_file_name
     assert "transformer_blocks.1.img_mlp.net.2.weight" in load_file(str(single))
     from_single = qwen.load_diffusion_model(
-        model_config=config(tiny_qwen, transformer_file=single), device=CPU, dtype=torch.float32
+        model_config=config(tiny_qwen, diffusion_model=single), device=CPU, dtype=torch.float32
     ).state_dict()
     from_folder = QwenImageTransformer2DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():

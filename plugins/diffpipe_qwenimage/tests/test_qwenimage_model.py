@@ -62,7 +62,7 @@ def test_unsupported_transformers_are_named() -> None:
 
 
 def test_both_layouts_load_the_same_and_stages_read_their_own(tiny_qwen: Path) -> None:
-    folder, single = config(tiny_qwen), config(tiny_qwen, transformer_file=comfy_path(tiny_qwen))
+    folder, single = config(tiny_qwen), config(tiny_qwen, diffusion_model=comfy_path(tiny_qwen))
     registry = Registry()
     assert registry.register_model("qwen-image", qwen).ok
     plugin = registry.model("qwen-image")
@@ -86,7 +86,7 @@ def test_the_comfyui_file_is_refused_when_it_does_not_fit(tiny_qwen: Path, tmp_p
     state = load_file(str(comfy_path(tiny_qwen)))
     del state["model.diffusion_model.transformer_blocks.1.attn.to_q.weight"]
     save_file(state, str(tmp_path / "cut.safetensors"))
-    cfg = config(tiny_qwen, transformer_file=tmp_path / "cut.safetensors")
+    cfg = config(tiny_qwen, diffusion_model=tmp_path / "cut.safetensors")
     with pytest.raises(KeyError, match=r"cut\.safetensors: missing key 'transformer_blocks\.1\.attn\.to_q\.weight'"):
         qwen.load_diffusion_model(cfg, torch.device("cpu"), torch.float32)
     problems = edit.validate_model_files(config(tiny_qwen, QwenImageEditConfig))

@@ -24,7 +24,7 @@ def pixels(frames: int) -> torch.Tensor:
 
 def test_wan_conforms_as_an_a14b_expert_from_its_single_file(tiny_wan_a14b: Path) -> None:
     table = {"type": "wan", "path": tiny_wan_a14b, "expert": "low", "text_max_length": 8, **TABLE}
-    table["transformer_file"] = single_file_path(tiny_wan_a14b, "transformer_2")
+    table["diffusion_model"] = single_file_path(tiny_wan_a14b, "transformer_2")
     check_model_plugin(wan, "wan", table, pixels=pixels(5), captions=CAPTIONS)
 
 

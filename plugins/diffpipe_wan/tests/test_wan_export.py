@@ -67,7 +67,7 @@ def test_full_model_exports_load_back(tiny_wan_a14b: Path, tmp_path: Path) -> No
     single = saved / "single_file" / "wan_transformer.safetensors"
     assert "blocks.1.ffn.2.weight" in load_file(str(single))
     from_single = wan.load_diffusion_model(
-        config(tiny_wan_a14b, expert="low", transformer_file=single), CPU, torch.float32
+        config(tiny_wan_a14b, expert="low", diffusion_model=single), CPU, torch.float32
     ).state_dict()
     from_folder = WanTransformer3DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():

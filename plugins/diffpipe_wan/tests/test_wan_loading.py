@@ -46,7 +46,7 @@ def test_both_layouts_load_the_same_weights(request, fixture: str, plugin, compo
     folder = plugin.load_diffusion_model(config(plugin, path, **expert), CPU, torch.float32).state_dict()
     single_file = single_file_path(path, component)
     single = plugin.load_diffusion_model(
-        config(plugin, path, transformer_file=single_file, **expert), CPU, torch.float32
+        config(plugin, path, diffusion_model=single_file, **expert), CPU, torch.float32
     ).state_dict()
     expected = folder_weights(path, component)  # the trained component's weights, not the other expert's
     assert folder.keys() == single.keys() == expected.keys() and len(expected) > 50
@@ -80,7 +80,7 @@ def test_original_layout_is_what_diffusers_converts(tiny_wan_i2v: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
 def test_per_stage_loading_reads_only_the_stage_tensors(tiny_wan_a14b: Path, layout: str) -> None:
-    extra = {"transformer_file": single_file_path(tiny_wan_a14b, "transformer_2")} if layout == "original" else {}
+    extra = {"diffusion_model": single_file_path(tiny_wan_a14b, "transformer_2")} if layout == "original" else {}
     cfg = config(wan, tiny_wan_a14b, expert="low", **extra)
     stages = assert_stages_read_their_own(get_registry().model("wan"), cfg, stages=2)
     first, second = (set(s.tensors) for s in stages)
@@ -141,6 +141,6 @@ def test_bad_folders_and_settings_are_named(
     (problem,) = wan_i2v.validate_model_files(config(wan_i2v, ti2v_as_i2v))
     assert problem == f"{ti2v_as_i2v / 'vae'}: missing; expected the vae ('AutoencoderKLWan')"
     (problem,) = wan.validate_model_files(
-        config(wan, tiny_wan, transformer_file=tiny_wan / "vae" / "diffusion_pytorch_model.safetensors")
+        config(wan, tiny_wan, diffusion_model=tiny_wan / "vae" / "diffusion_pytorch_model.safetensors")
     )
     assert "no 'head.modulation' among its" in problem and "in the original Wan key layout" in problem

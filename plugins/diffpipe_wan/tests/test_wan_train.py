@@ -41,7 +41,7 @@ def make_project(root: Path) -> Path:
     write_dataset_toml(
         root / "dataset.toml", root / "media", resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5]
     )
-    model = {**MODEL, "transformer_file": single_file_path(root / "model").name}
+    model = {**MODEL, "diffusion_model": single_file_path(root / "model").name}
     top = {"max_steps": STEPS, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
     (root / "run.toml").write_text(runs.lora_run_toml(model, 1e-2, SAMPLE, RANK, ALPHA, **top))
     return root / "run.toml"

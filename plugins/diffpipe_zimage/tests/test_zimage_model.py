@@ -91,7 +91,7 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(tiny_zima
     from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 
     folder = zi.load_diffusion_model(tiny_config(tiny_zimage), CPU, torch.float32).state_dict()
-    single = zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=original_path(tiny_zimage)), CPU,
+    single = zi.load_diffusion_model(tiny_config(tiny_zimage, diffusion_model=original_path(tiny_zimage)), CPU,
                                      torch.float32).state_dict()
     assert folder.keys() == single.keys() and len(folder) > 50
     for key in folder:
@@ -110,21 +110,24 @@ def test_both_layouts_load_the_same_weights_as_diffusers_converts_them(tiny_zima
 def test_bad_single_file_names_file_and_key(tiny_zimage: Path, tmp_path: Path) -> None:
     bad = load_file(str(original_path(tiny_zimage)))
     file = tmp_path / "bad.safetensors"
-    load = lambda: zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=file), CPU, torch.float32)  # noqa: E731
+    load = lambda: zi.load_diffusion_model(tiny_config(tiny_zimage, diffusion_model=file), CPU, torch.float32)  # noqa: E731
     save_file({k: v for k, v in bad.items() if k != "layers.0.attention.qkv.weight"}, str(file))
     with pytest.raises(KeyError, match=r"bad\.safetensors.*missing key 'layers\.0\.attention\.qkv\.weight'"):
         load()
     save_file({**bad, "x_embedder.bias": torch.zeros(3)}, str(file))
     with pytest.raises(ValueError, match=r"(?s)bad\.safetensors.*all_x_embedder\.2-1\.bias"):
         load()
+    # a file in diffusers' names is read as such (issue 35): it validates and loads the folder's weights
     diffusers_file = tiny_zimage / "transformer" / "diffusion_pytorch_model.safetensors"
-    [problem] = zi.validate_model_files(tiny_config(tiny_zimage, transformer_file=diffusers_file))
-    assert str(diffusers_file) in problem and "layers.0.attention.qkv.weight" in problem
+    assert zi.validate_model_files(tiny_config(tiny_zimage, diffusion_model=diffusers_file)) == []
+    from_file = zi.load_diffusion_model(tiny_config(tiny_zimage, diffusion_model=diffusers_file), CPU, torch.float32)
+    from_folder = zi.load_diffusion_model(tiny_config(tiny_zimage), CPU, torch.float32).state_dict()
+    assert all(torch.equal(v, from_folder[k]) for k, v in from_file.state_dict().items())
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "original"])
 def test_per_stage_loading_reads_only_the_stage_layers(tiny_zimage: Path, layout: str) -> None:
-    single = {"transformer_file": original_path(tiny_zimage)} if layout == "original" else {}
+    single = {"diffusion_model": original_path(tiny_zimage)} if layout == "original" else {}
     registry = Registry()
     assert registry.register_model("z-image", zi).ok
     stages = assert_stages_read_their_own(registry.model("z-image"), tiny_config(tiny_zimage, **single))
@@ -169,7 +172,7 @@ def test_full_model_exports_load_back(tiny_zimage: Path, tmp_path: Path) -> None
     saved = tmp_path / "saved"
     state = runs.export_full_finetune(zi, model, cfg, saved)
     single = saved / "single_file" / "z_image_transformer.safetensors"
-    from_single = zi.load_diffusion_model(tiny_config(tiny_zimage, transformer_file=single), CPU, torch.float32)
+    from_single = zi.load_diffusion_model(tiny_config(tiny_zimage, diffusion_model=single), CPU, torch.float32)
     from_folder = ZImageTransformer2DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():
         assert torch.equal(from_single.state_dict()[key], value), key

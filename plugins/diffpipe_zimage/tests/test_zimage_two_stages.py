@@ -23,7 +23,7 @@ def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_zimage_train import MODEL, make_project, run_config
 
     root = make_project(tmp_path_factory.mktemp("zimage-two-stages"))
-    model = {**MODEL, "transformer_file": original_path(root / "model").name}
+    model = {**MODEL, "diffusion_model": original_path(root / "model").name}
     (root / "run.toml").write_text(run_config(model, pipeline_stages=2, max_steps=STEPS, micro_batch_size_per_gpu=2))
     return runs.train(root, "run.toml", 2, timeout=600, OMP_NUM_THREADS="1")
 

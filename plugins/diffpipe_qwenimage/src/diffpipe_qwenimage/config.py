@@ -9,7 +9,7 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 
 class QwenImageConfig(DiffusersModelConfig, FlowMatchingConfig):
-    """``[model]`` keys of Qwen-Image. ``path`` is a diffusers ``QwenImagePipeline`` folder; ``transformer_file`` a
+    """``[model]`` keys of Qwen-Image. ``path`` is a diffusers ``QwenImagePipeline`` folder; ``diffusion_model`` a
     single-file transformer as ComfyUI ships it (``qwen_image_bf16.safetensors``: diffusers names, optionally under
     ``model.diffusion_model.``)."""
 

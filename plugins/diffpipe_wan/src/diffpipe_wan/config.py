@@ -14,7 +14,7 @@ DEFAULT_SHIFT = 5.0  # Wan's sample_shift for its 480p and 720p models when the 
 
 class WanConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of Wan. ``path`` is a diffusers Wan folder (``WanPipeline``: Wan 2.1 T2V 1.3B / 14B, Wan 2.2
-    TI2V 5B, Wan 2.2 T2V A14B); ``transformer_file`` a single file in the original Wan key layout
+    TI2V 5B, Wan 2.2 T2V A14B); ``diffusion_model`` a single file in the original Wan key layout
     (``blocks.0.self_attn.q.weight``, ..., as ComfyUI and the Wan repositories ship it) whose transformer replaces the
     folder's (the trained expert's, with ``expert``)."""
 

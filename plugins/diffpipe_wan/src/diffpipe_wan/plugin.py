@@ -143,7 +143,7 @@ class Wan(DiffusersModel, FlowSampling):
     @hookimpl
     def validate_model_files(self, model_config: WanConfig) -> list[str]:
         """``expert`` first, then the shared checks (:meth:`checked_folder`'s components, the trained transformer's
-        weights or ``transformer_file``, the components' sizes), this entry point's own and the training time range;
+        weights or ``diffusion_model``, the components' sizes), this entry point's own and the training time range;
         no weight is read."""
         expert = expert_problem(model_config, boundary_ratio(model_config.path))
         if expert:

@@ -9,7 +9,7 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
 class ZImageConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of Z-Image (base or Turbo; which one is only a matter of the weights). ``path`` is a diffusers
-    Z-Image folder (``ZImagePipeline``: Qwen3 ``text_encoder``, Flux-type ``vae``); ``transformer_file`` a single
+    Z-Image folder (``ZImagePipeline``: Qwen3 ``text_encoder``, Flux-type ``vae``); ``diffusion_model`` a single
     file in the original layout (``layers.N.attention.qkv.weight``, as ComfyUI ships it)."""
 
     text_max_length: int = Field(

@@ -1,0 +1,462 @@
+"""Model components given as single files (``[model] diffusion_model``, ``vae``, ``text_encoders``, ``audio_vae``), as
+users keep them for ComfyUI, and the folder their configs come from.
+
+A component file may name its tensors as diffusers / transformers do, under a prefix of its own (ComfyUI's
+``model.diffusion_model.``, ``first_stage_model.``, ``text_encoders.t5xxl.transformer.``, ...) or without one the
+model has (``text_model.``), or in an original release's layout, which a plugin's key table (or the core's, for the LDM
+VAE) reads. Which prefixes a file uses is read from its keys and the component's shapes, so no list of prefixes has to
+be kept up to date. Quantized files are read as :mod:`diffpipe_core.quantized_files` describes.
+
+The configs, tokenizers and scheduler come from ``[model] path`` (a diffusers folder, whose components given as
+files need only their config files), or, without it, from the snapshot of the model's published repository in the
+Hugging Face cache. Weights are never downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diffpipe_core.model_files import Header, safetensors_header
+from diffpipe_core.quantized_files import QuantizedLayer, is_scale_key, is_side_key, quantized_layers
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from diffpipe_core.parts.layout import KeyTable
+
+KeyMap = Callable[[str], str | None]
+
+
+# ---------------------------------------------------------------------------------------------- the config folder
+def hub_cache() -> Path:
+    """The Hugging Face hub cache folder (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = Path(os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    return home / "hub"
+
+
+def cached_snapshot(repos: Sequence[str], model_type: str) -> Path:
+    """The cached snapshot of the first of ``repos`` found in the Hugging Face cache (the revision ``refs/main``
+    names, else the newest), to read configs, tokenizers and the scheduler from. Raises ValueError saying exactly
+    what to give when there is none."""
+    cache = hub_cache()
+    for repo in repos:
+        folder = cache / f"models--{repo.replace('/', '--')}"
+        snapshots = folder / "snapshots"
+        main = folder / "refs" / "main"
+        if main.is_file() and (snapshots / main.read_text().strip()).is_dir():
+            return snapshots / main.read_text().strip()
+        found = sorted(snapshots.glob("*"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+        if found:
+            return found[-1]
+    if not repos:
+        raise ValueError(
+            f"required for model {model_type!r}: a diffusers folder of the model (with component files given, it "
+            "needs only the config and tokenizer files)"
+        )
+    fetch = f"hf download {repos[0]} --exclude '*.safetensors' '*.bin' '*.pth' '*.gguf'"
+    raise ValueError(
+        f"not given, and no snapshot of {' or '.join(repos)} is in the Hugging Face cache ({cache}); give path = a "
+        f"diffusers folder of the model (beside component files it needs only the config and tokenizer files), or "
+        f"put those small files in the cache once with: {fetch}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- reading a file
+@dataclass
+class ComponentFile:
+    """A component file's header: its tensors, metadata, quantized layers and how its keys fit a model."""
+
+    path: Path
+    tensors: Header
+    metadata: dict[str, str]
+    quantized: dict[str, QuantizedLayer] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The tensors that are model tensors (not quantization markers, layer JSON or scales)."""
+        return {k: v for k, v in self.tensors.items() if not is_side_key(k) and not is_scale_key(k)}
+
+    def quantization(self) -> str:
+        """How the file stores its weights: ``"bfloat16"``, ``"fp8 scaled (float8_e4m3fn, 120 layers)"``, ..."""
+        stored = {q.weight for q in self.quantized.values()}
+        dtypes = Counter(DTYPE_NAMES.get(d, d) for k, (d, _) in self.weights.items() if k not in stored)
+        plain = "/".join(d for d, _ in dtypes.most_common(2))
+        if not self.quantized:
+            return plain
+        formats = Counter(q.format for q in self.quantized.values())
+        scaled = "scaled " if any(q.scale for q in self.quantized.values()) else ""
+        kinds = ", ".join(f"{f} x{n}" for f, n in formats.most_common())
+        return f"quantized {scaled}({kinds}; the rest {plain})"
+
+    def parameter_count(self) -> int:
+        total = 0
+        for _, shape in self.weights.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+DTYPE_NAMES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I8": "int8", "U8": "uint8", "I64": "int64", "I32": "int32", "BOOL": "bool", "F64": "float64",
+}  # fmt: skip
+
+GGUF_MAGIC = b"GGUF"
+
+
+def read_component_file(path: Path, what: str) -> ComponentFile:
+    """The header of component file ``path`` (``what`` names the ``[model]`` key for messages). Raises ValueError,
+    naming the file and what would be valid, for a file that is not safetensors, is truncated, or is quantized in a
+    way diffpipe does not read."""
+    path = Path(path)
+    if path.is_file() and path.open("rb").read(4) == GGUF_MAGIC:
+        raise ValueError(
+            f"model.{what}: {path}: a GGUF file, which diffpipe does not read yet; use the model's safetensors file "
+            "(bf16, fp16, or ComfyUI's fp8 scaled or int8 version)"
+        )
+    tensors, metadata, problem = safetensors_header(path)
+    if tensors is None:
+        raise ValueError(f"model.{what}: {problem}")
+    return ComponentFile(path, tensors, metadata, quantized_layers(path, tensors, metadata))
+
+
+# ---------------------------------------------------------------------------------------------- fitting keys
+def prefix_key_map(
+    file_keys: Iterable[str], model_shapes: Mapping[str, tuple[int, ...]], file_shapes: Mapping[str, Any]
+) -> tuple[KeyMap, str, str] | None:
+    """The renaming that puts a file's keys on the model's when they differ only by a leading prefix (the file's
+    ``model.diffusion_model.`` or ``text_encoders.clip_l.transformer.`` dropped, the model's ``text_model.`` added):
+    ``(key map, file prefix, model prefix)``, or None when no prefix pair maps most of the file onto the model with
+    equal shapes. The pair is voted for by the keys themselves."""
+    keys = [k for k in file_keys if not is_side_key(k) and not is_scale_key(k)]
+    heads = Counter(".".join(m.split(".")[:n]) for m in model_shapes for n in range(0, 3))
+    model_prefixes = sorted({f"{h}." if h else "" for h in heads}, key=len)
+    votes: Counter[tuple[str, str]] = Counter()
+    for key in keys[:: max(1, len(keys) // 64)]:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            strip, rest = ".".join(parts[:i]) + ("." if i else ""), ".".join(parts[i:])
+            for add in model_prefixes:
+                if add + rest in model_shapes:
+                    votes[(strip, add)] += 1
+    if not votes:
+        return None
+    (strip, add), _ = votes.most_common(1)[0]
+
+    def mapped(key: str) -> str | None:
+        if not key.startswith(strip) or is_side_key(key) or is_scale_key(key):
+            return None
+        name = add + key[len(strip) :]
+        return name if name in model_shapes else None
+
+    fitting = [k for k in keys if (m := mapped(k)) is not None and tuple(model_shapes[m]) == tuple(file_shapes[k])]
+    return (mapped, strip, add) if len(fitting) >= max(1, len(keys) // 2) else None
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How a component file's keys fit a model: a key map (file key -> model key or fused parts, as per-stage
+    loading's key maps), the layout's name for messages, and how many of the model's tensors it fills."""
+
+    key_map: Callable[[str], Any]
+    layout: str
+    covered: int
+    total: int
+    table: KeyTable | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.covered == self.total
+
+
+def fit_file(
+    file: ComponentFile,
+    model_shapes: Mapping[str, tuple[int, ...]],
+    tables: Sequence[KeyTable] = (),
+    tied: Mapping[str, str] | None = None,
+) -> Fit | None:
+    """The best way ``file``'s keys fit a model of ``model_shapes``: by prefixes (diffusers' / transformers' own
+    names), else through one of ``tables`` (original layouts). ``tied``: model tensor name -> the name of the tensor
+    it is (tied weights, such as T5's ``encoder.embed_tokens`` and ``shared``: a file holds one of them). None when
+    neither places at least half the model."""
+    shapes = {k: v[1] for k, v in file.weights.items()}
+    same = dict(tied or {})
+    total = len({same.get(n, n) for n in model_shapes})
+    best: Fit | None = None
+    found = prefix_key_map(shapes, model_shapes, shapes)
+    if found is not None:
+        key_map, strip, add = found
+        layout = "diffusers" + (f" (under {strip.rstrip('.')!r})" if strip else "")
+        best = Fit(key_map, layout, _covered(shapes, key_map, model_shapes, same), total)
+    for table in tables:
+        key_map = table.key_map(shapes)
+        covered = _covered(shapes, key_map, model_shapes, same)
+        if best is None or covered > best.covered:
+            best = Fit(key_map, f"{table.name} layout", covered, total, table)
+    if best is None or best.covered * 2 < best.total:
+        return None
+    return best
+
+
+def _covered(
+    shapes: Mapping[str, tuple[int, ...]], key_map: Callable[[str], Any], model: Mapping[str, Any], same: Mapping
+) -> int:
+    from diffpipe_core.engine.model_loading import key_targets
+
+    return len({same.get(n, n) for key in shapes for n, _ in key_targets(key_map(key)) if n in model})
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each name of a tensor the model holds under several names (tied weights) -> its first name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        out[name] = first.setdefault(id(tensor), name)
+    return {k: v for k, v in out.items() if k != v or list(out.values()).count(v) > 1}
+
+
+def human_count(n: int) -> str:
+    """``1234567`` -> ``"1.23 M"`` (k, M, B)."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.Module:
+    """Fill ``model`` (a skeleton on meta, cast to its dtypes) from ``file`` through ``fit``, dequantizing quantized
+    weights to each tensor's dtype; ties tied weights; raises ValueError naming the file and the missing or misshapen
+    tensors."""
+    import torch
+    from safetensors import safe_open
+
+    from diffpipe_core.engine.model_loading import key_targets, meta_tensors
+    from diffpipe_core.quantized_files import dequantize
+
+    target = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(str(file.path), framework="pt") as f:
+        for key in file.weights:
+            made = [(n, fn) for n, fn in key_targets(fit.key_map(key)) if n in target]
+            if not made:
+                continue
+            value = f.get_tensor(key)
+            layer = file.quantized.get(key.rpartition(".")[0])
+            if layer is not None and layer.weight == key:
+                value = dequantize(value, f.get_tensor(layer.scale) if layer.scale else None, torch.float32)
+            for name, transform in made:
+                part = transform(value) if transform else value
+                if tuple(part.shape) != tuple(target[name].shape):
+                    raise ValueError(
+                        f"model.{what}: {file.path}: tensor {key!r} has shape {tuple(part.shape)}, but the model's "
+                        f"{name!r} needs {tuple(target[name].shape)}: the file is of another size of the model than "
+                        "its config (check path's config for this component)"
+                    )
+                state[name] = part.to(target[name].dtype if target[name].is_floating_point() else part.dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = meta_tensors(model)
+    if missing:
+        raise ValueError(
+            f"model.{what}: {file.path}: {len(missing)} of the model's tensors are not in the file, e.g. "
+            f"{missing[:3]} (it is read as {fit.layout}); is it the right component?"
+        )
+    return model
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of a (meta) model's parameters and persistent buffers, by name."""
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def assign_text_encoders(
+    files: Sequence[tuple[str, Path]],
+    candidates: Mapping[str, Mapping[str, tuple[int, ...]]],
+    describe: Mapping[str, str],
+    tied: Mapping[str, Mapping[str, str]],
+) -> dict[str, tuple[ComponentFile, Fit]]:
+    """Which text encoder component each file of ``[model] text_encoders`` holds (``files``: ``(what, path)``), read
+    from its tensors against each candidate's shapes (``candidates``: component -> shapes; ``describe``: component ->
+    what it is, for messages; ``tied``: component -> :func:`tied_names`). Raises ValueError naming the file and
+    the model's text encoders when a file fits none, or when two files hold the same one."""
+    chosen: dict[str, tuple[ComponentFile, Fit]] = {}
+    for what, path in files:
+        file = read_component_file(path, what)
+        fits = {name: fit_file(file, shapes, (), tied.get(name)) for name, shapes in candidates.items()}
+        complete = {name: fit for name, fit in fits.items() if fit is not None and fit.complete}
+        if not complete:
+            sample = ", ".join(list(file.weights)[:3])
+            have = "; ".join(f"{name}: {describe[name]}" for name in candidates)
+            raise ValueError(
+                f"model.{what}: {path}: holds none of this model's text encoders ({have}); its keys begin "
+                f"{sample}"
+            )
+        name = max(complete, key=lambda n: complete[n].covered)
+        if name in chosen:
+            raise ValueError(f"model.{what}: {path}: holds {name}, which {chosen[name][0].path} already gives")
+        chosen[name] = (file, complete[name])
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------- a quantized model
+@dataclass(frozen=True)
+class KeptQuantized:
+    """A model linear that keeps a file's quantized weight: its storage dtype and scale shape."""
+
+    storage: str
+    scale_shape: tuple[int, ...]
+    per_row: bool
+    scaled: bool = True  # False: the file stores no scale (plain float8 casts), the scale is 1
+
+
+def quantized_plan(model: nn.Module, file: ComponentFile, fit: Fit) -> dict[str, KeptQuantized]:
+    """The model's linears (by module path) whose weights the file stores quantized and that stay quantized in
+    memory (``nn.Linear`` modules the model does not keep in float32); other quantized tensors are dequantized as
+    they load."""
+    from torch import nn
+
+    from diffpipe_core.engine.model_loading import keeps_float32, key_targets
+    from diffpipe_core.quantized_files import scale_shape
+
+    modules = dict(model.named_modules())
+    plan: dict[str, KeptQuantized] = {}
+    for layer in file.quantized.values():
+        per_row = layer.scale is not None and len(scale_shape(file.tensors[layer.scale][1])) == 2
+        for name, _ in key_targets(fit.key_map(layer.weight)):
+            module_name = name.removesuffix(".weight")
+            module = modules.get(module_name)
+            if type(module) is not nn.Linear or keeps_float32(model, name):
+                continue
+            shape = (module.out_features, 1) if per_row else ()
+            plan[module_name] = KeptQuantized(layer.storage, shape, per_row, layer.scale is not None)
+    return plan
+
+
+def keep_quantized(model: nn.Module, plan: Mapping[str, KeptQuantized], compute_dtype: torch.dtype) -> nn.Module:
+    """Replace each planned linear of ``model`` (a skeleton) by an empty
+    :class:`~diffpipe_core.quantize.ScaledLinear` that loading fills with the stored weight and its scale."""
+    from diffpipe_core.quantize import ScaledLinear
+    from diffpipe_core.quantized_files import storage_dtype
+
+    for module_name, kept in plan.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        scale = kept.scale_shape if kept.scaled else None
+        setattr(parent, child, ScaledLinear.like(linear, storage_dtype(kept.storage), scale, compute_dtype))
+    return model
+
+
+def quantized_key_map(file: ComponentFile, key_map: Callable[[str], Any], plan: Mapping[str, KeptQuantized]) -> Any:
+    """``key_map`` (file key -> model tensors) for a quantized file: a weight kept quantized loads as stored (a legacy
+    uint8 container viewed as its float8 type) with its scale into ``weight_scale``; any other quantized weight loads
+    dequantized; quantization markers and input scales load nowhere."""
+    import torch
+
+    from diffpipe_core.engine.model_loading import key_targets
+    from diffpipe_core.quantized_files import dequantizing, storage_dtype
+
+    by_scale = {layer.scale: layer for layer in file.quantized.values() if layer.scale}
+    by_weight = {layer.weight: layer for layer in file.quantized.values()}
+
+    def mapped(key: str) -> Any:
+        if key in by_scale:
+            layer = by_scale[key]
+            made = []
+            for name, fn in key_targets(key_map(layer.weight)):
+                kept = plan.get(name.removesuffix(".weight"))
+                if kept is not None:
+                    made.append((f"{name.removesuffix('.weight')}.weight_scale", _scale_part(fn, kept)))
+            return made or None
+        layer = by_weight.get(key)
+        if layer is None:
+            return None if is_side_key(key) or is_scale_key(key) else key_map(key)
+        made = []
+        store = storage_dtype(layer.storage)
+        for name, fn in key_targets(key_map(key)):
+            if name.removesuffix(".weight") in plan:
+                made.append((name, _as_stored(store, fn)))
+            else:
+                whole = dequantizing(file.path, layer, torch.float32)
+                made.append((name, (lambda t, fn=fn, whole=whole: fn(whole(t))) if fn else whole))
+        return made
+
+    return mapped
+
+
+def _as_stored(store: Any, fn: Any) -> Any:
+    """A kept weight as stored (a legacy uint8 container viewed as its float8 type), cut by ``fn`` on its bytes (a
+    layout's transforms only move data)."""
+    import torch
+
+    def load(t: Any) -> Any:
+        t = t if t.dtype == store else t.view(store)
+        return t if fn is None else fn(t.view(torch.uint8)).view(store)
+
+    return load
+
+
+def _scale_part(fn: Any, kept: KeptQuantized) -> Any:
+    """A stored scale for a kept linear: its rows of a per-row scale (the weight's own cut), one value as is."""
+    from diffpipe_core.quantized_files import as_scale
+
+    if kept.per_row:
+        return (lambda t: fn(as_scale(t))) if fn else as_scale
+    return as_scale
+
+
+@dataclass(frozen=True)
+class DiffusionModelFile:
+    """A ``diffusion_model`` file as the model reads it: its header, how its keys fit (None: they fit neither
+    diffusers' names nor the original layout), the linears that keep its quantized weights, and the key map for
+    loading."""
+
+    file: ComponentFile
+    fit: Fit | None
+    plan: dict[str, KeptQuantized]
+
+    @property
+    def key_map(self) -> Callable[[str], Any]:
+        assert self.fit is not None
+        return quantized_key_map(self.file, self.fit.key_map, self.plan) if self.file.quantized else self.fit.key_map
+
+
+def describe_diffusion_model(path: Path, skeleton: nn.Module, tables: Sequence[KeyTable]) -> DiffusionModelFile:
+    """:class:`DiffusionModelFile` of ``path`` for a model built as ``skeleton`` (on meta)."""
+    file = read_component_file(path, "diffusion_model")
+    fit = fit_file(file, model_shapes(skeleton), tables, tied_names(skeleton))
+    plan = quantized_plan(skeleton, file, fit) if fit is not None and file.quantized else {}
+    return DiffusionModelFile(file, fit, plan)
+
+
+def fill_whole(model: nn.Module, path: Path, key_map: Callable[[str], Any], device: Any) -> nn.Module:
+    """Fill every tensor of ``model`` (a skeleton on meta) from file ``path`` through ``key_map``, each in its
+    skeleton dtype, on ``device``; raises ValueError naming the file and the tensors it lacks."""
+    from safetensors import safe_open
+
+    from diffpipe_core.engine.model_loading import fill_in_place, key_targets, meta_tensors
+
+    wanted = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        for key in f.keys():
+            for name, transform in key_targets(key_map(key)):
+                if name in wanted:
+                    value = f.get_tensor(key)
+                    value = transform(value) if transform else value
+                    fill_in_place(wanted[name], value.to(wanted[name].dtype))
+    missing = meta_tensors(model)
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} of the model's tensors are not in the file, e.g. {missing[:3]}")
+    return model.to(device)

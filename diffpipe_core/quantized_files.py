@@ -1,0 +1,163 @@
+"""Weight files that are already quantized, as ComfyUI ships them, read as they are stored.
+
+Three layouts are read, each learned from ComfyUI's ``QUANTIZATION.md``, ``comfy/quant_ops.py`` and ``comfy/ops.py``:
+
+- **fp8 scaled** (the older ``*_fp8_scaled.safetensors``): a top-level ``scaled_fp8`` marker tensor, and beside each
+  quantized linear's float8 ``weight`` a float32 ``scale_weight`` (optionally ``scale_input``);
+- **per-layer quantization metadata** (ComfyUI's current files, the ``comfy_quant`` format): beside each quantized
+  weight a ``comfy_quant`` tensor holding the layer's JSON (``{"format": "float8_e4m3fn"}``, ``"int8_tensorwise"``,
+  ...), its ``weight_scale`` (one float32 for the tensor, or one per output row) and optionally ``input_scale``; the
+  same JSON may instead sit in the file's metadata as ``_quantization_metadata``;
+- **plain float8** weights without a scale (``*_fp8_e4m3fn.safetensors``): scale 1.
+
+The weight is ``stored.float() * scale``. A diffusion model trained with LoRA keeps such linears quantized
+(:class:`~diffpipe_core.quantize.ScaledLinear`); the VAE and text encoders, used only while caching, are dequantized
+to their dtype as they load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: ComfyUI's format names diffpipe reads -> the storage dtype's name in torch
+READABLE = {"float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8_tensorwise": "int8"}
+#: keys that only describe a quantized layer: never a model tensor
+MARKERS = ("scaled_fp8",)
+SIDE_PARAMS = ("comfy_quant", "scale_input", "input_scale")
+SCALE_PARAMS = ("scale_weight", "weight_scale")
+FLOAT8 = ("F8_E4M3", "F8_E5M2")
+
+
+@dataclass(frozen=True)
+class QuantizedLayer:
+    """One quantized linear of a file: its weight key, storage dtype (torch name) and scale key (None: scale 1)."""
+
+    weight: str
+    storage: str
+    scale: str | None
+    format: str
+
+
+class QuantizationError(ValueError):
+    """A file quantized in a way diffpipe does not read; the message names the file, the layer and what is read."""
+
+
+def _module(key: str) -> str:
+    return key.rpartition(".")[0]
+
+
+def quantized_layers(
+    path: Path, header: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> dict[str, QuantizedLayer]:
+    """The quantized linears of a safetensors file (``header``: key -> (safetensors dtype, shape)), by their module
+    path in the file's own key names. Reads only the tiny ``comfy_quant`` tensors. Raises :class:`QuantizationError`
+    for a format diffpipe does not read (naming the layer, the format and what is read)."""
+    layers: dict[str, QuantizedLayer] = {}
+    formats = _formats(path, header, metadata)
+    for key, (dtype, _shape) in header.items():
+        if not key.endswith(".weight"):
+            continue
+        module = _module(key)
+        fmt = formats.get(module)
+        if fmt is None and dtype not in FLOAT8:
+            continue
+        if fmt is None:
+            fmt = "float8_e4m3fn" if dtype == "F8_E4M3" else "float8_e5m2"
+        if fmt not in READABLE:
+            raise QuantizationError(
+                f"{path}: layer {module!r} is quantized as {fmt!r}, which diffpipe does not read; readable: "
+                f"{', '.join(READABLE)} (ComfyUI's fp8 scaled and int8 files), or a bf16/fp16 file"
+            )
+        scale = next((f"{module}.{p}" for p in SCALE_PARAMS if f"{module}.{p}" in header), None)
+        if fmt == "int8_tensorwise" and scale is None:
+            raise QuantizationError(f"{path}: int8 layer {module!r} has no weight_scale; the file is incomplete")
+        layers[module] = QuantizedLayer(key, READABLE[fmt], scale, fmt)
+    return layers
+
+
+def _formats(
+    path: Path, header: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> dict[str, str]:
+    """Each layer's declared format: from its ``comfy_quant`` tensor, else from ``_quantization_metadata``."""
+    found: dict[str, str] = {}
+    raw = metadata.get("_quantization_metadata")
+    if raw:
+        try:
+            layers = json.loads(raw).get("layers", {})
+        except (ValueError, AttributeError) as exc:
+            raise QuantizationError(f"{path}: _quantization_metadata is not readable JSON ({exc})") from exc
+        found.update({name: conf.get("format", "?") for name, conf in layers.items() if isinstance(conf, dict)})
+    confs = [k for k in header if k.endswith(".comfy_quant")]
+    if confs:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            for key in confs:
+                conf = json.loads(f.get_tensor(key).numpy().tobytes())
+                if conf.get("convrot") or conf.get("params", {}).get("convrot"):
+                    raise QuantizationError(
+                        f"{path}: layer {_module(key)!r} is int8 with a Hadamard rotation (convrot), which diffpipe "
+                        "does not read yet; use the file's bf16, fp8 scaled or plain int8 version"
+                    )
+                found[_module(key)] = str(conf.get("format", "?"))
+    return found
+
+
+def is_side_key(key: str) -> bool:
+    """A key that describes quantization rather than holding a model tensor (markers, layer JSON, input scales)."""
+    return key in MARKERS or key.rpartition(".")[2] in SIDE_PARAMS
+
+
+def is_scale_key(key: str) -> bool:
+    return key.rpartition(".")[2] in SCALE_PARAMS
+
+
+def storage_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A stored scale's shape as a :class:`~diffpipe_core.quantize.ScaledLinear` keeps it: ``()`` for one value,
+    ``(rows, 1)`` for one per output row."""
+    count = 1
+    for n in shape:
+        count *= n
+    return () if count == 1 else (count, 1)
+
+
+def as_scale(tensor: Any) -> Any:
+    """A stored scale in :func:`scale_shape`'s form, float32."""
+    import torch
+
+    return tensor.to(torch.float32).reshape(scale_shape(tuple(tensor.shape)))
+
+
+def dequantize(weight: Any, scale: Any | None, dtype: Any) -> Any:
+    """``weight.float() * scale`` in ``dtype`` (scale None: 1)."""
+    import torch
+
+    value = weight.to(torch.float32)
+    if scale is not None:
+        value = value * as_scale(scale)
+    return value.to(dtype)
+
+
+def dequantizing(path: Path, layer: QuantizedLayer, dtype: Any) -> Callable[[Any], Any]:
+    """A transform of ``layer``'s stored weight into its ``dtype`` value, reading its scale from ``path`` once."""
+
+    def transform(weight: Any) -> Any:
+        scale = None
+        if layer.scale is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                scale = f.get_tensor(layer.scale)
+        return dequantize(weight, scale, dtype)
+
+    return transform

@@ -1,0 +1,252 @@
+"""Flux from the files ComfyUI users keep (issue 35): the transformer, VAE and text encoders as single files in
+ComfyUI's layout (BFL names under ``model.diffusion_model.``, the LDM VAE, CLIP under a text-encoder prefix), beside
+a folder of only configs and tokenizers (or the Hugging Face cache's snapshot of them); ComfyUI's quantized
+transformer files (fp8 scaled, both formats, plain fp8, int8) kept quantized with LoRA on top; bad files named in one
+line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffpipe_core.anchor.keys import toml_key, toml_value
+from diffpipe_core.component_files import cached_snapshot
+from diffpipe_core.parts.ldm import vae_table
+from diffpipe_core.quantize import ScaledLinear
+from diffpipe_core.registry import Registry
+from diffpipe_core.testing import runs
+from diffpipe_core.testing.component_files import (
+    config_only,
+    dequantized_state,
+    hub_snapshot,
+    quantize_file,
+    save,
+    write_component_files,
+)
+from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+from diffpipe_flux.bfl import layout_for_config
+from diffpipe_flux.config import FluxConfig
+from diffpipe_flux.plugin import plugin as flux
+from diffpipe_flux.testing import transformer_inputs
+
+CPU = torch.device("cpu")
+FORMS = ("fp8_scaled", "comfy_quant_fp8", "fp8", "int8")
+CLIP_PREFIX = "text_encoders.clip_l.transformer."  # a prefix of ComfyUI's, which diffpipe reads from the keys
+
+
+def comfy_files(folder: Path, out: Path) -> dict:
+    """``folder`` as ComfyUI component files under ``out`` and a config-only folder ``out/configs``."""
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    files = write_component_files(
+        folder, out, layout_for_config(config), vae_table(vae, ""), {"text_encoder": CLIP_PREFIX}
+    )
+    files["configs"] = config_only(folder, out / "configs")
+    return files
+
+
+@pytest.fixture(scope="module")
+def comfy(tiny_flux: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return comfy_files(tiny_flux, tmp_path_factory.mktemp("comfy"))
+
+
+def from_files(comfy: dict, **keys) -> FluxConfig:
+    """The files in the order a user might list them (T5 first): which encoder each holds is read from its tensors."""
+    given = {"diffusion_model": comfy["diffusion_model"], "vae": comfy["vae"]}
+    given["text_encoders"] = comfy["text_encoders"][::-1]
+    return FluxConfig(type="flux", path=comfy["configs"], **{**given, **keys})
+
+
+def same_state(got: torch.nn.Module, expected: torch.nn.Module) -> None:
+    a, b = got.state_dict(), expected.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def test_component_files_load_exactly_the_folders_weights(tiny_flux: Path, comfy: dict) -> None:
+    cfg = from_files(comfy)
+    assert flux.validate_model_files(cfg) == []
+    lines = "\n".join(flux.model_file_lines(cfg))
+    assert "diffusion_model: " in lines and "BFL layout" in lines
+    assert "vae: " in lines and "LDM layout" in lines
+    assert f"text_encoder: {comfy['text_encoders'][0]}: diffusers (under {CLIP_PREFIX.rstrip('.')!r})" in lines
+    assert "(T5EncoderModel)" in lines
+    folder = FluxConfig(type="flux", path=tiny_flux, encoder_dtype="bfloat16")
+    got, expected = flux.load_encoders(cfg, CPU), flux.load_encoders(folder, CPU)
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        same_state(getattr(got, name), getattr(expected, name))
+    same_state(
+        flux.load_diffusion_model(cfg, CPU, torch.bfloat16), flux.load_diffusion_model(folder, CPU, torch.bfloat16)
+    )
+
+
+def test_diffusers_names_with_a_comfyui_prefix_load_too(tiny_flux: Path, comfy: dict, tmp_path: Path) -> None:
+    state = load_file(str(tiny_flux / "transformer" / "diffusion_pytorch_model.safetensors"))
+    file = save({f"model.diffusion_model.{k}": v for k, v in state.items()}, tmp_path / "diffusers_names.st")
+    cfg = from_files(comfy, diffusion_model=file)
+    assert flux.validate_model_files(cfg) == []
+    assert "diffusers (under 'model.diffusion_model')" in flux.model_file_lines(cfg)[0]
+    expected = flux.load_diffusion_model(from_files(comfy), CPU, torch.float32)
+    same_state(flux.load_diffusion_model(cfg, CPU, torch.float32), expected)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path, form: str) -> None:
+    file = quantize_file(comfy["diffusion_model"], tmp_path / f"{form}.safetensors", form)
+    cfg = from_files(comfy, diffusion_model=file)
+    assert flux.validate_model_files(cfg) == []
+    model = flux.load_diffusion_model(cfg, CPU, torch.bfloat16)
+    kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+    storage = torch.int8 if form == "int8" else torch.float8_e4m3fn
+    assert len(kept) == 50 and all(m.weight.dtype == storage for m in kept)  # q, k and v cut from each fused qkv
+    assert sum(m.weight.numel() * m.weight.element_size() for m in kept) == sum(m.weight.numel() for m in kept)
+    assert f"{len(kept)} linears kept quantized" in flux.model_file_lines(cfg)[0]
+    # what the file stands for: its stored values times their scales, as a float32 BFL file
+    plain = save(dequantized_state(file), tmp_path / "dequantized.safetensors")
+    reference = flux.load_diffusion_model(from_files(comfy, diffusion_model=plain), CPU, torch.float32)
+    inputs = transformer_inputs()
+    got = _forward(model, inputs)
+    expected = _forward(reference, inputs)
+    assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), (got - expected).abs().max()
+    # per-stage loading reads each stage's quantized tensors (and their scales) once, from its own stage only
+    registry = Registry()
+    assert registry.register_model("flux", flux).ok
+    assert_stages_read_their_own(registry.model("flux"), cfg)
+
+
+def _forward(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+        return model(**cast, return_dict=False)[0].float()
+
+
+def test_an_fp8_scaled_text_encoder_loads_dequantized(comfy: dict, tmp_path: Path) -> None:
+    t5 = quantize_file(comfy["text_encoders"][1], tmp_path / "t5xxl_fp8_e4m3fn_scaled.safetensors", "fp8_scaled")
+    cfg = from_files(comfy, text_encoders=(comfy["text_encoders"][0], t5), encoder_dtype="float32")
+    encoder = flux.load_encoders(cfg, CPU).text_encoder_2
+    values = dequantized_state(t5)
+    for name, tensor in encoder.state_dict().items():
+        if name in values:
+            assert torch.equal(tensor, values[name]), name
+    assert "quantized scaled" in "\n".join(flux.model_file_lines(cfg))
+
+
+def problems(cfg: FluxConfig) -> list[str]:
+    return flux.validate_model_files(cfg)
+
+
+def test_bad_files_are_named_in_one_line_each(comfy: dict, tmp_path: Path) -> None:
+    dit = Path(comfy["diffusion_model"])
+    truncated = tmp_path / "cut.safetensors"
+    truncated.write_bytes(dit.read_bytes()[:-100])
+    [problem] = problems(from_files(comfy, diffusion_model=truncated))
+    assert str(truncated) in problem and "truncated" in problem
+    gguf = tmp_path / "flux1-dev-Q4_K_S.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    [problem] = problems(from_files(comfy, diffusion_model=gguf))
+    assert str(gguf) in problem and "GGUF" in problem
+    nvfp4 = tmp_path / "nvfp4.safetensors"
+    state = load_file(str(quantize_file(dit, tmp_path / "q.st", "comfy_quant_fp8")))
+    key = next(k for k in state if k.endswith(".comfy_quant"))
+    state[key] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    save(state, nvfp4)
+    [problem] = problems(from_files(comfy, diffusion_model=nvfp4))
+    assert str(nvfp4) in problem and "'nvfp4'" in problem and "float8_e4m3fn" in problem
+    # the VAE given as a text encoder: named with the model's text encoders
+    [problem] = problems(from_files(comfy, text_encoders=(comfy["vae"],)))
+    assert "text_encoders[0]" in problem and str(comfy["vae"]) in problem and "T5EncoderModel" in problem
+    # a text encoder given as the VAE
+    [problem] = problems(from_files(comfy, vae=comfy["text_encoders"][1]))
+    assert "model.vae" in problem and str(comfy["text_encoders"][1]) in problem
+    # a transformer of another size than the config says
+    state = load_file(str(dit))
+    state = {k: v for k, v in state.items() if ".double_blocks.1." not in k}
+    smaller = save(state, tmp_path / "smaller.safetensors")
+    [problem] = problems(from_files(comfy, diffusion_model=smaller))
+    assert str(smaller) in problem and "another size" in problem
+
+
+def test_configs_from_the_hugging_face_cache(tiny_flux: Path, comfy: dict, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match=r"no snapshot of black-forest-labs/FLUX\.1-dev.*hf download"):
+        cached_snapshot(FluxConfig.hub_repos, "flux")
+    snapshot = hub_snapshot(tiny_flux, tmp_path / "hub", "black-forest-labs/FLUX.1-dev")
+    cfg = FluxConfig(
+        type="flux", diffusion_model=comfy["diffusion_model"], vae=comfy["vae"], text_encoders=comfy["text_encoders"]
+    )
+    assert cfg.path == snapshot and problems(cfg) == []
+    assert "the Hugging Face cache" in flux.model_file_lines(cfg)[0]
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(flux_two_stages: Path, tmp_path: Path) -> None:
+    """The shared 2-stage run of the diffusers folder, again from ComfyUI files: equal losses and LoRA files."""
+    from test_flux_train import make_project
+
+    from conftest import SAMPLE_TABLE
+
+    config = make_project(tmp_path, stages=2, single_file=False)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    keys = {
+        "path": str(files["configs"]),
+        "diffusion_model": str(files["diffusion_model"]),
+        "vae": str(files["vae"]),
+        "text_encoders": [{"path": str(p), "type": "flux"} for p in files["text_encoders"][::-1]],
+    }
+    given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
+    config.write_text(config.read_text().replace('path = "model"\n', given) + SAMPLE_TABLE)
+    run = runs.train(tmp_path, config, procs=2, timeout=400)
+    expected = runs.losses(flux_two_stages)
+    assert runs.losses(run) == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    for name in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
+        got, want = load_file(str(run / "saved/final" / name)), load_file(str(flux_two_stages / "saved/final" / name))
+        assert got.keys() == want.keys()
+        assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in got), name
+
+
+def project_from_files(root: Path, form: str | None, steps: int) -> tuple[Path, Path]:
+    """test_flux_train's project (1 stage, float32), its model given as ComfyUI files, the transformer quantized as
+    ``form`` (None: as is), trained ``steps`` steps. Returns the run config and the transformer file."""
+    from test_flux_train import make_project
+
+    config = make_project(root, stages=1, single_file=False)
+    files = comfy_files(root / "model", root / "comfy")
+    dit = files["diffusion_model"] if form is None else quantize_file(files["diffusion_model"], root / "q.st", form)
+    return with_files(config, files, dit, steps), dit
+
+
+def with_files(config: Path, files: dict, dit: Path, steps: int) -> Path:
+    keys = {"path": str(files["configs"]), "diffusion_model": str(dit), "vae": str(files["vae"])}
+    keys["text_encoders"] = [str(p) for p in files["text_encoders"]]
+    given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
+    text = config.read_text().replace('path = "model"\n', given)
+    config.write_text(text.replace("max_steps = 24", f"max_steps = {steps}"))
+    return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["fp8_scaled", "int8"])
+def test_a_lora_trains_on_a_quantized_base(tmp_path: Path, form: str) -> None:
+    """The LoRA trains on the quantized base kept quantized; in float32 the losses equal those of a run on the
+    dequantized weights (stored * scale) within 1e-5: the kept weights are exactly what the file stands for."""
+    config, quantized = project_from_files(tmp_path / "q", form, steps=4)
+    run = runs.train(tmp_path / "q", config, procs=1, timeout=300)
+    plain_config, _ = project_from_files(tmp_path / "plain", None, steps=4)
+    files = {"configs": tmp_path / "plain/comfy/configs", "vae": tmp_path / "plain/comfy/vae.st"}
+    files["text_encoders"] = [tmp_path / "plain/comfy/text_encoder.st", tmp_path / "plain/comfy/text_encoder_2.st"]
+    dequantized = save(dequantized_state(quantized), tmp_path / "plain" / "dequantized.safetensors")
+    plain = runs.train(tmp_path / "plain", with_files(plain_config, files, dequantized, 4), procs=1, timeout=300)
+    got, expected = runs.losses(run), runs.losses(plain)
+    assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5), (got, expected)
+    lora = load_file(str(run / "saved/final/adapter_model.safetensors"))
+    assert lora and all(torch.isfinite(v).all() for v in lora.values())
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at 0: trained
