@@ -134,33 +134,38 @@ def read_component_file(path: Path, what: str) -> ComponentFile:
 def prefix_key_map(
     file_keys: Iterable[str], model_shapes: Mapping[str, tuple[int, ...]], file_shapes: Mapping[str, Any]
 ) -> tuple[KeyMap, str, str] | None:
-    """The renaming that puts a file's keys on the model's when they differ only by a leading prefix (the file's
-    ``model.diffusion_model.`` or ``text_encoders.clip_l.transformer.`` dropped, the model's ``text_model.`` added):
-    ``(key map, file prefix, model prefix)``, or None when no prefix pair maps most of the file onto the model with
-    equal shapes. The pair is voted for by the keys themselves."""
+    """The renaming that puts a file's keys on the model's when they differ only by leading prefixes (the file's
+    ``model.diffusion_model.`` or ``text_encoders.clip_l.transformer.`` dropped, the model's ``text_model.`` added; a
+    file may need several pairs, as a Qwen2.5-VL file whose ``model.`` is transformers' ``model.language_model.`` and
+    whose ``visual.`` is ``model.visual.``): ``(key map, file prefix, model prefix)`` of the most used pair, or None
+    when the pairs do not map most of the file onto the model with equal shapes. The pairs are voted for by the keys
+    themselves, each key taking the most voted pair that names a model tensor."""
     keys = [k for k in file_keys if not is_side_key(k) and not is_scale_key(k)]
-    heads = Counter(".".join(m.split(".")[:n]) for m in model_shapes for n in range(0, 3))
+    heads = {".".join(m.split(".")[:n]) for m in model_shapes for n in range(0, 3)}
     model_prefixes = sorted({f"{h}." if h else "" for h in heads}, key=len)
     votes: Counter[tuple[str, str]] = Counter()
-    for key in keys[:: max(1, len(keys) // 64)]:
+    for key in keys:
         parts = key.split(".")
         for i in range(len(parts)):
             strip, rest = ".".join(parts[:i]) + ("." if i else ""), ".".join(parts[i:])
             for add in model_prefixes:
-                if add + rest in model_shapes:
+                name = add + rest
+                if name in model_shapes and tuple(model_shapes[name]) == tuple(file_shapes[key]):
                     votes[(strip, add)] += 1
-    if not votes:
+    pairs = [pair for pair, n in votes.most_common() if n * 50 >= len(keys)]  # 2% of the keys at least
+    if not pairs:
         return None
-    (strip, add), _ = votes.most_common(1)[0]
 
     def mapped(key: str) -> str | None:
-        if not key.startswith(strip) or is_side_key(key) or is_scale_key(key):
+        if is_side_key(key) or is_scale_key(key):
             return None
-        name = add + key[len(strip) :]
-        return name if name in model_shapes else None
+        for strip, add in pairs:
+            if key.startswith(strip) and (name := add + key[len(strip) :]) in model_shapes:
+                return name
+        return None
 
     fitting = [k for k in keys if (m := mapped(k)) is not None and tuple(model_shapes[m]) == tuple(file_shapes[k])]
-    return (mapped, strip, add) if len(fitting) >= max(1, len(keys) // 2) else None
+    return (mapped, *pairs[0]) if len(fitting) >= max(1, len(keys) // 2) else None
 
 
 @dataclass(frozen=True)
