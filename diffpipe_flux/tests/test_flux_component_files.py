@@ -250,3 +250,22 @@ def test_a_lora_trains_on_a_quantized_base(tmp_path: Path, form: str) -> None:
     lora = load_file(str(run / "saved/final/adapter_model.safetensors"))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at 0: trained
+
+
+def test_a_full_finetune_of_a_quantized_file_is_refused(comfy: dict, tmp_path: Path) -> None:
+    from diffpipe_core.config import ConfigError, load_config
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64), captions=["a", "b"])
+    write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "images", resolutions=[64])
+    fp8 = quantize_file(comfy["diffusion_model"], tmp_path / "fp8_scaled.safetensors", "fp8_scaled")
+    model = {"type": "flux", "path": str(comfy["configs"]), "diffusion_model": str(fp8)}
+    config = tmp_path / "run.toml"
+    config.write_text(runs.run_toml(model, {"lr": 1e-5}))
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, get_registry())
+    [problem] = [p for p in caught.value.problems if "diffusion_model" in p]
+    assert str(fp8) in problem and "full fine-tune" in problem and "[adapter]" in problem
+    config.write_text(runs.run_toml(model, {"lr": 1e-5}, {"rank": 4}))
+    assert load_config(config, get_registry()).model.diffusion_model == fp8
