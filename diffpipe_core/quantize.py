@@ -80,6 +80,34 @@ class ScaledLinear(nn.Linear):
         return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
 
 
+class GGUFLinear(nn.Linear):
+    """A frozen linear whose weight is a GGUF file's quantized blocks (``Q8_0``, ``Q4_K``, ...), kept as its raw bytes
+    (``(out_features, bytes per row)`` uint8) and dequantized in each forward (diffusers' GGUF dequantization), computed
+    in ``compute_dtype``. :meth:`like` builds the empty module per-stage loading fills."""
+
+    def __init__(self, linear: nn.Linear, kind: str, row_bytes: int, compute_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kind, self.compute_dtype = kind, compute_dtype
+        device = linear.weight.device
+        self.register_buffer("weight", torch.empty(linear.out_features, row_bytes, dtype=torch.uint8, device=device))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @classmethod
+    def like(cls, linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> GGUFLinear:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        return cls(linear, kind, linear.in_features // block * size, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from diffpipe_core.weight_files import gguf_dequantize
+
+        weight = gguf_dequantize(self.weight, self.kind).reshape(self.out_features, self.in_features)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return F.linear(x.to(self.compute_dtype), weight.to(self.compute_dtype), bias).to(x.dtype)
+
+
 class Float8Linear(ScaledLinear):
     """A frozen linear quantized to float8_e4m3fn with a per-tensor scale (``[model] quantize = "float8"``)."""
 
