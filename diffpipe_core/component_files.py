@@ -180,6 +180,7 @@ class Fit:
     covered: int
     total: int
     table: KeyTable | None = None
+    missing: tuple[str, ...] = ()  # the first few model tensors the file does not fill
 
     @property
     def complete(self) -> bool:
@@ -204,12 +205,13 @@ def fit_file(
     if found is not None:
         key_map, strip, add = found
         layout = "diffusers" + (f" (under {strip.rstrip('.')!r})" if strip else "")
-        best = Fit(key_map, layout, _covered(shapes, key_map, model_shapes, same), total)
+        covered, missing = _covered(shapes, key_map, model_shapes, same)
+        best = Fit(key_map, layout, covered, total, None, missing)
     for table in tables:
         key_map = table.key_map(shapes)
-        covered = _covered(shapes, key_map, model_shapes, same)
+        covered, missing = _covered(shapes, key_map, model_shapes, same)
         if best is None or covered > best.covered:
-            best = Fit(key_map, f"{table.name} layout", covered, total, table)
+            best = Fit(key_map, f"{table.name} layout", covered, total, table, missing)
     if best is None or best.covered * 2 < best.total:
         return None
     return best
@@ -217,10 +219,13 @@ def fit_file(
 
 def _covered(
     shapes: Mapping[str, tuple[int, ...]], key_map: Callable[[str], Any], model: Mapping[str, Any], same: Mapping
-) -> int:
+) -> tuple[int, tuple[str, ...]]:
+    """How many of the model's tensors the file fills, and the first few it does not."""
     from diffpipe_core.engine.model_loading import key_targets
 
-    return len({same.get(n, n) for key in shapes for n, _ in key_targets(key_map(key)) if n in model})
+    filled = {same.get(n, n) for key in shapes for n, _ in key_targets(key_map(key)) if n in model}
+    missing = tuple(n for n in model if same.get(n, n) not in filled)
+    return len(filled), missing[:4]
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:

@@ -283,7 +283,9 @@ class DiffusersFolder:
             shapes = model_shapes(skeleton)
             fit = fit_file(header, shapes, self.file_tables(path, key), tied_names(skeleton))
             if fit is None or not fit.complete:
-                got = f"fills {fit.covered} of its {fit.total} tensors" if fit else "fits none of its tensors"
+                got = f"fills {fit.covered} of its {fit.total} tensors, not {', '.join(fit.missing)}" if fit else (
+                    "fits none of its tensors"
+                )
                 raise ValueError(
                     f"model.{key}: {file}: not the {self.title or self.model_name} {key.replace('_', ' ')} of "
                     f"{Path(path) / key / 'config.json'} (read as diffusers' names or the original layout, it {got}; "

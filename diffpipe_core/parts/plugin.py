@@ -270,7 +270,8 @@ class DiffusersModel:
                     return [
                         f"{single}: fills {found.fit.covered} of the {found.fit.total} tensors of the "
                         f"{self.spec.name} {component} that {folder / component / 'config.json'} describes (read as "
-                        f"{found.fit.layout}): a file of another size or variant of the model?"
+                        f"{found.fit.layout}; it lacks {', '.join(found.fit.missing)}): a file of another size or "
+                        "variant of the model?"
                     ]
                 checked = True  # its keys fit: diffusers' names are as good as the original layout's
             elif layout is None:
