@@ -58,6 +58,20 @@ def closest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket
     return min(buckets, key=lambda b: (abs(math.log(b.width / b.height) - target), -b.width * b.height))
 
 
+def closest_size_bucket(
+    width: int, height: int, frames: int, is_video: bool, sizes: Sequence[tuple[int, int, int]], multiple: int
+) -> Bucket | None:
+    """diffusion-pipe's ``size_buckets``: of the ``(width, height, frames)`` sizes whose frame count an item fills
+    (a video: more than one frame, at most ``frames``; an image: one), the one closest in aspect ratio (log space;
+    ties: the most frames), its sides rounded down to ``multiple``. None when no size fits."""
+    fitting = [s for s in sizes if (1 < s[2] <= frames if is_video else s[2] == 1)]
+    if not fitting:
+        return None
+    target = math.log(width / height)
+    w, h, f = min(fitting, key=lambda s: (abs(math.log(s[0] / s[1]) - target), -s[2]))
+    return Bucket(max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple), f)
+
+
 def valid_frame_count(frames: int, spec: ModelSpec) -> bool:
     """Whether a video frame count fits the model: ``frame_multiple * k + frame_offset``."""
     if frames < max(1, spec.frame_offset):
