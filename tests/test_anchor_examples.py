@@ -10,10 +10,10 @@ will have it), and, with tiny models standing in for the paths, passes ``diffpip
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from diffpipe_core.anchor.convert import Imported, import_config
@@ -157,18 +157,21 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     sdxl = write_tiny_sdxl(root / "sdxl")
     flux = write_tiny_flux(root / "flux")
     qwen = write_tiny_qwen(root / "qwen")
+    qwen_edit = write_tiny_qwen(root / "qwen-edit", "QwenImageEditPlusPipeline")
     return {
         "sdxl": (sdxl, write_single_file(sdxl, root / "sdxl.safetensors")),
         "flux": (flux, bfl_path(flux)),
         "flux-kontext": (flux, bfl_path(flux)),
-        "chroma": (flux, bfl_path(write_tiny_chroma(root / "chroma"))),
+        # and a Chroma folder where diffusion-pipe takes FLUX.1-dev's for Chroma's VAE and T5
+        "chroma": (write_tiny_chroma(root / "chroma"), bfl_path(root / "chroma")),
         "ltx-video": (write_tiny_ltx(root / "ltx"), ltx_file(root / "ltx")),
         "hunyuan-video": (write_tiny_hunyuan(root / "hunyuan"), hunyuan_file(root / "hunyuan")),
         "cosmos": (write_tiny_cosmos(root / "cosmos", TinyCosmosConfig(variant="1.0")), cosmos_file(root / "cosmos")),
         "cosmos-predict2": (write_tiny_cosmos(root / "predict2"), cosmos_file(root / "predict2")),
         "wan": (write_tiny_wan(root / "wan"), wan_file(root / "wan")),
         "qwen-image": (qwen, comfy_path(qwen)),
-        "qwen-image-edit": (qwen, comfy_path(qwen)),
+        # diffpipe reads an edit model's diffusers folder (diffusion-pipe also takes Qwen-Image's with the edit file)
+        "qwen-image-edit": (qwen_edit, comfy_path(qwen_edit)),
     }
 
 
