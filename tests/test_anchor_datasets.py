@@ -27,9 +27,10 @@ from diffpipe_core.anchor.convert import import_config, write_imported
 from diffpipe_core.cli import main
 from diffpipe_core.data import prepare_cache
 from diffpipe_core.data.dataset_config import load_dataset_config
-from diffpipe_core.data.dump import HEADER, SHEET_COLUMNS, thumb_size
+from diffpipe_core.data.dump import HEADER
 from diffpipe_core.data.scan import scan_dataset
 from diffpipe_core.registry import Registry
+from diffpipe_core.sampling.contact_sheet import cell_size, sheet_layout
 from diffpipe_core.testing.cache import rows_by_id
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset, write_png
 from diffpipe_core.types import EncodeBatch
@@ -198,11 +199,10 @@ def test_dump_writes_one_image_per_item_and_one_sheet_per_bucket(tmp_path: Path,
         buckets[item.bucket] = buckets.get(item.bucket, 0) + 1
     sheets = sorted((dump / "sheets").glob("*.png"))
     assert [p.stem for p in sheets] == sorted(str(b) for b in buckets)
-    for bucket, n in buckets.items():
-        tw, th = thumb_size(bucket)
-        columns = min(SHEET_COLUMNS, n)
+    for bucket, n in buckets.items():  # the sampling contact sheet's grid of the bucket's n items, under its counts
+        width, height = sheet_layout(n, cell_size(bucket.width, bucket.height)).size
         with Image.open(dump / "sheets" / f"{bucket}.png") as sheet:
-            assert sheet.size == (max(columns * tw, 320), HEADER + -(-n // columns) * th)
+            assert sheet.size == (width, height + HEADER), bucket
     again = CliRunner().invoke(main, ["data", "--config", str(run_toml), "--dump", str(dump)])
     assert again.exit_code == 1 and f"--dump {dump}: is not empty" in again.output  # before any work
 

@@ -9,6 +9,7 @@ will have it), and, with tiny models standing in for the paths, passes ``diffpip
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -214,3 +215,38 @@ def test_every_model_snippet_validates_with_tiny_models_for_its_files(
     result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
     assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
     assert f"ok (model {name}" in result.output
+
+
+def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
+    """The keys issue 43 found dropped: LoKr's decompose_factor, W&B's [monitoring], float8_e5m2, and the dataset's
+    size_buckets, subsample_ratio, default_mask_file and control_path; a Wan checkpoint's i2v model_type."""
+    run_text = _in_main_example("[model]\ntype = 'cosmos_predict2'\ntransformer_path = '/m/model.safetensors'\n"
+                                "dtype = 'bfloat16'\ntransformer_dtype = 'float8_e5m2'\n")
+    run_text = run_text.replace("[adapter]\ntype = 'lora'\nrank = 32", "[adapter]\ntype = 'lokr'\nrank = 32\n"
+                                "decompose_factor = 4")
+    run_text = run_text.replace("enable_wandb = false\nwandb_api_key = ''\nwandb_tracker_name = ''\n"
+                                "wandb_run_name = ''", "enable_wandb = true\nwandb_api_key = 'sekrit'\n"
+                                "wandb_tracker_name = 'my-loras'\nwandb_run_name = 'first'")
+    (tmp_path / "dataset.toml").write_text(
+        "size_buckets = [[960, 960, 1], [1280, 704, 1]]\nsubsample_ratio = 0.5\nshuffle_metadata = true\n"
+        "[[directory]]\npath = 'data'\ndefault_mask_file = 'mask.png'\ncontrol_path = 'control'\n"
+    )
+    imported = _convert(tmp_path, run_text, tmp_path / "dataset.toml")
+    run, data = (tomllib.loads(imported.files[f]) for f in ("run.toml", "dataset.toml"))
+    assert run["adapter"]["type"] == "lokr" and run["adapter"]["factor"] == 4
+    assert run["logging"] == {"wandb": {"project": "my-loras", "name": "first"}}
+    assert "sekrit" not in imported.files["run.toml"] and "wandb login" in imported.files["run.toml"]
+    assert run["model"]["type"] == "cosmos-predict2" and run["model"]["quantize"] == "float8_e5m2"
+    assert data["size_buckets"] == [[960, 960, 1], [1280, 704, 1]] and data["subsample_ratio"] == 0.5
+    assert data["directory"] == [{"path": str(tmp_path / "data"), "default_mask_file": str(tmp_path / "mask.png"),
+                                  "control_path": str(tmp_path / "control")}]
+    assert "not carried: shuffle_metadata = true (diffpipe's data order does not depend on the file order" in \
+        imported.files["dataset.toml"]
+
+    wan = tmp_path / "Wan2.1-I2V-14B-480P"  # the official checkpoint folder: its config.json names the variant
+    wan.mkdir()
+    (wan / "config.json").write_text(json.dumps({"model_type": "i2v", "dim": 5120}))
+    imported = _convert(tmp_path, _in_main_example(f"[model]\ntype = 'wan'\nckpt_path = '{wan}'\n"),
+                        tmp_path / "dataset.toml")
+    assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-i2v"
+    assert "config.json says model_type = 'i2v'" in imported.files["run.toml"]
