@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 TAR_EXT = ".tar"
-_SEP = TAR_EXT + os.sep
+TAR_SEP = TAR_EXT + os.sep  # in the path of every archive member
 _OPEN_LIMIT = 8  # archives kept open per process (a scan or an encoder walks one shard after another)
 
 
@@ -54,14 +54,14 @@ def _archive(path: Path) -> _Archive:
 def split(path: str | Path) -> tuple[Path, str] | None:
     """``(archive, member name)`` for a path through a ``.tar`` file, None for a plain file's path."""
     text = str(path)
-    if _SEP not in text:
+    if TAR_SEP not in text:
         return None
-    head, _, member = text.partition(_SEP)
+    head, _, member = text.partition(TAR_SEP)
     archive = Path(head + TAR_EXT)
     while not archive.is_file():  # a folder named like x.tar on the way: look for the next one
-        if _SEP not in member:
+        if TAR_SEP not in member:
             return None
-        more, _, member = member.partition(_SEP)
+        more, _, member = member.partition(TAR_SEP)
         archive = archive / (more + TAR_EXT)
     return archive, member
 

@@ -130,7 +130,7 @@ class _Captions:
         """(the captions, or None; where they were looked for); ``txt`` is ``media.with_suffix(".txt")`` as a
         string. Raises _CaptionError for an unreadable file."""
         txt = txt or str(media.with_suffix(".txt"))
-        member = archives.split(media)
+        member = archives.split(media) if archives.TAR_SEP in txt else None  # txt: the media's path as a string
         if member is None:
             try:
                 text = self.index.caption(txt)  # read only if new or changed since the last scan
