@@ -224,3 +224,32 @@ def test_size_buckets_and_subsample_ratio(tmp_path: Path) -> None:
     first = [item.id for item in scan_dataset(load_dataset_config(toml), spec, progress=False).items]
     second = [item.id for item in scan_dataset(load_dataset_config(toml), spec, progress=False).items]
     assert len(first) == 3 and first == second
+
+
+def test_videos_in_a_tar_archive_take_size_buckets_by_frames(tmp_path: Path) -> None:
+    """A clip inside a .tar is probed, bucketed by size_buckets (the size of its aspect ratio among those with the
+    most frames it fills) and decoded from the archive; an image of the same dataset takes the 1-frame size."""
+    from diffpipe_core.data.decode import load_media
+    from diffpipe_core.testing.media import write_video
+    from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
+
+    data = tmp_path / "data"
+    write_image_dataset(data, 1, size=(96, 48))
+    clip = write_video(tmp_path / "clip.mp4", frames=40, fps=16, size=(64, 64))  # 2.5 s: 20 frames at 8 fps
+    with tarfile.open(data / "clips.tar", "w") as tar:
+        tar.add(clip, arcname="clip.mp4")
+        info = tarfile.TarInfo("clip.txt")
+        info.size = len(b"a clip")
+        tar.addfile(info, io.BytesIO(b"a clip"))
+    (data / "broken.tar").write_bytes(b"not an archive" * 100)
+    toml = write_dataset_toml(tmp_path / "dataset.toml", data,
+                              size_buckets=[[96, 48, 1], [64, 64, 9], [64, 64, 17], [96, 48, 33]])
+    scan = scan_dataset(load_dataset_config(toml), TINY_VIDEO_SPEC, progress=False)
+    items = {item.id: item for item in scan.items}
+    assert set(items) == {"data/img_000.png", "data/clips.tar/clip.mp4"}
+    (skipped,) = scan.skipped  # named, with why, and the rest of the dataset still scanned
+    assert skipped.path == data / "broken.tar" and skipped.reason.startswith("unreadable: not a readable .tar")
+    video = items["data/clips.tar/clip.mp4"]
+    assert (video.bucket.width, video.bucket.height, video.bucket.frames) == (64, 64, 17)
+    assert video.caption == "a clip" and items["data/img_000.png"].bucket.frames == 1
+    assert load_media(video, TINY_VIDEO_SPEC).pixels.shape == (3, 17, 64, 64)
