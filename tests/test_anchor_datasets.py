@@ -229,7 +229,9 @@ def test_size_buckets_and_subsample_ratio(tmp_path: Path) -> None:
 def test_videos_in_a_tar_archive_take_size_buckets_by_frames(tmp_path: Path) -> None:
     """A clip inside a .tar is probed, bucketed by size_buckets (the size of its aspect ratio among those with the
     most frames it fills) and decoded from the archive; an image of the same dataset takes the 1-frame size."""
+    from diffpipe_core.data.cache_keys import file_content_key
     from diffpipe_core.data.decode import load_media
+    from diffpipe_core.schema import ConfigError
     from diffpipe_core.testing.media import write_video
     from diffpipe_core.testing.specs import TINY_VIDEO_SPEC
 
@@ -253,3 +255,9 @@ def test_videos_in_a_tar_archive_take_size_buckets_by_frames(tmp_path: Path) -> 
     assert (video.bucket.width, video.bucket.height, video.bucket.frames) == (64, 64, 17)
     assert video.caption == "a clip" and items["data/img_000.png"].bucket.frames == 1
     assert load_media(video, TINY_VIDEO_SPEC).pixels.shape == (3, 17, 64, 64)
+    assert file_content_key(video.path, strict=True) == file_content_key(clip, strict=True)  # --strict: its bytes
+
+    toml.write_text(toml.read_text().replace("[64, 64, 17]", "[64, 64, 16]"))
+    with pytest.raises(ConfigError) as err:  # frame counts the model cannot take: named by the key they came from
+        scan_dataset(load_dataset_config(toml), TINY_VIDEO_SPEC, progress=False)
+    assert "size_buckets: 16 frames does not fit model 'tinyvideo'" in str(err.value)

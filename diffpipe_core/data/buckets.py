@@ -79,8 +79,11 @@ def valid_frame_count(frames: int, spec: ModelSpec) -> bool:
     return (frames - spec.frame_offset) % max(1, spec.frame_multiple) == 0
 
 
-def frame_bucket_problems(frame_buckets: Sequence[int], spec: ModelSpec, where: str) -> list[str]:
-    """One message per frame bucket the model cannot take, naming the closest valid counts."""
+def frame_bucket_problems(
+    frame_buckets: Sequence[int], spec: ModelSpec, where: str, key: str = "frame_buckets"
+) -> list[str]:
+    """One message per frame bucket the model cannot take, naming the closest valid counts (and ``key``, where the
+    counts were given)."""
     problems = []
     step, offset = max(1, spec.frame_multiple), spec.frame_offset
     for f in frame_buckets:
@@ -89,7 +92,7 @@ def frame_bucket_problems(frame_buckets: Sequence[int], spec: ModelSpec, where: 
         lower = offset + (f - offset) // step * step
         choices = [c for c in (lower, lower + step) if c >= max(2, offset)]
         problems.append(
-            f"{where}frame_buckets: {f} frames does not fit model {spec.name!r} (frame counts must be "
+            f"{where}{key}: {f} frames does not fit model {spec.name!r} (frame counts must be "
             f"{step}*k + {offset}); use {' or '.join(map(str, choices))}"
         )
     return problems

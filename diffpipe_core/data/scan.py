@@ -451,8 +451,9 @@ def _scan(
     problems = spec_problems(cfg, settings, spec)
     if spec.modality == "video":
         for s in settings:
-            where = "" if cfg.directory[s.index].frame_buckets is None else f"directory[{s.index}]."
-            problems += frame_bucket_problems(s.frame_buckets, spec, f"{cfg.source or 'dataset'}: {where}")
+            key = "size_buckets" if s.size_buckets else "frame_buckets"  # the key the frame counts came from
+            where = "" if getattr(cfg.directory[s.index], key) is None else f"directory[{s.index}]."
+            problems += frame_bucket_problems(s.frame_buckets, spec, f"{cfg.source or 'dataset'}: {where}", key)
     if problems:
         raise ConfigError(sorted(set(problems)))
 
