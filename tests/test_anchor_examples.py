@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from diffpipe_core.anchor.convert import Imported, import_config
 from diffpipe_core.anchor.keys import core_fields
-from diffpipe_core.anchor.models import EDIT_VARIANTS, MODEL_TYPES, PLANNED
+from diffpipe_core.anchor.models import EDIT_VARIANTS, MODEL_TYPES, PATH_NOTES, PLANNED
 from diffpipe_core.cli import main
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.media import write_image_dataset
@@ -110,6 +110,7 @@ def test_every_example_config_converts_keeping_what_diffpipe_has(tmp_path: Path,
     family = MODEL_TYPES.get(anchor_run["model"]["type"])
     if edit_dirs and family in EDIT_VARIANTS:
         assert run["model"]["type"] == EDIT_VARIANTS[family], "an edit dataset trained as text-to-image"
+        assert PATH_NOTES.get(run["model"]["type"], "") in imported.files["run.toml"]  # which folder path takes
     if "size_buckets" in anchor_data:
         assert data["size_buckets"] == anchor_data["size_buckets"]
     if anchor_run["model"].get("transformer_dtype") == "float8":

@@ -210,6 +210,7 @@ class _Converter:
         name = choice.name or anchor_type
         notes = [f"was type = {toml_value(anchor_type)}" + (f": {choice.why}" if choice.why else "")]
         notes = notes if name != anchor_type else []
+        notes += [choice.path_note] if choice.path_note else []
         if name in installed:
             schema = installed[name].spec.config_schema
             ctx.fields["model"] = set(schema.model_fields)

@@ -51,17 +51,28 @@ EDIT_VARIANTS = {"flux": "flux-kontext", "qwen-image": "qwen-image-edit"}
 EDIT_WORDS = {"flux": "kontext", "qwen-image": "edit"}
 # Wan's config.json model_type values that diffusion-pipe trains image-to-video
 WAN_I2V = ("i2v", "flf2v")
+# what diffpipe's model reads as [model] path where diffusion-pipe took another model's folder
+PATH_NOTES = {
+    "qwen-image-edit": "path must be a Qwen-Image-Edit diffusers folder (its processor prepares the control images); "
+    "diffusion-pipe also took Qwen-Image's folder with an edit transformer file",
+    "chroma": "path must be a Chroma diffusers folder; diffusion-pipe took FLUX.1-dev's for Chroma's VAE and T5",
+}
 MODEL_FILE_KEYS = ("diffusers_path", "transformer_path", "ckpt_path", "diffusion_model", "checkpoint_path")
 
 
 @dataclass(frozen=True)
 class ModelChoice:
     """The diffpipe model for an anchor ``[model]`` table: ``name`` (None: diffpipe has none yet), why it differs
-    from the family's name, and for a type diffpipe lacks the distribution that will have it."""
+    from the family's name, for a type diffpipe lacks the distribution that will have it, and what its ``path``
+    must be where diffusion-pipe took another folder (:data:`PATH_NOTES`)."""
 
     name: str | None
     why: str = ""
     planned: str | None = None
+
+    @property
+    def path_note(self) -> str:
+        return PATH_NOTES.get(self.name or "", "")
 
 
 def diffpipe_model(anchor_type: str, table: dict[str, Any], uses_control: bool, base: Path) -> ModelChoice:
