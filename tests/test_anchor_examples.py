@@ -133,6 +133,8 @@ def test_every_model_snippet_converts_to_a_diffpipe_model(tmp_path: Path, index:
         assert run["model"]["quantize"] == quantized
     for key, value in anchor.items():  # the keys this model's diffpipe table has keep their value
         if name in _installed() and key in _fields("model", name) and key not in ("type", "dtype"):
+            if key == "text_encoders":  # a {paths = [...]} entry (one ComfyUI loader of several files): one per file
+                value = [{"path": p, "type": e["type"]} for e in value for p in e.get("paths", [e.get("path")])]
             assert run["model"][key] == value, key
 
 
@@ -251,3 +253,24 @@ def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
                         tmp_path / "dataset.toml")
     assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-i2v"
     assert "config.json says model_type = 'i2v'" in imported.files["run.toml"]
+
+
+def test_model_files_land_on_diffpipes_component_keys(tmp_path: Path) -> None:
+    """Issue 35: diffusion-pipe's model-file keys become diffpipe's component-file keys; text encoder files of
+    several keys one ``text_encoders`` list; folders (an LLM's transformers folder) are read through path; without
+    path the configs come from the Hugging Face cache, which the config says."""
+    llm_folder = tmp_path / "llava-llama-3-8b-text-encoder-tokenizer"
+    llm_folder.mkdir()
+    model = (
+        "[model]\ntype = 'flux'\ntransformer_path = '/m/flux1-dev-fp8_scaled.safetensors'\n"
+        "vae_path = '/m/ae.safetensors'\nt5_path = '/m/t5xxl_fp16.safetensors'\nclip_path = '/m/clip_l.safetensors'\n"
+        f"llm_path = '{llm_folder}'\ndtype = 'bfloat16'\n"
+    )
+    imported = _convert(tmp_path, _in_main_example(model), EXAMPLES / "dataset.toml")
+    run = tomllib.loads(imported.files["run.toml"])["model"]
+    assert run["diffusion_model"] == "/m/flux1-dev-fp8_scaled.safetensors" and run["vae"] == "/m/ae.safetensors"
+    assert run["text_encoders"] == ["/m/clip_l.safetensors", "/m/t5xxl_fp16.safetensors"]
+    text = imported.files["run.toml"]
+    assert "(as a key: its file is in text_encoders, written at clip_path)" in text
+    assert f"not carried: llm_path = '{llm_folder}'" in text and "path" not in run
+    assert "Hugging Face cache's black-forest-labs/FLUX.1-dev" in text and "TODO: path" not in text

@@ -250,7 +250,13 @@ class _Converter:
 
         schema = get_registry().model(model_name).spec.config_schema
         for key, info in schema.model_fields.items():
-            if info.is_required() and not section.has(key):
+            if key == "path" and not section.has(key) and getattr(schema, "hub_repos", ()):
+                repo = schema.hub_repos[0]
+                section.note(f"path: not given: the configs and tokenizers come from the Hugging Face cache's {repo} "
+                             f"(once: hf download {repo} --exclude '*.safetensors')")  # fmt: skip
+                continue
+            needed = info.is_required() or (key == "path" and "hub_repos" in dir(schema))
+            if needed and not section.has(key):
                 what = (info.description or "required").split(". ")[0].rstrip(".")
                 section.note(f"TODO: {key} = ... ({what}; diffusion-pipe's config gives no such value)")
                 self.todo.append(f"model.{key}: {what}")

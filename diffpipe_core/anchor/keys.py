@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 RUN_FILE_SECTIONS = ("run", "model", "adapter", "optimizer", "logging")
@@ -259,6 +260,56 @@ def _path_needed(key: str, value: Any, ctx: Context) -> list[Change]:
     return [Change(None, why=_FROM_PATH)]
 
 
+#: diffusion-pipe's keys of text encoder files (and ComfyUI's text_encoders list), in the order they are listed
+TEXT_ENCODER_KEYS = (
+    "text_encoders", "text_encoder", "text_encoder_path", "clip_path", "t5_path", "llm_path", "llama3_path", "byt5_path"
+)  # fmt: skip
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")
+
+
+def _is_weight_file(value: Any) -> bool:
+    """A component given as one weight file (diffpipe's component-file keys take it); a folder is read through path."""
+    return isinstance(value, str) and not Path(value).expanduser().is_dir() and value.endswith(WEIGHT_FILE_SUFFIXES)
+
+
+def _component_file(to: str, key: str, value: Any, ctx: Context) -> list[Change]:
+    """``vae`` / ``vae_path`` / ``audio_vae``: a single file becomes diffpipe's component file key."""
+    if _is_weight_file(value) and ctx.has("model", to):
+        return [Change("model", to, value, "" if key == to else "the component as one file", is_path=True)]
+    return [Change(None, why=_FROM_PATH)]
+
+
+def _file_entries(value: Any) -> list[Any]:
+    """The weight-file entries of a text encoder key's value (a path, a ``{path, type}`` table, or a list of them;
+    a ``{paths = [...], type}`` table, one ComfyUI loader of several files, becomes one entry per file)."""
+    entries = value if isinstance(value, list) else [] if value is None else [value]
+    flat: list[Any] = []
+    for e in entries:
+        if isinstance(e, dict) and isinstance(e.get("paths"), list):
+            flat += [{"path": p, "type": e["type"]} if "type" in e else p for p in e["paths"]]
+        else:
+            flat.append(e)
+    return [e for e in flat if _is_weight_file(e.get("path") if isinstance(e, dict) else e)]
+
+
+def _text_encoder_files(key: str, ctx: Context) -> list[Change]:
+    """Every text encoder file the anchor's ``[model]`` names (``text_encoders`` entries, ``t5_path``, ``llm_path``,
+    ...) becomes one ``text_encoders`` list, written at the first of those keys; which of the model's text encoders
+    each file holds is read from its tensors. A folder (an LLM's transformers folder) comes from path."""
+    model = ctx.anchor.get("model", {}) if isinstance(ctx.anchor.get("model"), dict) else {}
+    found = {name: _file_entries(model.get(name)) for name in TEXT_ENCODER_KEYS}
+    if not found[key] or not ctx.has("model", "text_encoders"):
+        return [Change(None, why=_FROM_PATH)]
+    first = next(n for n in TEXT_ENCODER_KEYS if found[n])
+    if key != first:
+        return [Change(None, why=f"as a key: its file is in text_encoders, written at {first}")]
+    files = [e for n in TEXT_ENCODER_KEYS for e in found[n]]
+    why = "" if files == model.get("text_encoders") else (
+        "every text encoder file, one entry each (which of the model's encoders a file holds is read from its tensors)"
+    )
+    return [Change("model", "text_encoders", files, why)]
+
+
 MODEL_RULES: dict[str, Rule] = {
     "dtype": _model_dtype,
     "transformer_dtype": _transformer_dtype,
@@ -280,12 +331,10 @@ MODEL_RULES: dict[str, Rule] = {
     "checkpoint_path": lambda key, value, ctx: _checkpoint_path(key, value, ctx),
     "debiased_estimation_loss": _rename("model", "debiased_estimation"),
     "ckpt_path": _path_needed,
-    "vae_path": _path_needed,
-    "llm_path": _path_needed,
-    "clip_path": _path_needed,
-    "t5_path": _path_needed,
-    "text_encoder_path": _path_needed,
-    "llama3_path": _path_needed,
+    "vae_path": lambda key, value, ctx: _component_file("vae", key, value, ctx),
+    "vae": lambda key, value, ctx: _component_file("vae", key, value, ctx),
+    "audio_vae": lambda key, value, ctx: _component_file("audio_vae", key, value, ctx),
+    **{key: lambda key, value, ctx: _text_encoder_files(key, ctx) for key in TEXT_ENCODER_KEYS},
     "cache_text_embeddings": _none("diffpipe always caches the text embeddings"),
     "bypass_guidance_embedding": _none("diffpipe always feeds the guidance input (model.guidance sets its value)"),
     "unet_lr": lambda key, value, ctx: _group_lr("unet", value, ctx),

@@ -80,10 +80,13 @@ class DiffusersModelConfig(ModelConfigBase):
 
     @model_validator(mode="after")
     def _config_folder(self) -> DiffusersModelConfig:
-        if self.path is None:
+        if self.path is None:  # the cache's snapshot, if any (config.py names what to give when there is none)
             from diffpipe_core.component_files import cached_snapshot
 
-            object.__setattr__(self, "path", cached_snapshot(type(self).hub_repos, self.type))
+            try:
+                object.__setattr__(self, "path", cached_snapshot(type(self).hub_repos, self.type))
+            except ValueError:
+                pass
         return self
 
     @property
