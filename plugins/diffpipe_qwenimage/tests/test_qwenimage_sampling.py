@@ -98,7 +98,8 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
     """``[sample] control_images``: each reference image seen by Qwen2.5-VL with the instruction and its latents
     appended to the target's, as ``QwenImageEditPlusPipeline`` does at its own sizes (Qwen2.5-VL sees each at
     ``CONDITION_IMAGE_SIZE``, 384x384; the VAE encodes each at ``VAE_IMAGE_SIZE``, 1024x1024, whatever the output
-    size): references of 1024x1024 and 512x512 (one encoded as it is, one enlarged), a 32x32 sample."""
+    size), for a 32x32 sample. The references are 1024x1024: at another size the pipeline resizes the original
+    for Qwen2.5-VL while diffpipe resizes the one it encodes (as QwenImageEditPipeline does), a resampling apart."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
     from PIL import Image
 
@@ -108,7 +109,7 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
 
     plugin = registered(edit, "qwen-image-edit")
     assert plugin.spec.control_sample_area == plus.VAE_IMAGE_SIZE
-    references = [write_png(tmp_path / "a.png", 1024, 1024, seed=1), write_png(tmp_path / "b.png", 512, 512, seed=2)]
+    references = [write_png(tmp_path / f"{k}.png", 1024, 1024, seed=k) for k in (1, 2)]
     table = {"type": "qwen-image-edit", "path": tiny_edit_plus, "dtype": "float32", "encoder_dtype": "float32",
              "text_max_length": 512}
     cfg = validate(QwenImageEditConfig, table, "test")
