@@ -10,6 +10,8 @@ pytest 9 no longer lets it. The scheduler hands out the groups that took longest
 (``tests/durations.json``, written by ``scripts/test_durations.py`` from a ``--durations=0`` report; a module not in
 it, usually a new one with a shared run, counts as a long one): longest-first keeps both workers busy to the end
 instead of leaving one to finish a long group alone. Without xdist none of this runs.
+
+The last line of a run names the skipped tests, if any, so a test that cannot run in CI is seen.
 """
 
 from __future__ import annotations
@@ -74,6 +76,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tmp = Path(f"{target}.{os.environ['PYTEST_XDIST_WORKER']}")
     tmp.write_text(json.dumps(shared_fixture_groups(items)))
     os.replace(tmp, target)  # both workers write the same groups
+
+
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note each skipped test (not an expected failure) with its reason; under xdist the controller's copy of a
+    worker's report counts."""
+    if report.skipped and not hasattr(report, "wasxfail") and "PYTEST_XDIST_WORKER" not in os.environ:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr or "")
+        reason = reason.removeprefix("Skipped: ").strip().splitlines()[0][:200] if reason.strip() else "no reason"
+        _skipped.append(f"{report.nodeid} ({reason})")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after the terminal's summary and its counts line
+def pytest_sessionfinish(session: pytest.Session) -> object:
+    """Name the skipped tests on the very last line, so a test that cannot run where the suite ran (CI) is seen."""
+    result = yield
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _skipped and reporter is not None and "PYTEST_XDIST_WORKER" not in os.environ:
+        reporter.write_line(f"skipped ({len(_skipped)}): " + "; ".join(sorted(_skipped)), yellow=True)
+    return result
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

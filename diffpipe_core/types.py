@@ -65,6 +65,10 @@ class ModelSpec:
         control_size: the pixel size a control image is decoded at: ``"target"`` (resized and center-cropped to the
             target's bucket, as diffusion-pipe does; Flux Kontext) or ``"own"`` (its own aspect-ratio bucket at the
             target's resolution, by the directory's bucketing keys; Qwen-Image-Edit, Flux 2 reference images).
+        control_sample_area: with ``control_size = "own"``, the pixel area a sample's control images are encoded at
+            (their aspect ratio kept, sides rounded to 32 as diffusers' edit pipelines round them) where the
+            model's pipeline fixes one whatever the output size (Qwen-Image-Edit's references: 1024*1024); None:
+            the sample's pixel count. Training's control images keep their buckets.
         control_in_captions: the model's text encoder looks at the control images (a vision-language encoder:
             Qwen-Image-Edit). Caption batches of items with control images then carry them
             (``EncodeBatch.control_pixels``) and are cached per caption and control images.
@@ -95,6 +99,7 @@ class ModelSpec:
     control_images: Literal["none", "optional", "required"] = "none"
     max_control_images: int = 1
     control_size: Literal["target", "own"] = "target"
+    control_sample_area: int | None = None
     control_in_captions: bool = False
     first_frame: Literal["none", "optional", "required"] = "none"
     contract: int = 1
@@ -106,6 +111,9 @@ class ModelSpec:
             if getattr(self, key) not in valid:
                 raise ValueError(f"ModelSpec {self.name!r}: {key} is {getattr(self, key)!r}; valid: "
                                  + ", ".join(map(repr, valid)))
+        if self.control_sample_area is not None and (self.control_size != "own" or self.control_sample_area < 32 * 32):
+            raise ValueError(f"ModelSpec {self.name!r}: control_sample_area is for control_size = 'own', at least "
+                             f"32*32 pixels (it is {self.control_sample_area}, control_size {self.control_size!r})")
         if self.max_control_images < 1:
             raise ValueError(f"ModelSpec {self.name!r}: max_control_images must be at least 1")
         if self.first_frame != "none" and self.modality != "video":

@@ -2,6 +2,12 @@
 # Set up .venv if needed, then run the whole test suite (CPU, about 6 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the test command compares goldens, it never rewrites them (diffpipe_core/testing/golden.py)
+if [[ -n "${DIFFPIPE_GOLDEN_WRITE:-}" ]]; then
+    echo "scripts/test.sh: DIFFPIPE_GOLDEN_WRITE=$DIFFPIPE_GOLDEN_WRITE is set, which rewrites the golden manifests" \
+        "instead of comparing them; unset it (to rewrite goldens, run their tests with it: they fail after writing)" >&2
+    exit 2
+fi
 bash scripts/setup.sh
 VENV=${DIFFPIPE_VENV:-.venv}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1

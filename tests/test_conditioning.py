@@ -278,6 +278,26 @@ def test_own_size_controls_get_their_own_bucket(tmp_path: Path) -> None:
     assert np.abs(as_uint8(decoded) - cover_and_center_crop(wide, 80, 48)).max() <= 1
 
 
+def test_a_sample_control_image_is_encoded_at_the_models_control_sample_area(tmp_path: Path) -> None:
+    """``ModelSpec.control_sample_area``: a sample's control image at that area whatever the sample size, its aspect
+    ratio kept and its sides rounded as diffusers' edit pipelines round them (``calculate_dimensions``); without
+    it, at the sample's pixel count (sides rounded down to the model's multiple)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+    from diffpipe_core.sampling.prompts import load_control
+
+    image = stripes(tmp_path / "control.png", 300, 200)
+    spec = dataclasses.replace(edit_plugin.EDIT_SPEC, control_size="own", control_sample_area=512 * 512)
+    pixels = load_control(image, spec, (64, 64))
+    width, height = calculate_dimensions(512 * 512, 300 / 200)
+    assert pixels.shape == (3, height, width) == (3, 416, 640)
+    assert np.abs(as_uint8(pixels) - cover_and_center_crop(image, 640, 416)).max() <= 1
+    plain = load_control(image, dataclasses.replace(spec, control_sample_area=None), (64, 64))
+    assert plain.shape == (3, 48, 64)  # 64 x 64 pixels at 3:2: 78 x 52, rounded down to 16
+    with pytest.raises(ValueError, match="control_sample_area is for control_size = 'own'"):
+        dataclasses.replace(spec, control_size="target")
+
+
 def test_items_with_and_without_control_images_batch_apart(tmp_path: Path, model_dir: Path) -> None:
     """``control_images = "optional"``: a directory with control images and one without train side by side; a
     micro-batch holds either every item's control tensors or none."""

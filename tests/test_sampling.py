@@ -2,7 +2,8 @@
 
 One 2-stage run with ``[sample]`` (classifier-free guidance, a prompt file, no resolution: the dataset's 64 px,
 an observer plugin recording which modules exist) serves: the files and the contact sheet at the expected steps,
-in TensorBoard and named by one line each (1), the pipeline sample equal to the model run directly (2), the
+in TensorBoard and named by one line each (1), the sampler's forwards through the pipeline engine equal to the
+same sampler with the model run directly (2; the plugins' comparisons with diffusers prove the sampler itself), the
 training losses equal to the shared sampling-off run (5), the decoder loaded once on rank 0 and the text encoders
 not resident while training (6), and, with ``diffpipe sample`` runs of the saved adapter (2 processes with the
 dataset folder gone; 1 process with an empty one and a [sample] table that never says when), the same seed giving
@@ -191,9 +192,12 @@ def test_sampling_leaves_the_training_losses_unchanged(sampling_run: Path, refer
 
 
 @pytest.mark.slow
-def test_pipeline_sample_equals_the_model_run_directly(sampling_run: Path) -> None:
-    """Step 0 (LoRA B = 0, so the base model): the 2-stage pipeline sample vs TinyDiT.forward in this process,
-    with the same prompts, noise, CFG and steps; the trained step-12 sample is clearly different."""
+def test_the_sampler_through_the_pipeline_engine_equals_the_sampler_with_a_direct_forward(sampling_run: Path) -> None:
+    """Step 0 (LoRA B = 0, so the base model): the 2-stage run's sample vs the same sampler (``generate``) calling
+    TinyDiT.forward in this process, with the same prompts, noise, CFG and steps; the trained step-12 sample is
+    clearly different. Both sides run the same denoising loop, so this proves the forwards through the pipeline
+    engine (stages, micro-batches, CFG batches, the sample's seeds), not the loop: the plugins' comparisons with the
+    diffusers pipelines (the plugins' ``test_*_sample*_equals_the_pipeline*``) prove the sampler right."""
     model_dir = sampling_run.parent.parent / "model"
     plugin = get_registry().model("reference")
     cfg = load_config(sampling_run.parent.parent / "run.toml", get_registry())

@@ -12,12 +12,12 @@ from torch import nn
 from diffpipe_core.adapters import apply_lora, lora_config
 from diffpipe_core.config import RunConfig, load_config
 from diffpipe_core.data.cache import open_cached, prepare_cache
-from diffpipe_core.engine.activations import measure_layers
+from diffpipe_core.engine.activations import LayerTensors, measure_layers
 from diffpipe_core.engine.meta_forward import MetaWithRealIntegers
 from diffpipe_core.engine.model_loading import cast_skeleton, load_for_stages, materialise_layers
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.engine.plan_build import example_inputs, make_plan
-from diffpipe_core.engine.stage_costs import layer_costs, meta_twin
+from diffpipe_core.engine.stage_costs import LayerCost, ModelCosts, layer_costs, meta_twin
 from diffpipe_core.engine.stage_plan import format_plan, plan_stages
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.registry import get_registry
@@ -250,3 +250,42 @@ def test_a_model_that_cannot_be_twinned_is_planned_by_its_weights(project: Path)
     assert plan.activations.startswith("not estimated, nor trainable state (TypeError")
     assert plan.parts == stage_parts(stage.layers, 2, "parameters")  # all bf16: bytes balance like parameters
     assert sum(s.weight_bytes for s in plan.stages) == 2 * sum(p.numel() for p in stage.model.parameters())
+
+
+def chain(weights: list[int], saved: list[int], boundary: int) -> ModelCosts:
+    """Layers in a chain: layer k takes tensor k (``boundary`` bytes), keeps ``saved[k]`` bytes of its own for
+    backward and hands tensor k + 1 (``boundary`` bytes) on; one trainable parameter each, no optimizer state."""
+    return ModelCosts(
+        [
+            LayerCost(f"L{k}", 1, w, 0, False, 1, 0,
+                      LayerTensors(saved={100 + k: s}, inputs={k: boundary}, outputs={k + 1: boundary}))
+            for k, (w, s) in enumerate(zip(weights, saved, strict=True))
+        ],
+        measured=True,
+    )  # fmt: skip
+
+
+def estimates(plan) -> list[tuple[int, int, int, int, int]]:
+    return [(s.in_flight, s.weight_bytes, s.activation_bytes, s.transient_bytes, s.peak_bytes) for s in plan.stages]
+
+
+def test_the_memory_split_and_each_stages_estimate_worked_by_hand() -> None:
+    """A stage's peak: weights + in-flight micro-batches x (its input, what its layers keep, its output) + receive
+    buffers (input from the stage before, output to the stage after) + its largest layer's kept tensors (scratch).
+    In flight on stage s: min(stages - s, gradient_accumulation_steps), so the first stage holds the most."""
+    run = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=4)
+    # 2 stages: weights 40, 20, 20, 20; each layer keeps 5; 4 bytes cross each boundary. In flight: 2, 1.
+    #   [0, 1, 4]: stage 0 = 40 + 2 x (4 + 5 + 4) + 4 + 5 = 75;  stage 1 = 60 + 1 x (4 + 15 + 4) + 4 + 5 = 92
+    #   [0, 2, 4]: stage 0 = 60 + 2 x (4 + 10 + 4) + 4 + 5 = 105 (with 1 in flight it would be 87: the best)
+    #   [0, 3, 4]: stage 0 = 80 + 2 x (4 + 15 + 4) + 4 + 5 = 135
+    plan = plan_stages(chain([40, 20, 20, 20], [5] * 4, 4), run, 2, on_gpu=False, activations="-")
+    assert plan.parts == [0, 1, 4]
+    assert estimates(plan) == [(2, 40, 2 * 13 + 4, 5, 75), (1, 60, 23 + 4, 5, 92)]
+    # 3 stages, gradient_accumulation_steps = 2: in flight 2, 2, 1 (not 3, 2, 1: only 2 micro-batches a step).
+    #   [0, 2, 3, 5]: 20 + 2 x 18 + 4 + 5 = 65;  10 + 2 x 13 + 8 + 5 = 49;  30 + 1 x 18 + 4 + 5 = 57 -> 65
+    #   [0, 1, 3, 5]: 10 + 2 x 13 + 4 + 5 = 45;  20 + 2 x 18 + 8 + 5 = 69;  57 -> 69
+    #   [0, 2, 4, 5]: 65;  20 + 2 x 18 + 8 + 5 = 69;  20 + 1 x 13 + 4 + 5 = 42 -> 69 (others are worse still)
+    run = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=2)
+    plan = plan_stages(chain([10, 10, 10, 10, 20], [5] * 5, 4), run, 3, on_gpu=False, activations="-")
+    assert plan.parts == [0, 2, 3, 5]
+    assert estimates(plan) == [(2, 20, 2 * 18 + 4, 5, 65), (2, 10, 2 * 13 + 8, 5, 49), (1, 30, 18 + 4, 5, 57)]

@@ -4,6 +4,9 @@ hands xdist the longest group first."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,3 +49,24 @@ def test_the_committed_durations_name_existing_modules() -> None:
     measured = json.loads((ROOT / "tests" / "durations.json").read_text())
     missing = [m for m in measured if not (ROOT / m).exists()]
     assert not missing, f"tests/durations.json names modules that are gone: {missing} (scripts/test_durations.py)"
+
+
+def test_the_last_line_names_the_skipped_tests(tmp_path: Path) -> None:
+    """conftest.py ends a run with one line naming each skipped test (not an expected failure) and its reason,
+    once under xdist (the controller's copy of a worker's report): a test that cannot run in CI is seen."""
+    (tmp_path / "test_some.py").write_text(
+        "import pytest\n\n"
+        "def test_runs():\n    assert True\n\n"
+        "def test_cannot_here():\n    pytest.skip('cannot mount a tmpfs here\\nsecond line')\n\n"
+        "@pytest.mark.xfail(reason='known')\ndef test_known():\n    raise ValueError\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIFFPIPE_TEST_"))}
+    env["PYTHONPATH"] = str(ROOT)  # the repository's conftest.py, as a plugin of a run in another folder
+    for workers in (["-n", "2"], ["-p", "no:xdist"]):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", *workers,
+                   "test_some.py"]
+        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.strip().splitlines()
+        assert lines[-1] == "skipped (1): test_some.py::test_cannot_here (cannot mount a tmpfs here)", lines[-3:]
+        assert "1 passed, 1 skipped, 1 xfailed" in lines[-2]

@@ -11,7 +11,6 @@ import math
 import shlex
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,14 @@ from diffpipe_core.engine.run_dir import read_metrics, step_seconds, train_losse
 from diffpipe_core.engine.summary import quarter_means
 from diffpipe_core.optim import lr_lambda
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe, start_diffpipe, write_plugin_distribution
+from diffpipe_core.testing.processes import (
+    cli_env,
+    kill_group,
+    run_diffpipe,
+    start_diffpipe,
+    wait_for_file,
+    write_plugin_distribution,
+)
 from diffpipe_reference.model import TinyDiT, read_config, write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -184,37 +190,74 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     ]
 
 
+PAUSE_PLUGIN = """
+import signal
+import time
+from pathlib import Path
+
+from diffpipe_core import hookimpl
+
+STEP, MODE, MARK = {step}, {mode!r}, Path({mark!r})
+
+
+@hookimpl
+def on_train_step_end(step, metrics):
+    # rank 0, after the step's metrics are written, before its checkpoint; the other ranks wait for it
+    if step != STEP:
+        return
+    if MODE == "hold":  # until the test kills the run
+        MARK.touch()
+        while True:
+            time.sleep(1)
+    # "signal": until this worker has the SIGTERM the test sends the launcher (which passes it on)
+    got, handler = [], signal.getsignal(signal.SIGTERM)
+
+    def noted(signum, frame):
+        got.append(signum)
+        handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, noted)
+    MARK.touch()
+    while not got:
+        time.sleep(0.05)
+    signal.signal(signal.SIGTERM, handler)
+"""
+
+
+def paused_at(root: Path, step: int, mode: str) -> tuple[dict[str, str], Path]:
+    """The environment of a run whose rank 0 pauses after ``step`` (``hold``: for good; ``signal``: until it has a
+    SIGTERM), and the file it writes when it pauses: the fault lands there, however fast the machine."""
+    mark = root / f"paused-at-{step}"
+    source = PAUSE_PLUGIN.format(step=step, mode=mode, mark=str(mark))
+    site = write_plugin_distribution(root / "site", "diffpipe-pause", {"diffpipe.plugins": {"pause": "pause_at"}},
+                                     {"pause_at": source})  # fmt: skip
+    return cli_env([site]), mark
+
+
 def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
-    """SIGKILL to every process, a damaged newest checkpoint, then --resume: the uninterrupted run's losses."""
+    """SIGKILL to every process after step 8 of 12 (checkpoints every 3 steps), the newest checkpoint (6) damaged
+    too, then --resume: the uninterrupted run's losses."""
     killed_root = tmp_path / "killed"
     expected = losses(two_stages)
 
     config = make_project(killed_root, stages=2, max_steps=12, ckpt=3)
-    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=killed_root)
+    env, mark = paused_at(tmp_path, 8, "hold")
+    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=killed_root, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            runs = run_dirs(killed_root) if (killed_root / "out").exists() else []
-            metrics = runs[0] / "metrics.jsonl" if runs else None
-            if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= 8:
-                break
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        else:
-            pytest.fail("training did not reach step 8 in time")
+        wait_for_file(mark, proc, what="training reaching step 8")
     finally:
         kill_group(proc)  # SIGKILL to the launcher and every worker
         proc.communicate()
     run = run_dirs(killed_root)[0]
     newest = (run / "checkpoints" / "latest").read_text().strip()
-    assert newest in {"step-0000006", "step-0000009"}
+    assert newest == "step-0000006"
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 9))
     # issue 20.4: the newest checkpoint is damaged too (cut short): the resume names it and takes the one before
     damaged = run / "checkpoints" / newest / "params-stage1.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])
     out = train(killed_root, config, "--num-procs", "2", "--resume")
-    previous = f"step-{int(newest[5:]) - 3:07d}"
     assert f"checkpoint {newest} is damaged: {damaged}: 100 bytes" in out, out[-3000:]
-    assert f"resuming run {run} from step {int(previous[5:])} ({previous})" in out
+    assert f"resuming run {run} from step 3 (step-0000003)" in out
     assert len(run_dirs(killed_root)) == 1
     got = losses(run)
     assert sorted(got) == sorted(expected)
@@ -226,33 +269,25 @@ def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) ->
 
 
 def test_sigterm_checkpoints_the_step_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:
-    """Issue 20.1: SIGTERM (a scheduler's notice) to a 2-stage run mid-epoch: the step in progress finishes, is
-    checkpointed, one line gives the resume command, the exit code is 143; resuming repeats the uninterrupted
-    run's losses (``two_stages``, the same config)."""
+    """Issue 20.1: SIGTERM (a scheduler's notice) to a 2-stage run mid-epoch, while step 5 of 12 ends: that step
+    finishes, is checkpointed, one line gives the resume command, the exit code is 143; resuming repeats the
+    uninterrupted run's losses (``two_stages``, the same config)."""
     config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3)
-    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=tmp_path)
+    env, mark = paused_at(tmp_path, 5, "signal")
+    proc = start_diffpipe(["train", "--config", str(config), "--num-procs", "2"], cwd=tmp_path, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            metrics = next((tmp_path / "out").glob("*/metrics.jsonl"), None) if (tmp_path / "out").exists() else None
-            if metrics and len(metrics.read_text().splitlines()) >= 4:
-                break
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.05)
-        else:
-            pytest.fail("training did not reach step 4 in time")
+        wait_for_file(mark, proc, what="training reaching step 5")
         proc.send_signal(signal.SIGTERM)  # to the launcher only, as Kubernetes does
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)
     finally:
         kill_group(proc)
     assert proc.returncode == 143, (out + err)[-3000:]
     run = run_dirs(tmp_path)[0]
     done = [r["step"] for r in read_metrics(run) if "loss" in r]
-    stop_step = done[-1]
-    assert done == list(range(1, stop_step + 1)) and 4 <= stop_step < 12
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{stop_step:07d}"  # nothing lost
+    assert done == [1, 2, 3, 4, 5]  # the step that was ending, not one more
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-0000005"  # nothing lost
     lines = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
-    assert len(lines) == 1 and f"after step {stop_step} of 12" in lines[0], out + err
+    assert len(lines) == 1 and "after step 5 of 12" in lines[0], out + err
     command = shlex.split(lines[0].split("Resume with: ", 1)[1])
     assert command[:2] == ["diffpipe", "train"] and "--resume" in command
     train(tmp_path, Path(command[command.index("--config") + 1]), *command[command.index("--config") + 2 :])

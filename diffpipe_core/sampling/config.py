@@ -68,7 +68,9 @@ class SampleConfig(BaseModel):
         None,
         description="Edit models (those that train on [[directory]] control_path): each prompt's control image, or "
         "a list of them in control_path order, as paths relative to the run config; one entry per prompt. Each is "
-        "decoded at the sample size (or its own size bucket, if the model asks for that) and encoded as in training.",
+        "decoded at the sample size (or at its own aspect ratio, if the model asks for that: at the sample's pixel "
+        "count, or where the model's pipeline fixes one, at that size, Qwen-Image-Edit's 1024x1024) and encoded as "
+        "in training.",
     )
 
     @field_validator("prompts")

@@ -1,11 +1,11 @@
 """Encode the sample prompts once, with the plugin's own encoders, then free them.
 
 An edit model's prompts come with control images (``[sample] control_images``): each is decoded at the sample size
-(or, when the model asks for ``control_size = "own"``, at its own aspect ratio with the sample's pixel count), encoded
-through ``encode_batch`` with ``control_index`` set, exactly as a training control image, and handed to the denoising
-hooks with the prompt's text tensors under ``control_<k>_<key>`` (the batch keys ``prepare_inputs`` sees). A model
-whose text encoder looks at the control images (``control_in_captions``) gets them with the prompt and the negative
-prompt, as in training.
+(or, when the model asks for ``control_size = "own"``, at its own aspect ratio with the sample's pixel count, or
+with the model's ``control_sample_area``), encoded through ``encode_batch`` with ``control_index`` set, exactly as a
+training control image, and handed to the denoising hooks with the prompt's text tensors under ``control_<k>_<key>``
+(the batch keys ``prepare_inputs`` sees). A model whose text encoder looks at the control images
+(``control_in_captions``) gets them with the prompt and the negative prompt, as in training.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def _control_tensors(plugin: ModelPlugin, encoders: object, images: list[torch.T
 def load_control(path: Path, spec: ModelSpec, size: tuple[int, int] | None) -> torch.Tensor:
     """A sample's control image ``(3, H, W)`` in [-1, 1]: resized and center-cropped to ``size`` (width, height), or
     with ``control_size = "own"`` resized to the sample's pixel count at its own aspect ratio (sides rounded down to
-    the model's multiple), decoded like a training image."""
+    the model's multiple), or to ``control_sample_area`` where the model sets one (sides rounded to 32, as diffusers'
+    edit pipelines' ``calculate_dimensions``), decoded like a training image."""
     from diffpipe_core.data.decode import load_media, probe_image
     from diffpipe_core.data.items import Bucket, MediaItem
 
@@ -109,9 +110,13 @@ def load_control(path: Path, spec: ModelSpec, size: tuple[int, int] | None) -> t
     width, height = size
     if spec.control_size == "own":
         w0, h0 = probe_image(Path(path))
-        scale = math.sqrt(width * height / (w0 * h0))
-        m = spec.spatial_multiple
-        width, height = max(m, int(w0 * scale) // m * m), max(m, int(h0 * scale) // m * m)
+        if spec.control_sample_area:
+            w = math.sqrt(spec.control_sample_area * w0 / h0)
+            width, height = max(32, round(w / 32) * 32), max(32, round(w * h0 / w0 / 32) * 32)
+        else:
+            scale = math.sqrt(width * height / (w0 * h0))
+            m = spec.spatial_multiple
+            width, height = max(m, int(w0 * scale) // m * m), max(m, int(h0 * scale) // m * m)
     item = MediaItem(id=f"sample control image {path}", path=Path(path), caption="", bucket=Bucket(width, height, 1),
                      content_key="")
     return load_media(item, spec).pixels

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def kill_group(proc: subprocess.Popen | warm_cli.WarmProcess) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def wait_for_file(
+    path: Path, proc: subprocess.Popen | warm_cli.WarmProcess, timeout: float = 300, what: str = ""
+) -> None:
+    """Wait for an event the command (or a test plugin in it) marks by writing ``path``: a step reached, a worker
+    ready. Fails, with the end of the command's output, if the command ends first or ``timeout`` seconds pass (a
+    safety net, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            ended = f"the command ended first (code {proc.returncode})"
+            raise AssertionError(f"{what or path}: {ended}\n{(out + err)[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what or path}: not within {timeout:g}s")
+        time.sleep(0.05)
 
 
 def run_diffpipe(

@@ -93,12 +93,13 @@ def registry_without_combine():
 
 @pytest.mark.parametrize("cfg_scale", [3.0])  # the plain path is the text-to-image test's
 def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
-    tiny_edit_plus: Path, tmp_path: Path, cfg_scale: float, monkeypatch: pytest.MonkeyPatch
+    tiny_edit_plus: Path, tmp_path: Path, cfg_scale: float
 ) -> None:
     """``[sample] control_images``: each reference image seen by Qwen2.5-VL with the instruction and its latents
-    appended to the target's, as ``QwenImageEditPlusPipeline`` does. The pipeline's image areas (384x384 for
-    Qwen2.5-VL, 1024x1024 for the VAE) are module constants: set to the tiny test's, the two paths see the same
-    images (the references at the sample's size are not resized for the VAE on either side)."""
+    appended to the target's, as ``QwenImageEditPlusPipeline`` does at its own sizes (Qwen2.5-VL sees each at
+    ``CONDITION_IMAGE_SIZE``, 384x384; the VAE encodes each at ``VAE_IMAGE_SIZE``, 1024x1024, whatever the output
+    size), for a 32x32 sample. The references are 1024x1024: at another size the pipeline resizes the original
+    for Qwen2.5-VL while diffpipe resizes the one it encodes (as QwenImageEditPipeline does), a resampling apart."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
     from PIL import Image
 
@@ -106,16 +107,15 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
     from diffpipe_qwenimage.config import QwenImageEditConfig
     from diffpipe_qwenimage.edit import plugin as edit
 
-    vl_area = 56 * 56
-    monkeypatch.setattr(plus, "CONDITION_IMAGE_SIZE", vl_area)
-    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", SIZE * SIZE)
     plugin = registered(edit, "qwen-image-edit")
-    references = [write_png(tmp_path / "a.png", SIZE, SIZE, seed=1), write_png(tmp_path / "b.png", SIZE, SIZE, seed=2)]
+    assert plugin.spec.control_sample_area == plus.VAE_IMAGE_SIZE
+    references = [write_png(tmp_path / f"{k}.png", 1024, 1024, seed=k) for k in (1, 2)]
     table = {"type": "qwen-image-edit", "path": tiny_edit_plus, "dtype": "float32", "encoder_dtype": "float32",
-             "text_max_length": 64, "vl_image_area": vl_area}
+             "text_max_length": 512}
     cfg = validate(QwenImageEditConfig, table, "test")
     negative = NEGATIVE if cfg_scale > 1 else None
     (texts,) = encode_prompts(plugin, cfg, ["make it red"], negative, torch.device("cpu"), [references], (SIZE, SIZE))
+    assert [texts.cond[f"control_{k}_latents"].shape[-2:] for k in range(2)] == [(128, 128)] * 2  # 1024 / 8
     request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
     ours = sample_latents(plugin, cfg, request, texts, SEED, cfg_scale)
 
@@ -125,9 +125,10 @@ def test_edit_sample_with_reference_images_equals_the_edit_plus_pipeline(
     out = pipe(image=images, latents=pack_2x2(noise), **pipeline_kwargs(texts, cfg_scale)).images
     assert_same_sample(ours, unpack_2x2(out, 4, 4), noise)
     # the instruction's embedding holds the references' vision tokens: it equals encode_prompt with the images
+    # resized as the pipeline resizes them for Qwen2.5-VL
     with torch.no_grad():
-        w, h = plus.calculate_dimensions(vl_area, 1.0)
-        images = [pipe.image_processor.resize(Image.open(p).convert("RGB"), h, w) for p in references]
+        w, h = plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, 1.0)
+        images = [pipe.image_processor.resize(image, h, w) for image in images]
         want, _ = pipe.encode_prompt("make it red", image=images, device=torch.device("cpu"))
     n = int(texts.cond["text_mask"].sum())
     torch.testing.assert_close(texts.cond["text_embeds"][:, :n], want, atol=1e-6, rtol=0)

@@ -42,6 +42,7 @@ class QwenImageEdit(QwenImage):
         control_images="required",
         max_control_images=3,
         control_size="own",
+        control_sample_area=1024 * 1024,  # both edit pipelines encode each reference at about 1024x1024
         control_in_captions=True,
         description="Qwen-Image-Edit and Edit-2509 edit pairs (diffusers folder, or ComfyUI's single file over it)",
     )
