@@ -56,12 +56,8 @@ def synthesising_encoder(rows_per_shard: int):
                 write_shard(fp_dir / "media", f"r{rank:03d}-bench", part, {"latents": latents})
         for i in range(0, len(my_captions), rows_per_shard):
             part = my_captions[i : i + rows_per_shard]
-            write_shard(
-                fp_dir / "captions",
-                f"r{rank:03d}-bench",
-                part,
-                {"text_embeds": torch.randn(len(part), 16, 32, generator=g)},
-            )
+            write_shard(fp_dir / "captions", f"r{rank:03d}-bench", part,
+                        {"text_embeds": torch.randn(len(part), 16, 32, generator=g)})
         return len(my_media), []
 
     return encode_share
@@ -82,14 +78,8 @@ def main() -> None:
     data = ensure_media_set(args.data or default_folder(args.files), args.files)
     tmp = Path(tempfile.mkdtemp(prefix="diffpipe-open-"))
     try:
-        toml = write_dataset_toml(
-            tmp / "dataset.toml",
-            data,
-            resolutions=[64],
-            enable_ar_bucket=True,
-            num_ar_buckets=5,
-            cache_dir=tmp / "cache",
-        )
+        toml = write_dataset_toml(tmp / "dataset.toml", data, resolutions=[64], enable_ar_bucket=True,
+                                  num_ar_buckets=5, cache_dir=tmp / "cache")
         registry = Registry()
         registry.register_model("reference", reference_plugin)
         plugin = registry.model("reference")
@@ -142,22 +132,17 @@ def main() -> None:
             sampler.position = 0
 
         shards = len(ds._media_shards) + len(ds._caption_shards)
-        print(
-            f"{args.files} images with captions, {len(ds.groups())} buckets, {shards} shards "
-            f"({args.rows_per_shard} rows each); scanned, planned and synthesised in {made_s:.1f} s"
-        )
+        print(f"{args.files} images with captions, {len(ds.groups())} buckets, {shards} shards "
+              f"({args.rows_per_shard} rows each); scanned, planned and synthesised in {made_s:.1f} s")
         print("seconds: wall (CPU)")
-        print(
-            f"open, default (files and encoders checked): {spread(times[False])}  ({spread(cpu[False])})  target <= 5 s"
-        )
+        print(f"open, default (files and encoders checked): {spread(times[False])}  ({spread(cpu[False])})  "
+              "target <= 5 s")
         print(f"open, trust_cache=True:                     {spread(times[True])}  ({spread(cpu[True])})")
         print("  " + ratio_report(pairs, "wall default / trust_cache"))
         print(f"groups + sampler + first order:             {grouped:6.2f} s")
         print(f"first collate (4 samples):                  {collated * 1000:6.1f} ms")
-        print(
-            f"collate, mean of 200 micro-batches:         {collate_times[0] * 1000:6.1f} ms (shards opened on the "
-            f"way), {collate_times[1] * 1000:.2f} ms (open)"
-        )
+        print(f"collate, mean of 200 micro-batches:         {collate_times[0] * 1000:6.1f} ms (shards opened on the "
+              f"way), {collate_times[1] * 1000:.2f} ms (open)")
         print(load_line())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

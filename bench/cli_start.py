@@ -26,17 +26,12 @@ DIFFPIPE = Path(sys.executable).with_name("diffpipe")
 
 def demo_config(tmp: Path) -> Path:
     """The Flux demo config and dataset TOML, copied with absolute paths to a tiny Flux and the sample images."""
-    subprocess.run(
-        [sys.executable, "-m", "diffpipe_flux.testing", str(tmp / "flux-tiny")],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    subprocess.run([sys.executable, "-m", "diffpipe_flux.testing", str(tmp / "flux-tiny")], check=True,
+                   capture_output=True, timeout=600)
     examples = REPO / "diffpipe_flux" / "examples"
     run = (examples / "run.toml").read_text()
-    run = run.replace('"../../demo/flux-runs"', f'"{tmp / "runs"}"').replace(
-        '"../../demo/flux-tiny"', f'"{tmp / "flux-tiny"}"'
-    )
+    run = run.replace('"../../demo/flux-runs"', f'"{tmp / "runs"}"').replace('"../../demo/flux-tiny"',
+                                                                            f'"{tmp / "flux-tiny"}"')
     dataset = (examples / "dataset.toml").read_text()
     dataset = dataset.replace('"../../demo/flux-cache"', f'"{tmp / "cache"}"')
     dataset = dataset.replace('"../../examples/sample_dataset"', f'"{REPO / "examples" / "sample_dataset"}"')
@@ -82,14 +77,10 @@ def main() -> None:
         results = {name: timed(cmd, args.runs) for name, cmd in rows.items()}
         print(f"seconds, median of {args.runs} (min, max): wall, and CPU; target <= 1.5 s wall")
         for name, (wall, cpu) in results.items():
-            print(
-                f"{name:28s} wall {statistics.median(wall):5.2f} ({min(wall):.2f}, {max(wall):.2f})   "
-                f"CPU {statistics.median(cpu):5.2f} ({min(cpu):.2f}, {max(cpu):.2f})"
-            )
-        print(
-            f"load while measuring: {os.getloadavg()[0]:.1f} runnable processes on "
-            f"{len(os.sched_getaffinity(0))} cores (1-minute average)"
-        )
+            print(f"{name:28s} wall {statistics.median(wall):5.2f} ({min(wall):.2f}, {max(wall):.2f})   "
+                  f"CPU {statistics.median(cpu):5.2f} ({min(cpu):.2f}, {max(cpu):.2f})")
+        print(f"load while measuring: {os.getloadavg()[0]:.1f} runnable processes on "
+              f"{len(os.sched_getaffinity(0))} cores (1-minute average)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -77,7 +77,5 @@ def spread(values: list[float]) -> str:
 
 def load_line() -> str:
     """On a shared machine wall time also counts the other processes' use of the cores: say how busy it was."""
-    return (
-        f"load while measuring: {os.getloadavg()[0]:.1f} runnable processes on {len(os.sched_getaffinity(0))} "
-        "cores (1-minute average)"
-    )
+    return (f"load while measuring: {os.getloadavg()[0]:.1f} runnable processes on {len(os.sched_getaffinity(0))} "
+            "cores (1-minute average)")

@@ -54,11 +54,9 @@ def main() -> None:
     bench.use_threads(args.threads)
     cfg = TinyDiTConfig(dim=args.dim, depth=args.depth, heads=4)
     tokens = (args.size // cfg.vae_factor // cfg.patch_size) ** 2
-    print(
-        f"model: TinyDiT dim={args.dim} depth={args.depth}, {tokens} image tokens, batch {args.batch}, LoRA r=16, "
-        f"CPU threads {args.threads}; medians of {args.steps - args.warmup} steps after {args.warmup} warm-up",
-        flush=True,
-    )
+    print(f"model: TinyDiT dim={args.dim} depth={args.depth}, {tokens} image tokens, batch {args.batch}, LoRA r=16, "
+          f"CPU threads {args.threads}; medians of {args.steps - args.warmup} steps after {args.warmup} warm-up",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         write_project(Path(tmp), cfg, args)
         pairs = bench.compare(

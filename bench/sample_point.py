@@ -98,12 +98,9 @@ def main() -> None:
     batch = 2 if args.cfg > 1 else 1
     latent = args.size // cfg_model.vae_factor
     tokens = (latent // cfg_model.patch_size) ** 2
-    print(
-        f"model: TinyDiT dim={args.dim} depth={args.depth}, {tokens} image tokens, LoRA r=16, {args.prompts} "
-        f"prompts x {args.steps} steps, cfg {args.cfg} (batch {batch}), {args.size} px, CPU threads {args.threads}, "
-        f"{'CPU' if args.cpu_time else 'wall-clock'} time",
-        flush=True,
-    )
+    print(f"model: TinyDiT dim={args.dim} depth={args.depth}, {tokens} image tokens, LoRA r=16, {args.prompts} "
+          f"prompts x {args.steps} steps, cfg {args.cfg} (batch {batch}), {args.size} px, CPU threads {args.threads}, "
+          f"{'CPU' if args.cpu_time else 'wall-clock'} time", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_tiny_model(root / "model", cfg_model)

@@ -66,16 +66,8 @@ def main() -> None:
 
         def first_scan(workers: int) -> float:
             cache = tmp / f"cache-{len(tomls)}"  # an empty cache folder: no scan index yet
-            tomls.append(
-                write_dataset_toml(
-                    tmp / f"dataset-{len(tomls)}.toml",
-                    data,
-                    resolutions=[64],
-                    enable_ar_bucket=True,
-                    num_ar_buckets=5,
-                    cache_dir=cache,
-                )
-            )
+            tomls.append(write_dataset_toml(tmp / f"dataset-{len(tomls)}.toml", data, resolutions=[64],
+                                            enable_ar_bucket=True, num_ar_buckets=5, cache_dir=cache))
             seconds, stats, items = timed_scan(tomls[-1], workers)
             assert stats["read"] == 2 * args.files and items == args.files, (stats, items)
             first[workers].append(seconds)
@@ -95,7 +87,7 @@ def main() -> None:
         touched, touched_cpu = [], []
         paths = media_paths(data, args.files)
         for k in range(3):
-            chosen = paths[k::100]
+            chosen = paths[k :: 100]
             for path in chosen:
                 st = path.stat()
                 os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -112,10 +104,8 @@ def main() -> None:
         print(f"first scan, {cores} workers:        {spread(first[cores])}  ({spread(first_cpu[cores])})")
         print("  " + ratio_report(pairs, f"wall 1 worker / {cores} workers"))
         print(f"re-scan, nothing changed:     {spread(unchanged)}  ({spread(unchanged_cpu)})  target <= 3 s")
-        print(
-            f"re-scan, 1% touched:          {spread(touched)}  ({spread(touched_cpu)})  "
-            f"{len(paths[::100])} files read again"
-        )
+        print(f"re-scan, 1% touched:          {spread(touched)}  ({spread(touched_cpu)})  "
+              f"{len(paths[::100])} files read again")
         print(load_line())
 
 

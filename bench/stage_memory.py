@@ -256,37 +256,28 @@ class Size:
 SIZES: dict[str, Size] = {
     "reference": Size(_reference, "TinyDiT width 1024, 12 blocks"),
     "flux": Size(_flux, "Flux width 1024 (8 x 128), 10 double + 20 single blocks (half Flux.1's counts)"),
-    "flux-kontext": Size(
-        _flux, "Flux Kontext width 1024 (8 x 128), 10 double + 20 single blocks (0.70 B), edit pairs", _edit_pairs
-    ),
+    "flux-kontext": Size(_flux, "Flux Kontext width 1024 (8 x 128), 10 double + 20 single blocks (0.70 B), edit pairs",
+                         _edit_pairs),
     "chroma": Size(_chroma, "Chroma width 1024 (8 x 128), 10 double + 20 single blocks (0.50 B)"),
     "flux2": Size(_flux2("Flux2Pipeline"), "FLUX.2 [dev] width 1024 (8 x 128), 10 double + 20 single blocks (0.57 B)"),
-    "flux2-klein": Size(
-        _flux2("Flux2KleinPipeline"), "FLUX.2 [klein] width 1024 (8 x 128), 10 double + 20 single blocks (0.56 B)"
-    ),
+    "flux2-klein": Size(_flux2("Flux2KleinPipeline"),
+                        "FLUX.2 [klein] width 1024 (8 x 128), 10 double + 20 single blocks (0.56 B)"),
     "sdxl": Size(_sdxl, "SDXL-like UNet 256/512/1024 channels, 1 transformer per attention block"),
     "hunyuan-video": Size(_hunyuan, "HunyuanVideo width 1024 (8 x 128), 10 double + 20 single blocks (half the real)"),
     "hunyuan-video-1.5": Size(_hunyuan15(False), "HunyuanVideo-1.5 width 1024 (8 x 128), 16 blocks (0.63 B)"),
-    "hunyuan-video-1.5-i2v": Size(
-        _hunyuan15(True),
-        "HunyuanVideo-1.5 I2V width 1024 (8 x 128), 16 blocks (0.63 B), 5-frame clips",
-        _clips(_hunyuan_clips),
-    ),
+    "hunyuan-video-1.5-i2v": Size(_hunyuan15(True), "HunyuanVideo-1.5 I2V width 1024 (8 x 128), 16 blocks (0.63 B), "
+                                  "5-frame clips", _clips(_hunyuan_clips)),
     "ltx-video": Size(_ltx, "LTX-Video width 1024 (16 x 64), 16 blocks"),
     "ltx-2": Size(_ltx2, "LTX-2 video width 1024 (16 x 64), audio 512, 24 blocks (0.60 B)"),
     "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2.5": Size(_cosmos("predict2.5"), "Cosmos-Predict2.5 width 1536 (24 x 64), 16 blocks (0.54 B)"),
     "wan": Size(_wan(False), "Wan 2.1 1.3B-like width 1536 (12 x 128), FFN 8960, 14 blocks (half of 30)"),
-    "wan-i2v": Size(
-        _wan(True), "Wan 2.1 I2V width 1536 (12 x 128), FFN 8960, 14 blocks (0.74 B), 5-frame clips", _clips(_wan_clips)
-    ),
+    "wan-i2v": Size(_wan(True), "Wan 2.1 I2V width 1536 (12 x 128), FFN 8960, 14 blocks (0.74 B), 5-frame clips",
+                    _clips(_wan_clips)),
     "qwen-image": Size(_qwen("QwenImagePipeline"), "Qwen-Image width 1024 (8 x 128), 16 blocks (0.61 B)"),
-    "qwen-image-edit": Size(
-        _qwen("QwenImageEditPipeline"),
-        "Qwen-Image-Edit width 1024 (8 x 128), 16 blocks (0.61 B), edit pairs",
-        _edit_pairs,
-    ),
+    "qwen-image-edit": Size(_qwen("QwenImageEditPipeline"),
+                            "Qwen-Image-Edit width 1024 (8 x 128), 16 blocks (0.61 B), edit pairs", _edit_pairs),
     "z-image": Size(_zimage, "Z-Image width 1536 (12 x 128), 16 + 2 + 2 refiner blocks (0.60 B)"),
 }
 
@@ -323,7 +314,8 @@ class Project:
     def config(self, stages: int) -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
         path = self.root / f"run{stages}.toml"
-        path.write_text(RUN.format(dataset=self.dataset, model=self.model, path=self.path, stages=stages, keys=keys))
+        path.write_text(RUN.format(dataset=self.dataset, model=self.model, path=self.path,
+                                   stages=stages, keys=keys))
         return path
 
 
@@ -436,12 +428,8 @@ def main() -> None:
     parser.add_argument("--layouts", default="1,2,4", help="stage counts; 1 is always measured")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (OMP_NUM_THREADS)")
     parser.add_argument("--smoke", action="store_true", help="one round of the tiny model: checks the bench runs")
-    parser.add_argument(
-        "--keep",
-        type=Path,
-        default=None,
-        help="work in this folder and keep it (a model written there before is reused)",
-    )
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="work in this folder and keep it (a model written there before is reused)")
     args = parser.parse_args()
     layouts = sorted({1, *(int(s) for s in args.layouts.split(","))})
     if not args.smoke and args.rounds < 3:
@@ -456,18 +444,12 @@ def main() -> None:
         tiny = write_project(root / "tiny", args.model, False, dataset)
         cache(big)
         cache(tiny)
-        print(
-            f"model: {args.model}, {SIZES[args.model].note if not args.smoke else 'tiny (smoke)'}; written and "
-            f"cached in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on "
-            f"{os.cpu_count()} CPUs, {args.threads} thread(s) per worker",
-            flush=True,
-        )
+        print(f"model: {args.model}, {SIZES[args.model].note if not args.smoke else 'tiny (smoke)'}; written and "
+              f"cached in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} CPUs, {args.threads} thread(s) per worker", flush=True)
         baselines = {n: max(run_workers(tiny, n, args.threads).peaks) for n in layouts}
-        print(
-            "idle worker baseline (tiny model), largest worker MiB: "
-            + ", ".join(f"{n} stage{'s' if n > 1 else ''} {_mib(b)}" for n, b in baselines.items()),
-            flush=True,
-        )
+        print("idle worker baseline (tiny model), largest worker MiB: "
+              + ", ".join(f"{n} stage{'s' if n > 1 else ''} {_mib(b)}" for n, b in baselines.items()), flush=True)
         shares: dict[int, list[float]] = {n: [] for n in layouts if n > 1}
         last: dict[int, Workers] = {}
         for r in range(1 if args.smoke else args.rounds):
@@ -480,19 +462,13 @@ def main() -> None:
                 share = (max(got[n].peaks) - baselines[n]) / one
                 shares[n].append(share)
                 parts.append(f"{n} stages [{' '.join(_mib(p) for p in got[n].peaks)}] share {share:.3f}")
-            print(
-                f"round {r + 1} ({'->'.join(map(str, order))}), peak RssAnon per worker MiB: "
-                + "; ".join(parts)
-                + f" (load {os.getloadavg()[0]:.1f})",
-                flush=True,
-            )
+            print(f"round {r + 1} ({'->'.join(map(str, order))}), peak RssAnon per worker MiB: " + "; ".join(parts)
+                  + f" (load {os.getloadavg()[0]:.1f})", flush=True)
         for n, values in shares.items():
             target = f"; target <= {TARGETS[n]:.2f}" if n in TARGETS else ""
-            print(
-                f"{n} stages: largest stage's share of the 1-stage model memory: median "
-                f"{statistics.median(values):.3f} over {len(values)} rounds "
-                f"(spread {min(values):.3f}-{max(values):.3f}){target}"
-            )
+            print(f"{n} stages: largest stage's share of the 1-stage model memory: median "
+                  f"{statistics.median(values):.3f} over {len(values)} rounds "
+                  f"(spread {min(values):.3f}-{max(values):.3f}){target}")
         print("where the memory goes (last round; MiB; model memory = peak - idle baseline of that layout):")
         for n in layouts:
             print(f" {n} stage{'s' if n > 1 else ''}:")
