@@ -20,7 +20,7 @@ without per-stage loading loads the whole model first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +54,30 @@ class Float8Linear(nn.Linear):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(self.compute_dtype) * self.weight_scale.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
+        out = _Float8Matmul.apply(x.to(self.compute_dtype), self.weight, self.weight_scale, bias)
+        return out.to(x.dtype)
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype) * scale.to(dtype)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ (weight * scale).T + bias`` for a frozen float8 weight. Autograd through the plain expression would
+    keep each layer's dequantized weight (2 bytes a weight in bf16) from forward to backward, more than the
+    float8 copy saves; this keeps only the float8 weight and dequantizes it again for the input's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        ctx.save_for_backward(weight, scale)  # the module's own float8 buffer: nothing new is kept
+        return F.linear(x, _dequantized(weight, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        weight, scale = ctx.saved_tensors
+        grad_x = grad @ _dequantized(weight, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None  # weight, scale and bias are frozen
 
 
 def quantizable_linears(model: nn.Module, layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:

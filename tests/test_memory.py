@@ -42,7 +42,8 @@ def run(
     loss = x[0].square().mean()
     model.zero_grad()
     loss.backward()
-    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().cpu(), grads
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
