@@ -182,7 +182,10 @@ def test_sampling_on_the_device_gives_the_cpu_sample(device: torch.device, tmp_p
 def train(folders: dict[str, Path], where: str, out: Path, stages: int = 1, **keys: object) -> dict[str, dict]:
     """Train each model through ``proof_train_worker.py`` (one process per stage); rank 0's losses by model."""
     port = free_port()
-    envs = [cli_env([REPO], **local_rank_env(rank, stages, port), OMP_NUM_THREADS="1") for rank in range(stages)]
+    extra = {"OMP_NUM_THREADS": "1"}
+    if where == "cpu":
+        extra["CUDA_VISIBLE_DEVICES"] = ""  # else DeepSpeed's accelerator is the GPU even for a CPU run
+    envs = [cli_env([REPO], **local_rank_env(rank, stages, port), **extra) for rank in range(stages)]
     models = [f"{name}={folder}" for name, folder in folders.items()]
     argv = [sys.executable, str(WORKER), where, str(stages), "4", str(out), json.dumps(keys), *models]
     codes = run_ranks(argv, envs, out, timeout=300)
