@@ -10,11 +10,13 @@
 #    (when .whl/ exists) and this environment's packages are used;
 # 2. tests: the suite's cuda-marked tests (tests/test_cuda_proof.py: block swap, activation offload, nf4/int8/float8
 #    bases, the Kahan optimizer, compile, sampling, 1-process training of the reference model and of a Flux-shaped
-#    one, 2 stages over NCCL when there are two GPUs), each against the CPU's result; on CPU, their CPU twins;
+#    one, 2 stages over NCCL when there are two GPUs), each against the CPU's result; on CPU, their CPU twins.
+#    Only that file: collecting the whole suite would import packages the GPU machine does not get (HF datasets);
 # 3. memory: bench/gpu_memory.py, a Flux-dev-sized LoRA at 1024^2 in five variants (plain, checkpointing,
 #    swap + offload, nf4, float8): peak memory, step time, MFU, losses; on CPU a tiny Flux;
 # 4. $OUT/gpu_proof.log (all of the above as printed) and $OUT/gpu_proof.json (bench/proof_report.py: the same keys
-#    on both devices). Each step has its own time limit, so the JSON is written within 8 minutes whatever hangs.
+#    on both devices). Each step has a time limit (wheels 60 s, tests 200 s, the memory bench what is left of 465 s),
+#    so the JSON is written within 8 minutes whatever hangs.
 #
 # Environment: OUT (default: a new temporary folder), DIFFPIPE_PROOF_DEVICE (cuda, the default, or cpu),
 # DIFFPIPE_PROOF_PYTHON (default: python3 on a GPU machine, else .venv/bin/python when there is one).
@@ -41,10 +43,11 @@ elif [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then
 else
   PY=python3
 fi
+# time limits (s): the whole run, the tests; the memory bench gets what is left but 15 s for the report
 if [ "$DEVICE" = cpu ]; then
-  TEST_LIMIT=420 MEMORY_LIMIT=240 MARKS="not cuda" MEMORY_ARGS="--small --device cpu --steps 8"
+  TOTAL_LIMIT=900 TEST_LIMIT=480 MARKS="not cuda" MEMORY_ARGS="--small --device cpu --steps 8"
 else
-  TEST_LIMIT=210 MEMORY_LIMIT=210 MARKS="cuda" MEMORY_ARGS="--device cuda --steps 20"
+  TOTAL_LIMIT=465 TEST_LIMIT=200 MARKS="cuda" MEMORY_ARGS="--device cuda --steps 20"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 # only pytest itself: no plugin of this environment the GPU machine lacks
@@ -63,10 +66,10 @@ INSTALL_RC=0
 if compgen -G ".whl/*.whl" >/dev/null; then
   if [ "$DEVICE" = cpu ]; then # a check only: this machine's Python may not be 3.12
     # shellcheck disable=SC2086
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       --python-version 3.12 --implementation cp $PLATFORMS --only-binary=:all: .whl/*.whl >"$WORK/install.txt" 2>&1
   else
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       .whl/*.whl >"$WORK/install.txt" 2>&1
   fi
   INSTALL_RC=$?
@@ -98,6 +101,8 @@ timeout -k 10 "$TEST_LIMIT" "$PY" -m pytest -p no:cacheprovider -v -rfEs -m "$MA
 TEST_RC=${PIPESTATUS[0]}
 TEST_SECONDS=$(($(date +%s) - T0))
 
+MEMORY_LIMIT=$((TOTAL_LIMIT - 15 - 10 - ($(date +%s) - START)))
+[ "$MEMORY_LIMIT" -ge 30 ] || MEMORY_LIMIT=30 # timeout 0 would mean none
 step 3 "bench/gpu_memory.py $MEMORY_ARGS, at most $MEMORY_LIMIT s"
 T0=$(date +%s)
 # shellcheck disable=SC2086

@@ -48,9 +48,9 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
-def on(device: torch.device, layers: list[torch.nn.Module], model: torch.nn.Module) -> None:
-    """Move a model and its (possibly wrapped) layers to ``device``, as PipelineModule does."""
-    model.to(device)
+def on(device: torch.device, layers: list[torch.nn.Module]) -> None:
+    """Move the (possibly wrapped) layers to ``device``, as PipelineModule does (a swapped block's weights stay in
+    host memory)."""
     for layer in layers:
         layer.to(device)
 
@@ -61,10 +61,10 @@ def test_block_swap_and_offload_give_the_cpu_loss_and_gradients(device: torch.de
     host memory: the same loss and gradients as the plain layers on the same device and as the CPU."""
     model, layers = lora_model()
     cpu_loss, cpu_grads = run(layers, model)
-    on(device, layers, model)
+    on(device, layers)
     plain_loss, plain_grads = run(layers, model, device)
     wrapped, swapped = wrap_stage_layers(layers, range(len(layers)), ("BlockLayer",), checkpointing, 3, device)
-    on(device, wrapped, model)
+    on(device, wrapped)
     blocks = [w for w in wrapped if isinstance(w, SwappedBlock)]
     assert swapped == 3 and len(blocks) == 3
     loss, grads = run(wrapped, model, device)
@@ -155,7 +155,7 @@ def test_compiled_blocks_give_the_eager_result(device: torch.device) -> None:
     from diffpipe_core.engine.stage_build import compile_blocks
 
     model, layers = lora_model()
-    on(device, layers, model)
+    on(device, layers)
     eager_loss, eager_grads = run(layers, model, device)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     assert compile_blocks(layers, range(len(layers)), ("BlockLayer",), backend) == 4
