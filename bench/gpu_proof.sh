@@ -7,7 +7,9 @@
 # 1. install: the wheels in .whl/ (built by `python bench/proof_wheels.py`; bench/proof_wheels.txt says which and
 #    what is left out, and why) go into a folder of their own, put with the repository's source folders on
 #    PYTHONPATH (diffpipe itself travels as source). On CPU they are only checked to install for CPython 3.12
-#    (when .whl/ exists) and this environment's packages are used;
+#    (when .whl/ exists) and this environment's packages are used. Left out, to fit in 64 MiB: HF datasets with
+#    pyarrow and pandas (67 MB: the cache does not run on a GPU), bitsandbytes' libraries for CUDA before 12.6,
+#    ROCm and XPU, and PyAV, tensorboard, wandb (not in the proof);
 # 2. tests: the suite's cuda-marked tests (tests/test_cuda_proof.py: block swap, activation offload, nf4/int8/float8
 #    bases, the Kahan optimizer, compile, sampling, 1-process training of the reference model and of a Flux-shaped
 #    one, 2 stages over NCCL when there are two GPUs), each against the CPU's result; on CPU, their CPU twins.

@@ -70,6 +70,13 @@ def test_an_import_neither_carried_nor_in_the_image_is_named(tmp_path: Path) -> 
                                                           "xdist (pytest-xdist)"]  # fmt: skip
 
 
+def test_the_carried_versions_are_the_ones_ci_tests() -> None:
+    from importlib import metadata
+
+    differ = {n: (v, metadata.version(n)) for n, v in proof_wheels.requirements() if metadata.version(n) != v}
+    assert not differ, f"bench/proof_wheels.txt pins other versions than this environment has: {differ}"
+
+
 def test_the_wheel_list_parses_and_bad_lines_are_named(tmp_path: Path) -> None:
     wanted = dict(proof_wheels.requirements())
     assert {"deepspeed", "peft", "diffusers", "bitsandbytes", "pytest"} <= set(wanted)
