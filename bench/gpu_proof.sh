@@ -38,6 +38,7 @@ trap 'rm -rf "$WORK"' EXIT
 LOG=$OUT/gpu_proof.log
 : >"$LOG"
 exec > >(tee -a "$LOG") 2>&1
+TEE=$!
 if [ -n "${DIFFPIPE_PROOF_PYTHON:-}" ]; then
   PY=$DIFFPIPE_PROOF_PYTHON
 elif [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then
@@ -117,3 +118,7 @@ step 4 "the report"
 "$PY" bench/proof_report.py --device "$DEVICE" --work "$WORK" --out "$OUT/gpu_proof.json" \
   --install-rc "$INSTALL_RC" --tests-rc "$TEST_RC" --tests-seconds "$TEST_SECONDS" \
   --memory-rc "$MEMORY_RC" --memory-seconds "$MEMORY_SECONDS" --seconds "$(($(date +%s) - START))"
+REPORT_RC=$?
+exec >&- 2>&- # let tee write the last lines to the log before the run's files are collected
+wait "$TEE"
+exit "$REPORT_RC"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,12 @@ DEVICES = [
 
 
 @pytest.fixture(params=DEVICES)
-def device(request: pytest.FixtureRequest) -> torch.device:
-    if request.param == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    return torch.device(request.param)
+def device(request: pytest.FixtureRequest) -> Iterator[torch.device]:
+    """Each test's device; on CUDA with TF32 off, so its float32 results can be compared with the CPU's."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield torch.device(request.param)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def on(device: torch.device, layers: list[torch.nn.Module]) -> None:
@@ -56,7 +59,7 @@ def on(device: torch.device, layers: list[torch.nn.Module]) -> None:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])
-def test_block_swap_and_offload_give_the_cpu_loss_and_gradients(device: torch.device, checkpointing) -> None:
+def test_block_swap_and_offload_give_the_cpu_result(device: torch.device, checkpointing: bool | str) -> None:
     """Block swap (side-stream copies into the device) with activation checkpointing, plain or offloaded to pinned
     host memory: the same loss and gradients as the plain layers on the same device and as the CPU."""
     model, layers = lora_model()
