@@ -22,7 +22,7 @@ without per-stage loading loads the whole model first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -76,11 +76,33 @@ class ScaledLinear(nn.Linear):
         return cls(linear.in_features, linear.out_features, linear.bias, weight, scale, compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(self.compute_dtype)
-        if self.weight_scale is not None:  # None: stored unscaled (a plain float8 cast)
-            weight = weight * self.weight_scale.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
+        out = _StoredWeightMatmul.apply(x.to(self.compute_dtype), _dequantized, self.weight, self.weight_scale, bias)
+        return out.to(x.dtype)
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    value = weight.to(dtype)
+    return value if scale is None else value * scale.to(dtype)
+
+
+class _StoredWeightMatmul(torch.autograd.Function):
+    """``x @ W.T + bias`` for a frozen weight ``W = dequantize(weight, scale)`` kept stored (float8 or int8 with its
+    scale, GGUF blocks). Autograd through the plain expression would keep each layer's dequantized weight (2 bytes a
+    weight in bf16) from forward to backward, more than the stored copy saves; this keeps only the stored weight and
+    dequantizes it again for the input's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dequantize: Any, weight: torch.Tensor, scale: Any, bias: Any) -> Any:
+        ctx.dequantize = dequantize
+        ctx.save_for_backward(weight, scale)  # the module's own buffers: nothing new is kept
+        return F.linear(x, dequantize(weight, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+        weight, scale = ctx.saved_tensors
+        grad_x = grad @ ctx.dequantize(weight, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None  # the weight, its scale and the bias are frozen
 
 
 class GGUFLinear(nn.Linear):
@@ -103,12 +125,15 @@ class GGUFLinear(nn.Linear):
         block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
         return cls(linear, kind, linear.in_features // block * size, compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, weight: torch.Tensor, scale: None, dtype: torch.dtype) -> torch.Tensor:
         from diffpipe_core.weight_files import gguf_dequantize
 
-        weight = gguf_dequantize(self.weight, self.kind).reshape(self.out_features, self.in_features)
+        return gguf_dequantize(weight, self.kind).reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), weight.to(self.compute_dtype), bias).to(x.dtype)
+        out = _StoredWeightMatmul.apply(x.to(self.compute_dtype), self._dequantize, self.weight, None, bias)
+        return out.to(x.dtype)
 
 
 class Float8Linear(ScaledLinear):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ import pytest
 import torch
 
 from diffpipe_core.engine.launcher import free_port, local_rank_env
-from diffpipe_core.testing.processes import cli_env, kill_group
+from diffpipe_core.testing import processes
+from diffpipe_core.testing.processes import cli_env
 
 pytestmark = pytest.mark.slow
 
@@ -31,41 +31,9 @@ def run_ranks(scenarios: str, out: Path, timeout: float = 90, grace: float = 5) 
 
     When a rank fails the others get ``grace`` seconds to notice before their process groups are killed.
     """
-    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs: list[subprocess.Popen] = []
-    try:
-        for rank in range(WORLD):
-            env = cli_env([REPO], **local_rank_env(rank, WORLD, port), OMP_NUM_THREADS="1")
-            log = open(out / f"log{rank}.txt", "w")  # the child keeps its own copy
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), scenarios, str(out)],
-                    cwd=out,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                deadline = min(deadline, time.monotonic() + grace)
-            time.sleep(0.1)
-        else:
-            if all(p.poll() is None for p in procs):
-                logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(WORLD))
-                raise TimeoutError(f"workers for {scenarios} ran past {timeout}s\n{logs}")
-        codes = [p.poll() for p in procs]
-    finally:
-        for p in procs:
-            kill_group(p)
-            p.wait()
+    envs = [cli_env([REPO], **local_rank_env(rank, WORLD, port), OMP_NUM_THREADS="1") for rank in range(WORLD)]
+    codes = processes.run_ranks([sys.executable, str(WORKER), scenarios, str(out)], envs, out, timeout, grace)
     results = []
     for rank in range(WORLD):
         path = out / f"rank{rank}.json"

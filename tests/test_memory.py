@@ -30,15 +30,20 @@ def lora_model() -> tuple[TinyDiT, list[torch.nn.Module]]:
     return model, split_into_layers(model)
 
 
-def run(layers: list[torch.nn.Module], model: TinyDiT) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def run(
+    layers: list[torch.nn.Module], model: TinyDiT, device: torch.device = CPU
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and LoRA gradients of one seeded batch through ``layers`` on ``device`` (returned on the CPU)."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(2, 4, 16, 16, generator=g), torch.rand(2, generator=g), torch.randn(2, 16, 32, generator=g))
+    x = tuple(t.to(device) for t in x)
     for layer in layers:
         x = layer(x)
     loss = x[0].square().mean()
     model.zero_grad()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().cpu(), grads
 
 
 @pytest.mark.parametrize("checkpointing", [False, True, "offload"])

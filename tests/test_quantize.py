@@ -207,3 +207,30 @@ def test_full_finetune_of_quantized_model_is_refused(tmp_path: Path) -> None:
     message = str(err.value)
     assert "model.quantize: 'nf4' quantizes the frozen base weights" in message and "[adapter]" in message
     assert str(config) in message
+
+
+def test_float8_linear_keeps_only_its_float8_weight_for_backward() -> None:
+    """Autograd through ``weight.to(bf16) * scale`` kept every layer's dequantized bf16 weight until backward: 2 bytes
+    a weight held through the forward, more than float8 storage saves. Only the float8 weight may be kept."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512)
+    layer = Float8Linear(linear, torch.bfloat16)
+    own = {layer.weight.untyped_storage().data_ptr(), layer.weight_scale.untyped_storage().data_ptr()}
+    x = torch.randn(4, 256, requires_grad=True)
+    kept: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    new = sum(t.numel() * t.element_size() for t in kept if t.untyped_storage().data_ptr() not in own)
+    assert new < 256 * 512, f"{new} bytes kept for backward: a dequantized weight copy"
+    out.square().sum().backward()
+    weight = layer.weight.to(torch.bfloat16) * layer.weight_scale.to(torch.bfloat16)
+    x_ref = x.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(x_ref.to(torch.bfloat16), weight, linear.bias.detach().to(torch.bfloat16))
+    ref.float().square().sum().backward()
+    torch.testing.assert_close(out, ref.float())
+    torch.testing.assert_close(x.grad, x_ref.grad)

@@ -123,3 +123,36 @@ def write_plugin_distribution(
         lines += [f"{name} = {target}" for name, target in eps.items()]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
     return site
+
+
+def run_ranks(
+    argv: list[str], envs: list[dict[str, str]], out: Path, timeout: float = 90, grace: float = 5
+) -> list[int | None]:
+    """Start one process of ``argv`` per environment in ``envs`` (a rank each: ``local_rank_env``), each in its
+    own session with its output in ``out/log<rank>.txt``, and wait for all; return their exit codes (None: killed
+    while blocked). When a rank fails the others get ``grace`` seconds to notice before every process group is
+    killed; a run past ``timeout`` seconds is killed and raises TimeoutError with the logs' tails."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank, env in enumerate(envs):
+            with open(out / f"log{rank}.txt", "w") as log:  # the child keeps its own copy
+                pipes = {"stdout": log, "stderr": subprocess.STDOUT}
+                procs.append(subprocess.Popen(argv, cwd=out, env=env, start_new_session=True, **pipes))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.1)
+        else:
+            if all(p.poll() is None for p in procs):
+                logs = "\n".join((out / f"log{r}.txt").read_text()[-3000:] for r in range(len(procs)))
+                raise TimeoutError(f"{argv} ran past {timeout}s\n{logs}")
+        return [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+            p.wait()

@@ -26,13 +26,20 @@ def registered(plugin: Any, name: str | None = None) -> Any:
 
 
 def sample_latents(
-    plugin: Any, model_config: Any, request: SampleRequest, texts: Any, seed: int, cfg_scale: float = 1.0
+    plugin: Any,
+    model_config: Any,
+    request: SampleRequest,
+    texts: Any,
+    seed: int,
+    cfg_scale: float = 1.0,
+    device: torch.device = CPU,
 ) -> torch.Tensor:
     """diffpipe's sample of one prompt (``texts``, from ``encode_prompts``): the core's loop over the registered
-    ``plugin``'s layers (the whole model on the CPU in float32) from the noise of ``noise_generator(seed, 0)``;
-    the final latents."""
-    model = plugin.require("load_diffusion_model", model_config=model_config, device=CPU, dtype=torch.float32)
-    forward = LayerChainForward(plugin.require("split_into_layers", model=model, model_config=model_config))
+    ``plugin``'s layers (the whole model on ``device`` in float32) from the noise of ``noise_generator(seed, 0)``;
+    the final latents (on the CPU)."""
+    model = plugin.require("load_diffusion_model", model_config=model_config, device=device, dtype=torch.float32)
+    layers = plugin.require("split_into_layers", model=model, model_config=model_config)
+    forward = LayerChainForward(layers, device)
     (latents,) = generate(plugin, model_config, request, [texts], [noise_generator(seed, 0)], forward, cfg=cfg_scale)
     return latents
 
