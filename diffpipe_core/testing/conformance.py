@@ -153,6 +153,58 @@ def _check_sampling(
     assert torch.isfinite(out).all(), f"{what}: decode_latents gave non-finite pixels"
 
 
+def _check_sample_equals_pipeline(
+    plugin_obj: Any, plugin: Any, cfg: ModelConfigBase, layers: list[nn.Module], captions: list[str],
+    pixels: torch.Tensor, seed: int,
+) -> None:
+    """The core's loop over the plugin's layers gives the latents its declared ``sample_pipeline`` gives, from the
+    same noise, for the first caption with the second as the negative prompt (all in float32)."""
+    from diffpipe_core.sampling.config import missing_sampling_hooks
+    from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
+    from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.testing.sampling import PIPELINE_CFG, PIPELINE_STEPS, pipeline_sample
+
+    pipeline = getattr(plugin_obj, "sample_pipeline", None)
+    if pipeline is None or missing_sampling_hooks(plugin) or len(captions) < 2:
+        return
+    video = plugin.spec.modality == "video"
+    frames = pixels.shape[2] if video else 1
+    request = SampleRequest(width=pixels.shape[-1], height=pixels.shape[-2], frames=frames, steps=PIPELINE_STEPS)
+    if "encoder_dtype" in type(cfg).model_fields:
+        cfg = cfg.model_copy(update={"encoder_dtype": "float32"})
+    encoders = plugin.require("load_encoders", model_config=cfg, device=torch.device("cpu"))
+    text = plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions[:2]))
+    prompt = PromptText(cond={k: v[:1] for k, v in text.items()}, uncond={k: v[1:2] for k, v in text.items()})
+    noise, ours_schedule = plugin.require(
+        "denoise_init", request=request, model_config=cfg, generator=noise_generator(seed, 0)
+    )
+    with torch.no_grad():
+        (ours,) = generate(
+            plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers), cfg=PIPELINE_CFG
+        )
+    settings = {arg: getattr(cfg, key) for arg, key in getattr(plugin_obj, "sample_pipeline_settings", {}).items()}
+    folder = plugin_obj.model_folder(cfg) if hasattr(plugin_obj, "model_folder") else cfg.path  # type: ignore[attr-defined]
+    expected, sigmas = pipeline_sample(pipeline, folder, (captions[0], captions[1]), noise, request, settings)
+    what = (
+        f"sampling: {PIPELINE_STEPS} steps at cfg {PIPELINE_CFG} from the same noise and prompts as {pipeline}"
+        f" ({request.width}x{request.height}, {frames} frame{'s' if frames > 1 else ''})"
+    )
+    assert ours.shape == expected.shape, (
+        f"{what}: denoise_init's latents are {tuple(ours.shape)}, {pipeline}'s {tuple(expected.shape)}"
+    )
+    gap = (ours - expected).abs().max().item()
+    if gap > 1e-4 * max(1.0, expected.abs().max().item()):
+        yours = [round(float(v), 4) for v in ours_schedule]
+        theirs = [round(float(v), 4) for v in sigmas]
+        hint = (
+            f"denoise_init's schedule {yours} is not the pipeline's sigmas {theirs}: take the model folder's own "
+            "scheduler (diffpipe_core.sampling.schedules.stepped_schedule, which FlowSampling steps with)"
+            if len(yours) != len(theirs) or any(abs(a - b) > 1e-4 for a, b in zip(yours, theirs))
+            else "the schedules agree, so the text encoding, denoise_inputs (the timestep's scale) or guidance differ"
+        )
+        raise AssertionError(f"{what}: the latents differ by up to {gap:.4g}; {hint}")
+
+
 def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Generator) -> list[EncodeBatch]:
     """What the core hands ``encode_batch``: images (B, 3, H, W) and, for a video model, also videos
     (B, 3, F, H, W), with their first frames for a first-frame model (which gets no images when it requires first
@@ -251,6 +303,7 @@ def check_model_plugin(
     inputs, loss_targets = prepared[0]
     _check_stage_boundaries(layers, inputs, loss_of(loss_targets))
     _check_sampling(plugin, cfg, layers, text, pixels, seed)
+    _check_sample_equals_pipeline(plugin_obj, plugin, cfg, layers, captions, pixels, seed)
 
     targets = plugin.require("lora_targets", model_config=cfg)
     check_lora_gradients(model, layers, prepared, list(targets), loss_of)
