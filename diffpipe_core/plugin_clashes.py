@@ -58,7 +58,7 @@ def choose_models(entries: list[ModelEntry], shipped: dict[str, str]) -> tuple[l
         if len({e.distribution for e in group}) == 1:
             chosen.append(group[0])
             continue
-        origins = " and ".join(e.origin for e in group)
+        origins = " and ".join(sorted(e.origin for e in group))
         ours = [e for e in group if e.distribution == shipped.get(name)]
         if ours:
             chosen.append(ours[0])

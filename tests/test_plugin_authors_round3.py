@@ -197,3 +197,146 @@ def test_the_guide_says_saved_loras_are_in_save_dtype_with_its_default() -> None
     import tomllib
 
     assert tomllib.loads(run_toml({"type": "x", "path": "m"}, {}))["save_dtype"] == "float32"
+
+
+# ------------------------------------------------------------ 6. two plugins with the same names
+def _plugin_source(name: str) -> str:
+    return f"""
+from diffpipe_core import ModelConfigBase, ModelSpec, hookimpl
+
+class Config(ModelConfigBase):
+    pass
+
+@hookimpl
+def model_spec():
+    return ModelSpec(name={name!r}, modality="image", config_schema=Config)
+"""
+
+
+def test_plugins_clashing_over_a_name_are_named_in_one_line_each_and_the_others_work(tmp_path: Path) -> None:
+    """Installed beside the bundled plugins: a plugin published as ``diffpipe-wan`` (pip replaces diffpipe's, and
+    ``wan-i2v`` would vanish), one declaring model ``flux`` again, and one installing its files into the package
+    ``diffpipe_zimage``. ``diffpipe models`` says each in one line naming the distributions and the name; flux stays
+    diffpipe's, z-image's failure names the package's two owners, and every other model loads."""
+    from diffpipe_core.testing.processes import cli_env, run_diffpipe, write_plugin_distribution
+
+    site = tmp_path / "site"
+    write_plugin_distribution(
+        site, "diffpipe-wan", {"diffpipe.models": {"wan": "my_wan"}}, {"my_wan": _plugin_source("wan")}
+    )
+    write_plugin_distribution(
+        site, "diffpipe-fastflux", {"diffpipe.models": {"flux": "fast_flux"}}, {"fast_flux": _plugin_source("flux")}
+    )
+    write_plugin_distribution(
+        site,
+        "diffpipe-zimage-turbo",
+        {"diffpipe.models": {"zimage-turbo": "diffpipe_zimage.turbo"}},
+        {"diffpipe_zimage.turbo": _plugin_source("zimage-turbo")},
+    )
+    result = run_diffpipe(["models"], cwd=tmp_path, timeout=120, env=cli_env([site]))
+    assert result.returncode == 0, result.output
+    said = [line for line in result.stderr.splitlines() if line.startswith("diffpipe: ")]
+    assert len(said) == 3, result.stderr
+    replaced, same_model, package = (
+        next(line for line in said if key in line)
+        for key in ("replaced", "model 'flux'", "package diffpipe_zimage")
+    )
+    assert "diffpipe-wan 0.0.1 provides wan but not wan-i2v" in replaced and "distribution diffpipe-<org>" in replaced
+    assert "diffpipe-fastflux 0.0.1 and diffpipe-flux 0.1.0" in same_model and "using diffpipe-flux's" in same_model
+    assert "diffpipe-zimage and diffpipe-zimage-turbo" in package and "package diffpipe_<org>_<model>" in package
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert "diffpipe-flux" in rows["flux"] and rows["flux"].rstrip().endswith("ok")
+    assert "FAILED" in rows["z-image"] and "installed by diffpipe-zimage and diffpipe-zimage-turbo" in rows["z-image"]
+    assert all(rows[m].rstrip().endswith("ok") for m in ("wan", "zimage-turbo", "sdxl", "reference", "qwen-image"))
+    assert "wan-i2v" not in rows
+
+
+def test_a_model_name_two_outside_plugins_declare_is_loaded_from_neither(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither distribution is diffpipe's: which would win is undefined, so neither loads, and asking for the model
+    says why; the registry records the line and the other models load."""
+    from diffpipe_core.registry import PluginError, Registry
+    from diffpipe_core.testing.processes import write_plugin_distribution
+
+    site = tmp_path / "site"
+    for dist, module in (("diffpipe-acme-dup", "acme_dup"), ("diffpipe-other-dup", "other_dup")):
+        write_plugin_distribution(site, dist, {"diffpipe.models": {"dup": module}}, {module: _plugin_source("dup")})
+    monkeypatch.syspath_prepend(str(site))
+    registry = Registry()
+    registry.load_entry_points()
+    (line,) = [c for c in registry.clashes if "'dup'" in c]
+    assert "diffpipe-acme-dup 0.0.1 and diffpipe-other-dup 0.0.1" in line and "neither is loaded" in line
+    with pytest.raises(PluginError, match="neither is loaded"):
+        registry.model("dup")
+    assert registry.plugins["reference"].ok
+
+
+def test_the_guide_says_how_to_name_a_third_party_plugin() -> None:
+    from diffpipe_core.plugin_clashes import NAMING
+
+    naming = GUIDE.split("## Naming a third-party plugin")[1].split("\n## ")[0]
+    for name in ("diffpipe-<org>-<model>", "diffpipe_<org>_<model>", "<org>-<model>"):
+        assert name in naming and name in NAMING
+
+
+def test_plugin_new_refuses_a_name_diffpipe_ships(tmp_path: Path) -> None:
+    """``wan`` (a bundled model) and ``qwenimage`` (it would be the bundled distribution diffpipe-qwenimage) are
+    refused before anything is written, with the naming rule."""
+    from click.testing import CliRunner
+
+    from diffpipe_core.plugin_cli import plugin as plugin_cli
+
+    for name, owner in (("wan", "diffpipe-wan"), ("wan-i2v", "diffpipe-wan"), ("qwenimage", "diffpipe-qwenimage")):
+        refused = CliRunner().invoke(plugin_cli, ["new", name, "--dir", str(tmp_path)])
+        assert refused.exit_code == 1, refused.output
+        assert f"model name {name!r} is diffpipe's own ({owner} ships it)" in refused.output
+        assert f"e.g. acme-{name}" in refused.output
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------ 7. contract migrations
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+
+
+def _contract_section(n: int) -> str:
+    return CHANGELOG.split(f"\n## Contract {n} ")[1].split("\n## ")[0]
+
+
+def test_every_kit_rule_a_contract_added_is_named_in_that_contracts_migration() -> None:
+    from diffpipe_core.testing.contract_changes import RULES
+
+    for rule, contract in RULES.items():
+        must = " ".join(_contract_section(contract).split("Must change")[1].split())
+        assert f"kit rule `{rule}`" in must, f"CHANGELOG Contract {contract}, Must change, does not name {rule}"
+
+
+def test_every_migration_line_shows_the_exact_new_call() -> None:
+    """Each bullet of a "Must change" list holds a code span with a call or an assignment: what to write."""
+    import re
+
+    for section in re.split(r"\n## Contract ", CHANGELOG)[1:]:
+        if "Must change" not in section:
+            continue
+        must = section.split("Must change")[1]
+        bullets = re.findall(r"^- (.+?)(?=^- |\Z)", must, re.S | re.M)
+        for bullet in bullets:
+            spans = re.findall(r"`([^`]+)`", bullet.replace("\n", " "))
+            assert any("(" in s or " = " in s for s in spans), f"no exact call in: {bullet[:120]}"
+
+
+def test_a_kit_failure_from_a_contract_change_names_the_changelog_entry() -> None:
+    """The check an outside Wan plugin written against contract 2 hit without a word in the CHANGELOG: 4-D pixels for
+    a video model. The failure names its rule and the entry, and the entry shows the call."""
+    from diffpipe_core import ModelConfigBase, ModelSpec
+    from diffpipe_core.testing.conformance import _media_batches
+
+    spec = ModelSpec(name="old-wan", modality="video", config_schema=ModelConfigBase, frame_multiple=4, frame_offset=1)
+    with pytest.raises(AssertionError) as failed:
+        _media_batches(spec, torch.zeros(2, 3, 32, 32), torch.Generator())
+    assert "kit rule `video_pixels`, new in plugin contract 2: CHANGELOG.md, 'Contract 2', Must change" in str(
+        failed.value
+    )
+    entry = _contract_section(2).split("kit rule `video_pixels`")[1].split("\n- ")[0]
+    assert "check_model_plugin(plugin, name, table," in entry and "pixels=torch.rand(2, 3, 5, 32, 32)" in entry
+    assert "cast_skeleton(model, dtype)" in _contract_section(2)

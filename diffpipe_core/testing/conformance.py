@@ -14,9 +14,11 @@ bfloat16 (same tensors, same dtypes); layers that share the model's parameters; 
 all randomness from its generator; the stage-boundary rule at every possible boundary; a finite loss whose
 gradient reaches every LoRA weight; and, for a plugin that declares sampling (implements the denoising hooks),
 that the core's loop with classifier-free guidance over its layers gives finite pixels of the requested size and
-frame count (those of ``pixels``).
+frame count (those of ``pixels``), and, for a plugin that names its ``sample_pipeline``, the same latents as that
+diffusers pipeline run on the tiny model from the same noise.
 
-Each check raises AssertionError naming the hook and what is wrong.
+Each check raises AssertionError naming the hook and what is wrong; a rule a contract change added also names its
+CHANGELOG entry (:mod:`diffpipe_core.testing.contract_changes`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from diffpipe_core.engine.adapter_layers import adapt_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers, meta_tensors
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.contract_changes import since
 from diffpipe_core.testing.imports import check_light_imports
 from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
 
@@ -70,6 +73,7 @@ def _check_per_stage_loading(plugin: Any, cfg: ModelConfigBase, dtype: torch.dty
     for key in mine:
         assert mine[key].dtype == theirs[key].dtype, (
             f"per-stage loading ({dtype}): {key!r} is {mine[key].dtype}, a full load gives {theirs[key].dtype}"
+            + since("bf16_loading")
         )
         assert torch.equal(mine[key], theirs[key]), f"per-stage loading ({dtype}): {key!r} differs from a full load"
     return stage
@@ -82,6 +86,7 @@ def _check_nothing_on_meta(model: nn.Module, after: str) -> None:
         "No weight file fills a buffer or a tensor a module keeps as a plain attribute (a RoPE table): build the "
         "skeleton the way from_pretrained does, parameters on meta and everything else on a real device "
         "(DiffusersModel.build_skeleton does; diffpipe_core.engine.model_loading.parameters_on_meta for your own)"
+        + since("meta_tensors")
     )
 
 
@@ -92,7 +97,7 @@ def _check_layers_share_the_model(model: nn.Module, layers: list[nn.Module]) -> 
         for pname, p in layer.named_parameters():
             assert id(p) in owned, (
                 f"split_into_layers: layer {i} ({type(layer).__name__}) holds {pname!r}, which is not the model's "
-                "(wrap the model's own submodules and parameters, not copies)"
+                "(wrap the model's own submodules and parameters, not copies)" + since("shared_parameters")
             )
 
 
@@ -117,6 +122,7 @@ def _check_stage_boundaries(layers: list[nn.Module], inputs: tuple[torch.Tensor,
                 f"split_into_layers: output {i} of layer {k} ({type(layers[k]).__name__}), shape "
                 f"{tuple(leaves[i].shape)}, is a float tensor no later layer uses; a pipeline stage boundary after "
                 f"layer {k} would fail. Return only tensors later layers use (sizes as integer tensors)"
+                + since("stage_boundaries")
             )
 
 
@@ -211,7 +217,10 @@ def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Gener
     frames); masks are (B, 1, H, W) for all."""
     first = None
     if spec.modality == "video":
-        assert pixels.dim() == 5, "for a video model give pixels as (B, 3, F, H, W); the kit also tries frame 0"
+        assert pixels.dim() == 5, (
+            f"for a video model give pixels as (B, 3, F, H, W), got {tuple(pixels.shape)}; the kit also tries frame 0"
+            + since("video_pixels")
+        )
         media = [pixels] if spec.first_frame == "required" else [pixels[:, :, 0], pixels]
         first = pixels[:, :, 0] if spec.first_frame != "none" else None
     else:

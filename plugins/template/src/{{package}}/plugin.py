@@ -36,7 +36,7 @@ COMPONENTS = {  # model_index.json's components -> class name ("module:Class" fo
 
 
 class {{class_name}}(DiffusersModel, FlowSampling):
-    """The {{name}} {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
+    """The {{modality}} model: VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
     spec = diffusers_spec(
         name="{{name}}",
