@@ -82,6 +82,21 @@ def test_the_kit_names_the_timestep_when_the_schedules_agree(auraflow, monkeypat
         _kit(plugin, folder)
 
 
+def test_a_pipeline_the_kit_cannot_run_is_named_with_the_arguments(auraflow, tmp_path: Path) -> None:
+    from diffpipe_core.testing.sampling import pipeline_sample
+    from diffpipe_core.types import SampleRequest
+
+    _, folder = auraflow
+    noise, request = torch.zeros(1, 4, 4, 4), SampleRequest(width=32, height=32, steps=3)
+    with pytest.raises(AssertionError, match=r"'AuraFlowPipeline' failed on the tiny model .*max_sequence_lenght.*"
+                       r"TypeError.*sample_pipeline_settings"):  # fmt: skip
+        pipeline_sample("AuraFlowPipeline", folder, ("a", "b"), noise, request, {"max_sequence_lenght": 16})
+    with pytest.raises(AssertionError, match=r"'AuraFlowPipeline' does not load the tiny model folder"):
+        pipeline_sample("AuraFlowPipeline", tmp_path, ("a", "b"), noise, request, {})
+    with pytest.raises(AssertionError, match=r"'AuraFlowPipe' is not a diffusers pipeline class"):
+        pipeline_sample("AuraFlowPipe", folder, ("a", "b"), noise, request, {})
+
+
 def test_the_fixture_is_the_template_with_declarations_filled_in(tmp_path: Path) -> None:
     """Against a fresh rendering: every hook body of plugin.py is the template's (only the declarations above the
     hooks differ), config.py is unchanged, model.py is gone (a diffusers class is named), and the plugin with its

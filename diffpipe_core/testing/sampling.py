@@ -69,7 +69,13 @@ def pipeline_sample(
         raise AssertionError(
             f"sample_pipeline {pipeline_class!r} is not a diffusers pipeline class (diffusers {diffusers.__version__})"
         )
-    pipe = cls.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True)
+    try:
+        pipe = cls.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True)
+    except Exception as exc:
+        raise AssertionError(
+            f"sample_pipeline {pipeline_class!r} does not load the tiny model folder {model_path}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     pipe.set_progress_bar_config(disable=True)
     takes = inspect.signature(pipe.__call__).parameters
     call: dict[str, Any] = {
@@ -87,6 +93,12 @@ def pipeline_sample(
         call["use_resolution_binning"] = False
     if "num_frames" in takes:
         call["num_frames"] = request.frames
-    with torch.no_grad():
-        latents = pipe(**call, **settings)[0]
+    try:
+        with torch.no_grad():
+            latents = pipe(**call, **settings)[0]
+    except Exception as exc:
+        raise AssertionError(
+            f"sample_pipeline {pipeline_class!r} failed on the tiny model with {sorted({**call, **settings})}: "
+            f"{type(exc).__name__}: {exc} (call arguments that follow [model] keys go in sample_pipeline_settings)"
+        ) from exc
     return latents.float().cpu(), torch.as_tensor(pipe.scheduler.sigmas).float()
