@@ -171,8 +171,11 @@ def _check_sample_equals_pipeline(
     from diffpipe_core.testing.sampling import PIPELINE_CFG, PIPELINE_STEPS, pipeline_sample
 
     pipeline = getattr(plugin_obj, "sample_pipeline", None)
-    if pipeline is None or missing_sampling_hooks(plugin) or len(captions) < 2:
+    if pipeline is None:
         return
+    missing = missing_sampling_hooks(plugin)
+    assert not missing, f"sample_pipeline is {pipeline!r}, but the plugin does not implement {', '.join(missing)}"
+    assert len(captions) >= 2, "give two captions: the kit samples the first with the second as the negative prompt"
     video = plugin.spec.modality == "video"
     frames = pixels.shape[2] if video else 1
     request = SampleRequest(width=pixels.shape[-1], height=pixels.shape[-2], frames=frames, steps=PIPELINE_STEPS)
