@@ -18,8 +18,8 @@ NAMING = (
 
 
 @dataclass(frozen=True)
-class ModelEntry:
-    """One installed ``diffpipe.models`` entry point and the distribution it comes from."""
+class PluginEntry:
+    """One installed entry point (``diffpipe.models`` or ``diffpipe.plugins``) and the distribution it comes from."""
 
     name: str
     target: str
@@ -36,21 +36,21 @@ class ModelEntry:
         return f"{self.distribution or 'an unnamed distribution'} {self.version or ''}".strip()
 
 
-def model_entries(entry_points: Iterable[metadata.EntryPoint]) -> list[ModelEntry]:
+def plugin_entries(entry_points: Iterable[metadata.EntryPoint]) -> list[PluginEntry]:
     """The entry points with their distributions' names and versions."""
     out = []
     for ep in entry_points:
         dist = getattr(ep, "dist", None)
         name = dist.metadata["Name"] if dist is not None else None
-        out.append(ModelEntry(ep.name, ep.value, name, dist.version if dist is not None else None, ep))
+        out.append(PluginEntry(ep.name, ep.value, name, dist.version if dist is not None else None, ep))
     return out
 
 
-def choose_models(entries: list[ModelEntry], shipped: dict[str, str]) -> tuple[list[ModelEntry], dict[str, str]]:
+def choose_models(entries: list[PluginEntry], shipped: dict[str, str]) -> tuple[list[PluginEntry], dict[str, str]]:
     """The entries to load, and a line per model name that several distributions declare: the distribution diffpipe
     ships that model in keeps it; with none of them diffpipe's, neither is loaded (which one would win is not
     defined)."""
-    by_name: dict[str, list[ModelEntry]] = {}
+    by_name: dict[str, list[PluginEntry]] = {}
     for entry in entries:
         by_name.setdefault(entry.name, []).append(entry)
     chosen, lines = [], {}
@@ -69,7 +69,7 @@ def choose_models(entries: list[ModelEntry], shipped: dict[str, str]) -> tuple[l
     return chosen, lines
 
 
-def replaced_distributions(entries: list[ModelEntry], shipped: dict[str, str]) -> list[str]:
+def replaced_distributions(entries: list[PluginEntry], shipped: dict[str, str]) -> list[str]:
     """A line per distribution installed under the name of one diffpipe ships that lacks models diffpipe's has: pip
     keeps one distribution per name, so another plugin of that name replaced diffpipe's."""
     provided: dict[str, set[str]] = {}
@@ -90,7 +90,7 @@ def replaced_distributions(entries: list[ModelEntry], shipped: dict[str, str]) -
     return lines
 
 
-def shared_packages(entries: list[ModelEntry]) -> dict[str, list[str]]:
+def shared_packages(entries: list[PluginEntry]) -> dict[str, list[str]]:
     """``{package: distributions}`` for each top-level package of a model entry point that two or more plugin
     distributions install (their files overwrite each other's)."""
     owners: dict[str, set[str]] = {}

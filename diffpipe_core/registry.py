@@ -112,7 +112,7 @@ class Registry:
         distribution, a package) become :attr:`clashes`, and the other plugins load as usual."""
         from diffpipe_core import plugin_clashes as clash
 
-        entries = clash.model_entries(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        entries = clash.plugin_entries(metadata.entry_points(group=ENTRY_POINT_GROUP))
         chosen, same_names = clash.choose_models(entries, DISTRIBUTIONS)
         shared = clash.shared_packages(entries)
         self.clashes = [
@@ -120,7 +120,7 @@ class Registry:
         ]
         for name in set(same_names) - {e.name for e in chosen}:
             self.plugins[name] = PluginInfo(name, None, None, error=same_names[name])
-        generic = clash.model_entries(metadata.entry_points(group=PLUGIN_GROUP))
+        generic = clash.plugin_entries(metadata.entry_points(group=PLUGIN_GROUP))
         for entry, is_model in [*((e, True) for e in chosen), *((e, False) for e in generic)]:
             try:
                 module = entry.entry_point.load()
