@@ -264,6 +264,8 @@ def test_plugins_clashing_over_a_name_are_named_in_one_line_each_and_the_others_
     assert "FAILED" in rows["z-image"] and "installed by diffpipe-zimage and diffpipe-zimage-turbo" in rows["z-image"]
     assert all(rows[m].rstrip().endswith("ok") for m in ("wan", "zimage-turbo", "sdxl", "reference", "qwen-image"))
     assert "wan-i2v" not in rows
+    other = run_diffpipe(["validate", "--config", "run.toml"], cwd=tmp_path, timeout=120, env=cli_env([site]))
+    assert [line for line in other.stderr.splitlines() if line in said] == said, other.stderr  # every command
 
 
 def test_a_model_name_two_outside_plugins_declare_is_loaded_from_neither(
