@@ -50,6 +50,8 @@ def main(debug: bool, verbose: bool) -> None:
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_libraries()
+    for line in get_registry().clashes:  # two installed plugins claim one name: say so before any command
+        click.echo(f"diffpipe: {line}", err=True)
 
 
 @main.command()

@@ -71,6 +71,7 @@ class Registry:
         self.pm = pluggy.PluginManager("diffpipe")
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
+        self.clashes: list[str] = []  # one line per name two installed plugins claim (plugin_clashes.py)
 
     # ------------------------------------------------------------------ registration
     def register_model(
@@ -107,22 +108,33 @@ class Registry:
         self.plugins[name] = PluginInfo(name, None, None, module=plugin, is_model=False)
 
     def load_entry_points(self) -> None:
-        """Import every installed plugin; record failures instead of raising."""
-        for group, is_model in ((ENTRY_POINT_GROUP, True), (PLUGIN_GROUP, False)):
-            for ep in metadata.entry_points(group=group):
-                dist = getattr(ep, "dist", None)
-                dist_name = dist.metadata["Name"] if dist is not None else None
-                version = dist.version if dist is not None else None
-                try:
-                    module = ep.load()
-                except Exception as exc:
-                    tb = traceback.format_exception_only(type(exc), exc)[-1].strip() + _newer_core_hint(exc)
-                    self.plugins[ep.name] = PluginInfo(ep.name, dist_name, version, error=tb, is_model=is_model)
-                    continue
-                if is_model:
-                    self.register_model(ep.name, module, dist_name, version)
-                else:
-                    self.register_generic(ep.name, module)
+        """Import every installed plugin; record failures instead of raising. Names two plugins claim (a model, a
+        distribution, a package) become :attr:`clashes`, and the other plugins load as usual."""
+        from diffpipe_core import plugin_clashes as clash
+
+        entries = clash.plugin_entries(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        chosen, same_names = clash.choose_models(entries, DISTRIBUTIONS)
+        shared = clash.shared_packages(entries)
+        self.clashes = [
+            *same_names.values(), *clash.replaced_distributions(entries, DISTRIBUTIONS), *clash.package_lines(shared)
+        ]
+        for name in set(same_names) - {e.name for e in chosen}:
+            self.plugins[name] = PluginInfo(name, None, None, error=same_names[name])
+        generic = clash.plugin_entries(metadata.entry_points(group=PLUGIN_GROUP))
+        for entry, is_model in [*((e, True) for e in chosen), *((e, False) for e in generic)]:
+            try:
+                module = entry.entry_point.load()
+            except Exception as exc:
+                tb = traceback.format_exception_only(type(exc), exc)[-1].strip() + _newer_core_hint(exc)
+                if entry.package in shared:
+                    tb += f" (package {entry.package} is installed by {' and '.join(shared[entry.package])})"
+                info = PluginInfo(entry.name, entry.distribution, entry.version, error=tb, is_model=is_model)
+                self.plugins[entry.name] = info
+                continue
+            if is_model:
+                self.register_model(entry.name, module, entry.distribution, entry.version)
+            else:
+                self.register_generic(entry.name, module)
 
     # ------------------------------------------------------------------ lookup
     def models(self) -> list[PluginInfo]:

@@ -41,14 +41,22 @@ def template_values(name: str, video: bool) -> dict[str, str]:
             "diffpipe_<name>, '-' read as '_')"
         )
     from diffpipe_core import CONTRACT_VERSION
+    from diffpipe_core.plugin_clashes import NAMING
+    from diffpipe_core.registry import DISTRIBUTIONS
 
     module = name.replace("-", "_")
+    distribution = f"diffpipe-{module.replace('_', '-')}"
+    if name in DISTRIBUTIONS or distribution in DISTRIBUTIONS.values():
+        raise ValueError(
+            f"model name {name!r} is diffpipe's own ({DISTRIBUTIONS.get(name, distribution)} ships it): {NAMING} "
+            f"(e.g. acme-{name})"
+        )
     modality = "video" if video else "image"
     return {
         "name": name,
         "module": module,
         "package": f"diffpipe_{module}",
-        "distribution": f"diffpipe-{module.replace('_', '-')}",
+        "distribution": distribution,
         "class_name": "".join(part.capitalize() for part in module.split("_")),
         "modality": modality,
         "video": str(video),

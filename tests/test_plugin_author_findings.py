@@ -64,13 +64,13 @@ def rendered(tmp_path_factory: pytest.TempPathFactory):
 
 # ------------------------------------------------------------------------- 1. names with '-'
 def test_plugin_new_takes_a_dashed_name_and_makes_the_package_name_from_it(tmp_path: Path) -> None:
-    result = CliRunner().invoke(plugin_cli, ["new", "qwen-image", "--dir", str(tmp_path)])
+    result = CliRunner().invoke(plugin_cli, ["new", "acme-image", "--dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    pkg = tmp_path / "diffpipe-qwen-image"
-    assert 'qwen-image = "diffpipe_qwen_image.plugin:plugin"' in (pkg / "pyproject.toml").read_text()
-    source = (pkg / "src" / "diffpipe_qwen_image" / "plugin.py").read_text()
-    assert 'name="qwen-image"' in source and "class QwenImage(DiffusersModel" in source
-    assert (pkg / "tests" / "test_qwen_image_plugin.py").is_file()
+    pkg = tmp_path / "diffpipe-acme-image"
+    assert 'acme-image = "diffpipe_acme_image.plugin:plugin"' in (pkg / "pyproject.toml").read_text()
+    source = (pkg / "src" / "diffpipe_acme_image" / "plugin.py").read_text()
+    assert 'name="acme-image"' in source and "class AcmeImage(DiffusersModel" in source
+    assert (pkg / "tests" / "test_acme_image_plugin.py").is_file()
     for bad in ("qwen-", "qwen--image", "Qwen-Image", "1qwen"):
         refused = CliRunner().invoke(plugin_cli, ["new", bad, "--dir", str(tmp_path / "no")])
         assert refused.exit_code == 1 and f"{bad!r} is not valid" in refused.output, (bad, refused.output)

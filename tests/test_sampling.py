@@ -256,10 +256,33 @@ def test_diffpipe_sample_repeats_the_training_sample(sampling_run: Path) -> None
     )  # fmt: skip
     assert result.returncode == 0, result.output[-4000:]
     assert f"wrote {out}" in result.stdout
+    assert "activations: none kept (sampling runs forward only)" in result.stdout  # not "the dataset is not cached"
     assert np.array_equal(_image(out), _image(sampling_run / "samples" / "step-0000012" / "00-a-red-cat.png"))
     base = _image(sampling_run / "samples" / "step-0000000" / "00-a-red-cat.png")
     assert not np.array_equal(_image(out), base)  # the adapter was applied
     assert sorted(p.name for p in (root / "gone").iterdir()) == ["dataset.toml"]  # no cache, no scan index
+
+
+def test_diffpipe_sample_without_num_procs_samples_a_pipeline_run_on_one_process(sampling_run: Path) -> None:
+    """The 2-stage run's own config, ``diffpipe sample`` without ``--num-procs`` (one process on a CPU machine):
+    instead of refusing pipeline_stages = 2, it samples with the whole model, says so in one line naming
+    ``--num-procs 2``, and gives the run's last sample."""
+    root = sampling_run.parent.parent
+    out = root / "one-process.png"
+    result = run_diffpipe(
+        ["sample", "--config", "run.toml", "--adapter", str(sampling_run / "saved" / "final"), "--prompt",
+         PROMPTS[0], "--out", str(out)],
+        cwd=root,
+        timeout=400,
+    )  # fmt: skip
+    assert result.returncode == 0, result.output[-4000:]
+    assert (
+        "diffpipe: sampling on 1 process with the whole model; pipeline_stages = 2 would need a multiple of 2 "
+        "processes (--num-procs 2 samples through the 2-stage pipeline)"
+    ) in result.stdout
+    assert "stage plan (memory, 1 stage; activations: none kept" in result.stdout
+    trained = _image(sampling_run / "samples" / "step-0000012" / "00-a-red-cat.png").astype(int)
+    assert np.abs(_image(out).astype(int) - trained).max() <= 1  # 1 stage here, 2 in training: same maths
 
 
 @pytest.mark.slow

@@ -49,12 +49,15 @@ def make_plan(
     layers: list[nn.Module],
     dataset: Any = None,
     on_gpu: bool | None = None,
+    forward_only: bool = False,
 ) -> StagePlan:
     """The stage plan of this run for ``model`` cut into ``layers`` (any device; left unchanged). Activations are
-    estimated when ``dataset`` (a cached dataset) is given."""
-    inputs, label = (None, "not estimated: the dataset is not cached yet (diffpipe cache)")
+    estimated when ``dataset`` (a cached dataset) is given; ``forward_only`` (sampling) keeps none for backward."""
+    inputs, label = None, "not estimated: the dataset is not cached yet (diffpipe cache)"
+    if forward_only:
+        label = "none kept (sampling runs forward only)"
     try:
-        if dataset is not None:
+        if dataset is not None and not forward_only:
             inputs, label = example_inputs(dataset, plugin, cfg)
         costs = layer_costs(cfg, plugin, model, layers, inputs)
     except Exception as exc:  # the plan must never stop a run the old partitioner could do: weights only, then

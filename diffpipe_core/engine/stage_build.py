@@ -117,7 +117,9 @@ def build_stage_module(
     run = cfg.run
     dtype = DTYPES[cfg.model.dtype]
     stage = load_for_stages(plugin, cfg.model, device, dtype)
-    plan = make_plan(cfg, plugin, stage.model, stage.layers, dataset, on_gpu=device.type == "cuda")
+    plan = make_plan(
+        cfg, plugin, stage.model, stage.layers, dataset, on_gpu=device.type == "cuda", forward_only=not trainable
+    )
     parts = plan.parts
     if layout.rank == 0:
         print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)

@@ -99,6 +99,11 @@ class DiffusersModel:
         joint_blocks: where those blocks are: ``(module list, config key of their count)``.
         encoder_components: the folder's components the default ``load_encoders`` loads for caching (the VAE, the
             text encoders, their tokenizers), in ``encoder_dtype``; ``encoders.config`` is the ``[model]`` table.
+        sample_pipeline: the diffusers pipeline class whose samples this plugin's must equal (``"SanaPipeline"``); the
+            conformance kit runs it on the tiny model and compares its latents with the core's loop over the plugin's
+            layers, from the same noise (None: the model has no diffusers pipeline, nothing to compare with).
+        sample_pipeline_settings: ``{pipeline call argument: [model] key}`` for the settings the pipeline takes as
+            call arguments (``{"max_sequence_length": "text_max_length"}``).
 
     and override :meth:`original_layout` when the model has an original single-file layout,
     :meth:`default_lora_targets` when the default targets depend on the config otherwise, :meth:`build_skeleton`
@@ -119,6 +124,8 @@ class DiffusersModel:
     last_block_unused: ClassVar[tuple[str, ...]] = ()
     joint_blocks: ClassVar[tuple[str, str]] = ("transformer_blocks", "num_layers")
     encoder_components: ClassVar[tuple[str, ...]] = ("vae", "text_encoder", "tokenizer")
+    sample_pipeline: ClassVar[str | None] = None
+    sample_pipeline_settings: ClassVar[dict[str, str]] = {}
     #: The module holding the original single-file key tables: its ``layout_for_config(transformer_config)`` and
     #: ``lora_layout(state_dict)`` are :meth:`original_layout` and :meth:`lora_layout` (imported when first used).
     key_tables: ClassVar[str | None] = None

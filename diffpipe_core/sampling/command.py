@@ -58,7 +58,15 @@ def sample(
     from diffpipe_core.schema import ConfigError
 
     n = default_num_procs(num_procs)
-    cfg = load_checked(config_path, model, n, purpose="sample")
+    cfg = load_checked(config_path, model, n if num_procs is not None else None, purpose="sample")
+    stages = cfg.run.pipeline_stages
+    if num_procs is None and n % stages:  # sampling needs no pipeline: the whole model on each process
+        click.echo(
+            f"diffpipe: sampling on {n} process{'es' if n > 1 else ''} with the whole model; pipeline_stages = "
+            f"{stages} would need a multiple of {stages} processes (--num-procs {stages} samples through the "
+            f"{stages}-stage pipeline)"
+        )
+        stages = 1
     problems = []
     try:
         dataset_shape(cfg.run.dataset, get_registry().model(cfg.model_name).spec)  # only for the default size
@@ -84,6 +92,7 @@ def sample(
         "out": str(out.resolve()),
         "steps": steps,
         "seed": seed,
+        "pipeline_stages": stages,
     }
     with tempfile.TemporaryDirectory(prefix="diffpipe-sample-") as tmp:
         request_file = Path(tmp) / "request.json"

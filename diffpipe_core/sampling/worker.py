@@ -75,6 +75,10 @@ def run_sample_request(cfg: ResolvedConfig, plugin: ModelPlugin, device: torch.d
     target modules), without one the base model samples alone. Touches no dataset and no cache."""
     request = json.loads(Path(request_file).read_text())
     cfg = _with_adapter(cfg, request.get("adapter"))
+    stages = request.get("pipeline_stages") or cfg.run.pipeline_stages
+    if stages != cfg.run.pipeline_stages:  # the command samples on fewer stages than training used
+        run = cfg.run.model_copy(update={"pipeline_stages": stages, "partition_split": None})
+        cfg = dataclasses.replace(cfg, run=run)
     overrides = {k: request[k] for k in ("prompts", "steps", "seed") if request.get(k) is not None}
     sample = cfg.run.sample
     base = sample.model_dump() if sample is not None else {"prompts": overrides.get("prompts")}

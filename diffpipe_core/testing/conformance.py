@@ -14,9 +14,11 @@ bfloat16 (same tensors, same dtypes); layers that share the model's parameters; 
 all randomness from its generator; the stage-boundary rule at every possible boundary; a finite loss whose
 gradient reaches every LoRA weight; and, for a plugin that declares sampling (implements the denoising hooks),
 that the core's loop with classifier-free guidance over its layers gives finite pixels of the requested size and
-frame count (those of ``pixels``).
+frame count (those of ``pixels``), and, for a plugin that names its ``sample_pipeline``, the same latents as that
+diffusers pipeline run on the tiny model from the same noise.
 
-Each check raises AssertionError naming the hook and what is wrong.
+Each check raises AssertionError naming the hook and what is wrong; a rule a contract change added also names its
+CHANGELOG entry (:mod:`diffpipe_core.testing.contract_changes`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from diffpipe_core.engine.adapter_layers import adapt_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers, meta_tensors
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
+from diffpipe_core.testing.contract_changes import since
 from diffpipe_core.testing.imports import check_light_imports
 from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
 
@@ -70,6 +73,7 @@ def _check_per_stage_loading(plugin: Any, cfg: ModelConfigBase, dtype: torch.dty
     for key in mine:
         assert mine[key].dtype == theirs[key].dtype, (
             f"per-stage loading ({dtype}): {key!r} is {mine[key].dtype}, a full load gives {theirs[key].dtype}"
+            + since("bf16_loading")
         )
         assert torch.equal(mine[key], theirs[key]), f"per-stage loading ({dtype}): {key!r} differs from a full load"
     return stage
@@ -82,6 +86,7 @@ def _check_nothing_on_meta(model: nn.Module, after: str) -> None:
         "No weight file fills a buffer or a tensor a module keeps as a plain attribute (a RoPE table): build the "
         "skeleton the way from_pretrained does, parameters on meta and everything else on a real device "
         "(DiffusersModel.build_skeleton does; diffpipe_core.engine.model_loading.parameters_on_meta for your own)"
+        + since("meta_tensors")
     )
 
 
@@ -92,7 +97,7 @@ def _check_layers_share_the_model(model: nn.Module, layers: list[nn.Module]) -> 
         for pname, p in layer.named_parameters():
             assert id(p) in owned, (
                 f"split_into_layers: layer {i} ({type(layer).__name__}) holds {pname!r}, which is not the model's "
-                "(wrap the model's own submodules and parameters, not copies)"
+                "(wrap the model's own submodules and parameters, not copies)" + since("shared_parameters")
             )
 
 
@@ -117,6 +122,7 @@ def _check_stage_boundaries(layers: list[nn.Module], inputs: tuple[torch.Tensor,
                 f"split_into_layers: output {i} of layer {k} ({type(layers[k]).__name__}), shape "
                 f"{tuple(leaves[i].shape)}, is a float tensor no later layer uses; a pipeline stage boundary after "
                 f"layer {k} would fail. Return only tensors later layers use (sizes as integer tensors)"
+                + since("stage_boundaries")
             )
 
 
@@ -153,13 +159,71 @@ def _check_sampling(
     assert torch.isfinite(out).all(), f"{what}: decode_latents gave non-finite pixels"
 
 
+def _check_sample_equals_pipeline(
+    plugin_obj: Any, plugin: Any, cfg: ModelConfigBase, layers: list[nn.Module], captions: list[str],
+    pixels: torch.Tensor, seed: int,
+) -> None:
+    """The core's loop over the plugin's layers gives the latents its declared ``sample_pipeline`` gives, from the
+    same noise, for the first caption with the second as the negative prompt (all in float32)."""
+    from diffpipe_core.sampling.config import missing_sampling_hooks
+    from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
+    from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.testing.sampling import PIPELINE_CFG, PIPELINE_STEPS, pipeline_sample
+
+    pipeline = getattr(plugin_obj, "sample_pipeline", None)
+    if pipeline is None:
+        return
+    missing = missing_sampling_hooks(plugin)
+    assert not missing, f"sample_pipeline is {pipeline!r}, but the plugin does not implement {', '.join(missing)}"
+    assert len(captions) >= 2, "give two captions: the kit samples the first with the second as the negative prompt"
+    video = plugin.spec.modality == "video"
+    frames = pixels.shape[2] if video else 1
+    request = SampleRequest(width=pixels.shape[-1], height=pixels.shape[-2], frames=frames, steps=PIPELINE_STEPS)
+    if "encoder_dtype" in type(cfg).model_fields:
+        cfg = cfg.model_copy(update={"encoder_dtype": "float32"})
+    encoders = plugin.require("load_encoders", model_config=cfg, device=torch.device("cpu"))
+    text = plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions[:2]))
+    prompt = PromptText(cond={k: v[:1] for k, v in text.items()}, uncond={k: v[1:2] for k, v in text.items()})
+    noise, ours_schedule = plugin.require(
+        "denoise_init", request=request, model_config=cfg, generator=noise_generator(seed, 0)
+    )
+    with torch.no_grad():
+        (ours,) = generate(
+            plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers), cfg=PIPELINE_CFG
+        )
+    settings = {arg: getattr(cfg, key) for arg, key in getattr(plugin_obj, "sample_pipeline_settings", {}).items()}
+    folder = plugin_obj.model_folder(cfg) if hasattr(plugin_obj, "model_folder") else cfg.path  # type: ignore[attr-defined]
+    expected, sigmas = pipeline_sample(pipeline, folder, (captions[0], captions[1]), noise, request, settings)
+    what = (
+        f"sampling: {PIPELINE_STEPS} steps at cfg {PIPELINE_CFG} from the same noise and prompts as {pipeline}"
+        f" ({request.width}x{request.height}, {frames} frame{'s' if frames > 1 else ''})"
+    )
+    assert ours.shape == expected.shape, (
+        f"{what}: denoise_init's latents are {tuple(ours.shape)}, {pipeline}'s {tuple(expected.shape)}"
+    )
+    gap = (ours - expected).abs().max().item()
+    if gap > 1e-4 * max(1.0, expected.abs().max().item()):
+        yours = [round(float(v), 4) for v in ours_schedule]
+        theirs = [round(float(v), 4) for v in sigmas]
+        hint = (
+            f"denoise_init's schedule {yours} is not the pipeline's sigmas {theirs}: take the model folder's own "
+            "scheduler (diffpipe_core.sampling.schedules.stepped_schedule, which FlowSampling steps with)"
+            if len(yours) != len(theirs) or any(abs(a - b) > 1e-4 for a, b in zip(yours, theirs))
+            else "the schedules agree, so the text encoding, denoise_inputs (the timestep's scale) or guidance differ"
+        )
+        raise AssertionError(f"{what}: the latents differ by up to {gap:.4g}; {hint}")
+
+
 def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Generator) -> list[EncodeBatch]:
     """What the core hands ``encode_batch``: images (B, 3, H, W) and, for a video model, also videos
     (B, 3, F, H, W), with their first frames for a first-frame model (which gets no images when it requires first
     frames); masks are (B, 1, H, W) for all."""
     first = None
     if spec.modality == "video":
-        assert pixels.dim() == 5, "for a video model give pixels as (B, 3, F, H, W); the kit also tries frame 0"
+        assert pixels.dim() == 5, (
+            f"for a video model give pixels as (B, 3, F, H, W), got {tuple(pixels.shape)}; the kit also tries frame 0"
+            + since("video_pixels")
+        )
         media = [pixels] if spec.first_frame == "required" else [pixels[:, :, 0], pixels]
         first = pixels[:, :, 0] if spec.first_frame != "none" else None
     else:
@@ -251,6 +315,7 @@ def check_model_plugin(
     inputs, loss_targets = prepared[0]
     _check_stage_boundaries(layers, inputs, loss_of(loss_targets))
     _check_sampling(plugin, cfg, layers, text, pixels, seed)
+    _check_sample_equals_pipeline(plugin_obj, plugin, cfg, layers, captions, pixels, seed)
 
     targets = plugin.require("lora_targets", model_config=cfg)
     check_lora_gradients(model, layers, prepared, list(targets), loss_of)

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from diffpipe_core.registry import ENTRY_POINT_GROUP
+from diffpipe_core.testing.contract_changes import since
 
 HEAVY = ("torch", "deepspeed", "diffusers", "transformers", "peft")
 
@@ -106,7 +107,7 @@ def _check_target(target: str, model_name: str, root: str | None = None) -> None
             f"{target}, its model_spec and its config schema must import no torch, diffusers or transformers at top "
             "level (diffpipe --help / models / validate import every plugin): use `from __future__ import "
             "annotations`, typing.TYPE_CHECKING imports for annotations, and import heavy modules inside the hooks "
-            "that use them"
+            "that use them" + since("fast_start")
         )
 
 

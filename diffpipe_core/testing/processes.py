@@ -110,13 +110,25 @@ def write_plugin_distribution(
     site: Path, dist_name: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]
 ) -> Path:
     """Make ``site`` an importable folder holding a real installed distribution: a ``.dist-info`` with
-    METADATA and entry_points.txt, plus the given module sources. Put ``site`` on PYTHONPATH to use it."""
+    METADATA, entry_points.txt and the RECORD of its files, plus the given module sources (a dotted name is a module
+    of a package: ``"pkg.plugin"`` writes ``pkg/__init__.py`` and ``pkg/plugin.py``). Put ``site`` on PYTHONPATH to
+    use it. Two distributions written into one ``site`` may share a package, as pip would let them."""
     site.mkdir(parents=True, exist_ok=True)
+    files = []
     for name, source in modules.items():
-        (site / f"{name}.py").write_text(textwrap.dedent(source))
+        *package, module = name.split(".")
+        folder = site.joinpath(*package)
+        folder.mkdir(parents=True, exist_ok=True)
+        for depth in range(1, len(package) + 1):
+            init = site.joinpath(*package[:depth], "__init__.py")
+            init.touch()
+            files.append(init.relative_to(site).as_posix())
+        (folder / f"{module}.py").write_text(textwrap.dedent(source))
+        files.append((folder / f"{module}.py").relative_to(site).as_posix())
     info = site / f"{dist_name.replace('-', '_')}-0.0.1.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: 0.0.1\n")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in dict.fromkeys(files)))
     lines = []
     for group, eps in entry_points.items():
         lines.append(f"[{group}]")

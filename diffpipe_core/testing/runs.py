@@ -147,14 +147,29 @@ def with_trained_lora(model: torch.nn.Module, run: Path, rank: int, alpha: float
     return model.eval()
 
 
+def assert_holds(params: dict[str, Any], names: tuple[str, ...], where: str) -> None:
+    """Each of ``names`` is a tensor of ``params`` or a module some of its tensors belong to; a missing one is named
+    with the closest names there are (modules and tensors)."""
+    import difflib
+
+    modules = {k.rsplit(".lora_", 1)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in params}
+    for name in names:
+        if name in params or name in modules or any(k.startswith(name + ".") for k in params):
+            continue
+        close = difflib.get_close_matches(name, sorted(modules | set(params)), n=4, cutoff=0.5)
+        raise AssertionError(
+            f"{name} is neither a tensor nor a module of {where}'s {len(params)} tensors; closest: "
+            + (", ".join(close) if close else f"none (e.g. {', '.join(sorted(params)[:3])})")
+        )
+
+
 def trained_transformer(
     model_class: Any, run: Path, model_dir: Path, rank: int, alpha: float, targets: list[str], trained: tuple[str, ...]
 ) -> Any:
     """The folder's untrained ``transformer`` (``model_class.from_pretrained``) with the run's trained LoRA tensors
-    (:func:`with_trained_lora`), after checking that the last checkpoint holds each of ``trained`` (peft names)."""
-    params = checkpoint_params(run)
-    for name in trained:
-        assert name in params, f"{name} not in the checkpoint's {len(params)} tensors"
+    (:func:`with_trained_lora`), after checking that the last checkpoint holds each of ``trained``: a module name
+    (``transformer_blocks.0.attn.to_q``: it has LoRA tensors) or a tensor's peft name."""
+    assert_holds(checkpoint_params(run), trained, "the checkpoint")
     model = model_class.from_pretrained(str(Path(model_dir) / "transformer"))
     return with_trained_lora(model, run, rank, alpha, targets)
 

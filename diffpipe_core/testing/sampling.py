@@ -49,3 +49,63 @@ def assert_same_sample(ours: torch.Tensor, expected: torch.Tensor, noise: torch.
     a loop that denoised nothing cannot pass)."""
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
     assert (ours - noise).abs().max() > 0.1, "the sample is still its starting noise"
+
+
+#: the kit's comparison with a plugin's ``sample_pipeline``: denoising steps and classifier-free guidance scale
+PIPELINE_STEPS, PIPELINE_CFG = 3, 2.0
+
+
+def pipeline_sample(
+    pipeline_class: str,
+    model_path: Any,
+    prompts: tuple[str, str],
+    noise: torch.Tensor,
+    request: SampleRequest,
+    settings: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final latents (``output_type="latent"``) and the sigmas of the diffusers pipeline ``pipeline_class`` loaded
+    in float32 from ``model_path``, denoising ``noise`` for the prompt and negative prompt ``prompts`` in
+    :data:`PIPELINE_STEPS` steps at ``guidance_scale`` :data:`PIPELINE_CFG`, with the call arguments ``settings``
+    (resolution binning off, so the request's size is the sample's)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise AssertionError(
+            f"sample_pipeline {pipeline_class!r} is not a diffusers pipeline class (diffusers {diffusers.__version__})"
+        )
+    try:
+        pipe = cls.from_pretrained(str(model_path), dtype=torch.float32, local_files_only=True)
+    except Exception as exc:
+        raise AssertionError(
+            f"sample_pipeline {pipeline_class!r} does not load the tiny model folder {model_path}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    pipe.set_progress_bar_config(disable=True)
+    takes = inspect.signature(pipe.__call__).parameters
+    call: dict[str, Any] = {
+        "prompt": prompts[0],
+        "negative_prompt": prompts[1],
+        "latents": noise.clone(),
+        "num_inference_steps": PIPELINE_STEPS,
+        "guidance_scale": PIPELINE_CFG,
+        "height": request.height,
+        "width": request.width,
+        "output_type": "latent",
+        "return_dict": False,
+    }
+    if "use_resolution_binning" in takes:
+        call["use_resolution_binning"] = False
+    if "num_frames" in takes:
+        call["num_frames"] = request.frames
+    try:
+        with torch.no_grad():
+            latents = pipe(**call, **settings)[0]
+    except Exception as exc:
+        raise AssertionError(
+            f"sample_pipeline {pipeline_class!r} failed on the tiny model with {sorted({**call, **settings})}: "
+            f"{type(exc).__name__}: {exc} (call arguments that follow [model] keys go in sample_pipeline_settings)"
+        ) from exc
+    return latents.float().cpu(), torch.as_tensor(pipe.scheduler.sigmas).float()

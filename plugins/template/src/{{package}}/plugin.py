@@ -3,7 +3,7 @@
 Declared: the diffusers folder's components, the diffusion model's class, the LoRA targets. Written: running
 the encoders, the pipeline layers, the first layer's inputs, the sampler's noise and inputs. The rest comes
 from ``DiffusersModel`` (validating the folder, whole and per-stage loading, the loss, exports) and ``FlowSampling``
-(the Euler step, decoding). This module imports no torch, diffusers or transformers (``diffpipe models``,
+(the folder scheduler's step, decoding). This module imports no torch, diffusers or transformers (``diffpipe models``,
 ``validate`` and ``--help`` import every plugin): each hook imports what it needs when it runs.
 """
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 PIPELINES = ("{{class_name}}Pipeline",)  # model_index.json's _class_name
+SAMPLE_PIPELINE = None  # the diffusers pipeline your samples must equal (the kit compares)
 VIDEO = {{video}}  # a video VAE: (B, 3, F, H, W) -> (B, C, 1 + (F - 1) / 4, H / 8, W / 8); images are one frame
 COMPONENTS = {  # model_index.json's components -> class name ("module:Class" for a class of your own)
     "transformer": "{{package}}.model:TinyDiT",
@@ -35,7 +36,7 @@ COMPONENTS = {  # model_index.json's components -> class name ("module:Class" fo
 
 
 class {{class_name}}(DiffusersModel, FlowSampling):
-    """A {{modality}} model; VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
+    """The {{modality}} model: VAE factor 8 x patch size 2 = sizes in multiples of 16 pixels."""
 
     spec = diffusers_spec(
         name="{{name}}",
@@ -57,6 +58,8 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     )
     # nothing reads the last block's text output: there, its text queries and text-side outputs get no gradient
     last_block_unused = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
+    sample_pipeline = SAMPLE_PIPELINE
+    sample_pipeline_settings = {"max_sequence_length": "text_max_length"}  # its call arguments from [model] keys
 
     # ------------------------------------------------------------------------------------------ caching
     # load_encoders (DiffusersModel's): the VAE, text_encoder and tokenizer; encoders.config is the [model] table
@@ -97,19 +100,23 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
     def denoise_init(self, request: SampleRequest, model_config: ModelConfig, generator: torch.Generator):
-        """Noise in the cached latents' layout and flow-matching sigmas 1 .. 0 shifted by ``[model] shift``."""
+        """Noise in the cached latents' layout and the model folder's own scheduler (``scheduler/``) for
+        ``request.steps``: its sigmas, and its ``step`` for ``denoise_step``, as the model's pipeline samples."""
         import torch
-        from diffpipe_core.sampling.schedules import flow_sigmas
+        from diffpipe_core.sampling.schedules import stepped_schedule
 
         channels = self.folder.config(model_config.path, "vae")["latent_channels"]
         frames = (1 + (request.frames - 1) // 4,) if VIDEO else ()
         shape = (1, channels, *frames, request.height // 8, request.width // 8)
-        return torch.randn(shape, generator=generator), flow_sigmas(request.steps, model_config.shift)
+        return torch.randn(shape, generator=generator), stepped_schedule(model_config.path, request.steps)
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """``(x_t, t, text_embeds)``, the layout :meth:`prepare_inputs` gives the first layer."""
-        t = schedule[index].float().expand(latents.shape[0])
+        """``(x_t, t, text_embeds)``, the layout :meth:`prepare_inputs` gives the first layer; ``t`` the scheduler's
+        timestep over its ``num_train_timesteps``, as the pipeline gives it."""
+        from diffpipe_core.sampling.schedules import schedule_time
+
+        t = schedule_time(schedule, index).float().expand(latents.shape[0])
         return latents.float(), t, text["text_embeds"].float()
 
 

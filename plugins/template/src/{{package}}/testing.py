@@ -1,7 +1,7 @@
 """A tiny random-weight {{name}}
 on disk in its real layout, for tests and demos: a diffusers folder (``model_index.json``, ``transformer/``,
-``vae/``, ``text_encoder/``, ``tokenizer/``), each component built from a config in-process (no download) by
-:mod:`diffpipe_core.testing.tiny`.
+``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``), each component built from a config in-process (no
+download) by :mod:`diffpipe_core.testing.tiny`.
 
     python -m {{package}}.testing FOLDER
 """
@@ -24,6 +24,7 @@ def parts() -> dict[str, tiny.Part]:
         "vae": tiny.Part(lambda: tiny.{{vae_builder}}(latent_channels=4), seed=1),
         "text_encoder": tiny.Part(lambda: tiny.t5_encoder(tokenizer, dim=32), seed=2),
         "tokenizer": tiny.Part(lambda: tokenizer),
+        "scheduler": tiny.Part(lambda: tiny.flow_scheduler(shift=3.0)),  # what samples step with
     }
 
 
