@@ -278,6 +278,7 @@ class Size:
     write: Callable[[Path, bool], dict]
     note: str
     dataset: Callable[[Path], Path] | None = None
+    model_type: str | None = None  # the [model] type, where the entry's name is not one (flux-files: flux)
 
 
 SIZES: dict[str, Size] = {
@@ -286,8 +287,9 @@ SIZES: dict[str, Size] = {
     "flux-kontext": Size(_flux, "Flux Kontext width 1024 (8 x 128), 10 double + 20 single blocks (0.70 B), edit pairs",
                          _edit_pairs),
     "flux-files": Size(_flux_files(None), "Flux as flux (0.70 B), from ComfyUI files: BFL transformer, LDM VAE, "
-                       "text encoders; the folder holds configs only"),
-    "flux-fp8": Size(_flux_files("fp8_scaled"), "Flux as flux-files, the transformer file fp8 scaled (ComfyUI's)"),
+                       "text encoders; the folder holds configs only", model_type="flux"),
+    "flux-fp8": Size(_flux_files("fp8_scaled"), "Flux as flux-files, the transformer file fp8 scaled (ComfyUI's)",
+                     model_type="flux"),
     "chroma": Size(_chroma, "Chroma width 1024 (8 x 128), 10 double + 20 single blocks (0.50 B)"),
     "flux2": Size(_flux2("Flux2Pipeline"), "FLUX.2 [dev] width 1024 (8 x 128), 10 double + 20 single blocks (0.57 B)"),
     "flux2-klein": Size(_flux2("Flux2KleinPipeline"),
@@ -344,7 +346,8 @@ class Project:
     def config(self, stages: int) -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
         path = self.root / f"run{stages}.toml"
-        path.write_text(RUN.format(dataset=self.dataset, model=self.model, path=self.path,
+        model = SIZES[self.model].model_type or self.model
+        path.write_text(RUN.format(dataset=self.dataset, model=model, path=self.path,
                                    stages=stages, keys=keys))
         return path
 
