@@ -74,6 +74,9 @@ class DiffusersFolder:
             for a component given as a file in that layout (``[model] vae``, ``text_encoders``); files in diffusers'
             or transformers' names need none. An ``AutoencoderKL`` reads the LDM layout (Flux's ``ae.safetensors``)
             without one.
+        file_optional: component -> prefixes of its tensors that a component file may leave out because diffpipe
+            never runs them (a text encoder's language-model head or vision tower: ComfyUI's text encoder files hold
+            the language model only); absent from a file, they load as zeros.
     """
 
     model_name: str
@@ -86,6 +89,7 @@ class DiffusersFolder:
     model_title: str = ""
     single_file_hint: str = "give diffusion_model for an original-layout single file"
     file_layouts: Mapping[str, Callable[[Mapping[str, Any]], KeyTable]] = field(default_factory=dict)
+    file_optional: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -277,7 +281,9 @@ class DiffusersFolder:
             header = read_component_file(file, key)
             skeleton = self.skeleton(path, key, torch.float32)
             shapes = model_shapes(skeleton)
-            fit = fit_file(header, shapes, self.file_tables(path, key), tied_names(skeleton))
+            fit = fit_file(
+                header, shapes, self.file_tables(path, key), tied_names(skeleton), self.file_optional.get(key, ())
+            )
             if fit is None or not fit.complete:
                 got = f"fills {fit.covered} of its {fit.total} tensors" if fit else "fits none of its tensors"
                 raise ValueError(
@@ -296,7 +302,7 @@ class DiffusersFolder:
             describe = {n: f"{type(m).__name__}, {_count(m)} parameters" for n, m in skeletons.items()}
             shapes = {n: model_shapes(m) for n, m in skeletons.items()}
             tied = {n: tied_names(m) for n, m in skeletons.items()}
-            found.update(assign_text_encoders(files, shapes, describe, tied))
+            found.update(assign_text_encoders(files, shapes, describe, tied, self.file_optional))
         return found
 
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
