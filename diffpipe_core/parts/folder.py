@@ -308,19 +308,33 @@ class DiffusersFolder:
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
         """``component`` from its config with its parameters on the meta device and its buffers real (a buffer no
         file holds, CLIP's ``position_ids``, keeps its value), cast as ``from_pretrained(torch_dtype=dtype)`` casts."""
+        import torch
         from accelerate import init_empty_weights
 
         from diffpipe_core.engine.model_loading import cast_skeleton
 
         cls, where = find_class(self.component_class(component)), str(Path(path) / component)
+        computed = {}
         with init_empty_weights():
-            if hasattr(cls, "config_class"):  # transformers
-                model = cls(cls.config_class.from_pretrained(where))
+            if hasattr(cls, "config_class"):  # transformers: built under the load dtype, as from_pretrained builds
+                default = torch.get_default_dtype()  # it, so the buffers it computes (rotary inv_freq in float32,
+                torch.set_default_dtype(dtype)  # Gemma's embed_scale in the load dtype) are its own
+                try:
+                    model = cls(cls.config_class.from_pretrained(where))
+                finally:
+                    torch.set_default_dtype(default)
+                computed = {
+                    (m, n): b for m in model.modules() for n, b in m._buffers.items()
+                    if n in m._non_persistent_buffers_set
+                }
             else:
                 model = cls.from_config(cls.load_config(where))
         if hasattr(model, "tie_weights"):  # one tensor under both names (T5's shared and embed_tokens), as files
             model.tie_weights()  # hold it (outside init_empty_weights, which would register a copy)
-        return cast_skeleton(model, dtype)
+        model = cast_skeleton(model, dtype)
+        for (module, name), buffer in computed.items():  # no file holds them; from_pretrained leaves them as made
+            module._buffers[name] = buffer
+        return model
 
     def load_original(
         self, path: Path, component: str, file: Path, table: KeyTable, dtype: torch.dtype, device: Any = None
