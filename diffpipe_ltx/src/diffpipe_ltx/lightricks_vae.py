@@ -41,8 +41,9 @@ def _flat_groups(keys: list[str], side: str) -> list[str]:
     return groups + ([f"{side}.mid_block"] if side == "encoder" else [])
 
 
-def original_key(key: str, groups: Mapping[str, list[str]]) -> str:
-    """A diffusers VAE key -> its original Lightricks key (no file prefix)."""
+def original_key(key: str, groups: Mapping[str, list[str]], ltxv_resnets: bool = True) -> str:
+    """A diffusers VAE key -> its original Lightricks key (no file prefix). ``ltxv_resnets``: LTX-Video's resnets, whose
+    shortcut convolution and third norm the original names differently (LTX-2's name them as diffusers does)."""
     for ours, theirs in TOP_RENAMES.items():
         if key == ours or (ours.endswith(".") and key.startswith(ours)):
             return theirs + key[len(ours) :]
@@ -59,27 +60,55 @@ def original_key(key: str, groups: Mapping[str, list[str]]) -> str:
             rest = key[len(group) + 1 :]
         else:
             continue
-        rest = re.sub(r"(^|\.)norm3\.", r"\1norm3.norm.", rest.replace("conv_shortcut.conv.", "conv_shortcut."))
+        if ltxv_resnets:
+            rest = re.sub(r"(^|\.)norm3\.", r"\1norm3.norm.", rest.replace("conv_shortcut.conv.", "conv_shortcut."))
         return f"{side}.{blocks}.{index}.{rest}"
     return key
 
 
 def vae_table(config: Mapping[str, Any]) -> KeyTable:
     """The original layout of an ``AutoencoderKLLTXVideo`` of ``config``: every tensor's original key, as renames."""
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKLLTXVideo
+    return _video_vae_table("AutoencoderKLLTXVideo", config, "LTX-Video VAE", ltxv_resnets=True)
 
-    with init_empty_weights():
-        model = AutoencoderKLLTXVideo.from_config({k: v for k, v in config.items() if not k.startswith("_")})
-    keys = list(model.state_dict())
-    groups = {side: _flat_groups(keys, side) for side in ("encoder", "decoder")}
-    renames = tuple((original_key(k, groups), k) for k in keys)
+
+def ltx2_vae_table(config: Mapping[str, Any]) -> KeyTable:
+    """The original layout of LTX-2's video VAE (``AutoencoderKLLTX2Video``; ``vae.*`` of the checkpoint
+    ``ltx-2-19b-dev.safetensors``): the same flat block lists, resnets named as diffusers names them."""
+    return _video_vae_table("AutoencoderKLLTX2Video", config, "LTX-2 video VAE", ltxv_resnets=False)
+
+
+def ltx2_audio_vae_table(config: Mapping[str, Any]) -> KeyTable:
+    """The original layout of LTX-2's audio VAE (``audio_vae.*`` of the checkpoint): diffusers' names but for the
+    latent statistics."""
     return KeyTable(
         (),
         name="original Lightricks",
-        model="LTX-Video VAE",
+        model="LTX-2 audio VAE",
+        read_prefixes=("audio_vae.",),
+        write_prefix="audio_vae.",
+        renames=tuple((v, k) for k, v in TOP_RENAMES.items() if k.startswith("latents_")),
+        passthrough=True,
+        skip=STATISTICS_SKIP,
+    )
+
+
+STATISTICS_SKIP = r"^per_channel_statistics\.(channel|mean-of-stds)$"
+
+
+def _video_vae_table(class_name: str, config: Mapping[str, Any], model_name: str, ltxv_resnets: bool) -> KeyTable:
+    import diffusers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = getattr(diffusers, class_name).from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    keys = list(model.state_dict())
+    groups = {side: _flat_groups(keys, side) for side in ("encoder", "decoder")}
+    return KeyTable(
+        (),
+        name="original Lightricks",
+        model=model_name,
         read_prefixes=(FILE_PREFIX,),
         write_prefix=FILE_PREFIX,
-        renames=renames,
-        skip=r"^per_channel_statistics\.(channel|mean-of-stds)$",
+        renames=tuple((original_key(k, groups, ltxv_resnets), k) for k in keys),
+        skip=STATISTICS_SKIP,
     )
