@@ -9,6 +9,7 @@ files trains as the folder's."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -162,9 +163,9 @@ def test_klein_component_files_train_as_the_folder(klein_run: Path, tmp_path: Pa
     keys = {"path": str(files["configs"]), "vae": str(files["vae"])}
     keys["text_encoders"] = [{"path": str(files["text_encoder"]), "type": "flux2"}]
     given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
-    text = config.read_text()
-    assert 'path = "model"\n' in text
-    config.write_text(text.replace('path = "model"\n', given))
+    text, found = re.subn(r"^path = ['\"]model['\"]\n", given, config.read_text(), flags=re.M)
+    assert found == 1
+    config.write_text(text)
     run = runs.train(tmp_path, config, procs=1, timeout=400)
     assert runs.losses(run) == pytest.approx(runs.losses(klein_run), rel=1e-6, abs=1e-7)
     for name in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
