@@ -180,6 +180,7 @@ class Fit:
     covered: int
     total: int
     table: KeyTable | None = None
+    optional: tuple[str, ...] = ()  # prefixes of model tensors the file may lack (loaded as zeros)
     missing: tuple[str, ...] = ()  # the first few model tensors the file does not fill
 
     @property
@@ -192,26 +193,30 @@ def fit_file(
     model_shapes: Mapping[str, tuple[int, ...]],
     tables: Sequence[KeyTable] = (),
     tied: Mapping[str, str] | None = None,
+    optional: tuple[str, ...] = (),
 ) -> Fit | None:
     """The best way ``file``'s keys fit a model of ``model_shapes``: by prefixes (diffusers' / transformers' own
     names), else through one of ``tables`` (original layouts). ``tied``: model tensor name -> the name of the tensor
-    it is (tied weights, such as T5's ``encoder.embed_tokens`` and ``shared``: a file holds one of them). None when
-    neither places at least half the model."""
+    it is (tied weights, such as T5's ``encoder.embed_tokens`` and ``shared``: a file holds one of them).
+    ``optional``: prefixes of model tensors the file need not hold (a language model's head or vision tower that
+    text encoding never runs: ComfyUI's files leave them out); they count neither way. None when neither places at
+    least half the model."""
     shapes = {k: v[1] for k, v in file.weights.items()}
     same = dict(tied or {})
-    total = len({same.get(n, n) for n in model_shapes})
+    required = {n: s for n, s in model_shapes.items() if not n.startswith(optional)} if optional else model_shapes
+    total = len({same.get(n, n) for n in required})
     best: Fit | None = None
     found = prefix_key_map(shapes, model_shapes, shapes)
     if found is not None:
         key_map, strip, add = found
         layout = "diffusers" + (f" (under {strip.rstrip('.')!r})" if strip else "")
-        covered, missing = _covered(shapes, key_map, model_shapes, same)
-        best = Fit(key_map, layout, covered, total, None, missing)
+        covered, missing = _covered(shapes, key_map, required, same)
+        best = Fit(key_map, layout, covered, total, None, optional, missing)
     for table in tables:
         key_map = table.key_map(shapes)
-        covered, missing = _covered(shapes, key_map, model_shapes, same)
+        covered, missing = _covered(shapes, key_map, required, same)
         if best is None or covered > best.covered:
-            best = Fit(key_map, f"{table.name} layout", covered, total, table, missing)
+            best = Fit(key_map, f"{table.name} layout", covered, total, table, optional, missing)
     if best is None or best.covered * 2 < best.total:
         return None
     return best
@@ -281,6 +286,11 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
     model.load_state_dict(state, strict=False, assign=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    if fit.optional:  # tensors the file may lack and nothing runs: zeros, so the model moves and saves whole
+        absent = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in target.items() if n.startswith(fit.optional)}
+        model.load_state_dict({n: v for n, v in absent.items() if n not in state}, strict=False, assign=True)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
     missing = meta_tensors(model)
     if missing:
         raise ValueError(
@@ -300,15 +310,20 @@ def assign_text_encoders(
     candidates: Mapping[str, Mapping[str, tuple[int, ...]]],
     describe: Mapping[str, str],
     tied: Mapping[str, Mapping[str, str]],
+    optional: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, tuple[ComponentFile, Fit]]:
     """Which text encoder component each file of ``[model] text_encoders`` holds (``files``: ``(what, path)``), read
     from its tensors against each candidate's shapes (``candidates``: component -> shapes; ``describe``: component ->
-    what it is, for messages; ``tied``: component -> :func:`tied_names`). Raises ValueError naming the file and
+    what it is, for messages; ``tied``: component -> :func:`tied_names`; ``optional``: component -> prefixes of
+    tensors a file may lack, as :func:`fit_file`'s). Raises ValueError naming the file and
     the model's text encoders when a file fits none, or when two files hold the same one."""
     chosen: dict[str, tuple[ComponentFile, Fit]] = {}
     for what, path in files:
         file = read_component_file(path, what)
-        fits = {name: fit_file(file, shapes, (), tied.get(name)) for name, shapes in candidates.items()}
+        fits = {
+            name: fit_file(file, shapes, (), tied.get(name), (optional or {}).get(name, ()))
+            for name, shapes in candidates.items()
+        }
         complete = {name: fit for name, fit in fits.items() if fit is not None and fit.complete}
         if not complete:
             sample = ", ".join(list(file.weights)[:3])

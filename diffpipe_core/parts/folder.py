@@ -74,6 +74,9 @@ class DiffusersFolder:
             for a component given as a file in that layout (``[model] vae``, ``text_encoders``); files in diffusers'
             or transformers' names need none. An ``AutoencoderKL`` reads the LDM layout (Flux's ``ae.safetensors``)
             without one.
+        file_optional: component -> prefixes of its tensors that a component file may leave out because diffpipe
+            never runs them (a text encoder's language-model head or vision tower: ComfyUI's text encoder files hold
+            the language model only); absent from a file, they load as zeros.
     """
 
     model_name: str
@@ -86,6 +89,7 @@ class DiffusersFolder:
     model_title: str = ""
     single_file_hint: str = "give diffusion_model for an original-layout single file"
     file_layouts: Mapping[str, Callable[[Mapping[str, Any]], KeyTable]] = field(default_factory=dict)
+    file_optional: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -281,7 +285,9 @@ class DiffusersFolder:
             header = read_component_file(file, key)
             skeleton = self.skeleton(path, key, torch.float32)
             shapes = model_shapes(skeleton)
-            fit = fit_file(header, shapes, self.file_tables(path, key), tied_names(skeleton))
+            fit = fit_file(
+                header, shapes, self.file_tables(path, key), tied_names(skeleton), self.file_optional.get(key, ())
+            )
             if fit is None or not fit.complete:
                 got = f"fills {fit.covered} of its {fit.total} tensors, not {', '.join(fit.missing)}" if fit else (
                     "fits none of its tensors"
@@ -302,25 +308,39 @@ class DiffusersFolder:
             describe = {n: f"{type(m).__name__}, {_count(m)} parameters" for n, m in skeletons.items()}
             shapes = {n: model_shapes(m) for n, m in skeletons.items()}
             tied = {n: tied_names(m) for n, m in skeletons.items()}
-            found.update(assign_text_encoders(files, shapes, describe, tied))
+            found.update(assign_text_encoders(files, shapes, describe, tied, self.file_optional))
         return found
 
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
         """``component`` from its config with its parameters on the meta device and its buffers real (a buffer no
         file holds, CLIP's ``position_ids``, keeps its value), cast as ``from_pretrained(torch_dtype=dtype)`` casts."""
+        import torch
         from accelerate import init_empty_weights
 
         from diffpipe_core.engine.model_loading import cast_skeleton
 
         cls, where = find_class(self.component_class(component)), str(Path(path) / component)
+        computed = {}
         with init_empty_weights():
-            if hasattr(cls, "config_class"):  # transformers
-                model = cls(cls.config_class.from_pretrained(where))
+            if hasattr(cls, "config_class"):  # transformers: built under the load dtype, as from_pretrained builds
+                default = torch.get_default_dtype()  # it, so the buffers it computes (rotary inv_freq in float32,
+                torch.set_default_dtype(dtype)  # Gemma's embed_scale in the load dtype) are its own
+                try:
+                    model = cls(cls.config_class.from_pretrained(where))
+                finally:
+                    torch.set_default_dtype(default)
+                computed = {
+                    (m, n): b for m in model.modules() for n, b in m._buffers.items()
+                    if n in m._non_persistent_buffers_set
+                }
             else:
                 model = cls.from_config(cls.load_config(where))
         if hasattr(model, "tie_weights"):  # one tensor under both names (T5's shared and embed_tokens), as files
             model.tie_weights()  # hold it (outside init_empty_weights, which would register a copy)
-        return cast_skeleton(model, dtype)
+        model = cast_skeleton(model, dtype)
+        for (module, name), buffer in computed.items():  # no file holds them; from_pretrained leaves them as made
+            module._buffers[name] = buffer
+        return model
 
     def load_original(
         self, path: Path, component: str, file: Path, table: KeyTable, dtype: torch.dtype, device: Any = None

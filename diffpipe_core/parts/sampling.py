@@ -27,11 +27,13 @@ class VAEDecoding:
 
     @hookimpl
     def load_decoder(self, model_config: ModelConfigBase, device: torch.device) -> Any:
-        """The VAE alone (``encoder_dtype``), frozen, on ``device``."""
+        """The VAE alone (``encoder_dtype``; from ``[model] vae`` when given), frozen, on ``device``."""
         from diffpipe_core.parts.encoders import torch_dtype
 
         dtype = torch_dtype(getattr(model_config, "encoder_dtype", "float32"))
-        return self.folder.load(self.model_folder(model_config), "vae", dtype, device)  # type: ignore[attr-defined]
+        folder = self.model_folder(model_config)  # type: ignore[attr-defined]
+        given = self.folder.component_files(folder, model_config).get("vae")  # type: ignore[attr-defined]
+        return self.folder.load(folder, "vae", dtype, device, given)  # type: ignore[attr-defined]
 
     @hookimpl
     def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:

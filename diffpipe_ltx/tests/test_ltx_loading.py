@@ -104,10 +104,10 @@ def test_validate_model_files(tiny_ltx: Path, tmp_path: Path) -> None:
     assert ltx.validate_model_files(model_config=config(tiny_ltx)) == []
     assert ltx.validate_model_files(model_config=config(tiny_ltx, diffusion_model=single_file_path(tiny_ltx))) == []
 
-    # a diffusers-layout file given as the original single file
+    # a diffusers-layout file given as diffusion_model is read by its own names (issue 35)
     diffusers_file = tiny_ltx / "transformer" / "diffusion_pytorch_model.safetensors"
-    (found,) = ltx.validate_model_files(model_config=config(tiny_ltx, diffusion_model=diffusers_file))
-    assert str(diffusers_file) in found and "'patchify_proj.weight'" in found and "diffusers-layout" in found
+    assert ltx.validate_model_files(model_config=config(tiny_ltx, diffusion_model=diffusers_file)) == []
+    assert ": diffusers, float32" in ltx.model_file_lines(config(tiny_ltx, diffusion_model=diffusers_file))[0]
 
     # another model's folder, and components of different sizes
     other = tmp_path / "other"

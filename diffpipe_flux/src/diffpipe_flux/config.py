@@ -40,6 +40,11 @@ class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of FLUX.2 [klein]. ``path`` is a diffusers ``Flux2KleinPipeline`` folder; ``diffusion_model``
     a single file in the BFL / ComfyUI layout (``flux-2-klein-4b.safetensors``)."""
 
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "black-forest-labs/FLUX.2-klein-4B", "black-forest-labs/FLUX.2-klein-9B",
+        "black-forest-labs/FLUX.2-klein-base-4B", "black-forest-labs/FLUX.2-klein-base-9B",
+    )
+
     text_max_length: int = Field(
         512, ge=1, le=512, description="Text tokens (the chat-templated caption padded/truncated to it), as "
         "the pipeline's max_sequence_length."
@@ -49,5 +54,7 @@ class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):
 class Flux2Config(Flux2KleinConfig):
     """``[model]`` keys of FLUX.2 [dev]. ``path`` is a diffusers ``Flux2Pipeline`` folder; ``diffusion_model`` a
     single file in the BFL / ComfyUI layout (``flux2_dev.safetensors``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/FLUX.2-dev",)
 
     guidance: float = Field(1.0, ge=0, description="Guidance value fed to the guidance-distilled transformer.")

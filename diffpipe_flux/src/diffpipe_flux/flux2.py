@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
+from diffpipe_flux.flux2_keys import vae_layout
 from diffpipe_flux.plugin import ATTENTION_AND_MLP, Flux
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ TARGETS = [
     "attn.to_qkv_mlp_proj",
 ]
 DEFAULT_GUIDANCE = 4.0  # Flux2Pipeline's guidance_scale default
+#: what ComfyUI's files leave out: the VAE batch norm's step count (never read in eval), the text encoders' LM head
+#: (the pipelines read hidden states) and Mistral 3's vision tower (ComfyUI's Mistral file is the language model)
+VAE_OPTIONAL = ("bn.num_batches_tracked",)
+MISTRAL_VISION = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
 def components(text_encoder: str) -> dict[str, str]:
@@ -74,6 +79,8 @@ class Flux2(Flux):
         ("Flux2Pipeline",),
         components("Mistral3ForConditionalGeneration"),
         single_file_example="flux2_dev.safetensors",
+        file_layouts={"vae": vae_layout},
+        file_optional={"vae": VAE_OPTIONAL, "text_encoder": ("lm_head.", *MISTRAL_VISION)},
     )
     model_class = "Flux2Transformer2DModel"
     comfy_takes_diffusers_names = False  # ComfyUI's diffusers-name map is Flux.1's; FLUX.2 LoRAs use native names
@@ -228,6 +235,8 @@ class Flux2Klein(Flux2):
         ("Flux2KleinPipeline",),
         components("Qwen3ForCausalLM"),
         single_file_example="flux-2-klein-4b.safetensors",
+        file_layouts={"vae": vae_layout},
+        file_optional={"vae": VAE_OPTIONAL, "text_encoder": ("lm_head.",)},
     )
     pipeline_class: ClassVar[str] = "Flux2KleinPipeline"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -12,7 +13,10 @@ from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 class LTXConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of LTX-Video. ``path`` is a diffusers LTX-Video folder; ``diffusion_model`` a single file in
     the original Lightricks key layout (``ltx-video-2b-v0.9.safetensors``: ``model.diffusion_model.patchify_proj``,
-    ...), whose transformer replaces the folder's (the VAE and T5 still come from ``path``)."""
+    ...), whose transformer replaces the folder's; ``vae`` the same checkpoint (its ``vae.*``) or a VAE file,
+    ``text_encoders`` ComfyUI's ``t5xxl_fp16.safetensors``."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Lightricks/LTX-Video",)
 
     t5_max_length: int = Field(
         128, ge=1, le=512, description="T5 tokens (padded/truncated; LTXPipeline's max_sequence_length default)."
@@ -36,6 +40,8 @@ class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
     ``diffusion_model`` a single file in the original Lightricks layout (``ltx-2-19b-dev.safetensors``:
     ``model.diffusion_model.patchify_proj``, ``...audio_adaln_single``, ...), whose transformer replaces the folder's
     (the VAEs, Gemma 3 and the text connectors still come from ``path``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Lightricks/LTX-2",)
 
     max_sequence_length: int = Field(
         1024,

@@ -16,6 +16,7 @@ kept through the steps). This module imports no torch, diffusers or transformers
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
@@ -23,6 +24,7 @@ from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling, SampleImageConditioning
 from diffpipe_ltx.config import LTX2Config
+from diffpipe_ltx.lightricks_vae import ltx2_audio_vae_table, ltx2_vae_table
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +69,30 @@ class Geometry:
         return batch, self.audio_channels, self.audio_frames(latent_frames), self.audio_mel
 
 
+class LTX2Folder(DiffusersFolder):
+    """LTX-2's folder, whose text connectors also come from a ``diffusion_model`` file that holds them (the original
+    checkpoint, ``ltx-2-19b-dev.safetensors``, keeps them beside the transformer, as ComfyUI loads them)."""
+
+    def component_files(self, path: Path, model_config: Any) -> dict[str, Any]:
+        """:meth:`DiffusersFolder.component_files`, and ``connectors`` from the ``diffusion_model`` file when its keys
+        hold all of them (:func:`diffpipe_ltx.ltx2_original.connectors_table`)."""
+        found = super().component_files(path, model_config)
+        single = getattr(model_config, "diffusion_model", None)
+        if single is None or not Path(single).is_file():
+            return found
+        import torch
+
+        from diffpipe_core.component_files import fit_file, model_shapes, read_component_file
+        from diffpipe_ltx.ltx2_original import connectors_table
+
+        header = read_component_file(single, "diffusion_model")
+        table = connectors_table(self.model_config(path, "connectors"))
+        fit = fit_file(header, model_shapes(self.skeleton(path, "connectors", torch.float32)), [table])
+        if fit is not None and fit.complete and fit.table is table:
+            found["connectors"] = (header, fit)
+        return found
+
+
 class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
     """LTX-2: video (and images as one-frame videos) with first-frame conditioning; VAE 32x spatial, 8x temporal:
     frames 8k + 1 at 24 fps."""
@@ -76,8 +102,10 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         video=(8, 1, FRAME_RATE), spatial_multiple=32, encoder_settings=("max_sequence_length",),
         block_layers=("BlockLayer",), first_frame="optional",
     )
-    folder = DiffusersFolder(
-        "ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors"
+    folder = LTX2Folder(
+        "ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors",
+        file_layouts={"vae": ltx2_vae_table, "audio_vae": ltx2_audio_vae_table},
+        file_optional={"text_encoder": ("model.vision_tower.", "model.multi_modal_projector.")},
     )
     model_class = "LTX2VideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight", "audio_patchify_proj.weight")

@@ -85,3 +85,39 @@ def diffusers_name(name: str, num_layers: int = 0) -> str:
     index = int(name.split(".")[1]) + 1 if name.startswith("transformer_blocks.") else 0
     (target, _), *_ = layout(max(index, num_layers)).targets(name)
     return target
+
+
+#: where the original checkpoint keeps the text connectors' parts: (original prefixes, diffusers prefix)
+PROJECTION = "text_embedding_projection.aggregate_embed"
+CONNECTOR_PARTS = (
+    ((PROJECTION, FILE_PREFIX + PROJECTION), "text_proj_in"),
+    ((f"{FILE_PREFIX}video_embeddings_connector",), "video_connector"),
+    ((f"{FILE_PREFIX}audio_embeddings_connector",), "audio_connector"),
+)
+CONNECTOR_NAMES = (
+    ("transformer_blocks.", "transformer_1d_blocks."), (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm.")
+)
+
+
+def connectors_table(config: Mapping[str, Any]) -> KeyTable:
+    """The text connectors (diffusers' ``LTX2TextConnectors`` of ``config``) as the original checkpoint holds them:
+    ``text_embedding_projection.aggregate_embed`` (beside the transformer, or under ``model.diffusion_model.``) and
+    ``model.diffusion_model.{video,audio}_embeddings_connector`` with ``transformer_1d_blocks`` and ``q_norm`` /
+    ``k_norm``: the inverse of diffusers' ``LTX_2_0_CONNECTORS_KEYS_RENAME_DICT``. Every other key of the checkpoint
+    is not the connectors'."""
+    from accelerate import init_empty_weights
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    with init_empty_weights():
+        model = LTX2TextConnectors.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    renames = []
+    for key in model.state_dict():
+        for originals, ours in CONNECTOR_PARTS:
+            if key.startswith(ours + "."):
+                rest = key[len(ours) :]
+                for a, b in CONNECTOR_NAMES:
+                    rest = rest.replace(a, b)
+                renames += [(original + rest, key) for original in originals]
+    return KeyTable(
+        (), name="original Lightricks", model="LTX-2 text connectors", read_prefixes=("",), renames=tuple(renames)
+    )

@@ -16,6 +16,7 @@ from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_ltx.config import LTXConfig
+from diffpipe_ltx.lightricks_vae import vae_table
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,8 @@ class LTXVideo(DiffusersModel, FlowSampling):
         video=(8, 1, 25), spatial_multiple=32, encoder_settings=("t5_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
-        "ltx-video", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-video-2b-v0.9.safetensors"
+        "ltx-video", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-video-2b-v0.9.safetensors",
+        file_layouts={"vae": vae_table},
     )
     model_class = "LTXVideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight",)

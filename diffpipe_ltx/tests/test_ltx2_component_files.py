@@ -1,0 +1,145 @@
+"""LTX-2 from the files ComfyUI users keep (issue 35): the checkpoint (``ltx-2-19b-dev.safetensors``) holding the
+transformer and its text connectors (``model.diffusion_model.*``, ``text_embedding_projection.*``), the video VAE
+(``vae.*``), the audio VAE (``audio_vae.*``) and the vocoder, each in the original Lightricks layout, given as
+``diffusion_model``, ``vae`` and ``audio_vae``; Gemma 3 as ComfyUI's text encoder file (``gemma_3_12B_it``: the
+language model under ``model.``, no vision tower); beside a folder of only configs and tokenizers (or the Hugging
+Face cache's snapshot); an fp8 scaled transformer kept quantized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diffpipe_core.quantize import ScaledLinear
+from diffpipe_core.registry import Registry
+from diffpipe_core.testing.component_files import component_state, config_only, hub_snapshot, quantize_file, save
+from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+from diffpipe_ltx.config import LTX2Config
+from diffpipe_ltx.lightricks_vae import ltx2_audio_vae_table, ltx2_vae_table
+from diffpipe_ltx.ltx2 import ltx2
+from diffpipe_ltx.ltx2_original import connectors_table, layout_for_config
+
+CPU = torch.device("cpu")
+LANGUAGE_MODEL = ("language_model.model.", "model.language_model.")  # Gemma 3's as saved, as loaded
+
+
+def config_of(folder: Path, component: str) -> dict:
+    return json.loads((folder / component / "config.json").read_text())
+
+
+def comfy_files(folder: Path, out: Path) -> dict:
+    """``folder`` as ComfyUI's LTX-2 files under ``out``: the checkpoint, the Gemma 3 file, a config-only folder."""
+    state = layout_for_config(config_of(folder, "transformer")).to_original(component_state(folder, "transformer"))
+    state.update(connectors_table(config_of(folder, "connectors")).to_original(component_state(folder, "connectors")))
+    state.update(ltx2_vae_table(config_of(folder, "vae")).to_original(component_state(folder, "vae")))
+    audio = ltx2_audio_vae_table(config_of(folder, "audio_vae")).to_original(component_state(folder, "audio_vae"))
+    state.update(audio)
+    state["vocoder.conv_pre.weight"] = torch.ones(4, 8, 7)  # the vocoder: not diffpipe's, ignored
+    gemma = component_state(folder, "text_encoder")
+    text = {"model." + k[len(p) :]: v for k, v in gemma.items() for p in LANGUAGE_MODEL if k.startswith(p)}
+    return {
+        "checkpoint": save(state, out / "ltx-2-19b-dev.safetensors"),
+        "gemma": save(text, out / "gemma_3_12B_it.safetensors"),
+        "configs": config_only(folder, out / "configs"),
+    }
+
+
+@pytest.fixture(scope="module")
+def comfy(tiny_ltx2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return comfy_files(tiny_ltx2, tmp_path_factory.mktemp("comfy"))
+
+
+def given(comfy: dict) -> dict:
+    file = comfy["checkpoint"]
+    return {"diffusion_model": file, "vae": file, "audio_vae": file, "text_encoders": [comfy["gemma"]]}
+
+
+def from_files(comfy: dict, **keys) -> LTX2Config:
+    return LTX2Config(type="ltx-2", path=comfy["configs"], max_sequence_length=16, **{**given(comfy), **keys})
+
+
+def assert_same(got: torch.nn.Module, expected: torch.nn.Module, absent: tuple[str, ...] = ()) -> None:
+    """Equal tensors and dtypes; those under ``absent`` (not in the file, never run) are zeros."""
+    a, b = got.state_dict(), expected.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert not a[key].any() if key.startswith(absent) else torch.equal(a[key], b[key]), key
+
+
+def test_the_checkpoint_and_gemma_file_load_exactly_the_folders_weights(tiny_ltx2: Path, comfy: dict) -> None:
+    cfg = from_files(comfy)
+    assert ltx2.validate_model_files(cfg) == []
+    lines = "\n".join(ltx2.model_file_lines(cfg))
+    checkpoint = comfy["checkpoint"]
+    assert f"diffusion_model: {checkpoint}: original Lightricks layout, float32" in lines
+    for component in ("vae", "audio_vae", "connectors"):
+        assert f"{component}: {checkpoint}: original Lightricks layout" in lines, component
+    assert f"text_encoder: {comfy['gemma']}: diffusers (under 'model')" in lines
+    folder = LTX2Config(type="ltx-2", path=tiny_ltx2, max_sequence_length=16, encoder_dtype="bfloat16")
+    got, expected = ltx2.load_encoders(cfg, CPU), ltx2.load_encoders(folder, CPU)
+    for name in ("vae", "connectors"):
+        assert_same(getattr(got, name), getattr(expected, name))
+    assert_same(got.text_encoder, expected.text_encoder, ltx2.folder.file_optional["text_encoder"])
+    files = ltx2.folder.component_files(comfy["configs"], cfg)
+    audio = ltx2.folder.load(comfy["configs"], "audio_vae", torch.bfloat16, CPU, files["audio_vae"])
+    assert_same(audio, ltx2.folder.load(tiny_ltx2, "audio_vae", torch.bfloat16, CPU))
+    captions = ["a red car moving slowly"]
+    ours, theirs = ltx2.encode_batch(got, _captions(captions)), ltx2.encode_batch(expected, _captions(captions))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    model = ltx2.load_diffusion_model(cfg, CPU, torch.bfloat16)
+    assert_same(model, ltx2.load_diffusion_model(folder, CPU, torch.bfloat16))
+
+
+def _captions(captions: list[str]):
+    from diffpipe_core.types import EncodeBatch
+
+    return EncodeBatch(captions=captions)
+
+
+def test_the_tables_are_diffusers_converters_inverted(tiny_ltx2: Path, comfy: dict) -> None:
+    """diffusers' own single-file converters read the checkpoint's VAE and audio VAE back to the folder's names."""
+    from diffusers.loaders.single_file_utils import convert_ltx2_audio_vae_to_diffusers, convert_ltx2_vae_to_diffusers
+
+    state = load_file(str(comfy["checkpoint"]))
+    for prefix, convert, component in (
+        ("vae.", convert_ltx2_vae_to_diffusers, "vae"),
+        ("audio_vae.", convert_ltx2_audio_vae_to_diffusers, "audio_vae"),
+    ):
+        part = {k: v for k, v in state.items() if k.startswith(prefix)}
+        expected = component_state(tiny_ltx2, component)
+        converted = convert(part)
+        assert converted.keys() == expected.keys(), component
+        assert all(torch.equal(converted[k], expected[k]) for k in expected), component
+
+
+def test_an_fp8_scaled_transformer_stays_quantized(comfy: dict, tmp_path: Path) -> None:
+    file = quantize_file(comfy["checkpoint"], tmp_path / "ltx-2-19b-dev-fp8.safetensors", "fp8_scaled")
+    cfg = from_files(comfy, diffusion_model=file)
+    assert ltx2.validate_model_files(cfg) == []
+    model = ltx2.load_diffusion_model(cfg, CPU, torch.bfloat16)
+    kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+    skipped = ("model.diffusion_model.video_embeddings_connector", "model.diffusion_model.audio_embeddings_connector")
+    stored = [
+        k
+        for k, v in load_file(str(file)).items()
+        if k.startswith("model.diffusion_model.") and not k.startswith(skipped) and v.dtype == torch.float8_e4m3fn
+    ]
+    assert len(kept) == len(stored) > 20 and all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
+    assert f"{len(kept)} linears kept quantized" in ltx2.model_file_lines(cfg)[0]
+    registry = Registry()
+    assert registry.register_model("ltx-2", ltx2).ok
+    assert_stages_read_their_own(registry.model("ltx-2"), cfg)
+
+
+def test_configs_from_the_hugging_face_cache(tiny_ltx2: Path, comfy: dict, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match=r"no snapshot of Lightricks/LTX-2 .*hf download"):
+        LTX2Config(type="ltx-2", max_sequence_length=16, **given(comfy))
+    snapshot = hub_snapshot(tiny_ltx2, tmp_path / "hub", "Lightricks/LTX-2")
+    cfg = LTX2Config(type="ltx-2", max_sequence_length=16, **given(comfy))
+    assert cfg.path == snapshot and ltx2.validate_model_files(cfg) == []
