@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from diffpipe_core.parts.layout import KeyTable
 
@@ -163,3 +164,21 @@ def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
         value = value.to(torch.float32)
         out[key] = value * scale.float() if scale is not None and last == "weight" else value
     return out
+
+
+def assert_same_state(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    """Two loads of a model hold the same tensors, key for key, in the same dtypes (``torch.equal`` alone does not
+    compare dtypes)."""
+    import torch
+
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))[:5]
+    for key in got:
+        assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
+
+
+def quantizable_linears(model: nn.Module, min_elements: int = 256) -> set[str]:
+    """The names of ``model``'s linears whose weights :func:`quantize_state` quantizes (2-D, at least
+    ``min_elements``): the linears a model loaded from such a file should keep quantized."""
+    from torch import nn
+
+    return {n for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.numel() >= min_elements}
