@@ -12,15 +12,16 @@ import pytest
 import torch
 from test_flux_component_files import comfy_files
 
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.schema import ConfigError, validate
-from diffpipe_core.testing.component_files import assert_same_state, hub_snapshot, quantizable_linears, quantize_file
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
+    assert_loads_as_the_folder,
+    hub_snapshot,
+    quantize_file,
+)
 from diffpipe_flux.config import FluxKontextConfig
 from diffpipe_flux.kontext import plugin as kontext
 
-CPU = torch.device("cpu")
 REPO = "black-forest-labs/FLUX.1-Kontext-dev"
 
 
@@ -29,56 +30,36 @@ def comfy(tiny_flux: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return comfy_files(tiny_flux, tmp_path_factory.mktemp("comfy"))
 
 
-def config(path: Path | None, **keys) -> FluxKontextConfig:
-    table = {"type": "flux-kontext", "path": path, "dtype": "float32", "encoder_dtype": "float32", "t5_max_length": 8}
-    return validate(FluxKontextConfig, {k: v for k, v in {**table, **keys}.items() if v is not None}, "test")
-
-
-def files_of(comfy: dict) -> dict:
-    """The files in the order a user might list them (T5 first): which encoder each holds is read from its tensors."""
-    return {
-        "diffusion_model": comfy["diffusion_model"],
-        "vae": comfy["vae"],
-        "text_encoders": comfy["text_encoders"][::-1],
-    }
+def config(path: Path | None, comfy: dict, **keys) -> FluxKontextConfig:
+    """The tiny Kontext's ``[model]`` table at ``path`` (None: absent) with ``comfy``'s files (none when empty; the
+    text encoders T5 first: which encoder each holds is read from its tensors)."""
+    table = {"type": "flux-kontext", "dtype": "float32", "encoder_dtype": "float32", "t5_max_length": 8}
+    if comfy:
+        given = {"diffusion_model": comfy["diffusion_model"], "vae": comfy["vae"]}
+        table |= {**given, "text_encoders": comfy["text_encoders"][::-1], **keys}
+    return validate(FluxKontextConfig, table if path is None else {**table, "path": path}, "test")
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_flux: Path, comfy: dict) -> None:
-    cfg = config(comfy["configs"], **files_of(comfy))
-    assert kontext.validate_model_files(cfg) == []
+    cfg = config(comfy["configs"], comfy)
     lines = "\n".join(kontext.model_file_lines(cfg))
     assert "diffusion_model: " in lines and "BFL layout" in lines and f"vae: {comfy['vae']}: LDM layout" in lines
     assert "(CLIPTextModel)" in lines and "(T5EncoderModel)" in lines
-    folder = config(tiny_flux)
-    got, expected = kontext.load_encoders(cfg, CPU), kontext.load_encoders(folder, CPU)
-    for name in ("vae", "text_encoder", "text_encoder_2"):
-        assert_same_state(getattr(got, name).state_dict(), getattr(expected, name).state_dict())
-    for dtype in (torch.float32, torch.bfloat16):
-        assert_same_state(
-            kontext.load_diffusion_model(cfg, CPU, dtype).state_dict(),
-            kontext.load_diffusion_model(folder, CPU, dtype).state_dict(),
-        )
+    assert_loads_as_the_folder(kontext, cfg, config(tiny_flux, {}), ("vae", "text_encoder", "text_encoder_2"))
 
 
 def test_configs_from_the_hugging_face_cache(tiny_flux: Path, comfy: dict, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ConfigError, match=rf"no snapshot of {REPO} .*hf download {REPO}"):
-        config(None, **files_of(comfy))
+        config(None, comfy)
     snapshot = hub_snapshot(tiny_flux, tmp_path / "hub", REPO)
-    cfg = config(None, **files_of(comfy))
+    cfg = config(None, comfy)
     assert cfg.path == snapshot and kontext.validate_model_files(cfg) == []
 
 
 def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) -> None:
-    file = quantize_file(comfy["diffusion_model"], tmp_path / "flux1-kontext-dev_fp8_scaled.safetensors", "fp8_scaled")
-    cfg = config(comfy["configs"], **{**files_of(comfy), "diffusion_model": file})
-    assert kontext.validate_model_files(cfg) == []
-    model = kontext.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = kontext.load_diffusion_model(config(comfy["configs"], **files_of(comfy)), CPU, torch.bfloat16)
-    assert set(kept) == quantizable_linears(plain)  # q, k and v cut from their fused tensor each
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in kontext.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("flux-kontext", kontext).ok
-    assert_stages_read_their_own(registry.model("flux-kontext"), cfg)
+    name = "flux1-kontext-dev_fp8_scaled.safetensors"
+    cfg = config(
+        comfy["configs"], comfy, diffusion_model=quantize_file(comfy["diffusion_model"], tmp_path / name, "fp8_scaled")
+    )
+    assert_kept_quantized(kontext, cfg, config(comfy["configs"], comfy), torch.float8_e4m3fn)

@@ -9,25 +9,21 @@ stage."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
+    assert_loads_as_the_folder,
     assert_same_state,
-    config_only,
-    quantizable_linears,
+    comfyui_files,
     quantize_file,
     save,
-    write_component_files,
 )
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_hunyuan.i2v15 import plugin as i2v
 from diffpipe_hunyuan.original15 import layouts_for_config
 from diffpipe_hunyuan.plugin15 import plugin as t2v
@@ -35,21 +31,18 @@ from diffpipe_hunyuan.testing15 import original_path
 from diffpipe_hunyuan.vae_layouts import vae15_table
 
 CPU = torch.device("cpu")
+ENCODERS = ("vae", "text_encoder", "text_encoder_2")
 QWEN_PREFIX = "model."  # ComfyUI's Qwen2.5-VL file: the language model under model., its vision tower under visual.
 
 
 def comfy_files(folder: Path, out: Path) -> dict:
-    """``folder`` as ComfyUI component files under ``out`` and a config-only folder ``out/configs``; the Qwen2.5-VL
-    file also holds a (random) vision tower, as ComfyUI's does."""
-    config = json.loads((folder / "transformer" / "config.json").read_text())
-    vae = json.loads((folder / "vae" / "config.json").read_text())
-    comfyui = layouts_for_config(config)[1]
-    files = write_component_files(folder, out, comfyui, vae15_table(vae), {"text_encoder": QWEN_PREFIX})
+    """``folder`` as ComfyUI component files under ``out`` (the transformer in ComfyUI's fused layout) and a
+    config-only folder ``out/configs``; the Qwen2.5-VL file also holds a (random) vision tower, as ComfyUI's does."""
+    files = comfyui_files(folder, out, lambda c: layouts_for_config(c)[1], vae15_table, {"text_encoder": QWEN_PREFIX})
     qwen = load_file(str(files["text_encoders"][0]))
     g = torch.Generator().manual_seed(0)
     qwen |= {f"visual.blocks.0.attn.{n}.weight": torch.randn(48, 16, generator=g) for n in ("qkv", "proj")}
     save(qwen, files["text_encoders"][0])
-    files["configs"] = config_only(folder, out / "configs")
     return files
 
 
@@ -64,72 +57,43 @@ def config(plugin, path: Path, crop: int, **keys):
     return validate(plugin.spec.config_schema, {**table, **keys}, "test")
 
 
-def files_of(comfy: dict) -> dict:
+def files_of(comfy: dict, **keys) -> dict:
     """The ``[model]`` file keys, the ByT5 file first: which encoder each holds is read from its tensors."""
-    return {
-        "diffusion_model": comfy["diffusion_model"],
-        "vae": comfy["vae"],
-        "text_encoders": comfy["text_encoders"][::-1],
-    }
-
-
-def assert_loads_as_the_folder(plugin, cfg, folder_cfg, encoders: tuple[str, ...]) -> None:
-    got, expected = plugin.load_encoders(cfg, CPU), plugin.load_encoders(folder_cfg, CPU)
-    for name in encoders:
-        assert_same_state(getattr(got, name).state_dict(), getattr(expected, name).state_dict())
-    for dtype in (torch.float32, torch.bfloat16):
-        assert_same_state(
-            plugin.load_diffusion_model(cfg, CPU, dtype).state_dict(),
-            plugin.load_diffusion_model(folder_cfg, CPU, dtype).state_dict(),
-        )
+    found = {"diffusion_model": comfy["diffusion_model"], "vae": comfy["vae"]}
+    return {**found, "text_encoders": comfy["text_encoders"][::-1], **keys}
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_hunyuan15: Path, comfy: dict, crop_start15: int) -> None:
     cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy))
-    assert t2v.validate_model_files(cfg) == []
     lines = "\n".join(t2v.model_file_lines(cfg))
     assert "diffusion_model: " in lines and "ComfyUI (fused q, k, v) layout" in lines
     assert f"vae: {comfy['vae']}: original Tencent layout" in lines and "(AutoencoderKLHunyuanVideo15)" in lines
     assert f"text_encoder: {comfy['text_encoders'][0]}: diffusers (under 'model')" in lines
     assert f"text_encoder_2: {comfy['text_encoders'][1]}: diffusers," in lines and "(T5EncoderModel)" in lines
     folder = config(t2v, tiny_hunyuan15, crop_start15)
-    assert_loads_as_the_folder(t2v, cfg, folder, ("vae", "text_encoder", "text_encoder_2"))
+    assert_loads_as_the_folder(t2v, cfg, folder, ENCODERS)
     # Tencent's own file (q, k, v split) over the same configs
     tencent = config(
-        t2v, comfy["configs"], crop_start15, **{**files_of(comfy), "diffusion_model": original_path(tiny_hunyuan15)}
+        t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=original_path(tiny_hunyuan15))
     )
     assert "original Tencent layout" in t2v.model_file_lines(tencent)[0]
-    assert_same_state(
-        t2v.load_diffusion_model(tencent, CPU, torch.float32).state_dict(),
-        t2v.load_diffusion_model(folder, CPU, torch.float32).state_dict(),
-    )
+    loaded = t2v.load_diffusion_model(tencent, CPU, torch.float32).state_dict()
+    assert_same_state(loaded, t2v.load_diffusion_model(folder, CPU, torch.float32).state_dict())
 
 
 def test_image_to_video_files_over_its_folder(tiny_hunyuan15_i2v: Path, crop_start15: int, tmp_path: Path) -> None:
     """The image-to-video transformer (with its SigLIP projection) and the shared VAE and text encoders as ComfyUI
     files, over the i2v folder, whose SigLIP image encoder ComfyUI keeps as a separate clip_vision file."""
     comfy = comfy_files(tiny_hunyuan15_i2v, tmp_path)
-    assert "vision_in.proj.1.weight" in {
-        k.removeprefix("model.diffusion_model.") for k in load_file(str(comfy["diffusion_model"]))
-    }
+    keys = {k.removeprefix("model.diffusion_model.") for k in load_file(str(comfy["diffusion_model"]))}
+    assert "vision_in.proj.1.weight" in keys
     cfg = config(i2v, tiny_hunyuan15_i2v, crop_start15, **files_of(comfy))
-    assert i2v.validate_model_files(cfg) == []
     folder = config(i2v, tiny_hunyuan15_i2v, crop_start15)
-    assert_loads_as_the_folder(i2v, cfg, folder, ("vae", "text_encoder", "text_encoder_2", "image_encoder"))
+    assert_loads_as_the_folder(i2v, cfg, folder, (*ENCODERS, "image_encoder"))
 
 
 def test_a_quantized_transformer_stays_quantized(comfy: dict, crop_start15: int, tmp_path: Path) -> None:
     file = quantize_file(comfy["diffusion_model"], tmp_path / "hunyuanvideo1.5_fp8_scaled.safetensors", "fp8_scaled")
-    cfg = config(t2v, comfy["configs"], crop_start15, **{**files_of(comfy), "diffusion_model": file})
-    assert t2v.validate_model_files(cfg) == []
-    model = t2v.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = t2v.load_diffusion_model(
-        config(t2v, comfy["configs"], crop_start15, **files_of(comfy)), CPU, torch.bfloat16
-    )
-    assert set(kept) == quantizable_linears(plain)  # q, k and v cut from their fused tensor each
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in t2v.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("hunyuan-video-1.5", t2v).ok
-    assert_stages_read_their_own(registry.model("hunyuan-video-1.5"), cfg)
+    cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
+    plain = config(t2v, comfy["configs"], crop_start15, **files_of(comfy))
+    assert_kept_quantized(t2v, cfg, plain, torch.float8_e4m3fn)

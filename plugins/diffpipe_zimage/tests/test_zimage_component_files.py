@@ -6,7 +6,7 @@ the shared run from the folder."""
 
 from __future__ import annotations
 
-import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,34 +15,23 @@ from safetensors.torch import load_file
 
 from diffpipe_core.anchor.keys import toml_key, toml_value
 from diffpipe_core.parts.ldm import vae_table
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
-    assert_same_state,
-    config_only,
-    quantizable_linears,
+    assert_kept_quantized,
+    assert_loads_as_the_folder,
+    comfyui_files,
     quantize_file,
-    write_component_files,
 )
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_zimage.original import layout_for_config
 from diffpipe_zimage.plugin import plugin as zimage
 from diffpipe_zimage.testing import tiny_config
 
-CPU = torch.device("cpu")
 QWEN_PREFIX = "model."  # ComfyUI's Qwen3-4B file: the language model under model.
 
 
 def comfy_files(folder: Path, out: Path) -> dict:
     """``folder`` as ComfyUI component files under ``out`` and a config-only folder ``out/configs``."""
-    config = json.loads((folder / "transformer" / "config.json").read_text())
-    vae = json.loads((folder / "vae" / "config.json").read_text())
-    files = write_component_files(
-        folder, out, layout_for_config(config), vae_table(vae, ""), {"text_encoder": QWEN_PREFIX}
-    )
-    files["configs"] = config_only(folder, out / "configs")
-    return files
+    return comfyui_files(folder, out, layout_for_config, partial(vae_table, prefix=""), {"text_encoder": QWEN_PREFIX})
 
 
 @pytest.fixture(scope="module")
@@ -57,35 +46,16 @@ def from_files(comfy: dict, **keys):
 
 def test_component_files_load_exactly_the_folders_weights(tiny_zimage: Path, comfy: dict) -> None:
     cfg = from_files(comfy)
-    assert zimage.validate_model_files(cfg) == []
     lines = "\n".join(zimage.model_file_lines(cfg))
     assert "diffusion_model: " in lines and "original Z-Image layout" in lines
     assert f"vae: {comfy['vae']}: LDM layout" in lines
     assert f"text_encoder: {comfy['text_encoders'][0]}: diffusers (under 'model')" in lines and "(Qwen3Model)" in lines
-    folder = tiny_config(tiny_zimage)
-    got, expected = zimage.load_encoders(cfg, CPU), zimage.load_encoders(folder, CPU)
-    for name in ("vae", "text_encoder"):
-        assert_same_state(getattr(got, name).state_dict(), getattr(expected, name).state_dict())
-    for dtype in (torch.float32, torch.bfloat16):
-        assert_same_state(
-            zimage.load_diffusion_model(cfg, CPU, dtype).state_dict(),
-            zimage.load_diffusion_model(folder, CPU, dtype).state_dict(),
-        )
+    assert_loads_as_the_folder(zimage, cfg, tiny_config(tiny_zimage), ("vae", "text_encoder"))
 
 
 def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) -> None:
     file = quantize_file(comfy["diffusion_model"], tmp_path / "z_image_turbo_fp8_scaled.safetensors", "fp8_scaled")
-    cfg = from_files(comfy, diffusion_model=file)
-    assert zimage.validate_model_files(cfg) == []
-    model = zimage.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = zimage.load_diffusion_model(from_files(comfy), CPU, torch.bfloat16)
-    assert set(kept) == quantizable_linears(plain)  # q, k and v cut from their fused tensor each
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in zimage.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("z-image", zimage).ok
-    assert_stages_read_their_own(registry.model("z-image"), cfg)
+    assert_kept_quantized(zimage, from_files(comfy, diffusion_model=file), from_files(comfy), torch.float8_e4m3fn)
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -103,7 +73,7 @@ def test_component_files_train_as_the_folder(zimage_run: Path, tmp_path: Path) -
         "path": str(files["configs"]),
         "diffusion_model": str(files["diffusion_model"]),
         "vae": str(files["vae"]),
-        "text_encoders": [{"path": str(p), "type": "qwen_image"} for p in files["text_encoders"]],
+        "text_encoders": [{"path": str(p), "type": "lumina2"} for p in files["text_encoders"]],
     }
     given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
     config = root / "run.toml"
