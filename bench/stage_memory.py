@@ -67,6 +67,33 @@ def _flux(folder: Path, big: bool) -> dict:
     return {"t5_max_length": 16}
 
 
+def _flux_files(form: str | None) -> Callable[[Path, bool], dict]:
+    """Flux from ComfyUI component files (issue 35): the BFL transformer under ``model.diffusion_model.`` (quantized
+    as ``form``, e.g. ``"fp8_scaled"``), the LDM VAE and the text encoders, beside a folder of configs only."""
+
+    def write(folder: Path, big: bool) -> dict:
+        import shutil
+
+        from diffpipe_core.parts.ldm import vae_table
+        from diffpipe_core.testing.component_files import config_only, quantize_file, write_component_files
+        from diffpipe_flux.bfl import layout_for_config
+
+        _flux(folder, big)
+        config = json.loads((folder / "transformer" / "config.json").read_text())
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        files = write_component_files(folder, folder.parent / "comfy", layout_for_config(config), vae_table(vae, ""))
+        configs = config_only(folder, folder.parent / "configs")
+        shutil.rmtree(folder)
+        configs.rename(folder)  # the folder the run names: configs and tokenizers only
+        dit = files["diffusion_model"]
+        if form is not None:
+            dit = quantize_file(dit, dit.with_name(f"dit-{form}.safetensors"), form)
+        texts = [str(p) for p in files["text_encoders"]]
+        return {"t5_max_length": 16, "diffusion_model": str(dit), "vae": str(files["vae"]), "text_encoders": texts}
+
+    return write
+
+
 def _chroma(folder: Path, big: bool) -> dict:
     from diffpipe_flux.testing import TinyChromaConfig, bfl_path, write_tiny_chroma
 
@@ -258,6 +285,9 @@ SIZES: dict[str, Size] = {
     "flux": Size(_flux, "Flux width 1024 (8 x 128), 10 double + 20 single blocks (half Flux.1's counts)"),
     "flux-kontext": Size(_flux, "Flux Kontext width 1024 (8 x 128), 10 double + 20 single blocks (0.70 B), edit pairs",
                          _edit_pairs),
+    "flux-files": Size(_flux_files(None), "Flux as flux (0.70 B), from ComfyUI files: BFL transformer, LDM VAE, "
+                       "text encoders; the folder holds configs only"),
+    "flux-fp8": Size(_flux_files("fp8_scaled"), "Flux as flux-files, the transformer file fp8 scaled (ComfyUI's)"),
     "chroma": Size(_chroma, "Chroma width 1024 (8 x 128), 10 double + 20 single blocks (0.50 B)"),
     "flux2": Size(_flux2("Flux2Pipeline"), "FLUX.2 [dev] width 1024 (8 x 128), 10 double + 20 single blocks (0.57 B)"),
     "flux2-klein": Size(_flux2("Flux2KleinPipeline"),

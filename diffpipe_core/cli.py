@@ -205,13 +205,24 @@ def cache(config_path: Path, model: str | None, num_procs: int | None, regenerat
 @CONFIG
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Data-parallel processes the table assumes.")
-def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
+@click.option(
+    "--dump",
+    "dump_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write each item as it will be trained (crop, resize; a clip's first and last frame; its mask and "
+    "control images beside it) and a contact sheet per bucket into this new folder.",
+)
+def data(config_path: Path, model: str | None, num_procs: int | None, dump_dir: Path | None) -> None:
     """Show buckets, micro-batches per epoch, every file left out with why, and the stage plan."""
     from diffpipe_core.data.dataset_config import load_dataset_config
+    from diffpipe_core.data.dump import check_dump_dir
     from diffpipe_core.data.report import format_report
     from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.engine.launcher import default_num_procs
 
+    if dump_dir is not None and (problem := check_dump_dir(dump_dir)):
+        fail([problem])
     n = default_num_procs(num_procs)
     cfg = load_checked(config_path, model, n)
     spec = get_registry().model(cfg.model_name).spec
@@ -229,6 +240,18 @@ def data(config_path: Path, model: str | None, num_procs: int | None) -> None:
         fail([f"{cfg.run.dataset}: {exc}"])
     click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages))
     _echo_plan(cfg)
+    if dump_dir is not None:
+        _dump(scan, spec, dump_dir)
+
+
+def _dump(scan, spec, out: Path) -> None:
+    from diffpipe_core.data.dump import dump_dataset
+
+    summary = dump_dataset(scan, spec, out)
+    click.echo(f"diffpipe: wrote {summary.items} item images to {out / 'items'} and {len(summary.sheets)} bucket "
+               f"contact sheets to {out / 'sheets'}")
+    for item_id, why in summary.failed:
+        click.echo(f"diffpipe: not dumped: {item_id}: {why}")
 
 
 @main.command("import-config")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffpipe_core.model_files import Header, safetensors_header
 from diffpipe_core.quantized_files import QuantizedLayer, is_scale_key, is_side_key, quantized_layers
+from diffpipe_core.weight_files import gguf_header, is_gguf
 
 if TYPE_CHECKING:
     import torch
@@ -111,19 +112,20 @@ DTYPE_NAMES = {
     "I8": "int8", "U8": "uint8", "I64": "int64", "I32": "int32", "BOOL": "bool", "F64": "float64",
 }  # fmt: skip
 
-GGUF_MAGIC = b"GGUF"
-
 
 def read_component_file(path: Path, what: str) -> ComponentFile:
     """The header of component file ``path`` (``what`` names the ``[model]`` key for messages). Raises ValueError,
     naming the file and what would be valid, for a file that is not safetensors, is truncated, or is quantized in a
     way diffpipe does not read."""
     path = Path(path)
-    if path.is_file() and path.open("rb").read(4) == GGUF_MAGIC:
-        raise ValueError(
-            f"model.{what}: {path}: a GGUF file, which diffpipe does not read yet; use the model's safetensors file "
-            "(bf16, fp16, or ComfyUI's fp8 scaled or int8 version)"
-        )
+    if is_gguf(path):
+        from diffpipe_core.quantized_files import gguf_layers
+
+        try:
+            tensors, metadata = gguf_header(path)
+            return ComponentFile(path, tensors, metadata, gguf_layers(path, tensors))
+        except ValueError as exc:
+            raise ValueError(f"model.{what}: {exc}") from exc
     tensors, metadata, problem = safetensors_header(path)
     if tensors is None:
         raise ValueError(f"model.{what}: {problem}")
@@ -178,6 +180,7 @@ class Fit:
     covered: int
     total: int
     table: KeyTable | None = None
+    missing: tuple[str, ...] = ()  # the first few model tensors the file does not fill
 
     @property
     def complete(self) -> bool:
@@ -202,12 +205,13 @@ def fit_file(
     if found is not None:
         key_map, strip, add = found
         layout = "diffusers" + (f" (under {strip.rstrip('.')!r})" if strip else "")
-        best = Fit(key_map, layout, _covered(shapes, key_map, model_shapes, same), total)
+        covered, missing = _covered(shapes, key_map, model_shapes, same)
+        best = Fit(key_map, layout, covered, total, None, missing)
     for table in tables:
         key_map = table.key_map(shapes)
-        covered = _covered(shapes, key_map, model_shapes, same)
+        covered, missing = _covered(shapes, key_map, model_shapes, same)
         if best is None or covered > best.covered:
-            best = Fit(key_map, f"{table.name} layout", covered, total, table)
+            best = Fit(key_map, f"{table.name} layout", covered, total, table, missing)
     if best is None or best.covered * 2 < best.total:
         return None
     return best
@@ -215,10 +219,13 @@ def fit_file(
 
 def _covered(
     shapes: Mapping[str, tuple[int, ...]], key_map: Callable[[str], Any], model: Mapping[str, Any], same: Mapping
-) -> int:
+) -> tuple[int, tuple[str, ...]]:
+    """How many of the model's tensors the file fills, and the first few it does not."""
     from diffpipe_core.engine.model_loading import key_targets
 
-    return len({same.get(n, n) for key in shapes for n, _ in key_targets(key_map(key)) if n in model})
+    filled = {same.get(n, n) for key in shapes for n, _ in key_targets(key_map(key)) if n in model}
+    missing = tuple(n for n in model if same.get(n, n) not in filled)
+    return len(filled), missing[:4]
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
@@ -244,21 +251,23 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
     weights to each tensor's dtype; ties tied weights; raises ValueError naming the file and the missing or misshapen
     tensors."""
     import torch
-    from safetensors import safe_open
 
     from diffpipe_core.engine.model_loading import key_targets, meta_tensors
     from diffpipe_core.quantized_files import dequantize
+    from diffpipe_core.weight_files import gguf_dequantize, open_weights
 
     target = model.state_dict()
     state: dict[str, torch.Tensor] = {}
-    with safe_open(str(file.path), framework="pt") as f:
+    with open_weights(file.path) as f:
         for key in file.weights:
             made = [(n, fn) for n, fn in key_targets(fit.key_map(key)) if n in target]
             if not made:
                 continue
             value = f.get_tensor(key)
             layer = file.quantized.get(key.rpartition(".")[0])
-            if layer is not None and layer.weight == key:
+            if layer is not None and layer.weight == key and layer.gguf:
+                value = gguf_dequantize(value, layer.format).reshape(file.tensors[key][1])
+            elif layer is not None and layer.weight == key:
                 value = dequantize(value, f.get_tensor(layer.scale) if layer.scale else None, torch.float32)
             for name, transform in made:
                 part = transform(value) if transform else value
@@ -352,13 +361,16 @@ def quantized_plan(model: nn.Module, file: ComponentFile, fit: Fit) -> dict[str,
 def keep_quantized(model: nn.Module, plan: Mapping[str, KeptQuantized], compute_dtype: torch.dtype) -> nn.Module:
     """Replace each planned linear of ``model`` (a skeleton) by an empty
     :class:`~diffpipe_core.quantize.ScaledLinear` that loading fills with the stored weight and its scale."""
-    from diffpipe_core.quantize import ScaledLinear
+    from diffpipe_core.quantize import GGUFLinear, ScaledLinear
     from diffpipe_core.quantized_files import storage_dtype
 
     for module_name, kept in plan.items():
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
+        if kept.storage.startswith("gguf:"):
+            setattr(parent, child, GGUFLinear.like(linear, kept.storage.removeprefix("gguf:"), compute_dtype))
+            continue
         scale = kept.scale_shape if kept.scaled else None
         setattr(parent, child, ScaledLinear.like(linear, storage_dtype(kept.storage), scale, compute_dtype))
     return model
@@ -389,7 +401,7 @@ def quantized_key_map(file: ComponentFile, key_map: Callable[[str], Any], plan: 
         if layer is None:
             return None if is_side_key(key) or is_scale_key(key) else key_map(key)
         made = []
-        store = storage_dtype(layer.storage)
+        store = torch.uint8 if layer.gguf else storage_dtype(layer.storage)
         for name, fn in key_targets(key_map(key)):
             if name.removesuffix(".weight") in plan:
                 made.append((name, _as_stored(store, fn)))
@@ -433,6 +445,10 @@ class DiffusionModelFile:
     plan: dict[str, KeptQuantized]
 
     @property
+    def gguf(self) -> bool:
+        return is_gguf(self.file.path)
+
+    @property
     def key_map(self) -> Callable[[str], Any]:
         assert self.fit is not None
         return quantized_key_map(self.file, self.fit.key_map, self.plan) if self.file.quantized else self.fit.key_map
@@ -449,12 +465,11 @@ def describe_diffusion_model(path: Path, skeleton: nn.Module, tables: Sequence[K
 def fill_whole(model: nn.Module, path: Path, key_map: Callable[[str], Any], device: Any) -> nn.Module:
     """Fill every tensor of ``model`` (a skeleton on meta) from file ``path`` through ``key_map``, each in its
     skeleton dtype, on ``device``; raises ValueError naming the file and the tensors it lacks."""
-    from safetensors import safe_open
-
     from diffpipe_core.engine.model_loading import fill_in_place, key_targets, meta_tensors
+    from diffpipe_core.weight_files import open_weights
 
     wanted = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
+    with open_weights(path, str(device)) as f:
         for key in f.keys():
             for name, transform in key_targets(key_map(key)):
                 if name in wanted:

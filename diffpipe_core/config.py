@@ -268,8 +268,8 @@ class RunConfig(Strict):
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
     model: dict[str, Any] = Field(
         description="Model table; its keys are defined by the model plugin (`diffpipe config-reference --model NAME`). "
-        "Every model takes `type`, `dtype` and `quantize` ('nf4', 'int8' or 'float8': quantized frozen base weights "
-        "for LoRA training)."
+        "Every model takes `type`, `dtype` and `quantize` ('nf4', 'int8', 'float8' or 'float8_e5m2': quantized "
+        "frozen base weights for LoRA training)."
     )
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
@@ -434,6 +434,8 @@ def load_config(
                     f"{source}: model.quantize: {model_cfg.quantize!r} quantizes the frozen base weights, which a full "
                     "fine-tune would have to train; add an [adapter] table (LoRA on the quantized base) or remove it"
                 )
+            if run.adapter is None:
+                problems.extend(_quantized_file_problems(model_cfg, source))
             if model_cfg.quantize is not None and not spec.block_layers:
                 problems.append(
                     f"{source}: model.quantize: model {spec.name!r} names no block layers (ModelSpec.block_layers), "
@@ -567,6 +569,26 @@ def _validate_model(
                     items.append(item)
             model_cfg = model_cfg.model_copy(update={key: tuple(items)})
     return model_cfg
+
+
+def _quantized_file_problems(model_cfg: ModelConfigBase, source: str) -> list[str]:
+    """A full fine-tune of a diffusion model whose file is quantized (ComfyUI's fp8 scaled or int8): refused, as for
+    ``quantize`` (reads the file's header only)."""
+    from diffpipe_core.component_files import read_component_file
+
+    file = getattr(model_cfg, "diffusion_model", None)
+    if file is None or not Path(file).is_file():
+        return []
+    try:
+        quantized = read_component_file(Path(file), "diffusion_model").quantized
+    except ValueError:
+        return []  # the model's own file checks name it
+    if not quantized:
+        return []
+    return [
+        f"{source}: model.diffusion_model: {file} is quantized ({len(quantized)} layers), and a full fine-tune would "
+        "have to train those weights; add an [adapter] table (LoRA on the quantized base) or give a bf16/fp16 file"
+    ]
 
 
 def _existing(base: Path, value: Path, where: str, problems: list[str]) -> Path | None:

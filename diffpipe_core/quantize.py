@@ -6,7 +6,9 @@ nearly all of a model's weights) is replaced by a quantized module holding the s
 - ``"nf4"``: bitsandbytes ``Linear4bit`` (NF4, blockwise scales), computing in the model's dtype;
 - ``"int8"``: bitsandbytes ``Linear8bitLt`` (row-wise int8, LLM.int8() matmul);
 - ``"float8"``: :class:`Float8Linear`, float8_e4m3fn storage with one float32 scale per tensor, computing in the
-  model's dtype (bf16 for a bf16 model).
+  model's dtype (bf16 for a bf16 model);
+- ``"float8_e5m2"``: the same with float8_e5m2 storage (2 mantissa bits, 5 exponent bits: coarser steps, wider
+  range), for models whose weights float8_e4m3 does not hold well (diffusion-pipe's advice for Cosmos-Predict2).
 
 Left in the run's dtype: the layers outside the blocks (input embedders, final projection: a small share of the
 weights, the most sensitive to precision, and plugins read their weights' dtype), linears the model keeps in
@@ -32,7 +34,8 @@ if TYPE_CHECKING:
     from diffpipe_core.engine.model_loading import StageModel
     from diffpipe_core.types import ModelConfigBase
 
-MODES = ("nf4", "int8", "float8")
+MODES = ("nf4", "int8", "float8", "float8_e5m2")
+FLOAT8_STORAGE = {"float8": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 MIN_ELEMENTS = 4096
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,14 +83,45 @@ class ScaledLinear(nn.Linear):
         return F.linear(x.to(self.compute_dtype), weight, bias).to(x.dtype)
 
 
-class Float8Linear(ScaledLinear):
-    """A frozen linear quantized to float8_e4m3fn with a per-tensor scale (``[model] quantize = "float8"``)."""
+class GGUFLinear(nn.Linear):
+    """A frozen linear whose weight is a GGUF file's quantized blocks (``Q8_0``, ``Q4_K``, ...), kept as its raw bytes
+    (``(out_features, bytes per row)`` uint8) and dequantized in each forward (diffusers' GGUF dequantization), computed
+    in ``compute_dtype``. :meth:`like` builds the empty module per-stage loading fills."""
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, kind: str, row_bytes: int, compute_dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kind, self.compute_dtype = kind, compute_dtype
+        device = linear.weight.device
+        self.register_buffer("weight", torch.empty(linear.out_features, row_bytes, dtype=torch.uint8, device=device))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @classmethod
+    def like(cls, linear: nn.Linear, kind: str, compute_dtype: torch.dtype) -> GGUFLinear:
+        import gguf
+
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        return cls(linear, kind, linear.in_features // block * size, compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from diffpipe_core.weight_files import gguf_dequantize
+
+        weight = gguf_dequantize(self.weight, self.kind).reshape(self.out_features, self.in_features)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return F.linear(x.to(self.compute_dtype), weight.to(self.compute_dtype), bias).to(x.dtype)
+
+
+class Float8Linear(ScaledLinear):
+    """A frozen linear quantized to ``storage`` (float8_e4m3fn or float8_e5m2) with a per-tensor scale (``[model]
+    quantize = "float8"`` / ``"float8_e5m2"``)."""
+
+    def __init__(
+        self, linear: nn.Linear, compute_dtype: torch.dtype, storage: torch.dtype = torch.float8_e4m3fn
+    ) -> None:
         weight = linear.weight.detach()
         amax = weight.abs().amax().float().clamp(min=torch.finfo(torch.float32).tiny)
-        scale = amax / torch.finfo(torch.float8_e4m3fn).max
-        stored = (weight.float() / scale).to(torch.float8_e4m3fn)
+        scale = amax / torch.finfo(storage).max
+        stored = (weight.float() / scale).to(storage)
         super().__init__(linear.in_features, linear.out_features, linear.bias, stored, scale.reshape(()), compute_dtype)
 
 
@@ -115,12 +149,12 @@ def quantized_weight_bytes(mode: str, out_features: int, in_features: int) -> in
         return -(-n // 2) + blocks + 4 * -(-blocks // 256) + 4 * (16 + 256)
     if mode == "int8":  # plus one float32 scale per output row
         return n + 4 * out_features
-    return n + 4  # float8: one float32 scale
+    return n + 4  # float8 (either storage): one float32 scale
 
 
 def _quantized(linear: nn.Linear, mode: str, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    if mode == "float8":
-        return Float8Linear(linear, compute_dtype)
+    if mode in FLOAT8_STORAGE:
+        return Float8Linear(linear, compute_dtype, FLOAT8_STORAGE[mode])
     import bitsandbytes as bnb
 
     has_bias = linear.bias is not None

@@ -34,12 +34,17 @@ FLOAT8 = ("F8_E4M3", "F8_E5M2")
 
 @dataclass(frozen=True)
 class QuantizedLayer:
-    """One quantized linear of a file: its weight key, storage dtype (torch name) and scale key (None: scale 1)."""
+    """One quantized linear of a file: its weight key, storage dtype (torch name, or ``gguf:<type>`` for GGUF blocks)
+    and scale key (None: scale 1)."""
 
     weight: str
     storage: str
     scale: str | None
     format: str
+
+    @property
+    def gguf(self) -> bool:
+        return self.storage.startswith("gguf:")
 
 
 class QuantizationError(ValueError):
@@ -107,6 +112,31 @@ def _formats(
     return found
 
 
+GGUF_FLOATS = ("F32", "F16", "BF16")
+
+
+def gguf_layers(path: Path, header: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, QuantizedLayer]:
+    """The quantized linears of a GGUF file (every ``.weight`` in a block format such as ``Q8_0`` or ``Q4_K``), by
+    module path in the file's names. Raises :class:`QuantizationError` for another quantized tensor (a 1-D or 4-D
+    one diffpipe would have to dequantize whole) or a block format diffusers cannot dequantize."""
+    from diffusers.quantizers.gguf.utils import SUPPORTED_GGUF_QUANT_TYPES
+
+    readable = {t.name for t in SUPPORTED_GGUF_QUANT_TYPES}
+    layers = {}
+    for key, (kind, shape) in header.items():
+        if kind in GGUF_FLOATS:
+            continue
+        if kind not in readable:
+            raise QuantizationError(
+                f"{path}: tensor {key!r} is GGUF {kind}, which diffpipe cannot dequantize; readable: "
+                f"{', '.join(sorted(readable))}"
+            )
+        if not key.endswith(".weight") or len(shape) != 2:
+            raise QuantizationError(f"{path}: tensor {key!r} ({kind}, shape {shape}) is quantized but is no linear's")
+        layers[_module(key)] = QuantizedLayer(key, f"gguf:{kind}", None, kind)
+    return layers
+
+
 def is_side_key(key: str) -> bool:
     """A key that describes quantization rather than holding a model tensor (markers, layer JSON, input scales)."""
     return key in MARKERS or key.rpartition(".")[2] in SIDE_PARAMS
@@ -152,6 +182,11 @@ def dequantizing(path: Path, layer: QuantizedLayer, dtype: Any) -> Callable[[Any
     """A transform of ``layer``'s stored weight into its ``dtype`` value, reading its scale from ``path`` once."""
 
     def transform(weight: Any) -> Any:
+        if layer.gguf:
+            from diffpipe_core.weight_files import gguf_dequantize
+
+            rows = weight.shape[0]
+            return gguf_dequantize(weight, layer.format).reshape(rows, -1).to(dtype)
         scale = None
         if layer.scale is not None:
             from safetensors import safe_open

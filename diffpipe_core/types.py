@@ -24,10 +24,11 @@ class ModelConfigBase(BaseModel):
 
     type: str
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    quantize: Literal["nf4", "int8", "float8"] | None = Field(
+    quantize: Literal["nf4", "int8", "float8", "float8_e5m2"] | None = Field(
         None,
         description="Quantize the frozen base weights while each pipeline stage loads (LoRA only): 'nf4' or 'int8' "
-        "(bitsandbytes), 'float8' (float8_e4m3 storage, per-tensor scale, computed in dtype). Every nn.Linear of "
+        "(bitsandbytes), 'float8' (float8_e4m3 storage, per-tensor scale, computed in dtype), 'float8_e5m2' (the "
+        "same in float8_e5m2: wider range, coarser steps). Every nn.Linear of "
         "the model's blocks except float32-kept and tiny ones (< 4096 weights); embedders and the final layer keep "
         "dtype. LoRA trains on top; the base is never saved.",
     )

@@ -337,7 +337,8 @@ def test_diffusers_path_steps_per_print_video_clip_mode_and_monitoring(project: 
     assert "steps_per_print: diffusion-pipe's key with no diffpipe equivalent: it is DeepSpeed's console" in text
     assert "video_clip_mode: diffusion-pipe's key; diffpipe reads it from the dataset TOML: write " \
            "video_clip_mode = 'single_middle' there" in text
-    assert "monitoring: diffusion-pipe's key with no diffpipe equivalent" in text and "sekrit" not in text
+    assert "monitoring: diffusion-pipe's key; write logging.wandb = <your choice> instead" in text
+    assert "give the W&B project" in text and "sekrit" not in text
     assert "Valid keys here" not in text and "Did you mean" not in text
 
 

@@ -128,6 +128,7 @@ def test_stage_quantization_and_lora_training_in_process(tmp_path: Path) -> None
         ("nf4", "Linear4bit", 0.15),
         ("int8", "Linear8bitLt", 0.02),
         ("float8", "Float8Linear", 0.05),
+        ("float8_e5m2", "Float8Linear", 0.1),
     ):
         stage, own, summary = second_stage(base.model_copy(update={"quantize": mode}))
         for i, layer in enumerate(stage.layers):
@@ -178,6 +179,24 @@ def test_float8_linear_matches_and_lora_wraps_it() -> None:
     loss.backward()
     assert model.proj.lora_B["default"].weight.grad.abs().sum() > 0
     assert set(lora_state_dict(model)) == {"proj.lora_A.weight", "proj.lora_B.weight"}
+
+
+def test_float8_e5m2_storage_keeps_weights_e4m3_flushes_to_zero() -> None:
+    """diffusion-pipe's transformer_dtype = 'float8_e5m2' (its advice for Cosmos-Predict2): e5m2's wider range
+    keeps weights thousands of times smaller than the largest one, which e4m3 under the same per-tensor scale
+    rounds to zero."""
+    linear = torch.nn.Linear(64, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(1e-7)
+        linear.weight[0, 0] = 1.0
+    e4m3, e5m2 = Float8Linear(linear, torch.float32), Float8Linear(linear, torch.float32, torch.float8_e5m2)
+    assert e4m3.weight.dtype == torch.float8_e4m3fn and e5m2.weight.dtype == torch.float8_e5m2
+    for layer, kept in ((e4m3, 1), (e5m2, 64 * 64)):
+        restored = layer.weight.float() * layer.weight_scale
+        assert int((restored != 0).sum()) == kept
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert (e5m2(x) - linear(x)).abs().max() < 0.15 * linear(x).abs().max()
 
 
 def test_full_finetune_of_quantized_model_is_refused(tmp_path: Path) -> None:

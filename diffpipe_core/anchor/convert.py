@@ -26,11 +26,11 @@ from diffpipe_core.anchor.keys import (
     toml_key,
     toml_value,
 )
+from diffpipe_core.anchor.models import diffpipe_model
 from diffpipe_core.schema import ConfigError, read_toml
 
-# anchor model type -> diffpipe model name, where they differ
-MODEL_NAMES = {"cosmos_predict2": "cosmos-predict2", "qwen_image": "qwen-image", "z_image": "z-image"}
-TABLES = ("model", "adapter", "optimizer")
+TABLES = ("model", "adapter", "optimizer")  # the anchor's tables that keep their name
+OUT_TABLES = (*TABLES, "logging")  # run.toml's tables the importer writes
 RUN_FILE = "run.toml"
 DATASET_FILE = "dataset.toml"
 
@@ -119,7 +119,7 @@ class _Converter:
             return
         for c in changes:
             if c.needs_input:
-                target = f"{c.section}.{c.key}" if c.section in TABLES else str(c.key)
+                target = f"{c.section}.{c.key}" if c.section in OUT_TABLES else str(c.key)
                 self.todo.append(f"{target}: {c.why}")
                 self.counts["needs input"] += 1
                 if c.value is None:
@@ -149,9 +149,9 @@ class _Converter:
         raw = read_toml(self.path)
         model_table = raw.get("model") if isinstance(raw.get("model"), dict) else {}
         ctx = Context(anchor=raw, table=raw)
-        run = {s: _Section(None if s == "run" else f"[{s}]") for s in ("run", *TABLES)}
+        run = {s: _Section(None if s == "run" else f"[{s}]") for s in ("run", *OUT_TABLES)}
         data = {"dataset": _Section(None), "directory": _Section(None)}
-        model_name = self._model_type(model_table, ctx, run["model"])
+        model_name = self._model_type(model_table, ctx, run["model"], raw)
         for key, value in raw.items():
             if key in TABLES:
                 continue
@@ -196,7 +196,7 @@ class _Converter:
         files.update({name: self._render_dataset(*parts) for name, parts in self.datasets.items()})
         return Imported(files, self.counts, self.todo, self.sources)
 
-    def _model_type(self, table: dict[str, Any], ctx: Context, section: _Section) -> str | None:
+    def _model_type(self, table: dict[str, Any], ctx: Context, section: _Section, raw: dict[str, Any]) -> str | None:
         from diffpipe_core.registry import get_registry
 
         anchor_type = table.get("type")
@@ -206,21 +206,41 @@ class _Converter:
             return None
         registry = get_registry()
         installed = {info.name: info for info in registry.models() if info.ok}
-        name = MODEL_NAMES.get(anchor_type, anchor_type)
-        notes = [f"was type = {toml_value(anchor_type)}"] if name != anchor_type else []
+        choice = diffpipe_model(anchor_type, table, self._uses_control(raw), self.anchor_dir)
+        name = choice.name or anchor_type
+        notes = [f"was type = {toml_value(anchor_type)}" + (f": {choice.why}" if choice.why else "")]
+        notes = notes if name != anchor_type else []
+        notes += [choice.path_note] if choice.path_note else []
         if name in installed:
             schema = installed[name].spec.config_schema
             ctx.fields["model"] = set(schema.model_fields)
             ctx.model_label = f"diffpipe's {name!r} model"
             self.counts["changed" if notes else "as is"] += 1
         else:
-            listing = ", ".join(sorted(installed)) or "none"
-            notes.append(f"no installed diffpipe model plugin is named {name!r} (installed: {listing}); keys are "
-                         "carried under their own names unchecked")
-            self.todo.append(f"model.type: no installed diffpipe model plugin is named {name!r}")
+            if choice.planned:
+                what = (f"diffpipe has no {anchor_type!r} model yet; the {choice.planned} distribution will have it "
+                        "(install it once released)")
+            elif choice.name:
+                what = f"the {name!r} model's plugin is not installed (`diffpipe models` lists what is)"
+            else:
+                listing = ", ".join(sorted(installed)) or "none"
+                what = f"no diffpipe model plugin is named {name!r} (installed: {listing})"
+            notes.append(f"{what}; keys are carried under their own names unchecked")
+            self.todo.append(f"model.type: {what}")
             self.counts["needs input"] += 1
         section.put("type", name, notes)
         return name if name in installed else None
+
+    def _uses_control(self, raw: dict[str, Any]) -> bool:
+        """Whether the run's dataset config gives control_path (diffusion-pipe then trains edit pairs). A dataset
+        that cannot be read here is reported where it is converted."""
+        try:
+            source = self.dataset_override or self._find(raw.get("dataset"), "dataset")
+            data = read_toml(source)
+        except ConfigError:
+            return False
+        entries = data.get("directory") if isinstance(data.get("directory"), list) else []
+        return any(isinstance(e, dict) and "control_path" in e for e in entries)
 
     def _required_model_keys(self, model_name: str | None, section: _Section) -> None:
         """Required ``[model]`` keys the anchor config gave no value for: TODOs with the key's description."""
@@ -316,7 +336,7 @@ class _Converter:
             lines.append("# TODO before training: " + "; ".join(self.todo))
         lines.append("")
         lines += run["run"].render()
-        for table in TABLES:
+        for table in OUT_TABLES:
             if run[table].lines:
                 lines += ["", *run[table].render()]
         return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-RUN_FILE_SECTIONS = ("run", "model", "adapter", "optimizer")
+RUN_FILE_SECTIONS = ("run", "model", "adapter", "optimizer", "logging")
 FLOAT8 = ("float8", "float8_e4m3fn", "float8_e5m2")
 SECRET_WORDS = ("key", "token", "password", "secret")
 
@@ -151,13 +151,21 @@ def _partition_method(key: str, value: Any, ctx: Context) -> list[Change]:
 
 
 def _monitoring(key: str, value: Any, ctx: Context) -> list[Change]:
-    if ctx.has("run", "logging"):
-        why = "diffpipe's W&B settings are in [logging] (see docs/config.md); write them there"
-    else:
-        why = "diffpipe logs to TensorBoard and metrics.jsonl in the run folder; it has no W&B logging"
-    if isinstance(value, dict) and not value.get("enable_wandb"):
-        why = "W&B was off; " + why
-    return [Change(None, why=why)]
+    """diffusion-pipe's ``[monitoring]`` (enable_wandb, wandb_api_key, wandb_tracker_name, wandb_run_name):
+    diffpipe's ``[logging] wandb`` table. The API key is never carried: W&B reads WANDB_API_KEY or its login."""
+    if not isinstance(value, dict) or not value.get("enable_wandb"):
+        return [Change(None, why="W&B was off; diffpipe's W&B logging is [logging] wandb = { project = ... }")]
+    wandb: dict[str, Any] = {}
+    if value.get("wandb_tracker_name"):
+        wandb["project"] = value["wandb_tracker_name"]
+    if value.get("wandb_run_name"):
+        wandb["name"] = value["wandb_run_name"]
+    why = "W&B's project from wandb_tracker_name, its run name from wandb_run_name"
+    if value.get("wandb_api_key"):
+        why += "; the API key is not copied: `wandb login` or WANDB_API_KEY gives it"
+    if "project" not in wandb:
+        return [Change("logging", "wandb", wandb or None, why + "; give the W&B project", needs_input=True)]
+    return [Change("logging", "wandb", wandb, why)]
 
 
 def _moved_to_dataset(to: str = "") -> Rule:
@@ -209,7 +217,10 @@ RUN_RULES: dict[str, Rule] = {
     "reentrant_activation_checkpointing": _none(
         "diffpipe's activation checkpointing is always non-reentrant, which works with any number of stages"
     ),
-    "map_num_proc": _none("diffpipe caches in its training processes; caching_batch_size sets the batch"),
+    "map_num_proc": _none(
+        "diffpipe's scan reads new and changed files on every core (unchanged ones are not read again), and the "
+        "training processes encode the cache together, caching_batch_size at a time"
+    ),
     "x_axis_examples": _none("diffpipe's logs are by step; metrics.jsonl has the epoch of every step"),
     "eval_micro_batch_size_per_gpu": _none("diffpipe evaluates with micro_batch_size_per_gpu"),
     "image_eval_micro_batch_size_per_gpu": _none("diffpipe evaluates with micro_batch_size_per_gpu"),
@@ -223,10 +234,11 @@ RUN_RULES: dict[str, Rule] = {
 
 # --------------------------------------------------------------------------------------------------- [model]
 def _transformer_dtype(key: str, value: Any, ctx: Context) -> list[Change]:
+    if value == "float8_e5m2":
+        why = "float8_e5m2 storage of the frozen base weights with a per-tensor scale, computed in dtype; LoRA only"
+        return [Change("model", "quantize", "float8_e5m2", why)]
     if value in FLOAT8:
         why = "float8_e4m3 storage of the frozen base weights with a per-tensor scale, computed in dtype; LoRA only"
-        if value == "float8_e5m2":
-            why += "; there is no e5m2 variant"
         return [Change("model", "quantize", "float8", why)]
     if value in ("nf4", "int8"):
         return [Change("model", "quantize", value, "quantized frozen base weights; LoRA only")]
@@ -265,12 +277,7 @@ MODEL_RULES: dict[str, Rule] = {
         "its transformer replaces path/transformer; the VAE and T5 still come from path",
         is_path=True,
     ),
-    "checkpoint_path": _rename(
-        "model",
-        "path",
-        "path takes a single-file checkpoint too; config_path names a diffusers SDXL folder for the configs",
-        is_path=True,
-    ),
+    "checkpoint_path": lambda key, value, ctx: _checkpoint_path(key, value, ctx),
     "debiased_estimation_loss": _rename("model", "debiased_estimation"),
     "ckpt_path": _path_needed,
     "vae_path": _path_needed,
@@ -285,6 +292,17 @@ MODEL_RULES: dict[str, Rule] = {
     "text_encoder_1_lr": lambda key, value, ctx: _group_lr("text_encoder_1", value, ctx),
     "text_encoder_2_lr": lambda key, value, ctx: _group_lr("text_encoder_2", value, ctx),
 }
+
+def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
+    """SDXL's single-file checkpoint: diffpipe's path, with the component configs and tokenizers from a diffusers
+    SDXL folder (config_path), which diffusion-pipe takes from the library's defaults."""
+    changes = _rename("model", "path", "path takes a single-file checkpoint too", is_path=True)(key, value, ctx)
+    if changes[0].carried and ctx.knows("model", "config_path"):
+        why = ("a diffusers SDXL folder for the component configs and tokenizers (e.g. "
+               "stabilityai/stable-diffusion-xl-base-1.0 without its weights)")
+        changes.append(Change("model", "config_path", None, why, needs_input=True))
+    return changes
+
 
 SDXL_TEXT_ENCODERS = "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead"
 
@@ -326,7 +344,7 @@ ADAPTER_RULES: dict[str, Rule] = {
     "dropout": _same("adapter"),
     "dtype": _same("adapter"),
     "init_from_existing": _init_from_existing,
-    "decompose_factor": _same("adapter"),  # LoKr's
+    "decompose_factor": _rename("adapter", "factor", "LoKr's Kronecker factor"),
     "rank_dropout": _same("adapter"),
     "fuse_adapters": _none("diffpipe does not merge other LoRAs into the base before training"),
 }
@@ -440,15 +458,13 @@ def _dataset_rules(section: str) -> dict[str, Rule]:
             "cache_shuffle_delimiter": _rename(section, "tag_delimiter"),
             "skip_empty_caption": _skip_empty_caption(section),
             "shuffle_tags": _shuffle_tags(section),
-            "size_buckets": _none(
-                "diffpipe buckets by resolutions x ar_buckets x frame_buckets: give the sizes as [width, height] "
-                "resolutions with matching ar_buckets"
+            "size_buckets": _same(section),
+            "shuffle_metadata": _none(
+                "diffpipe's data order does not depend on the file order: it reshuffles every epoch from [run] seed"
             ),
-            "shuffle_metadata": _none("diffpipe reshuffles the data every epoch"),
-            "online_captions": _none("diffpipe reads captions from .txt files beside the media"),
-            "subsample_ratio": _none("diffpipe has no subsampling; use num_repeats per [[directory]]"),
-            "control_path": _none("diffpipe has no edit/control training"),
-            "default_mask_file": _none("items without a mask train on the whole image"),
+            "online_captions": _none(
+                "diffpipe caches the text embeddings of every caption (captions.json's lists too) before training"
+            ),
         }
     )
     return rules
@@ -458,12 +474,19 @@ DATASET_RULES = _dataset_rules("dataset")
 DATASET_RULES["num_repeats"] = lambda key, value, ctx: [
     Change("directory", key, value, "the default of every [[directory]] that sets none")
 ]
+DATASET_RULES["subsample_ratio"] = _same("dataset")
+_PER_DIRECTORY = "diffusion-pipe reads it per [[directory]] only: at the top level it had no effect"
+DATASET_RULES["control_path"] = _none(_PER_DIRECTORY)
+DATASET_RULES["default_mask_file"] = _none(_PER_DIRECTORY)
 DIRECTORY_RULES = _dataset_rules("directory")
 DIRECTORY_RULES.update(
     {
         "path": _same("directory", is_path=True),
         "mask_path": _same("directory", is_path=True),
+        "default_mask_file": _same("directory", is_path=True),
+        "control_path": _same("directory", is_path=True),
         "num_repeats": _same("directory"),
+        "subsample_ratio": _none("diffusion-pipe reads it from the dataset's top level only: here it had no effect"),
     }
 )
 
@@ -529,7 +552,7 @@ def _same_file(a: str | None, b: str) -> bool:
 
 
 def _dotted(c: Change) -> str:
-    return f"{c.section}.{c.key}" if c.section in ("model", "adapter", "optimizer") else str(c.key)
+    return f"{c.section}.{c.key}" if c.section in ("model", "adapter", "optimizer", "logging") else str(c.key)
 
 
 def literal_values(annotation: Any) -> tuple[Any, ...] | None:

@@ -58,6 +58,20 @@ def closest_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket
     return min(buckets, key=lambda b: (abs(math.log(b.width / b.height) - target), -b.width * b.height))
 
 
+def closest_size_bucket(
+    width: int, height: int, frames: int, is_video: bool, sizes: Sequence[tuple[int, int, int]], multiple: int
+) -> Bucket | None:
+    """diffusion-pipe's ``size_buckets``: of the ``(width, height, frames)`` sizes whose frame count an item fills
+    (a video: more than one frame, at most ``frames``; an image: one), the one closest in aspect ratio (log space;
+    ties: the most frames), its sides rounded down to ``multiple``. None when no size fits."""
+    fitting = [s for s in sizes if (1 < s[2] <= frames if is_video else s[2] == 1)]
+    if not fitting:
+        return None
+    target = math.log(width / height)
+    w, h, f = min(fitting, key=lambda s: (abs(math.log(s[0] / s[1]) - target), -s[2]))
+    return Bucket(max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple), f)
+
+
 def valid_frame_count(frames: int, spec: ModelSpec) -> bool:
     """Whether a video frame count fits the model: ``frame_multiple * k + frame_offset``."""
     if frames < max(1, spec.frame_offset):
@@ -65,8 +79,11 @@ def valid_frame_count(frames: int, spec: ModelSpec) -> bool:
     return (frames - spec.frame_offset) % max(1, spec.frame_multiple) == 0
 
 
-def frame_bucket_problems(frame_buckets: Sequence[int], spec: ModelSpec, where: str) -> list[str]:
-    """One message per frame bucket the model cannot take, naming the closest valid counts."""
+def frame_bucket_problems(
+    frame_buckets: Sequence[int], spec: ModelSpec, where: str, key: str = "frame_buckets"
+) -> list[str]:
+    """One message per frame bucket the model cannot take, naming the closest valid counts (and ``key``, where the
+    counts were given)."""
     problems = []
     step, offset = max(1, spec.frame_multiple), spec.frame_offset
     for f in frame_buckets:
@@ -75,7 +92,7 @@ def frame_bucket_problems(frame_buckets: Sequence[int], spec: ModelSpec, where: 
         lower = offset + (f - offset) // step * step
         choices = [c for c in (lower, lower + step) if c >= max(2, offset)]
         problems.append(
-            f"{where}frame_buckets: {f} frames does not fit model {spec.name!r} (frame counts must be "
+            f"{where}{key}: {f} frames does not fit model {spec.name!r} (frame counts must be "
             f"{step}*k + {offset}); use {' or '.join(map(str, choices))}"
         )
     return problems

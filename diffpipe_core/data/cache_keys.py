@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from diffpipe_core.data import archives
 from diffpipe_core.data.items import ControlImage, MediaItem
 from diffpipe_core.types import ModelConfigBase
 
@@ -136,11 +137,12 @@ def file_content_key(path: Path, strict: bool, size_mtime: tuple[int, int] | Non
         return f"{size_mtime[0]}:{size_mtime[1]}"
     if strict:
         h = hashlib.sha256()
-        with path.open("rb") as f:
+        source = archives.open_media(path)
+        with open(source, "rb") if isinstance(source, str) else source as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         return "sha256:" + h.hexdigest()
-    st = path.stat()
+    st = archives.stat(path)
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 

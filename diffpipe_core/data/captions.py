@@ -21,7 +21,11 @@ _BOMS = (
 def read_caption(path: Path) -> str:
     """A caption file's text: UTF-8, or UTF-8/16/32 with a byte-order mark. Other encodings raise
     ``ValueError`` saying where the first bad byte is, rather than guessing and training on mojibake."""
-    data = path.read_bytes()
+    return decode_caption(path.read_bytes(), path.name)
+
+
+def decode_caption(data: bytes, name: str) -> str:
+    """The text of caption bytes (of the file called ``name``, for the message), as :func:`read_caption`."""
     for bom, encoding in _BOMS:
         if data.startswith(bom):
             try:
@@ -32,6 +36,6 @@ def read_caption(path: Path) -> str:
         return data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
         raise ValueError(
-            f"caption file {path.name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"caption file {name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
             f"{exc.start}); save it as UTF-8"
         ) from None

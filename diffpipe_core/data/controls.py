@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from diffpipe_core.data.archives import beside_archive
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
 from diffpipe_core.types import ModelSpec
 
@@ -59,8 +60,9 @@ def control_folders(settings: DirectorySettings, image_exts: frozenset[str]) -> 
 
 
 def target_stem(path: Path, root: Path) -> str:
-    """A target's pairing key: its path relative to its media folder, posix, without the suffix."""
-    rel = path.relative_to(root)
+    """A target's pairing key: its path relative to its media folder, posix, without the suffix (an archive
+    member's as if it were beside its archive)."""
+    rel = beside_archive(path).relative_to(root)
     return (rel.parent / rel.stem).as_posix()
 
 

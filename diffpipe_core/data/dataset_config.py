@@ -17,6 +17,7 @@ from diffpipe_core.anchor.keys import dataset_hint
 from diffpipe_core.schema import ConfigError, read_toml, validate
 
 Resolution = int | tuple[int, int]
+SizeBucket = tuple[int, int] | tuple[int, int, int]
 AspectRatio = float | tuple[int, int]
 ClipMode = Literal["single_beginning", "single_middle", "multiple_overlapping"]
 
@@ -47,6 +48,19 @@ def _check_ar_buckets(value: list[AspectRatio] | None) -> list[AspectRatio] | No
                 raise ValueError(f"[width, height] pair {list(ar)!r} must be positive")
         elif ar <= 0:
             raise ValueError(f"aspect ratio {ar!r} must be positive (width / height)")
+    return value
+
+
+def _check_size_buckets(value: list[SizeBucket] | None) -> list[SizeBucket] | None:
+    if value is None:
+        return value
+    if not value:
+        raise ValueError("give at least one [width, height, frames] size, or leave size_buckets out")
+    for size in value:
+        if any(s < 16 for s in size[:2]):
+            raise ValueError(f"size {list(size)!r}: width and height must be at least 16 pixels")
+        if len(size) == 3 and size[2] < 1:
+            raise ValueError(f"size {list(size)!r}: the frame count must be at least 1")
     return value
 
 
@@ -111,6 +125,13 @@ class _Overridable(_Strict):
         "goes to the largest bucket it fills. Counts must fit the model (frame_multiple * k + frame_offset). "
         "Images are always 1 frame. Default [1].",
     )
+    size_buckets: list[SizeBucket] | None = Field(
+        None,
+        description="Exact training sizes instead of resolutions x aspect ratios (diffusion-pipe's key): [width, "
+        "height] or [width, height, frames] each; an item goes to the size of the closest aspect ratio among those "
+        "whose frame count it fills (images: frames 1), once. Sizes are rounded down to the model's multiple; the "
+        "frame counts replace frame_buckets.",
+    )
     video_clip_mode: ClipMode | None = Field(
         None,
         description="Which frames of a video to use: 'single_beginning' (one clip from the start), "
@@ -142,6 +163,7 @@ class _Overridable(_Strict):
     _check_res = field_validator("resolutions")(_check_resolutions)
     _check_ar = field_validator("ar_buckets")(_check_ar_buckets)
     _check_frames = field_validator("frame_buckets")(_check_frame_buckets)
+    _check_sizes = field_validator("size_buckets")(_check_size_buckets)
 
 
 class DirectoryConfig(_Overridable):
@@ -157,6 +179,11 @@ class DirectoryConfig(_Overridable):
         None,
         description="Folder of grayscale loss masks named like the media (any image extension, same relative "
         "path); white = train, black = ignore. Items without a mask train on the whole image.",
+    )
+    default_mask_file: Path | None = Field(
+        None,
+        description="A grayscale mask image for every item of this folder without its own mask in mask_path "
+        "(stretched to each item's size before the crop); white = train, black = ignore.",
     )
     control_path: Path | list[Path] | None = Field(
         None,
@@ -231,6 +258,13 @@ class DatasetConfig(_Overridable):
         description="Fraction of samples trained with the empty prompt (caption dropout); the empty prompt's "
         "embedding is cached once.",
     )
+    subsample_ratio: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Train on this fraction of the items (the same ones every epoch and run, chosen by item id); "
+        "e.g. 0.1 for a quick eval dataset.",
+    )
     cache_dir: Path | None = Field(
         None,
         description="Where cached latents and text embeddings go. Default: 'cache' beside the dataset TOML.",
@@ -262,6 +296,7 @@ class DatasetConfig(_Overridable):
         if max_ar is None:
             max_ar = max(ratios) if ratios else DEFAULT_MAX_AR
         num = pick("num_ar_buckets")
+        sizes = pick("size_buckets")
         return DirectorySettings(
             index=index,
             path=d.path,
@@ -275,7 +310,10 @@ class DatasetConfig(_Overridable):
             drop_outside_ar=bool(pick("drop_outside_ar")),
             num_ar_buckets=7 if num is None else num,
             ar_buckets=tuple(ratios) if ratios is not None else None,
-            frame_buckets=tuple(sorted(set(pick("frame_buckets")))),
+            frame_buckets=tuple(sorted({s[2] if len(s) == 3 else 1 for s in sizes} if sizes else set(pick(
+                "frame_buckets")))),
+            size_buckets=tuple((s[0], s[1], s[2] if len(s) == 3 else 1) for s in sizes) if sizes else None,
+            default_mask_file=d.default_mask_file,
             video_clip_mode=pick("video_clip_mode"),
             caption_prefix=pick("caption_prefix"),
             shuffle_tags=pick("shuffle_tags"),
@@ -312,6 +350,8 @@ class DirectorySettings:
     cache_shuffle_num: int
     allow_empty_captions: bool
     control_paths: tuple[Path, ...] = ()  # edit pairs: the control image folders, in order
+    size_buckets: tuple[tuple[int, int, int], ...] | None = None  # exact (width, height, frames) sizes
+    default_mask_file: Path | None = None  # the mask of items without their own
 
 
 def _resolve(value: Any, base: Path) -> Any:
@@ -337,10 +377,11 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
         for entry in data["directory"]:
             if isinstance(entry, dict):
                 entry = dict(entry)
-                for key in ("path", "mask_path"):
+                for key in ("path", "mask_path", "default_mask_file"):
                     entry[key] = _resolve(entry.get(key), base) if key in entry else None
-                if entry["mask_path"] is None:
-                    del entry["mask_path"]
+                for key in ("mask_path", "default_mask_file"):
+                    if entry[key] is None:
+                        del entry[key]
                 control = entry.get("control_path")
                 if isinstance(control, list):
                     entry["control_path"] = [_resolve(c, base) for c in control]
@@ -366,6 +407,8 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
             problems.append(f"{source}: directory[{i}].path: not a directory: {d.path}")
         if d.mask_path is not None and not d.mask_path.is_dir():
             problems.append(f"{source}: directory[{i}].mask_path: directory not found: {d.mask_path}")
+        if d.default_mask_file is not None and not d.default_mask_file.is_file():
+            problems.append(f"{source}: directory[{i}].default_mask_file: file not found: {d.default_mask_file}")
         many = isinstance(d.control_path, list)
         for k, folder in enumerate(d.control_paths):
             where = f"{source}: directory[{i}].control_path" + (f"[{k}]" if many else "")

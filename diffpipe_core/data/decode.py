@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from PIL import Image, ImageOps
 
+from diffpipe_core.data.archives import open_media
 from diffpipe_core.data.items import DecodedMedia, MediaItem
 from diffpipe_core.types import ModelSpec
 
@@ -80,7 +81,7 @@ def probe_image(path: Path) -> tuple[int, int]:
     pixel data is complete. Raises :class:`MediaError`; its ``kind`` attribute is ``"not media"`` when
     Pillow does not recognise the file at all."""
     try:
-        with Image.open(path) as im:
+        with Image.open(open_media(path)) as im:
             w, h = im.size
             fmt = im.format
             if _orientation(im) in _ROTATED:
@@ -90,7 +91,7 @@ def probe_image(path: Path) -> tuple[int, int]:
                 im.draft(None, (max(1, im.width // 8), max(1, im.height // 8)))
                 im.load()
         if fmt == "PNG":
-            with Image.open(path) as im:
+            with Image.open(open_media(path)) as im:
                 im.verify()  # checks every chunk's CRC through IEND without decompressing
     except Image.UnidentifiedImageError as exc:
         err = MediaError(f"{path}: not an image Pillow recognises ({exc})")
@@ -108,7 +109,7 @@ def probe_video(path: Path) -> VideoInfo:
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with av.open(open_media(path)) as container:
             if not container.streams.video:
                 raise MediaError(f"{path}: has no video stream")
             stream = container.streams.video[0]
@@ -209,7 +210,9 @@ def _open_oriented(path: Path, want: tuple[int, int] | None = None) -> tuple[Ima
     return im, ((h, w) if rotated else (w, h))
 
 
-def _load_mask(path: Path, fit: _Fit, item_id: str) -> torch.Tensor:
+def _load_mask(path: Path, fit: _Fit, item_id: str, stretch: bool = False) -> torch.Tensor:
+    """The mask at the item's crop; ``stretch``: a mask of another size (a directory's default_mask_file) is
+    resized to the media's size first, else a size mismatch is an error."""
     import numpy as np
     import torch
 
@@ -221,7 +224,9 @@ def _load_mask(path: Path, fit: _Fit, item_id: str) -> torch.Tensor:
             arr = np.asarray(mask.convert("L"), dtype=np.float32) / 255.0
     except Exception as exc:
         raise MediaError(f"{item_id}: mask {path} is unreadable ({type(exc).__name__}: {exc})") from None
-    if (mw, mh) != (fit.w0, fit.h0):
+    if (mw, mh) != (fit.w0, fit.h0) and stretch:
+        arr = np.asarray(Image.fromarray(arr, mode="F").resize((fit.w0, fit.h0), Image.Resampling.BILINEAR))
+    elif (mw, mh) != (fit.w0, fit.h0):
         raise MediaError(f"{item_id}: mask {path} is {mw}x{mh} but the media is {fit.w0}x{fit.h0}")
     plane = fit.apply(Image.fromarray(arr, mode="F"), Image.Resampling.BILINEAR)
     return torch.from_numpy(np.clip(np.asarray(plane, dtype=np.float32), 0.0, 1.0).copy())[None]
@@ -241,7 +246,7 @@ def load_media(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
 def _load_image(item: MediaItem) -> DecodedMedia:
     W, H = item.bucket.width, item.bucket.height
     try:
-        with Image.open(item.path) as raw:
+        with Image.open(open_media(item.path)) as raw:
             w, h = raw.size
             rotated = _orientation(raw) in _ROTATED
             if rotated:
@@ -257,7 +262,7 @@ def _load_image(item: MediaItem) -> DecodedMedia:
         raise
     except Exception as exc:
         raise MediaError(f"{item.id}: cannot decode {item.path} ({type(exc).__name__}: {exc})") from None
-    mask = _load_mask(item.mask_path, fit, item.id) if item.mask_path is not None else None
+    mask = _load_mask(item.mask_path, fit, item.id, item.mask_stretched) if item.mask_path else None
     return DecodedMedia(pixels=pixels, mask=mask, original_size=(h, w), crop_coords=fit.crop)
 
 
@@ -267,7 +272,7 @@ def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
     W, H, F = item.bucket.width, item.bucket.height, item.bucket.frames
     start = item.clip_start or 0.0
     try:
-        with av.open(str(item.path)) as container:
+        with av.open(open_media(item.path)) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             tb = stream.time_base or Fraction(1, 1000)
@@ -312,5 +317,5 @@ def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
             converted[key] = _to_tensor(fit.apply(frame.to_image(), Image.Resampling.LANCZOS), None)
         planes.append(converted[key])
     pixels = torch.stack(planes, dim=1).clamp_(-1.0, 1.0)  # (C, F, H, W)
-    mask = _load_mask(item.mask_path, fit, item.id) if item.mask_path is not None else None
+    mask = _load_mask(item.mask_path, fit, item.id, item.mask_stretched) if item.mask_path else None
     return DecodedMedia(pixels=pixels, mask=mask, original_size=(fit.h0, fit.w0), crop_coords=fit.crop)

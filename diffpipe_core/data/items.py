@@ -54,6 +54,7 @@ class MediaItem:
     caption_variants: tuple[str, ...] = ()  # shuffled-tag versions of ``caption`` to cache (shuffle_tags)
     crop_fraction: float = 0.0  # share of the image the center crop to the bucket's aspect ratio cuts away
     controls: tuple[ControlImage, ...] = ()
+    mask_stretched: bool = False  # the directory's default_mask_file: stretched to the media's size, then cropped
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,17 @@ import json
 import logging
 import os
 import random
+import tarfile
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from diffpipe_core.data import captions
+from diffpipe_core.data import archives, captions
+from diffpipe_core.data.archives import TAR_EXT, beside_archive
 from diffpipe_core.data.buckets import (
     clip_starts,
     closest_bucket,
+    closest_size_bucket,
     frame_bucket_problems,
     resampled_frame_count,
     spatial_buckets,
@@ -56,6 +59,7 @@ CATEGORY_HINTS = {
     "no control image": "put each target's control image in the control folder under the same relative path and "
     "stem (a/b.png <-> a/b.jpg)",
     "unreadable control": "replace the damaged control images",
+    "size buckets": "add a [width, height, 1] size to size_buckets for the images",
 }
 
 
@@ -82,47 +86,75 @@ class _CaptionError(Exception):
     pass
 
 
+def _json_captions(value: object) -> tuple[str, ...] | None:
+    """A captions.json entry as its captions: a string is one caption, a list of strings several (diffusion-pipe's
+    form); None for anything else."""
+    if isinstance(value, str):
+        return (value.strip(),)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(t for t in (v.strip() for v in value) if t)
+    return None
+
+
 class _Captions:
-    """Finds the caption of a media file: ``name.txt`` beside it, else a ``captions.json`` in its folder
-    (keyed by file name) or in the directory root (keyed by relative path)."""
+    """Finds the captions of a media file: ``name.txt`` beside it, else a ``captions.json`` in its folder
+    (keyed by file name) or in the directory root (keyed by relative path; a ``.tar`` archive's members by their
+    name in it, as diffusion-pipe keys them). An entry is a caption or a list of captions."""
 
     def __init__(self, root: Path, index: ScanIndex) -> None:
         self.root = root
         self.index = index
-        self._json: dict[Path, dict[str, str]] = {}
+        self._json: dict[Path, dict[str, tuple[str, ...]]] = {}
 
-    def _load_json(self, folder: Path) -> dict[str, str]:
+    def _load_json(self, folder: Path) -> dict[str, tuple[str, ...]]:
         if folder not in self._json:
-            table: dict[str, str] = {}
+            table: dict[str, tuple[str, ...]] = {}
             path = folder / CAPTIONS_JSON
             if path.is_file():
                 try:
                     raw = json.loads(captions.read_caption(path))
-                    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
-                        raise ValueError('expected an object {"file name": "caption", ...}')
-                    table = {str(k): v.strip() for k, v in raw.items()}
+                    if not isinstance(raw, dict):
+                        raise ValueError('expected an object {"file name": "caption" or ["caption", ...], ...}')
+                    for k, v in raw.items():
+                        texts = _json_captions(v)
+                        if texts is None:
+                            raise ValueError(f"entry {k!r}: expected a caption or a list of captions, got "
+                                             f"{type(v).__name__}")
+                        table[str(k)] = texts
                 except ValueError as exc:
                     log.warning("ignoring %s: %s", path, exc)
             self._json[folder] = table
         return self._json[folder]
 
-    def find(self, media: Path, txt: str | None = None) -> tuple[str | None, str]:
-        """(caption or None, where it was looked for); ``txt`` is ``media.with_suffix(".txt")`` as a string.
-        Raises _CaptionError for an unreadable file."""
+    def find(self, media: Path, txt: str | None = None) -> tuple[tuple[str, ...] | None, str]:
+        """(the captions, or None; where they were looked for); ``txt`` is ``media.with_suffix(".txt")`` as a
+        string. Raises _CaptionError for an unreadable file."""
         txt = txt or str(media.with_suffix(".txt"))
-        try:
-            text = self.index.caption(txt)  # read only if new or changed since the last scan
-        except (ValueError, OSError) as exc:
-            raise _CaptionError(str(exc)) from None
-        if text is not None:
-            return text, txt
-        local = self._load_json(media.parent)
-        if media.name in local:
-            return local[media.name], CAPTIONS_JSON
-        rel = media.relative_to(self.root).as_posix()
-        if media.parent != self.root and rel in self._load_json(self.root):
+        member = archives.split(media) if archives.TAR_SEP in txt else None  # txt: the media's path as a string
+        if member is None:
+            try:
+                text = self.index.caption(txt)  # read only if new or changed since the last scan
+            except (ValueError, OSError) as exc:
+                raise _CaptionError(str(exc)) from None
+            if text is not None:
+                return (text,), txt
+            folder, name = media.parent, media.name
+        else:
+            try:
+                text = archives.member_text(media)
+            except (ValueError, OSError) as exc:
+                raise _CaptionError(str(exc)) from None
+            if text is not None:
+                return (text,), f"{member[0].name}/{Path(member[1]).with_suffix('.txt')}"
+            folder, name = member[0].parent, member[1]
+        local = self._load_json(folder)
+        if name in local:
+            return local[name], CAPTIONS_JSON
+        rel = (folder / name).relative_to(self.root).as_posix()
+        if folder != self.root and rel in self._load_json(self.root):
             return self._json[self.root][rel], CAPTIONS_JSON
-        return None, f"{os.path.basename(txt)} or an entry in {CAPTIONS_JSON}"
+        return None, (f"{Path(name).stem}.txt in {member[0].name} or an entry {name!r} in {CAPTIONS_JSON}"
+                      if member else f"{os.path.basename(txt)} or an entry in {CAPTIONS_JSON}")
 
 
 def shuffled_variants(
@@ -141,6 +173,18 @@ def shuffled_variants(
         rng.shuffle(order)
         variants.append(prefix + settings.tag_delimiter.join(order))
     return tuple(variants)
+
+
+def _caption_variants(texts: tuple[str, ...], prefix: str, settings: DirectorySettings, id_base: str
+                      ) -> tuple[str, ...]:
+    """The caption texts cached for an item (one is drawn per epoch): its shuffled tag orders (shuffle_tags), or
+    its several captions (a captions.json list), each after the prefix; () for one caption as it is."""
+    if settings.shuffle_tags:
+        variants: list[str] = []
+        for text in texts:
+            variants += shuffled_variants(text, prefix, settings, id_base + "\0" + text) or (prefix + text,)
+        return tuple(variants) if len(variants) > 1 else ()
+    return tuple(prefix + t for t in texts) if len(texts) > 1 else ()
 
 
 # ---------------------------------------------------------------------------------------------- discovery
@@ -233,13 +277,14 @@ def _scan_file(
         width, height = facts
 
     try:
-        caption, looked = captions.find(path, txt)
+        texts, looked = captions.find(path, txt)
     except _CaptionError as exc:
         raise _Skip(f"caption encoding: {exc}") from None
-    if not caption and not settings.allow_empty_captions:
-        what = "empty caption" if caption is not None else f"no {looked}"
+    texts = tuple(t for t in texts if t) if texts is not None else None
+    if not texts and not settings.allow_empty_captions:
+        what = "empty caption" if texts is not None else f"no {looked}"
         raise _Skip(f"no caption: {what}, and allow_empty_captions is false")
-    body = caption or ""
+    body = texts[0] if texts else ""
 
     if settings.enable_ar_bucket and settings.drop_outside_ar:  # else the nearest bucket takes it, cropped
         ar = width / height
@@ -251,7 +296,7 @@ def _scan_file(
 
     mask = None
     if settings.mask_path is not None:
-        mask = _find_mask(settings.mask_path, path.relative_to(settings.path))
+        mask = _find_mask(settings.mask_path, beside_archive(path).relative_to(settings.path))
         if mask is not None:
             try:
                 _, mask_size = index.media(mask, IMAGE)
@@ -262,15 +307,31 @@ def _scan_file(
             mw, mh = mask_size
             if (mw, mh) != (width, height):
                 raise _Skip(f"mask size: mask {mask} is {mw}x{mh} but the media is {width}x{height}")
+    stretched = mask is None and settings.default_mask_file is not None
+    if stretched:
+        mask = settings.default_mask_file
+        try:
+            index.media(mask, IMAGE)  # read once per scan; a broken default mask leaves out every item of the folder
+        except (MediaError, OSError) as exc:
+            raise _Skip(f"unreadable mask: {exc}") from None
 
     paired = _paired_controls(path, settings, index, controls)
 
     frames = 1
     starts: list[float | None] = [None]
+    sized = None  # the size_buckets size of the item
+    if settings.size_buckets and not is_video:
+        sized = closest_size_bucket(width, height, 1, False, settings.size_buckets, buckets.multiple)
+        if sized is None:
+            raise _Skip("size buckets: size_buckets has no [width, height, 1] size for images")
     if is_video:
         fps = float(spec.video_fps) if spec.video_fps else info.fps
         available = resampled_frame_count(info.duration, fps)
-        chosen = video_frame_bucket(available, settings.frame_buckets)
+        if settings.size_buckets:
+            sized = closest_size_bucket(width, height, available, True, settings.size_buckets, buckets.multiple)
+            chosen = sized.frames if sized is not None else None
+        else:
+            chosen = video_frame_bucket(available, settings.frame_buckets)
         if chosen is None:
             video_buckets = [f for f in settings.frame_buckets if f > 1]
             if not video_buckets:
@@ -290,15 +351,14 @@ def _scan_file(
         content += "|mask:" + index.content_key(mask)
     prefix = settings.caption_prefix
     full_caption = prefix + body
-    variants = (
-        shuffled_variants(body, prefix, settings, id_base + "\0" + body) if settings.shuffle_tags else ()
-    )
+    variants = _caption_variants(texts or (body,), prefix, settings, id_base)
 
     items = []
-    multi_res = len(settings.resolutions) > 1
+    resolutions = [None] if sized is not None else settings.resolutions
+    multi_res = len(resolutions) > 1
     seen: set[Bucket] = set()
-    for res in settings.resolutions:
-        spatial = buckets.closest(width, height, settings, res)
+    for res in resolutions:
+        spatial = sized if sized is not None else buckets.closest(width, height, settings, res)
         bucket = Bucket(spatial.width, spatial.height, frames)
         # the share of the image the center crop to the bucket's aspect ratio cuts away
         crop = 1 - min(width * spatial.height, spatial.width * height) / max(width * spatial.height,
@@ -307,7 +367,7 @@ def _scan_file(
             continue
         seen.add(bucket)
         item_controls = tuple(
-            ControlImage(Path(c), buckets.closest(cw, ch, settings, res) if spec.control_size == "own"
+            ControlImage(Path(c), _own_bucket(cw, ch, settings, res, buckets) if spec.control_size == "own"
                          else Bucket(spatial.width, spatial.height), ckey)
             for c, (cw, ch), ckey in paired
         )
@@ -321,10 +381,20 @@ def _scan_file(
                 MediaItem(
                     id=item_id, path=path, caption=full_caption, bucket=bucket, content_key=content, mask_path=mask,
                     clip_start=start, repeats=settings.num_repeats, directory=settings.index,
-                    caption_variants=variants, crop_fraction=crop, controls=item_controls,
+                    caption_variants=variants, crop_fraction=crop, controls=item_controls, mask_stretched=stretched,
                 )
             )
     return items
+
+
+def _own_bucket(width: int, height: int, settings: DirectorySettings, res: object, buckets: _Buckets) -> Bucket:
+    """A control image's own bucket (``ModelSpec.control_size = "own"``): of the resolution's buckets, or of the
+    image sizes of size_buckets."""
+    if settings.size_buckets:
+        own = closest_size_bucket(width, height, 1, False, settings.size_buckets, buckets.multiple)
+        if own is not None:
+            return own
+    return buckets.closest(width, height, settings, res if res is not None else settings.resolutions[0])
 
 
 def _paired_controls(
@@ -381,8 +451,9 @@ def _scan(
     problems = spec_problems(cfg, settings, spec)
     if spec.modality == "video":
         for s in settings:
-            where = "" if cfg.directory[s.index].frame_buckets is None else f"directory[{s.index}]."
-            problems += frame_bucket_problems(s.frame_buckets, spec, f"{cfg.source or 'dataset'}: {where}")
+            key = "size_buckets" if s.size_buckets else "frame_buckets"  # the key the frame counts came from
+            where = "" if getattr(cfg.directory[s.index], key) is None else f"directory[{s.index}]."
+            problems += frame_bucket_problems(s.frame_buckets, spec, f"{cfg.source or 'dataset'}: {where}", key)
     if problems:
         raise ConfigError(sorted(set(problems)))
 
@@ -396,6 +467,7 @@ def _scan(
     index = ScanIndex(index_path(cfg.cache_dir, cfg.source, sorted(roots)), strict)
     jobs: list[tuple] = []  # (path, key, ext, settings, captions, id_base, txt key, txt listed): see _prefetch
     folders: dict[int, list[ControlFolder]] = {}
+    unreadable: list[SkippedFile] = []  # archives that cannot be listed
     for s in settings:
         captions = _Captions(s.path, index)
         folders[s.index] = control_folders(s, IMAGE_EXTS)
@@ -409,6 +481,13 @@ def _scan(
                 ext = name[dot:].lower() if dot > 0 else ""  # os.path.splitext's suffix, cheaper
                 if name == CAPTIONS_JSON or ext in SIDECAR_EXTS:
                     continue
+                if ext == TAR_EXT:
+                    try:
+                        jobs += _archive_jobs(folder / name, s, captions, rel + name)
+                    except (OSError, tarfile.TarError) as exc:
+                        why = f"unreadable: not a readable .tar archive ({exc})"
+                        unreadable.append(SkippedFile(folder / name, why))
+                    continue
                 txt = name[: len(name) - len(ext)] + ".txt"
                 jobs.append((folder / name, where + name, ext, s, captions, rel + name, where + txt, txt in present))
     if spec.first_frame == "required":  # before any file is read: the model cannot train on these at all
@@ -418,7 +497,7 @@ def _scan(
     pairs = _pair(jobs, folders, spec) if any(folders.values()) else {}
     _prefetch(index, jobs, spec, workers, progress, [(c, IMAGE) for found in pairs.values() for _, c in found if c])
 
-    result = ScanResult()
+    result = ScanResult(skipped=list(unreadable))
     seen_ids: set[str] = set()
     buckets = _Buckets(spec.spatial_multiple)
 
@@ -445,19 +524,46 @@ def _scan(
             result.items.append(item)
 
     index.save()
-    result.stats = {"files": len(jobs), **index.stats}
+    n_files = len(jobs) + len(unreadable)
+    result.stats = {"files": n_files, **index.stats}
     counts = Counter(reason_category(s.reason) for s in result.skipped)
-    summary = f"dataset: {len(result.items)} items from {len(jobs) - len(result.skipped)} files"
+    summary = f"dataset: {len(result.items)} items from {n_files - len(result.skipped)} files"
     if result.skipped:
         summary += "; left out " + ", ".join(f"{n} {cat}" for cat, n in counts.most_common())
+    if cfg.subsample_ratio < 1 and result.items:
+        kept = _subsample(result.items, cfg.subsample_ratio)
+        summary += f"; subsample_ratio = {cfg.subsample_ratio:g} keeps {len(kept)} of the {len(result.items)} items"
+        result.items = kept
     log.info(summary)
     unpaired = no_pair_problems([f for fs in folders.values() for f in fs])
     if unpaired:  # a control_path that pairs with nothing is a wrong folder, not a dataset to train on
         raise DatasetError("\n".join(unpaired), result)
     if not result.items:
-        raise DatasetError(_empty_message(cfg, settings, jobs, counts), result,
-                           "run `diffpipe data` to list every file and its reason" if jobs else "")
+        raise DatasetError(_empty_message(cfg, settings, n_files, counts), result,
+                           "run `diffpipe data` to list every file and its reason" if n_files else "")
     return result
+
+
+def _archive_jobs(archive: Path, s: DirectorySettings, captions: _Captions, id_base: str) -> list[tuple]:
+    """The scan jobs of a ``.tar`` archive's media members (see :mod:`diffpipe_core.data.archives`). Raises
+    ``OSError`` or ``tarfile.TarError`` for an archive that cannot be listed."""
+    where = str(archive) + os.sep
+    jobs = []
+    for member in archives.members(archive, IMAGE_EXTS | VIDEO_EXTS):
+        ext = os.path.splitext(member)[1].lower()
+        key = where + member
+        jobs.append((Path(key), key, ext, s, captions, f"{id_base}/{member}", key[: len(key) - len(ext)] + ".txt",
+                     False))
+    return jobs
+
+
+def _subsample(items: list[MediaItem], ratio: float) -> list[MediaItem]:
+    """``subsample_ratio``: the ``ratio`` share of the items (at least one) whose id hashes lowest, in scan order;
+    the same items on every rank, scan and run."""
+    n = max(1, int(len(items) * ratio))
+    rank = sorted(items, key=lambda it: hashlib.sha256(it.id.encode()).digest())
+    kept = {id(it) for it in rank[:n]}
+    return [it for it in items if id(it) in kept]
 
 
 def _pair(jobs: list[tuple], folders: dict[int, list[ControlFolder]], spec: ModelSpec
@@ -504,12 +610,12 @@ def _with_id(item: MediaItem, new_id: str) -> MediaItem:
     return replace(item, id=new_id)
 
 
-def _empty_message(cfg: DatasetConfig, settings: list[DirectorySettings], jobs: list, counts: Counter) -> str:
+def _empty_message(cfg: DatasetConfig, settings: list[DirectorySettings], n_files: int, counts: Counter) -> str:
     dirs = ", ".join(str(s.path) for s in settings)
-    if not jobs:
+    if not n_files:
         exts = ", ".join(sorted(IMAGE_EXTS | VIDEO_EXTS))
         return f"the dataset is empty: no files found in {dirs} (looked for {exts})"
-    lines = [f"the dataset is empty: all {len(jobs)} files in {dirs} were left out:"]
+    lines = [f"the dataset is empty: all {n_files} files in {dirs} were left out:"]
     for category, n in counts.most_common():
         hint = CATEGORY_HINTS.get(category)
         lines.append(f"  {n} x {category}" + (f" ({hint})" if hint else ""))

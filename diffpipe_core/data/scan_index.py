@@ -35,7 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from diffpipe_core import __version__
-from diffpipe_core.data import captions, decode
+from diffpipe_core.data import archives, captions, decode
 from diffpipe_core.data.cache_keys import file_content_key
 
 log = logging.getLogger("diffpipe.data")
@@ -88,7 +88,7 @@ def read_file(path: str, kind: str, size: int | None = None, mtime_ns: int | Non
     Raises ``OSError`` only when the file cannot be stat'ed.
     """
     if size is None or mtime_ns is None:
-        st = os.stat(path)
+        st = archives.stat(path)
         size, mtime_ns = st.st_size, st.st_mtime_ns
     head: list[Any] = [size, mtime_ns, None]
     if kind == TEXT:
@@ -228,7 +228,7 @@ class ScanIndex:
         if entry is not None or key in self.missing:
             return entry
         try:
-            st = os.stat(key)
+            st = archives.stat(key)
         except (FileNotFoundError, NotADirectoryError):
             self.missing.add(key)
             return None
@@ -285,7 +285,7 @@ class ScanIndex:
         paths known not to exist (captions the folder listing lacks), so they are not stat'ed."""
         self.missing.update(map(str, absent))
         todo: list[tuple[str, str, int, int]] = []  # (path, kind, size, mtime_ns): the stat the read follows
-        new, old_get, stat_ = self.new, self.old.get, os.stat
+        new, old_get, stat_ = self.new, self.old.get, archives.stat
         reused = 0
         for key, kind in files:
             if key in new:

@@ -12,11 +12,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from diffpipe_core.registry import ModelPlugin, PluginError
 from diffpipe_core.types import ModelConfigBase
+from diffpipe_core.weight_files import open_weights
 
 
 @dataclass
@@ -170,7 +170,7 @@ def materialise_layers(
             wanted[name] = t
     found: set[str] = set()
     for file, key_map in plugin.require("diffusion_model_weights", model_config=model_config):
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
+        with open_weights(file, str(device)) as f:
             for key in f.keys():
                 todo = [(n, fn) for n, fn in key_targets(key_map(key)) if n in wanted and n not in found]
                 if not todo:

@@ -86,6 +86,11 @@ class DiffusersModelConfig(ModelConfigBase):
             object.__setattr__(self, "path", cached_snapshot(type(self).hub_repos, self.type))
         return self
 
+    @property
+    def transformer_file(self) -> Path | None:
+        """The older name of :attr:`diffusion_model` (plugins written before issue 35 read this)."""
+        return self.diffusion_model
+
     def component_file_paths(self) -> dict[str, Path]:
         """The component files the table names, by key (``text_encoders`` as ``text_encoders[i]``)."""
         found = {k: getattr(self, k) for k in ("diffusion_model", "vae", "audio_vae") if getattr(self, k) is not None}

@@ -131,14 +131,18 @@ class DiffusersFolder:
         layout: KeyTable | None = None,
         markers: Sequence[str] = (),
         component: str | None = None,
+        file_checked: bool = False,
     ) -> list[str]:
         """Everything wrong with the folder (and the single file), without reading a weight: one line each.
-        ``component``: the diffusion model a run trains, when not :attr:`model`."""
+        ``component``: the diffusion model a run trains, when not :attr:`model`; ``file_checked``: the single file was
+        checked against the model already (its keys fit), so only the folder is checked."""
         component = component or self.model
         found = check_diffusers_folder(Path(path), self.pipelines, self._config_names(), self.model_name)
         if found:
             return found
         found = self._size_problems(Path(path), component)
+        if file_checked:
+            return found
         if single_file is not None:
             return found + self._single_file_problems(Path(single_file), layout, markers, component)
         folder = Path(path) / component
@@ -279,7 +283,9 @@ class DiffusersFolder:
             shapes = model_shapes(skeleton)
             fit = fit_file(header, shapes, self.file_tables(path, key), tied_names(skeleton))
             if fit is None or not fit.complete:
-                got = f"fills {fit.covered} of its {fit.total} tensors" if fit else "fits none of its tensors"
+                got = f"fills {fit.covered} of its {fit.total} tensors, not {', '.join(fit.missing)}" if fit else (
+                    "fits none of its tensors"
+                )
                 raise ValueError(
                     f"model.{key}: {file}: not the {self.title or self.model_name} {key.replace('_', ' ')} of "
                     f"{Path(path) / key / 'config.json'} (read as diffusers' names or the original layout, it {got}; "

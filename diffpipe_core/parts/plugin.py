@@ -267,7 +267,7 @@ class DiffusersModel:
         if sibling:
             return [sibling]
         single = self.single_file(model_config)
-        layout, markers = None, self.single_file_markers
+        layout, checked = None, False
         folder, component = self.model_folder(model_config), self.model_component(model_config)
         if single is not None:
             try:
@@ -280,12 +280,14 @@ class DiffusersModel:
                     return [
                         f"{single}: fills {found.fit.covered} of the {found.fit.total} tensors of the "
                         f"{self.spec.name} {component} that {folder / component / 'config.json'} describes (read as "
-                        f"{found.fit.layout}): a file of another size or variant of the model?"
+                        f"{found.fit.layout}; it lacks {', '.join(found.fit.missing)}): a file of another size or "
+                        "variant of the model?"
                     ]
-                markers = ()  # its keys fit: diffusers' names are as good as the original layout's
+                checked = True  # its keys fit: diffusers' names are as good as the original layout's
             elif layout is None:
                 layout = self.layout_for(model_config)
-        problems = self.checked_folder(model_config).problems(folder, single, layout, markers, component)
+        folder_table = self.checked_folder(model_config)
+        problems = folder_table.problems(folder, single, layout, self.single_file_markers, component, checked)
         if problems:
             return problems
         try:
@@ -376,7 +378,7 @@ class DiffusersModel:
             return self._with_components(model, model_config, device, dtype)
         skeleton = model.state_dict()
         shapes = {k: tuple(v.shape) for k, v in skeleton.items()}
-        if found is not None and found.fit is not None and (found.fit.table is None or found.file.quantized):
+        if found is not None and found.fit is not None and (found.fit.table is None or found.plan or found.gguf):
             from diffpipe_core.component_files import fill_whole
 
             fill_whole(model, single, self.diffusion_model_weights(model_config)[0][1], device)
@@ -426,11 +428,14 @@ class DiffusersModel:
             return found + [entry for name in held for entry in self.folder.component_weights(folder, name)]
         from diffpipe_core.model_files import safetensors_keys
 
-        keys, problem = safetensors_keys(Path(single))
-        if problem:
-            raise FileNotFoundError(problem)
         file = self.diffusion_model_file(model_config)
-        key_map = file.key_map if file.fit is not None else self.layout_for(model_config).key_map(keys)
+        if file.fit is not None:
+            keys, key_map = list(file.file.tensors), file.key_map
+        else:
+            keys, problem = safetensors_keys(Path(single))
+            if problem:
+                raise FileNotFoundError(problem)
+            key_map = self.layout_for(model_config).key_map(keys)
         found = [(Path(single), key_map)]
         for name in held:
             layout = self.component_layout(model_config, name)

@@ -242,3 +242,41 @@ def assert_kept_quantized(plugin: Any, config: Any, plain_config: Any, storage: 
     assert registry.register_model(plugin.spec.name, plugin).ok
     assert_stages_read_their_own(registry.model(plugin.spec.name), config)
     return model
+
+
+def write_gguf(file: Path, out: Path, kind: str = "Q8_0") -> Path:
+    """Safetensors component file ``file`` as a GGUF file at ``out`` (as city96's GGUF conversions: the same names),
+    every 2-D ``.weight`` whose rows divide into ``kind``'s blocks quantized as ``kind`` (``Q8_0``, ``Q4_0``: those
+    gguf-py quantizes), the rest float32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(out), arch="diffpipe-test")
+    for key, value in load_file(str(file)).items():
+        data = value.float().numpy()
+        if key.endswith(".weight") and data.ndim == 2 and data.shape[1] % block == 0:
+            writer.add_tensor(key, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(key, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def gguf_values(file: Path) -> dict[str, torch.Tensor]:
+    """A GGUF file's tensors as float32 values (quantized ones dequantized): what the file stands for."""
+    from diffpipe_core.weight_files import gguf_dequantize, gguf_header, open_weights
+
+    header, _ = gguf_header(file)
+    out = {}
+    with open_weights(file) as f:
+        for key, (kind, shape) in header.items():
+            value = f.get_tensor(key)
+            out[key] = value.float() if kind in ("F32", "F16", "BF16") else gguf_dequantize(value, kind).reshape(shape)
+    return out

@@ -1,4 +1,4 @@
-"""Per-stage loading, checked on the real safetensors reader: each pipeline stage reads from the weight files only
+"""Per-stage loading, checked on the real weight-file readers: each pipeline stage reads from the weight files only
 the tensors of its own layers (a fused tensor only where it holds one of its parts), and gets exactly the weights a
 whole load gives.
 
@@ -7,29 +7,24 @@ whole load gives.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
 import torch
-from safetensors import safe_open
 
 import diffpipe_core.engine.model_loading as model_loading
 from diffpipe_core.engine.partition import stage_parts
+from diffpipe_core.weight_files import open_weights
 
 
 class CountingReader:
-    """safetensors' own reader, recording the keys whose tensors are read."""
+    """The real weight-file reader (safetensors' own, or the GGUF one), recording the keys whose tensors are read."""
 
-    def __init__(self, reads: list[str], *args: Any, **kwargs: Any) -> None:
-        self.handle, self.reads = safe_open(*args, **kwargs), reads
-
-    def __enter__(self) -> CountingReader:
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.__exit__(*exc)
+    def __init__(self, reads: list[str], handle: Any) -> None:
+        self.handle, self.reads = handle, reads
 
     def keys(self) -> list[str]:
         return self.handle.keys()
@@ -37,6 +32,17 @@ class CountingReader:
     def get_tensor(self, key: str) -> torch.Tensor:
         self.reads.append(key)
         return self.handle.get_tensor(key)
+
+
+def counting(reads: list[str]) -> Any:
+    """:func:`~diffpipe_core.weight_files.open_weights`, its reads recorded in ``reads``."""
+
+    @contextmanager
+    def opened(*args: Any, **kwargs: Any) -> Iterator[CountingReader]:
+        with open_weights(*args, **kwargs) as handle:
+            yield CountingReader(reads, handle)
+
+    return opened
 
 
 @dataclass
@@ -57,7 +63,7 @@ def load_stages(plugin: Any, model_config: Any, stages: int = 2) -> list[StageRe
         assert stage.per_stage_loading, f"model {plugin.name!r} does not implement diffusion_model_weights"
         assert all(p.device.type == "meta" for p in stage.model.parameters()), "the skeleton holds real tensors"
         parts = stage_parts(stage.layers, stages)
-        with mock.patch.object(model_loading, "safe_open", lambda *a, _r=reads, **kw: CountingReader(_r, *a, **kw)):
+        with mock.patch.object(model_loading, "open_weights", counting(reads)):
             model_loading.materialise_layers(
                 plugin, model_config, stage, range(parts[stage_id], parts[stage_id + 1]), device
             )

@@ -16,16 +16,18 @@ from safetensors.torch import load_file
 from diffpipe_core.anchor.keys import toml_key, toml_value
 from diffpipe_core.component_files import cached_snapshot
 from diffpipe_core.parts.ldm import vae_table
-from diffpipe_core.quantize import ScaledLinear
+from diffpipe_core.quantize import GGUFLinear, ScaledLinear
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
     config_only,
     dequantized_state,
+    gguf_values,
     hub_snapshot,
     quantize_file,
     save,
     write_component_files,
+    write_gguf,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_flux.bfl import layout_for_config
@@ -34,7 +36,7 @@ from diffpipe_flux.plugin import plugin as flux
 from diffpipe_flux.testing import transformer_inputs
 
 CPU = torch.device("cpu")
-FORMS = ("fp8_scaled", "comfy_quant_fp8", "fp8", "int8")
+FORMS = ("fp8_scaled", "comfy_quant_fp8", "fp8", "int8", "gguf_Q8_0", "gguf_Q4_0")
 CLIP_PREFIX = "text_encoders.clip_l.transformer."  # a prefix of ComfyUI's, which diffpipe reads from the keys
 
 
@@ -95,24 +97,41 @@ def test_diffusers_names_with_a_comfyui_prefix_load_too(tiny_flux: Path, comfy: 
     same_state(flux.load_diffusion_model(cfg, CPU, torch.float32), expected)
 
 
+def quantized(file: Path, out: Path, form: str) -> Path:
+    """``file`` quantized as ``form``: one of ComfyUI's (:func:`quantize_file`) or ``gguf_<type>`` (a GGUF file)."""
+    if form.startswith("gguf_"):
+        return write_gguf(file, out.with_suffix(".gguf"), form.removeprefix("gguf_"))
+    return quantize_file(file, out, form)
+
+
+def values(file: Path) -> dict:
+    """What a quantized file stands for: its stored values times their scales (or dequantized GGUF blocks)."""
+    return gguf_values(file) if file.suffix == ".gguf" else dequantized_state(file)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path, form: str) -> None:
-    file = quantize_file(comfy["diffusion_model"], tmp_path / f"{form}.safetensors", form)
+    file = quantized(comfy["diffusion_model"], tmp_path / f"{form}.safetensors", form)
     cfg = from_files(comfy, diffusion_model=file)
     assert flux.validate_model_files(cfg) == []
-    model = flux.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
-    storage = torch.int8 if form == "int8" else torch.float8_e4m3fn
-    assert len(kept) == 50 and all(m.weight.dtype == storage for m in kept)  # q, k and v cut from each fused qkv
-    assert sum(m.weight.numel() * m.weight.element_size() for m in kept) == sum(m.weight.numel() for m in kept)
+    model = flux.load_diffusion_model(cfg, CPU, torch.float32)  # computing in float32: comparable to the reference
+    if form.startswith("gguf_"):  # every linear whose rows divide into 32-value blocks (x_embedder's 16 do not)
+        kept = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+        assert len(kept) == 49 and all(m.weight.dtype == torch.uint8 for m in kept)
+        full = sum(m.in_features * m.out_features * 2 for m in kept)  # as bfloat16
+        assert sum(m.weight.numel() for m in kept) < (0.55 if form == "gguf_Q8_0" else 0.3) * full
+    else:
+        kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
+        storage = torch.int8 if form == "int8" else torch.float8_e4m3fn
+        assert len(kept) == 50 and all(m.weight.dtype == storage for m in kept)  # q, k and v cut from each fused qkv
+        assert sum(m.weight.numel() * m.weight.element_size() for m in kept) == sum(m.weight.numel() for m in kept)
     assert f"{len(kept)} linears kept quantized" in flux.model_file_lines(cfg)[0]
-    # what the file stands for: its stored values times their scales, as a float32 BFL file
-    plain = save(dequantized_state(file), tmp_path / "dequantized.safetensors")
+    # what the file stands for, as a float32 BFL file: the quantized model computes exactly with those weights
+    plain = save(values(file), tmp_path / "dequantized.safetensors")
     reference = flux.load_diffusion_model(from_files(comfy, diffusion_model=plain), CPU, torch.float32)
     inputs = transformer_inputs()
-    got = _forward(model, inputs)
-    expected = _forward(reference, inputs)
-    assert torch.allclose(got, expected, rtol=2e-2, atol=2e-2), (got - expected).abs().max()
+    got, expected = _forward(model, inputs), _forward(reference, inputs)
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     # per-stage loading reads each stage's quantized tensors (and their scales) once, from its own stage only
     registry = Registry()
     assert registry.register_model("flux", flux).ok
@@ -148,9 +167,9 @@ def test_bad_files_are_named_in_one_line_each(comfy: dict, tmp_path: Path) -> No
     [problem] = problems(from_files(comfy, diffusion_model=truncated))
     assert str(truncated) in problem and "truncated" in problem
     gguf = tmp_path / "flux1-dev-Q4_K_S.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(64))
+    gguf.write_bytes(b"GGUF" + bytes(64))  # a damaged GGUF file
     [problem] = problems(from_files(comfy, diffusion_model=gguf))
-    assert str(gguf) in problem and "GGUF" in problem
+    assert str(gguf) in problem and "not a readable GGUF file" in problem
     nvfp4 = tmp_path / "nvfp4.safetensors"
     state = load_file(str(quantize_file(dit, tmp_path / "q.st", "comfy_quant_fp8")))
     key = next(k for k in state if k.endswith(".comfy_quant"))
@@ -169,7 +188,7 @@ def test_bad_files_are_named_in_one_line_each(comfy: dict, tmp_path: Path) -> No
     state = {k: v for k, v in state.items() if ".double_blocks.1." not in k}
     smaller = save(state, tmp_path / "smaller.safetensors")
     [problem] = problems(from_files(comfy, diffusion_model=smaller))
-    assert str(smaller) in problem and "another size" in problem
+    assert str(smaller) in problem and "another size" in problem and "transformer_blocks.1." in problem
 
 
 def test_configs_from_the_hugging_face_cache(tiny_flux: Path, comfy: dict, tmp_path: Path, monkeypatch) -> None:
@@ -220,7 +239,7 @@ def project_from_files(root: Path, form: str | None, steps: int) -> tuple[Path, 
 
     config = make_project(root, stages=1, single_file=False)
     files = comfy_files(root / "model", root / "comfy")
-    dit = files["diffusion_model"] if form is None else quantize_file(files["diffusion_model"], root / "q.st", form)
+    dit = files["diffusion_model"] if form is None else quantized(files["diffusion_model"], root / "q.st", form)
     return with_files(config, files, dit, steps), dit
 
 
@@ -234,19 +253,38 @@ def with_files(config: Path, files: dict, dit: Path, steps: int) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["fp8_scaled", "int8"])
+@pytest.mark.parametrize("form", ["fp8_scaled", "int8", "gguf_Q4_0"])
 def test_a_lora_trains_on_a_quantized_base(tmp_path: Path, form: str) -> None:
     """The LoRA trains on the quantized base kept quantized; in float32 the losses equal those of a run on the
     dequantized weights (stored * scale) within 1e-5: the kept weights are exactly what the file stands for."""
-    config, quantized = project_from_files(tmp_path / "q", form, steps=4)
+    config, quantized_file = project_from_files(tmp_path / "q", form, steps=4)
     run = runs.train(tmp_path / "q", config, procs=1, timeout=300)
     plain_config, _ = project_from_files(tmp_path / "plain", None, steps=4)
     files = {"configs": tmp_path / "plain/comfy/configs", "vae": tmp_path / "plain/comfy/vae.st"}
     files["text_encoders"] = [tmp_path / "plain/comfy/text_encoder.st", tmp_path / "plain/comfy/text_encoder_2.st"]
-    dequantized = save(dequantized_state(quantized), tmp_path / "plain" / "dequantized.safetensors")
+    dequantized = save(values(quantized_file), tmp_path / "plain" / "dequantized.safetensors")
     plain = runs.train(tmp_path / "plain", with_files(plain_config, files, dequantized, 4), procs=1, timeout=300)
     got, expected = runs.losses(run), runs.losses(plain)
     assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5), (got, expected)
     lora = load_file(str(run / "saved/final/adapter_model.safetensors"))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in lora.items())  # B starts at 0: trained
+
+
+def test_a_full_finetune_of_a_quantized_file_is_refused(comfy: dict, tmp_path: Path) -> None:
+    from diffpipe_core.config import ConfigError, load_config
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64), captions=["a", "b"])
+    write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "images", resolutions=[64])
+    fp8 = quantize_file(comfy["diffusion_model"], tmp_path / "fp8_scaled.safetensors", "fp8_scaled")
+    model = {"type": "flux", "path": str(comfy["configs"]), "diffusion_model": str(fp8)}
+    config = tmp_path / "run.toml"
+    config.write_text(runs.run_toml(model, {"lr": 1e-5}))
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, get_registry())
+    [problem] = [p for p in caught.value.problems if "diffusion_model" in p]
+    assert str(fp8) in problem and "full fine-tune" in problem and "[adapter]" in problem
+    config.write_text(runs.run_toml(model, {"lr": 1e-5}, {"rank": 4}))
+    assert load_config(config, get_registry()).model.diffusion_model == fp8

@@ -1,0 +1,126 @@
+"""diffusion-pipe's ``[model] type`` names and the diffpipe model each becomes.
+
+diffusion-pipe names one type per family and picks the variant at run time: Flux Kontext is ``type = 'flux'``
+with a Kontext transformer or a dataset with ``control_path``, Qwen-Image-Edit likewise ``'qwen_image'``, Wan's
+image-to-video checkpoints are ``'wan'`` (their ``config.json`` says ``model_type = 'i2v'``). diffpipe names each
+variant (its plugins declare what each takes), so :func:`diffpipe_model` reads what diffusion-pipe reads to choose.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# every type diffusion-pipe's train.py knows (at 8f83dbf) -> the diffpipe model of the same family
+MODEL_TYPES = {
+    "sdxl": "sdxl",
+    "flux": "flux",
+    "ltx-video": "ltx-video",
+    "hunyuan-video": "hunyuan-video",
+    "cosmos": "cosmos",
+    "wan": "wan",
+    "chroma": "chroma",
+    "cosmos_predict2": "cosmos-predict2",
+    "qwen_image": "qwen-image",
+    "z_image": "z-image",
+    "hunyuan_video_15": "hunyuan-video-1.5",
+    "flux2": "flux2",
+    "ltx2": "ltx-2",
+}
+
+# types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
+PLANNED = {
+    "lumina_2": "diffpipe-lumina",
+    "hidream": "diffpipe-hidream",
+    "sd3": "diffpipe-sd3",
+    "anima": "diffpipe-cosmos",  # a Cosmos-Predict2 transformer with an LLM adapter; diffusion-pipe trains both alike
+    "omnigen2": "diffpipe-omnigen2",
+    "hunyuan_image": "diffpipe-hunyuan",
+    "auraflow": "diffpipe-auraflow",
+    "ernie_image": "diffpipe-ernie",
+    "ideogram4": "diffpipe-ideogram",
+    "krea2": "diffpipe-krea",
+    "minimax_h3": "diffpipe-minimax",
+}
+
+# a family's model -> its edit variant (trains on control images), where the family model itself does not
+EDIT_VARIANTS = {"flux": "flux-kontext", "qwen-image": "qwen-image-edit"}
+# words in a model file or folder name that mark the edit variant's weights, as its releases name them
+EDIT_WORDS = {"flux": "kontext", "qwen-image": "edit"}
+# Wan's config.json model_type values that diffusion-pipe trains image-to-video
+WAN_I2V = ("i2v", "flf2v")
+# what diffpipe's model reads as [model] path where diffusion-pipe took another model's folder
+PATH_NOTES = {
+    "qwen-image-edit": "path must be a Qwen-Image-Edit diffusers folder (its processor prepares the control images); "
+    "diffusion-pipe also took Qwen-Image's folder with an edit transformer file",
+    "chroma": "path must be a Chroma diffusers folder; diffusion-pipe took FLUX.1-dev's for Chroma's VAE and T5",
+}
+MODEL_FILE_KEYS = ("diffusers_path", "transformer_path", "ckpt_path", "diffusion_model", "checkpoint_path")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The diffpipe model for an anchor ``[model]`` table: ``name`` (None: diffpipe has none yet), why it differs
+    from the family's name, for a type diffpipe lacks the distribution that will have it, and what its ``path``
+    must be where diffusion-pipe took another folder (:data:`PATH_NOTES`)."""
+
+    name: str | None
+    why: str = ""
+    planned: str | None = None
+
+    @property
+    def path_note(self) -> str:
+        return PATH_NOTES.get(self.name or "", "")
+
+
+def diffpipe_model(anchor_type: str, table: dict[str, Any], uses_control: bool, base: Path) -> ModelChoice:
+    """The diffpipe model for diffusion-pipe's ``type = anchor_type`` with the rest of its ``[model]`` ``table``;
+    ``uses_control``: a dataset of the run gives ``control_path`` (edit pairs); ``base``: where relative paths
+    start."""
+    name = MODEL_TYPES.get(anchor_type)
+    if name is None:
+        planned = PLANNED.get(anchor_type)
+        return ModelChoice(None, planned=planned)
+    edit = EDIT_VARIANTS.get(name)
+    if edit is not None:
+        if uses_control:
+            return ModelChoice(edit, f"the dataset gives control_path (edit pairs): diffpipe's {edit!r} trains them")
+        named = _file_naming(table, EDIT_WORDS[name])
+        if named:
+            return ModelChoice(edit, f"{named} names {edit!r} weights")
+    if name == "wan":
+        variant = _wan_model_type(table, base)
+        if variant in WAN_I2V:
+            return ModelChoice("wan-i2v", f"the checkpoint's config.json says model_type = {variant!r}: "
+                                          "diffpipe's 'wan-i2v' trains it on each clip's first frame")
+    if name == "flux2":
+        named = _file_naming(table, "klein")
+        if named:
+            return ModelChoice("flux2-klein", f"{named} names FLUX.2 [klein] weights")
+    return ModelChoice(name)
+
+
+def _file_naming(table: dict[str, Any], word: str) -> str:
+    """The first ``key = path`` of the table whose file or folder name contains ``word`` ("" if none)."""
+    for key in MODEL_FILE_KEYS:
+        value = table.get(key)
+        if isinstance(value, str) and word in Path(value).name.lower():
+            return f"{key} = {Path(value).name!r}"
+    return ""
+
+
+def _wan_model_type(table: dict[str, Any], base: Path) -> str | None:
+    """``model_type`` of the Wan checkpoint folder's config.json, as diffusion-pipe reads it (None if unreadable)."""
+    for key in ("ckpt_path", "transformer_path"):
+        value = table.get(key)
+        if not isinstance(value, str):
+            continue
+        folder = Path(value).expanduser()
+        folder = folder if folder.is_absolute() else base / folder
+        try:
+            return json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None

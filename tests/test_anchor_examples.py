@@ -1,0 +1,253 @@
+"""Every example config of tdrussell/diffusion-pipe and every ``[model]`` snippet of its docs/supported_models.md
+through ``diffpipe import-config`` (issue 43).
+
+The fixtures in ``tests/anchor_examples/`` are the anchor's own texts at 8f83dbf (``examples/*.toml`` verbatim; the
+``[model]`` code blocks of the docs with their headings). Each conversion keeps every key diffpipe has a counterpart
+for, keeps edit and image-to-video settings, maps every model type to a diffpipe model (or names the distribution that
+will have it), and, with tiny models standing in for the paths, passes ``diffpipe validate``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+from click.testing import CliRunner
+
+from diffpipe_core.anchor.convert import Imported, import_config
+from diffpipe_core.anchor.keys import core_fields
+from diffpipe_core.anchor.models import EDIT_VARIANTS, MODEL_TYPES, PATH_NOTES, PLANNED
+from diffpipe_core.cli import main
+from diffpipe_core.registry import get_registry
+from diffpipe_core.testing.media import write_image_dataset
+
+EXAMPLES = Path(__file__).parent / "anchor_examples"
+RUN_CONFIGS = sorted(p.name for p in EXAMPLES.glob("*.toml") if "dataset" not in p.name)
+DATASETS = sorted(p.name for p in EXAMPLES.glob("*.toml") if "dataset" in p.name)
+SNIPPETS = re.findall(r"## ([^\n]+)\n```toml\n(.*?)```", (EXAMPLES / "supported_models.md").read_text(), re.S)
+SNIPPET_IDS = [f"{i}-{re.sub(r'[^A-Za-z0-9.]+', '-', heading)}" for i, (heading, _) in enumerate(SNIPPETS)]
+# the model types diffusion-pipe's train.py dispatches on, at 8f83dbf
+ANCHOR_TYPES = (
+    "flux", "ltx-video", "hunyuan-video", "sdxl", "cosmos", "lumina_2", "wan", "chroma", "hidream", "sd3",
+    "cosmos_predict2", "anima", "omnigen2", "qwen_image", "hunyuan_image", "auraflow", "z_image", "hunyuan_video_15",
+    "flux2", "ernie_image", "ltx2", "ideogram4", "krea2", "minimax_h3",
+)  # fmt: skip
+# ComfyUI component-file keys: the lead maps them onto [model] diffusion_model, vae, text_encoders, audio_vae (issue 35)
+COMPONENT_KEYS = {"diffusion_model", "vae", "text_encoders", "text_encoder", "audio_vae"}
+SECTION_OF = {None: "run", "[model]": "model", "[adapter]": "adapter", "[optimizer]": "optimizer",
+              "[logging]": "logging", "[[directory]]": "directory"}
+
+
+def _installed() -> set[str]:
+    return {info.name for info in get_registry().models() if info.ok}
+
+
+def _not_carried(text: str, top: str) -> list[tuple[str, str]]:
+    """``(section, key)`` of every ``# not carried: key = ...`` (or ``[key]``) note of a written file."""
+    found, section = [], top
+    for line in text.splitlines():
+        if line.startswith("["):
+            section = SECTION_OF.get(line.strip(), line.strip())
+        match = re.match(r"# not carried: \[?([A-Za-z0-9_]+)", line)
+        if match:
+            found.append((section, match.group(1)))
+    return found
+
+
+def _fields(section: str, model: str | None) -> set[str]:
+    if section == "model":
+        return set(get_registry().model(model).spec.config_schema.model_fields) if model else set()
+    if section == "logging":
+        from diffpipe_core.config import LoggingConfig
+
+        return set(LoggingConfig.model_fields)
+    return core_fields(section) or set()
+
+
+def _check_nothing_diffpipe_has_is_dropped(imported: Imported) -> dict:
+    """Every key the importer did not carry is one diffpipe has no key for (where the anchor had it); returns the
+    run config written."""
+    run = tomllib.loads(imported.files["run.toml"])
+    model = run["model"].get("type") if run["model"].get("type") in _installed() else None
+    for name, text in imported.files.items():
+        for section, key in _not_carried(text, "run" if name == "run.toml" else "dataset"):
+            if section == "dataset" and key in ("control_path", "default_mask_file"):
+                continue  # diffusion-pipe reads these per [[directory]] only: at the top level they did nothing
+            if section == "directory" and key == "subsample_ratio":
+                continue  # likewise, the other way round
+            assert key not in _fields(section, model), f"{name}: {section}.{key} has a diffpipe counterpart"
+    return run
+
+
+def _in_main_example(model: str) -> str:
+    """examples/main_example.toml with its [model] table replaced by ``model`` (a snippet is one table of a run
+    config: the docs show it for main_example's place)."""
+    text = (EXAMPLES / "main_example.toml").read_text()
+    start, end = text.index("\n[model]\n"), text.index("\n[adapter]\n")
+    return text[:start] + "\n" + model + text[end:]
+
+
+def _convert(tmp_path: Path, run_text: str, dataset: Path | None) -> Imported:
+    config = tmp_path / "anchor.toml"
+    config.write_text(run_text)
+    return import_config(config, tmp_path, dataset)
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("run_config", RUN_CONFIGS)
+def test_every_example_config_converts_keeping_what_diffpipe_has(tmp_path: Path, run_config: str,
+                                                                  dataset: str) -> None:
+    imported = import_config(EXAMPLES / run_config, tmp_path, EXAMPLES / dataset)
+    run = _check_nothing_diffpipe_has_is_dropped(imported)
+    data = tomllib.loads(imported.files["dataset.toml"])
+    anchor_run, anchor_data = (tomllib.loads((EXAMPLES / f).read_text()) for f in (run_config, dataset))
+    edit_dirs = [d for d in anchor_data.get("directory", []) if "control_path" in d]
+    for ours, theirs in zip(data["directory"], anchor_data["directory"]):  # edit pairs stay edit pairs
+        assert ours.get("control_path") == theirs.get("control_path")
+    family = MODEL_TYPES.get(anchor_run["model"]["type"])
+    if edit_dirs and family in EDIT_VARIANTS:
+        assert run["model"]["type"] == EDIT_VARIANTS[family], "an edit dataset trained as text-to-image"
+        assert PATH_NOTES.get(run["model"]["type"], "") in imported.files["run.toml"]  # which folder path takes
+    if "size_buckets" in anchor_data:
+        assert data["size_buckets"] == anchor_data["size_buckets"]
+    if anchor_run["model"].get("transformer_dtype") == "float8":
+        assert run["model"]["quantize"] == "float8"
+
+
+@pytest.mark.parametrize("index", range(len(SNIPPETS)), ids=SNIPPET_IDS)
+def test_every_model_snippet_converts_to_a_diffpipe_model(tmp_path: Path, index: int) -> None:
+    heading, body = SNIPPETS[index]
+    imported = _convert(tmp_path, _in_main_example(body), EXAMPLES / "dataset.toml")
+    run = _check_nothing_diffpipe_has_is_dropped(imported)
+    anchor = tomllib.loads(body)["model"]
+    name = run["model"]["type"]
+    if anchor["type"] in PLANNED:
+        assert f"the {PLANNED[anchor['type']]} distribution will have it" in imported.files["run.toml"]
+    else:
+        assert name in _installed(), f"{heading}: type = {anchor['type']!r} became {name!r}, not an installed model"
+    quantized = anchor.get("transformer_dtype", anchor.get("diffusion_model_dtype"))
+    if quantized in ("float8", "float8_e5m2"):
+        assert run["model"]["quantize"] == quantized
+    for key, value in anchor.items():  # the keys this model's diffpipe table has keep their value
+        if name in _installed() and key in _fields("model", name) and key not in ("type", "dtype"):
+            assert run["model"][key] == value, key
+
+
+def test_every_anchor_model_type_has_a_diffpipe_name_or_a_planned_distribution() -> None:
+    assert set(MODEL_TYPES) | set(PLANNED) == set(ANCHOR_TYPES)
+    assert set(MODEL_TYPES.values()) <= _installed()
+    assert all(dist.startswith("diffpipe-") for dist in PLANNED.values())
+
+
+def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
+    """Tiny models standing in for the snippets' files: model -> (diffusers folder, single transformer file)."""
+    from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
+    from diffpipe_cosmos.testing import original_path as cosmos_file
+    from diffpipe_flux.testing import bfl_path, write_tiny_chroma, write_tiny_flux
+    from diffpipe_hunyuan.testing import original_path as hunyuan_file
+    from diffpipe_hunyuan.testing import write_tiny_hunyuan
+    from diffpipe_ltx.testing import single_file_path as ltx_file
+    from diffpipe_ltx.testing import write_tiny_ltx
+    from diffpipe_qwenimage.testing import comfy_path, write_tiny_qwen
+    from diffpipe_sdxl.testing import write_single_file, write_tiny_sdxl
+    from diffpipe_wan.testing import single_file_path as wan_file
+    from diffpipe_wan.testing import write_tiny_wan
+
+    sdxl = write_tiny_sdxl(root / "sdxl")
+    flux = write_tiny_flux(root / "flux")
+    qwen = write_tiny_qwen(root / "qwen")
+    qwen_edit = write_tiny_qwen(root / "qwen-edit", "QwenImageEditPlusPipeline")
+    return {
+        "sdxl": (sdxl, write_single_file(sdxl, root / "sdxl.safetensors")),
+        "flux": (flux, bfl_path(flux)),
+        "flux-kontext": (flux, bfl_path(flux)),
+        # and a Chroma folder where diffusion-pipe takes FLUX.1-dev's for Chroma's VAE and T5
+        "chroma": (write_tiny_chroma(root / "chroma"), bfl_path(root / "chroma")),
+        "ltx-video": (write_tiny_ltx(root / "ltx"), ltx_file(root / "ltx")),
+        "hunyuan-video": (write_tiny_hunyuan(root / "hunyuan"), hunyuan_file(root / "hunyuan")),
+        "cosmos": (write_tiny_cosmos(root / "cosmos", TinyCosmosConfig(variant="1.0")), cosmos_file(root / "cosmos")),
+        "cosmos-predict2": (write_tiny_cosmos(root / "predict2"), cosmos_file(root / "predict2")),
+        "wan": (write_tiny_wan(root / "wan"), wan_file(root / "wan")),
+        "qwen-image": (qwen, comfy_path(qwen)),
+        # diffpipe reads an edit model's diffusers folder (diffusion-pipe also takes Qwen-Image's with the edit file)
+        "qwen-image-edit": (qwen_edit, comfy_path(qwen_edit)),
+    }
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path | None]]:
+    return _stand_ins(tmp_path_factory.mktemp("anchor_models"))
+
+
+FILE_KEYS = ("transformer_path", "single_file_path", "checkpoint_path")
+
+
+@pytest.mark.parametrize("index", [i for i, (_, body) in enumerate(SNIPPETS)
+                                   if not COMPONENT_KEYS & set(tomllib.loads(body)["model"])
+                                   and tomllib.loads(body)["model"]["type"] in MODEL_TYPES],
+                         ids=lambda i: SNIPPET_IDS[i])
+def test_every_model_snippet_validates_with_tiny_models_for_its_files(
+    tmp_path: Path, index: int, stand_ins: dict[str, tuple[Path, Path | None]]
+) -> None:
+    heading, body = SNIPPETS[index]
+    first = _convert(tmp_path, _in_main_example(body), EXAMPLES / "dataset.toml")
+    name = tomllib.loads(first.files["run.toml"])["model"]["type"]
+    folder, single = stand_ins[name]
+    text = body
+    paths = [(k, v) for k, v in tomllib.loads(body)["model"].items() if isinstance(v, str) and v.startswith("/")]
+    for key, value in sorted(paths, key=lambda kv: -len(kv[1])):  # a folder's path may start a file's
+        text = text.replace(value, str(single if key in FILE_KEYS else folder))
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64))
+    edit = name in EDIT_VARIANTS.values()
+    if edit:
+        write_image_dataset(tmp_path / "controls", 2, size=(64, 64))
+    dataset = tmp_path / "dp_dataset.toml"
+    dataset.write_text("resolutions = [64]\n[[directory]]\npath = 'images'\n"
+                       + ("control_path = 'controls'\n" * edit))
+    imported = _convert(tmp_path, _in_main_example(text), dataset)
+    run_text = re.sub(r"# TODO: (path|config_path) = \.\.\.", rf"\1 = '{folder}'  #", imported.files["run.toml"])
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / "run.toml").write_text(run_text)
+    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
+    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
+    assert f"ok (model {name}" in result.output
+
+
+def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
+    """The keys issue 43 found dropped: LoKr's decompose_factor, W&B's [monitoring], float8_e5m2, and the dataset's
+    size_buckets, subsample_ratio, default_mask_file and control_path; a Wan checkpoint's i2v model_type."""
+    run_text = _in_main_example("[model]\ntype = 'cosmos_predict2'\ntransformer_path = '/m/model.safetensors'\n"
+                                "dtype = 'bfloat16'\ntransformer_dtype = 'float8_e5m2'\n")
+    run_text = run_text.replace("[adapter]\ntype = 'lora'\nrank = 32", "[adapter]\ntype = 'lokr'\nrank = 32\n"
+                                "decompose_factor = 4")
+    run_text = run_text.replace("enable_wandb = false\nwandb_api_key = ''\nwandb_tracker_name = ''\n"
+                                "wandb_run_name = ''", "enable_wandb = true\nwandb_api_key = 'sekrit'\n"
+                                "wandb_tracker_name = 'my-loras'\nwandb_run_name = 'first'")
+    (tmp_path / "dataset.toml").write_text(
+        "size_buckets = [[960, 960, 1], [1280, 704, 1]]\nsubsample_ratio = 0.5\nshuffle_metadata = true\n"
+        "[[directory]]\npath = 'data'\ndefault_mask_file = 'mask.png'\ncontrol_path = 'control'\n"
+    )
+    imported = _convert(tmp_path, run_text, tmp_path / "dataset.toml")
+    run, data = (tomllib.loads(imported.files[f]) for f in ("run.toml", "dataset.toml"))
+    assert run["adapter"]["type"] == "lokr" and run["adapter"]["factor"] == 4
+    assert run["logging"] == {"wandb": {"project": "my-loras", "name": "first"}}
+    assert "sekrit" not in imported.files["run.toml"] and "wandb login" in imported.files["run.toml"]
+    assert run["model"]["type"] == "cosmos-predict2" and run["model"]["quantize"] == "float8_e5m2"
+    assert data["size_buckets"] == [[960, 960, 1], [1280, 704, 1]] and data["subsample_ratio"] == 0.5
+    assert data["directory"] == [{"path": str(tmp_path / "data"), "default_mask_file": str(tmp_path / "mask.png"),
+                                  "control_path": str(tmp_path / "control")}]
+    assert "not carried: shuffle_metadata = true (diffpipe's data order does not depend on the file order" in \
+        imported.files["dataset.toml"]
+
+    wan = tmp_path / "Wan2.1-I2V-14B-480P"  # the official checkpoint folder: its config.json names the variant
+    wan.mkdir()
+    (wan / "config.json").write_text(json.dumps({"model_type": "i2v", "dim": 5120}))
+    imported = _convert(tmp_path, _in_main_example(f"[model]\ntype = 'wan'\nckpt_path = '{wan}'\n"),
+                        tmp_path / "dataset.toml")
+    assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-i2v"
+    assert "config.json says model_type = 'i2v'" in imported.files["run.toml"]
