@@ -2,10 +2,12 @@
 layout under ``model.diffusion_model.``), ``hunyuan_video_vae_bf16.safetensors`` (in ComfyUI's LDM names with 3-D
 convolutions, or in Tencent's, which are diffusers'), ``llava_llama3_fp16.safetensors`` (Llama under ComfyUI's
 ``model.``) and ``clip_l.safetensors``, beside a folder of only configs and tokenizers: the weights load exactly as
-the folder's, and an fp8 scaled transformer stays quantized and loads per stage."""
+the folder's (a transformer ComfyUI saved, in its own module names, too), and an fp8 scaled transformer stays quantized
+and loads per stage."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from diffpipe_core.testing.component_files import (
     quantize_file,
     save,
 )
-from diffpipe_hunyuan.original import layout_for_config
+from diffpipe_hunyuan.original import comfyui_layout, layout_for_config
 from diffpipe_hunyuan.plugin import plugin as hunyuan
 from diffpipe_hunyuan.testing import tiny_config
 from diffpipe_hunyuan.vae_layouts import ldm_vae_table
@@ -60,6 +62,24 @@ def test_the_vae_in_tencents_names_loads_too(tiny_hunyuan: Path, comfy: dict, cr
     tencent = save(component_state(tiny_hunyuan, "vae"), tmp_path / "hunyuan_video_vae_bf16.safetensors")
     cfg = from_files(comfy, crop_start, vae=tencent)
     assert f"vae: {tencent}: diffusers," in "\n".join(hunyuan.model_file_lines(cfg))
+    assert_loads_as_the_folder(hunyuan, cfg, tiny_config(tiny_hunyuan, crop_start), ENCODERS)
+
+
+def test_a_transformer_saved_by_comfyui_loads_too(tiny_hunyuan: Path, comfy: dict, crop_start: int, tmp_path) -> None:
+    """ComfyUI's own module names (``img_attn.qkv``, ``img_attn.norm.query_norm.scale``, ``img_mod.lin``,
+    ``txt_in.t_embedder.in_layer``, ...), as a file saved by ComfyUI holds them."""
+    table = comfyui_layout(layout_for_config(json.loads((tiny_hunyuan / "transformer/config.json").read_text())))
+    state = table.to_original(component_state(tiny_hunyuan, "transformer"))
+    native = save(
+        {f"model.diffusion_model.{k}": v for k, v in state.items()}, tmp_path / "saved_by_comfyui.safetensors"
+    )
+    held = {k.removeprefix("model.diffusion_model.") for k in load_file(str(native))}
+    assert {"double_blocks.0.img_attn.norm.query_norm.scale", "single_blocks.1.modulation.lin.weight"} <= held
+    assert {"txt_in.individual_token_refiner.blocks.0.self_attn.qkv.weight", "time_in.in_layer.weight"} <= held
+    cfg = from_files(comfy, crop_start, diffusion_model=native)
+    assert (
+        "diffusion_model: " in hunyuan.model_file_lines(cfg)[0] and "ComfyUI layout" in hunyuan.model_file_lines(cfg)[0]
+    )
     assert_loads_as_the_folder(hunyuan, cfg, tiny_config(tiny_hunyuan, crop_start), ENCODERS)
 
 
