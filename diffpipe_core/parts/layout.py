@@ -59,7 +59,8 @@ class Module:
         comfy: the module's name in ComfyUI's LoRA layout: :data:`SAME` (the original name), another name, or
             None when ComfyUI has no name a LoRA on this module could use.
         form: how the original stores the module's tensors when not as the model does: ``"conv1x1"`` (a linear's
-            weight as a 1x1 convolution's, LDM VAEs' attention) or ``"transposed"`` (OpenCLIP's ``text_projection``).
+            weight as a 1x1 convolution's, LDM VAEs' attention), ``"conv1x1x1"`` (as a 1x1x1 3-D convolution's, video
+            LDM VAEs' attention) or ``"transposed"`` (OpenCLIP's ``text_projection``).
             ``original`` may be ``""`` for a parameter at the top of the original layout.
     """
 
@@ -95,8 +96,12 @@ def _to_conv1x1(t: torch.Tensor) -> torch.Tensor:
     return t[:, :, None, None] if t.dim() == 2 else t
 
 
+def _to_conv1x1x1(t: torch.Tensor) -> torch.Tensor:
+    return t[:, :, None, None, None] if t.dim() == 2 else t
+
+
 def _from_conv1x1(t: torch.Tensor) -> torch.Tensor:
-    return t.flatten(1) if t.dim() == 4 else t
+    return t.flatten(1) if t.dim() > 2 else t
 
 
 def _transpose(t: torch.Tensor) -> torch.Tensor:
@@ -107,6 +112,7 @@ def _transpose(t: torch.Tensor) -> torch.Tensor:
 FORMS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]] = {
     "": (None, None),
     "conv1x1": (_from_conv1x1, _to_conv1x1),
+    "conv1x1x1": (_from_conv1x1, _to_conv1x1x1),
     "transposed": (_transpose, _transpose),
 }
 

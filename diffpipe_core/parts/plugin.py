@@ -149,6 +149,16 @@ class DiffusersModel:
         (the default without :attr:`key_tables`)."""
         return import_module(self.key_tables).layout_for_config(transformer_config) if self.key_tables else None
 
+    def original_layouts(self, transformer_config: dict[str, Any]) -> list[KeyTable]:
+        """Every original layout a ``diffusion_model`` file may be in: the :attr:`key_tables` module's
+        ``layouts_for_config(transformer_config)`` when it has one (a model shipped in several layouts, as
+        HunyuanVideo-1.5 by Tencent and by ComfyUI), else :meth:`original_layout` alone."""
+        module = import_module(self.key_tables) if self.key_tables else None
+        if module is not None and hasattr(module, "layouts_for_config"):
+            return list(module.layouts_for_config(transformer_config))
+        layout = self.original_layout(transformer_config)
+        return [layout] if layout is not None else []
+
     def default_lora_targets(self, model_config: ModelConfigBase) -> list[str]:
         """The default LoRA targets: :attr:`lora_target_names`, those in :attr:`last_block_unused` expanded to
         their full names in every joint block but the last (the list is unchanged when nothing is left out)."""
@@ -384,7 +394,8 @@ class DiffusersModel:
             sibling = self.sibling_problem(model_config)
             if sibling:
                 raise KeyError(sibling)
-            layout = self.layout_for(model_config)
+            fit = found.fit if found is not None else None
+            layout = fit.table if fit is not None and fit.table is not None else self.layout_for(model_config)
             with safe_open(str(single), framework="pt") as f:  # only the model's part of a file holding others too
                 state = layout.to_model({k: f.get_tensor(k) for k in layout.own_keys(f.keys())}, str(single), shapes)
         else:
@@ -441,7 +452,7 @@ class DiffusersModel:
 
     def diffusion_model_file(self, model_config: ModelConfigBase) -> DiffusionModelFile:
         """The ``diffusion_model`` file: its header, how its keys fit the model (diffusers' names under any prefix,
-        or :meth:`original_layout`'s), and which linears keep its quantized weights. Read once per file state."""
+        or one of :meth:`original_layouts`), and which linears keep its quantized weights. Read once per file state."""
         from diffpipe_core.component_files import describe_diffusion_model
 
         single = Path(self.single_file(model_config))  # type: ignore[arg-type]
@@ -452,7 +463,7 @@ class DiffusersModel:
             import torch
 
             skeleton = self.build_skeleton(model_config, "meta", torch.float32)
-            tables = [t for t in [self.original_layout(self.model_folder_config(model_config))] if t is not None]
+            tables = self.original_layouts(self.model_folder_config(model_config))
             cache[key] = describe_diffusion_model(single, skeleton, tables)
         return cache[key]
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from diffpipe_core.parts.layout import KeyTable
 
@@ -163,6 +164,84 @@ def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
         value = value.to(torch.float32)
         out[key] = value * scale.float() if scale is not None and last == "weight" else value
     return out
+
+
+def assert_same_state(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    """Two loads of a model hold the same tensors, key for key, in the same dtypes (``torch.equal`` alone does not
+    compare dtypes)."""
+    import torch
+
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))[:5]
+    for key in got:
+        assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
+
+
+def quantizable_linears(model: nn.Module, min_elements: int = 256) -> set[str]:
+    """The names of ``model``'s linears whose weights :func:`quantize_state` quantizes (2-D, at least
+    ``min_elements``): the linears a model loaded from such a file should keep quantized."""
+    from torch import nn
+
+    return {n for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.numel() >= min_elements}
+
+
+def comfyui_files(
+    folder: Path,
+    out: Path,
+    transformer_layout: Any = None,
+    vae_layout: Any = None,
+    text_prefixes: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """:func:`write_component_files` of diffusers folder ``folder`` with its key tables made from the folder's own
+    configs (``transformer_layout(transformer/config.json)``, ``vae_layout(vae/config.json)``; None: diffusers'
+    names), plus ``"configs"``: the folder without weights at ``out/configs`` (:func:`config_only`)."""
+    folder = Path(folder)
+
+    def table(layout: Any, component: str) -> KeyTable | None:
+        return layout(json.loads((folder / component / "config.json").read_text())) if layout else None
+
+    files = write_component_files(
+        folder, out, table(transformer_layout, "transformer"), table(vae_layout, "vae"), text_prefixes
+    )
+    files["configs"] = config_only(folder, Path(out) / "configs")
+    return files
+
+
+def assert_loads_as_the_folder(plugin: Any, files_config: Any, folder_config: Any, encoders: tuple[str, ...]) -> None:
+    """``files_config`` (component files) validates, and its ``encoders`` and diffusion model (in float32 and
+    bfloat16) load exactly as ``folder_config``'s: the same tensors in the same dtypes."""
+    import torch
+
+    cpu = torch.device("cpu")
+    assert plugin.validate_model_files(files_config) == []
+    got, expected = plugin.load_encoders(files_config, cpu), plugin.load_encoders(folder_config, cpu)
+    for name in encoders:
+        assert_same_state(getattr(got, name).state_dict(), getattr(expected, name).state_dict())
+    for dtype in (torch.float32, torch.bfloat16):
+        loaded = plugin.load_diffusion_model(files_config, cpu, dtype).state_dict()
+        assert_same_state(loaded, plugin.load_diffusion_model(folder_config, cpu, dtype).state_dict())
+
+
+def assert_kept_quantized(plugin: Any, config: Any, plain_config: Any, storage: torch.dtype) -> nn.Module:
+    """``config``'s quantized ``diffusion_model`` validates and loads with every linear :func:`quantizable_linears`
+    names (those of the model ``plain_config``, its unquantized file, loads) kept quantized in ``storage``, says so in
+    ``model_file_lines``, and loads per stage reading each stage's own tensors. Returns the loaded model."""
+    import torch
+
+    from diffpipe_core.quantize import ScaledLinear
+    from diffpipe_core.registry import Registry
+    from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+
+    cpu = torch.device("cpu")
+    assert plugin.validate_model_files(config) == []
+    model = plugin.load_diffusion_model(config, cpu, torch.bfloat16)
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
+    assert set(kept) == quantizable_linears(plugin.load_diffusion_model(plain_config, cpu, torch.bfloat16))
+    assert all(m.weight.dtype == storage for m in kept.values())
+    assert f"{len(kept)} linears kept quantized" in plugin.model_file_lines(config)[0]
+    registry = Registry()
+    assert registry.register_model(plugin.spec.name, plugin).ok
+    assert_stages_read_their_own(registry.model(plugin.spec.name), config)
+    return model
 
 
 def write_gguf(file: Path, out: Path, kind: str = "Q8_0") -> Path:

@@ -191,8 +191,12 @@ def test_validate_model_files(tiny_hunyuan: Path, crop_start: int, tmp_path: Pat
     single = config(tiny_hunyuan, crop_start, diffusion_model=original_path(tiny_hunyuan))
     assert hy.validate_model_files(single) == []
     diffusers_file = tiny_hunyuan / "transformer" / "diffusion_pytorch_model.safetensors"
-    [problem] = hy.validate_model_files(config(tiny_hunyuan, crop_start, diffusion_model=diffusers_file))
-    assert str(diffusers_file) in problem and "double_blocks.0.img_attn_qkv.weight" in problem
+    as_diffusers = config(tiny_hunyuan, crop_start, diffusion_model=diffusers_file)  # read in its own names
+    assert hy.validate_model_files(as_diffusers) == [] and "diffusers" in hy.model_file_lines(as_diffusers)[0]
+    other_model = tmp_path / "other_model.safetensors"
+    save_file({"blocks.0.attn.qkv.weight": torch.zeros(4, 4)}, str(other_model))
+    [problem] = hy.validate_model_files(config(tiny_hunyuan, crop_start, diffusion_model=other_model))
+    assert str(other_model) in problem and "double_blocks.0.img_attn_qkv.weight" in problem
 
     other = tmp_path / "other"
     shutil.copytree(tiny_hunyuan, other)

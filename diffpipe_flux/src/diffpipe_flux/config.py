@@ -31,9 +31,18 @@ class FluxConfig(T5FluxConfig):
     )
 
 
+class FluxKontextConfig(FluxConfig):
+    """``[model]`` keys of FLUX.1 Kontext [dev] (Flux's). ``path`` is a diffusers ``FluxKontextPipeline`` folder;
+    ``diffusion_model`` the BFL single file (``flux1-kontext-dev.safetensors``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/FLUX.1-Kontext-dev",)
+
+
 class ChromaConfig(T5FluxConfig):
     """``[model]`` keys of Chroma. ``path`` is a diffusers ``ChromaPipeline`` folder; ``diffusion_model`` one of
     Chroma's original checkpoints (``Chroma1-HD.safetensors``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("lodestones/Chroma1-HD",)
 
 
 class Flux2KleinConfig(DiffusersModelConfig, FlowMatchingConfig):

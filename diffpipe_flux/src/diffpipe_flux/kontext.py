@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import DiffusersFolder
+from diffpipe_flux.config import FluxKontextConfig
 from diffpipe_flux.plugin import COMPONENTS, PIPELINES, Flux
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class FluxKontext(Flux):
     spec = replace(
         Flux.spec,
         name="flux-kontext",
+        config_schema=FluxKontextConfig,
         control_images="optional",
         control_size="target",
         description="FLUX.1 Kontext [dev] edit pairs (diffusers folder, or the BFL single file over a Flux folder)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -13,6 +14,8 @@ class HunyuanConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of HunyuanVideo (text-to-video; the guidance-distilled checkpoint). ``path`` is a diffusers
     HunyuanVideo folder (Llama ``text_encoder``, CLIP-L ``text_encoder_2``); ``diffusion_model`` a single file in the
     original Tencent key layout (``double_blocks.N.img_attn_qkv.weight``, ...)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("hunyuanvideo-community/HunyuanVideo",)
 
     text_max_length: int = Field(
         256, ge=1, description="Llama tokens kept after the prompt template is cut off (max_sequence_length)."
@@ -46,6 +49,8 @@ class HunyuanVideo15Config(DiffusersModelConfig, FlowMatchingConfig):
     (Qwen2.5-VL ``text_encoder``, glyph ByT5 ``text_encoder_2``); ``diffusion_model`` a single file in Tencent's
     key layout (``double_blocks.N.img_attn_q.weight``, ...)."""
 
+    hub_repos: ClassVar[tuple[str, ...]] = ("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",)
+
     text_max_length: int = Field(
         1000, ge=1, description="Qwen2.5-VL tokens kept after the prompt template is cut off (the pipeline's 1000)."
     )
@@ -67,6 +72,8 @@ class HunyuanVideo15Config(DiffusersModelConfig, FlowMatchingConfig):
 class HunyuanVideo15I2VConfig(HunyuanVideo15Config):
     """``[model]`` keys of HunyuanVideo-1.5 image-to-video (``HunyuanVideo15ImageToVideoPipeline`` folders, with the
     SigLIP ``image_encoder`` and its ``feature_extractor``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",)
 
     sample_image: Path | None = Field(
         None,

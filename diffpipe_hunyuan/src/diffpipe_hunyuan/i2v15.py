@@ -19,7 +19,7 @@ from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, DiffusersFolder
 from diffpipe_core.parts.sampling import SampleImageConditioning
 from diffpipe_hunyuan.config import HunyuanVideo15I2VConfig
-from diffpipe_hunyuan.plugin15 import COMPONENTS, TEXT_COMPONENTS, HunyuanVideo15
+from diffpipe_hunyuan.plugin15 import COMPONENTS, FILE_LAYOUTS, TEXT_COMPONENTS, HunyuanVideo15
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,7 @@ class HunyuanVideo15I2V(SampleImageConditioning, HunyuanVideo15):
         "hunyuan-video-1.5-i2v",
         ("HunyuanVideo15ImageToVideoPipeline",),
         {**COMPONENTS, "image_encoder": "SiglipVisionModel", "feature_extractor": IMAGE_PROCESSOR},
+        file_layouts=FILE_LAYOUTS,
     )
     pipeline_class = "HunyuanVideo15ImageToVideoPipeline"
     encoder_components = (*TEXT_COMPONENTS, "image_encoder", "feature_extractor")

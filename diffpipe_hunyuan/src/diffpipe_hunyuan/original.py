@@ -13,11 +13,32 @@ config (or the tensors), so tiny and full-size checkpoints convert alike.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from diffpipe_core.parts.layout import KeyTable, Module, count_blocks
 
 TTE, CE = "time_text_embed", "context_embedder"
+#: ComfyUI's renames of Tencent's names, applied in this order to ``<module>.`` (its HunyuanVideo model's
+#: ``process_unet_state_dict``): the names a file saved by ComfyUI holds; a q/k norm's ``weight`` is its ``scale``
+COMFYUI_RENAMES = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
+    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
+    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."),
+    ("_attn_qkv.", "_attn.qkv."),
+    ("mlp.fc1.", "mlp.0."),
+    ("mlp.fc2.", "mlp.2."),
+    ("_attn_q_norm.", "_attn.norm.query_norm."),
+    ("_attn_k_norm.", "_attn.norm.key_norm."),
+    (".q_norm.", ".norm.query_norm."),
+    (".k_norm.", ".norm.key_norm."),
+    ("_attn_proj.", "_attn.proj."),
+    (".modulation.linear.", ".modulation.lin."),
+    ("_in.mlp.2.", "_in.out_layer."),
+    ("_in.mlp.0.", "_in.in_layer."),
+)
 # the fused modules' parts, for reading the width off a LoRA (each reads the block's width)
 FUSED_PARTS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 
@@ -133,6 +154,28 @@ def layout_for_config(c: Mapping[str, Any]) -> KeyTable:
     width = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
     sizes = (int(c["num_layers"]), int(c["num_single_layers"]), int(c["num_refiner_layers"]))
     return layout(*sizes, bool(c["guidance_embeds"]), width, float(c.get("mlp_ratio", 4.0)))
+
+
+def comfyui_layout(table: KeyTable) -> KeyTable:
+    """``table`` (Tencent's names) in the names ComfyUI's HunyuanVideo model gives its modules, as a file ComfyUI
+    saves holds them (``double_blocks.N.img_attn.qkv``, ``img_attn.norm.query_norm.scale``, ``img_mod.lin``,
+    ``txt_in.t_embedder.in_layer``, ``time_in.in_layer``, ...)."""
+    modules = []
+    for module in table.modules:
+        name = f"{module.original}."
+        for old, new in COMFYUI_RENAMES:
+            name = name.replace(old, new)
+        name = name[:-1]
+        params = (("scale", "weight"),) if name.endswith(("query_norm", "key_norm")) else module.params
+        modules.append(replace(module, original=name, params=params))
+    return replace(table, modules=tuple(modules), name="ComfyUI", read_prefixes=("model.model.", *table.read_prefixes))
+
+
+def layouts_for_config(c: Mapping[str, Any]) -> list[KeyTable]:
+    """Both layouts a ``diffusion_model`` file of this config may be in: Tencent's (the released and the repackaged
+    files) and ComfyUI's own names (a file ComfyUI saved)."""
+    table = layout_for_config(c)
+    return [table, comfyui_layout(table)]
 
 
 def layout_for_model_keys(keys: Iterable[str], width: int) -> KeyTable:

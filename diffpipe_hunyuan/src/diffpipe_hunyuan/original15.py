@@ -6,7 +6,7 @@ double blocks and the final layer as HunyuanVideo 1.0's do, except that each dou
 tensors (``double_blocks.N.img_attn_q``, ``img_attn_k``, ``img_attn_v``, and ``txt_attn_*``); the new parts are
 ``time_in`` (no pooled text or guidance embedding), ``byt5_in`` (the glyph ByT5 projection), ``vision_in`` (the
 SigLIP image projection) and ``cond_type_embedding``. Loading, per-stage loading and the ``single_file`` export read
-:func:`layout_for_config`.
+:func:`layout_for_config`; a ``diffusion_model`` file may be in either layout (:func:`layouts_for_config`).
 
 ComfyUI's HunyuanVideo model (``comfy/ldm/hunyuan_video/model.py``, on Flux's ``DoubleStreamBlock``) holds each
 double block's q, k, v as one ``img_attn.qkv`` / ``txt_attn.qkv`` weight, so the ComfyUI LoRA export
@@ -67,6 +67,15 @@ def layout_for_config(c: Mapping[str, Any]) -> KeyTable:
         )
     width = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
     return layout(int(c["num_layers"]), int(c["num_refiner_layers"]), width)
+
+
+def layouts_for_config(c: Mapping[str, Any]) -> list[KeyTable]:
+    """Both layouts a ``diffusion_model`` file of this config may be in: Tencent's (q, k, v split) and that of
+    ComfyUI's repackaged files (``hunyuanvideo1.5_720p_t2v_fp16.safetensors``: q, k, v fused, as ComfyUI's model
+    holds them)."""
+    table = layout_for_config(c)
+    width = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
+    return [table, layout(int(c["num_layers"]), int(c["num_refiner_layers"]), width, fused=True)]
 
 
 def layout_for_model_keys(keys: Iterable[str], width: int, fused: bool = False) -> KeyTable:

@@ -13,6 +13,7 @@ from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_core.parts.targets import JOINT_ATTENTION
 from diffpipe_hunyuan.config import HunyuanConfig
+from diffpipe_hunyuan.vae_layouts import ldm_vae_table
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +48,9 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
         video=(4, 1, 24.0), block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
         encoder_settings=("text_max_length", "text_crop_start", "vae_tiling", "vae_tile_size", "vae_tile_frames"),
     )
-    folder = DiffusersFolder("hunyuan-video", ("HunyuanVideoPipeline",), COMPONENTS)
+    folder = DiffusersFolder(
+        "hunyuan-video", ("HunyuanVideoPipeline",), COMPONENTS, file_layouts={"vae": ldm_vae_table}
+    )
     model_class = "HunyuanVideoTransformer3DModel"
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "hunyuan_video_transformer.safetensors"

@@ -16,6 +16,7 @@ from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_hunyuan.config import HunyuanVideo15Config
 from diffpipe_hunyuan.plugin import DOUBLE_BLOCK_LINEARS
+from diffpipe_hunyuan.vae_layouts import vae15_table
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +33,8 @@ COMPONENTS = {
     "tokenizer": TOKENIZER,
     "tokenizer_2": TOKENIZER,
 }
+#: the layouts a ``[model] vae`` file may be in besides diffusers' names (ComfyUI's, which is Tencent's)
+FILE_LAYOUTS = {"vae": vae15_table}
 #: the last double block's text-side linears: nothing after the last block reads its text stream (1.5 has no
 #: single-stream blocks), so a LoRA on them would get no gradient
 LAST_BLOCK_UNUSED = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
@@ -50,7 +53,7 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
         video=(4, 1, 24.0), block_layers=("DoubleBlockLayer",),
         encoder_settings=("text_max_length", "text_crop_start", "glyph_max_length", "vae_tiling"),
     )
-    folder = DiffusersFolder("hunyuan-video-1.5", ("HunyuanVideo15Pipeline",), COMPONENTS)
+    folder = DiffusersFolder("hunyuan-video-1.5", ("HunyuanVideo15Pipeline",), COMPONENTS, file_layouts=FILE_LAYOUTS)
     model_class = "HunyuanVideo15Transformer3DModel"
     single_file_markers = ("double_blocks.0.img_attn_q.weight", "byt5_in.fc1.weight")
     single_file_name = "hunyuan_video_1.5_transformer.safetensors"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -11,6 +13,8 @@ class ZImageConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of Z-Image (base or Turbo; which one is only a matter of the weights). ``path`` is a diffusers
     Z-Image folder (``ZImagePipeline``: Qwen3 ``text_encoder``, Flux-type ``vae``); ``diffusion_model`` a single
     file in the original layout (``layers.N.attention.qkv.weight``, as ComfyUI ships it)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Tongyi-MAI/Z-Image-Turbo",)
 
     text_max_length: int = Field(
         512,
