@@ -155,6 +155,8 @@ def prefix_key_map(
     pairs = [pair for pair, n in votes.most_common() if n * 50 >= len(keys)]  # 2% of the keys at least
     if not pairs:
         return None
+    if ("", "") not in pairs:  # a key under the model's own name (Qwen2.5-VL's one lm_head beside model.*, visual.*)
+        pairs.append(("", ""))
 
     def mapped(key: str) -> str | None:
         if is_side_key(key) or is_scale_key(key):
