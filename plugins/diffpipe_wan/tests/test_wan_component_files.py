@@ -25,6 +25,7 @@ from diffpipe_core.testing.component_files import (
     component_state,
     config_only,
     dequantized_state,
+    kept_linears,
     quantize_file,
     save,
     write_component_files,
@@ -104,14 +105,10 @@ def test_a_quantized_transformer_stays_quantized(tiny_wan: Path, tmp_path: Path)
     cfg = from_files(wan, files, diffusion_model=file)
     assert wan.validate_model_files(cfg) == []
     model = wan.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
-    folder = wan.load_diffusion_model(
-        from_files(wan, files, diffusion_model=files["diffusion_model"]), CPU, torch.bfloat16
-    )
-    # every linear of 256 weights or more is quantized in the file; those diffusers keeps in float32 load dequantized
-    linears = [n for n, m in folder.named_modules() if type(m) is nn.Linear and m.weight.numel() >= 256]
-    expected = [n for n in linears if "time_embedder" not in n]
-    assert len(kept) == len(expected) > 10 and all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
+    plain = wan.load_diffusion_model(from_files(wan, files), CPU, torch.bfloat16)
+    assert sorted(kept) == sorted(kept_linears(plain)) and len(kept) > 10  # time_embedder loads dequantized
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
     assert f"{len(kept)} linears kept quantized" in wan.model_file_lines(cfg)[0]
     registry = Registry()
     assert registry.register_model("wan", wan).ok
