@@ -293,15 +293,17 @@ def assign_text_encoders(
     candidates: Mapping[str, Mapping[str, tuple[int, ...]]],
     describe: Mapping[str, str],
     tied: Mapping[str, Mapping[str, str]],
+    tables: Mapping[str, Sequence[KeyTable]] | None = None,
 ) -> dict[str, tuple[ComponentFile, Fit]]:
     """Which text encoder component each file of ``[model] text_encoders`` holds (``files``: ``(what, path)``), read
     from its tensors against each candidate's shapes (``candidates``: component -> shapes; ``describe``: component ->
-    what it is, for messages; ``tied``: component -> :func:`tied_names`). Raises ValueError naming the file and
-    the model's text encoders when a file fits none, or when two files hold the same one."""
+    what it is, for messages; ``tied``: component -> :func:`tied_names`; ``tables``: component -> the original layouts
+    its file may be in). Raises ValueError naming the file and the model's text encoders when a file fits none, or
+    when two files hold the same one."""
     chosen: dict[str, tuple[ComponentFile, Fit]] = {}
     for what, path in files:
         file = read_component_file(path, what)
-        fits = {name: fit_file(file, shapes, (), tied.get(name)) for name, shapes in candidates.items()}
+        fits = {n: fit_file(file, shapes, (tables or {}).get(n, ()), tied.get(n)) for n, shapes in candidates.items()}
         complete = {name: fit for name, fit in fits.items() if fit is not None and fit.complete}
         if not complete:
             sample = ", ".join(list(file.weights)[:3])

@@ -298,7 +298,8 @@ class DiffusersFolder:
             describe = {n: f"{type(m).__name__}, {_count(m)} parameters" for n, m in skeletons.items()}
             shapes = {n: model_shapes(m) for n, m in skeletons.items()}
             tied = {n: tied_names(m) for n, m in skeletons.items()}
-            found.update(assign_text_encoders(files, shapes, describe, tied))
+            tables = {n: self.file_tables(path, n) for n in names}  # an original layout declared in file_layouts
+            found.update(assign_text_encoders(files, shapes, describe, tied, tables))
         return found
 
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:
