@@ -34,6 +34,7 @@ from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_wan.i2v import wan_i2v
 from diffpipe_wan.original import layout_for_config
 from diffpipe_wan.plugin import wan
+from diffpipe_wan.umt5 import umt5_table
 
 CPU = torch.device("cpu")
 VARIANTS = [("tiny_wan", wan), ("tiny_wan_ti2v", wan), ("tiny_wan_i2v", wan_i2v)]
@@ -126,6 +127,22 @@ def test_an_fp8_scaled_umt5_loads_dequantized(tiny_wan: Path, tmp_path: Path) ->
         if name in values:
             assert torch.equal(tensor, values[name]), name
     assert "quantized scaled" in "\n".join(wan.model_file_lines(cfg))
+
+
+def test_kijais_original_layout_umt5_loads_exactly(tiny_wan: Path, tmp_path: Path) -> None:
+    """The Wan repositories' T5 layout (Kijai's ``umt5-xxl-enc-bf16.safetensors``): ``blocks.N.attn.q``, ..."""
+    files = comfy_files(tiny_wan, tmp_path)
+    config = json.loads((tiny_wan / "text_encoder" / "config.json").read_text())
+    state = umt5_table(config).to_original(component_state(tiny_wan, "text_encoder"))
+    assert {"token_embedding.weight", "blocks.0.ffn.gate.0.weight", "blocks.1.pos_embedding.embedding.weight"} <= set(
+        state
+    )
+    kijai = save(state, tmp_path / "umt5-xxl-enc-bf16.safetensors")
+    cfg = from_files(wan, files, text_encoders=[kijai])
+    assert wan.validate_model_files(cfg) == []
+    assert f"text_encoder: {kijai}: original Wan T5 layout" in "\n".join(wan.model_file_lines(cfg))
+    folder = validate(wan.spec.config_schema, {"type": "wan", "path": tiny_wan, "encoder_dtype": "float32"}, "test")
+    same_state(wan.load_encoders(cfg, CPU).text_encoder, wan.load_encoders(folder, CPU).text_encoder)
 
 
 def test_a_vae_of_another_model_is_named(tiny_wan: Path, tiny_wan_ti2v: Path, tmp_path: Path) -> None:

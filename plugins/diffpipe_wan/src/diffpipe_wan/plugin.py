@@ -19,6 +19,7 @@ from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_wan.config import DEFAULT_SHIFT, WanConfig
+from diffpipe_wan.umt5 import umt5_table
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +45,9 @@ SIZES = (
     SizeMatch("image_encoder", "hidden_size", "image_dim"),
 )
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
-#: original layouts of component files (``[model] vae``): the Wan VAE's (ComfyUI's wan_2.1_vae / wan2.2_vae files)
-FILE_LAYOUTS = {"vae": wan_vae_table}
+#: original layouts of component files: the Wan VAE's (ComfyUI's wan_2.1_vae / wan2.2_vae files), the Wan T5's
+#: (Kijai's umt5-xxl-enc-bf16 file)
+FILE_LAYOUTS = {"vae": wan_vae_table, "text_encoder": umt5_table}
 
 
 @lru_cache(maxsize=16)
