@@ -23,6 +23,7 @@ from diffpipe_core.testing.component_files import (
     dequantized_state,
     kept_linears,
     quantize_file,
+    save,
     write_component_files,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
@@ -76,6 +77,18 @@ def test_component_files_load_exactly_the_folders_weights(tiny_predict2: Path, c
     same_state(
         predict2.load_diffusion_model(cfg, CPU, torch.bfloat16),
         predict2.load_diffusion_model(folder, CPU, torch.bfloat16),
+    )
+
+
+def test_a_checkpoint_comfyui_saved_loads_too(comfy: dict, tmp_path: Path) -> None:
+    """ComfyUI holds the network without NVIDIA's ``net.``; a model it saves is under ``model.diffusion_model.``."""
+    state = load_file(str(comfy["diffusion_model"]))
+    saved = save({f"model.diffusion_model.{k.removeprefix('net.')}": v for k, v in state.items()}, tmp_path / "m.st")
+    cfg = from_files(comfy, diffusion_model=saved)
+    assert predict2.validate_model_files(cfg) == []
+    same_state(
+        predict2.load_diffusion_model(cfg, CPU, torch.float32),
+        predict2.load_diffusion_model(from_files(comfy), CPU, torch.float32),
     )
 
 
