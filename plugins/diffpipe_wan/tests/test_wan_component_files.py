@@ -92,6 +92,20 @@ def test_component_files_load_exactly_the_folders_weights(request, tmp_path: Pat
     )
 
 
+def test_an_a14b_low_noise_expert_file_loads_into_transformer_2(tiny_wan_a14b: Path, tmp_path: Path) -> None:
+    """``wan2.2_t2v_low_noise_14B_*`` with ``expert = "low"``: the file replaces ``transformer_2``'s weights."""
+    config = json.loads((tiny_wan_a14b / "transformer_2" / "config.json").read_text())
+    low = write_component_files(tiny_wan_a14b, tmp_path / "low", layout_for_config(config), model="transformer_2")
+    files = comfy_files(tiny_wan_a14b, tmp_path)  # its diffusion_model: the high-noise expert's file
+    cfg = from_files(wan, files, diffusion_model=low["diffusion_model"], expert="low")
+    assert wan.validate_model_files(cfg) == []
+    folder = validate(wan.spec.config_schema, {"type": "wan", "path": tiny_wan_a14b, "expert": "low"}, "test")
+    got = wan.load_diffusion_model(cfg, CPU, torch.float32)
+    same_state(got, wan.load_diffusion_model(folder, CPU, torch.float32))
+    high = wan.load_diffusion_model(from_files(wan, files), CPU, torch.float32)
+    assert not torch.equal(high.proj_out.weight, got.proj_out.weight)  # the two experts differ
+
+
 def test_a_wan_22_vae_file_is_read_in_its_own_layout(tiny_wan_ti2v: Path, tmp_path: Path) -> None:
     """Wan 2.2's VAE nests its residual blocks (``downsamples.I.downsamples.J``), unlike 2.1's flat list."""
     files = comfy_files(tiny_wan_ti2v, tmp_path)
