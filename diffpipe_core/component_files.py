@@ -157,6 +157,8 @@ def prefix_key_map(
     pairs = [pair for pair, n in votes.most_common() if n * 50 >= len(keys)]  # 2% of the keys at least
     if not pairs:
         return None
+    if ("", "") not in pairs:  # a key under the model's own name (Qwen2.5-VL's one lm_head beside model.*, visual.*)
+        pairs.append(("", ""))
 
     def mapped(key: str) -> str | None:
         if is_side_key(key) or is_scale_key(key):
@@ -311,18 +313,20 @@ def assign_text_encoders(
     describe: Mapping[str, str],
     tied: Mapping[str, Mapping[str, str]],
     optional: Mapping[str, tuple[str, ...]] | None = None,
+    tables: Mapping[str, Sequence[KeyTable]] | None = None,
 ) -> dict[str, tuple[ComponentFile, Fit]]:
     """Which text encoder component each file of ``[model] text_encoders`` holds (``files``: ``(what, path)``), read
     from its tensors against each candidate's shapes (``candidates``: component -> shapes; ``describe``: component ->
     what it is, for messages; ``tied``: component -> :func:`tied_names`; ``optional``: component -> prefixes of
-    tensors a file may lack, as :func:`fit_file`'s). Raises ValueError naming the file and
-    the model's text encoders when a file fits none, or when two files hold the same one."""
+    tensors a file may lack, as :func:`fit_file`'s; ``tables``: component -> the original layouts its file may be
+    in). Raises ValueError naming the file and the model's text encoders when a file fits none, or when two files
+    hold the same one."""
     chosen: dict[str, tuple[ComponentFile, Fit]] = {}
     for what, path in files:
         file = read_component_file(path, what)
         fits = {
-            name: fit_file(file, shapes, (), tied.get(name), (optional or {}).get(name, ()))
-            for name, shapes in candidates.items()
+            n: fit_file(file, shapes, (tables or {}).get(n, ()), tied.get(n), (optional or {}).get(n, ()))
+            for n, shapes in candidates.items()
         }
         complete = {name: fit for name, fit in fits.items() if fit is not None and fit.complete}
         if not complete:

@@ -60,7 +60,8 @@ class DiffusersModelConfig(ModelConfigBase):
         (),
         description="Text encoder files (paths, or {path, type} tables as diffusion-pipe writes them), in "
         "transformers', the original or ComfyUI's key names, fp8 scaled ones too. Which of the model's text "
-        "encoders each holds is read from its tensors; each replaces that component's weights in path.",
+        "encoders each holds is read from its tensors; each replaces that component's weights in path. An "
+        "image-to-video model's image encoder file (ComfyUI's clip_vision_h.safetensors) is listed here too.",
     )
     audio_vae: Path | None = Field(
         None, description="The audio VAE as one file, for a model that has one; replaces path/audio_vae's weights."

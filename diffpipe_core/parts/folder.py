@@ -257,8 +257,10 @@ class DiffusersFolder:
         return []
 
     def text_encoder_names(self) -> list[str]:
-        """The components a ``[model] text_encoders`` file may give: every model component named ``text_encoder*``."""
-        return [n for n, c in self._classes.items() if n.startswith("text_encoder") and c[0] not in (TOKENIZER,)]
+        """The components a ``[model] text_encoders`` file may give: every model component named ``text_encoder*``,
+        and ``image_encoder*`` (the CLIP vision encoder of an image-to-video model, ComfyUI's ``clip_vision_*``)."""
+        encoders = ("text_encoder", "image_encoder")
+        return [n for n, c in self._classes.items() if n.startswith(encoders) and c[0] not in (TOKENIZER,)]
 
     def component_files(self, path: Path, model_config: Any) -> dict[str, Any]:
         """The components ``[model] vae``, ``audio_vae`` and ``text_encoders`` give as files, each as a
@@ -300,7 +302,7 @@ class DiffusersFolder:
             found[key] = (header, fit)
         entries = tuple(getattr(model_config, "text_encoders", ()) or ())
         if entries:
-            names = self.text_encoder_names()
+            names = [n for n in self.text_encoder_names() if (Path(path) / n / "config.json").is_file()]
             if not names:
                 raise ValueError(f"model.text_encoders: {self.title or self.model_name} has no text encoder")
             files = [(f"text_encoders[{i}]", e if isinstance(e, Path) else e.path) for i, e in enumerate(entries)]
@@ -308,7 +310,8 @@ class DiffusersFolder:
             describe = {n: f"{type(m).__name__}, {_count(m)} parameters" for n, m in skeletons.items()}
             shapes = {n: model_shapes(m) for n, m in skeletons.items()}
             tied = {n: tied_names(m) for n, m in skeletons.items()}
-            found.update(assign_text_encoders(files, shapes, describe, tied, self.file_optional))
+            tables = {n: self.file_tables(path, n) for n in names}  # an original layout declared in file_layouts
+            found.update(assign_text_encoders(files, shapes, describe, tied, self.file_optional, tables))
         return found
 
     def skeleton(self, path: Path, component: str, dtype: torch.dtype) -> Any:

@@ -134,6 +134,20 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
     return out
 
 
+def kept_linears(model: torch.nn.Module, min_elements: int = 256) -> list[str]:
+    """The linears of a model loaded from a folder whose weights :func:`quantize_state` quantizes and a quantized
+    load keeps quantized: every ``nn.Linear`` of ``min_elements`` weights or more outside the model class's
+    ``_keep_in_fp32_modules`` (those load dequantized)."""
+    from torch import nn
+
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.weight.numel() >= min_elements and not keep & set(name.split("."))
+    ]
+
+
 def _layer_json(conf: dict[str, Any]) -> torch.Tensor:
     import torch
 

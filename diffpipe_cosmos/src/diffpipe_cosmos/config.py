@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -63,6 +63,13 @@ class Predict2Config(CosmosConfigBase, FlowMatchingConfig):
     """``[model]`` keys of Cosmos-Predict2 (text-to-image and video; rectified-flow training). NVIDIA's
     ``log sigma ~ N(mu, s)`` in ``sigma = t / (1 - t)`` is ``logit_normal`` with ``sigmoid_scale = s``,
     ``shift = e^mu``."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "nvidia/Cosmos-Predict2-2B-Text2Image",
+        "nvidia/Cosmos-Predict2-14B-Text2Image",
+        "nvidia/Cosmos-Predict2-2B-Video2World",
+        "nvidia/Cosmos-Predict2-14B-Video2World",
+    )
 
     nvidia_weighting: bool = Field(
         False,

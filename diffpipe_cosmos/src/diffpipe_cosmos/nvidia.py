@@ -16,6 +16,8 @@ from diffpipe_core.parts.layout import KeyTable, Module
 
 Variant = Literal["1.0", "predict2"]
 TRAINING_ONLY = r"^(logvar\.|pos_embedder\.|accum_)|_extra_state$"
+#: NVIDIA's files keep the network under ``net.``; a checkpoint ComfyUI saves holds it under ``model.diffusion_model.``
+READ_PREFIXES = ("net.", "model.diffusion_model.", "diffusion_model.")
 _ATTN = (("q_proj", "to_q"), ("k_proj", "to_k"), ("v_proj", "to_v"), ("output_proj", "to_out.0"))
 
 
@@ -63,5 +65,5 @@ def layout(variant: Variant, num_layers: int) -> KeyTable:
         pairs += block(i)
     modules = tuple(Module(original, (model,), params=None) for original, model in pairs)
     name = f"NVIDIA Cosmos {variant}"
-    return KeyTable(modules, name, "Cosmos transformer", ("net.",), "net.", skip=TRAINING_ONLY)
+    return KeyTable(modules, name, "Cosmos transformer", READ_PREFIXES, "net.", skip=TRAINING_ONLY)
 

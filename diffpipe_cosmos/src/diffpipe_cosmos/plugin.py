@@ -21,6 +21,7 @@ from diffpipe_core import ModelSpec, hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_cosmos.conditioning import VideoToWorld
 from diffpipe_cosmos.config import Cosmos1Config, CosmosConfigBase, Predict2Config
 
@@ -42,10 +43,12 @@ SIZES_720P = {(704, 1280), (1280, 704), (960, 960), (704, 960), (960, 704)}  # (
 EDM_DEFAULTS = {"sigma_min": 0.002, "sigma_max": 80.0, "rho": 7.0, "final_sigmas_type": "zero"}
 
 
-def _folder(name: str, pipelines: tuple[str, ...], vae: str) -> DiffusersFolder:
+def _folder(name: str, pipelines: tuple[str, ...], vae: str, layouts: dict[str, Any] | None = None) -> DiffusersFolder:
+    """The folder table of one generation; ``layouts``: its ``file_layouts``."""
     components = {"transformer": "CosmosTransformer3DModel", "vae": vae, "text_encoder": "T5EncoderModel"}
     sizes = (SizeMatch("text_encoder", "d_model", "text_embed_dim", 1024),)
-    return DiffusersFolder(name, pipelines, {**components, "tokenizer": TOKENIZER}, sizes=sizes)
+    components["tokenizer"] = TOKENIZER
+    return DiffusersFolder(name, pipelines, components, sizes=sizes, file_layouts=layouts or {})
 
 
 BLOCKS = ("BlockLayer",)
@@ -271,8 +274,12 @@ class Predict2(Cosmos):
     variant, default_fps = "predict2", 16.0
     trained = ((1, 93), SIZES_720P | {(1024, 1024), (768, 1360), (1360, 768)})
     spec = _spec("cosmos-predict2", Predict2Config, 4, 16, (), "Cosmos-Predict2 text-to-image / video")
+    # ComfyUI's wan_2.1_vae.safetensors: the Wan VAE's original layout
     folder = _folder(
-        "cosmos-predict2", ("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline"), "AutoencoderKLWan"
+        "cosmos-predict2",
+        ("Cosmos2TextToImagePipeline", "Cosmos2VideoToWorldPipeline"),
+        "AutoencoderKLWan",
+        {"vae": wan_vae_table},
     )
     single_file_markers = ("blocks.0.self_attn.q_proj.weight",)
     sibling_markers = {"cosmos": ("Cosmos-1.0 transformer", Cosmos1.single_file_markers)}

@@ -3,6 +3,8 @@ at start-up)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
@@ -12,6 +14,8 @@ class QwenImageConfig(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of Qwen-Image. ``path`` is a diffusers ``QwenImagePipeline`` folder; ``diffusion_model`` a
     single-file transformer as ComfyUI ships it (``qwen_image_bf16.safetensors``: diffusers names, optionally under
     ``model.diffusion_model.``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Qwen/Qwen-Image",)
 
     text_max_length: int = Field(
         512,
@@ -30,6 +34,8 @@ class QwenImageConfig(DiffusersModelConfig, FlowMatchingConfig):
 class QwenImageEditConfig(QwenImageConfig):
     """``[model]`` keys of Qwen-Image-Edit: ``path`` is a diffusers ``QwenImageEditPipeline`` (Qwen-Image-Edit) or
     ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509, up to three reference images) folder."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Qwen/Qwen-Image-Edit-2509", "Qwen/Qwen-Image-Edit")
 
     text_max_length: int = Field(
         1536,

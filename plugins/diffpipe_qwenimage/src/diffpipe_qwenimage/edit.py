@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_qwenimage.config import QwenImageEditConfig
-from diffpipe_qwenimage.plugin import COMPONENTS, SIZES, QwenImage
+from diffpipe_qwenimage.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, QwenImage
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +52,7 @@ class QwenImageEdit(QwenImage):
         {**COMPONENTS, "processor": TOKENIZER},
         sizes=SIZES,
         single_file_example="qwen_image_edit_2509_bf16.safetensors",
+        file_layouts=FILE_LAYOUTS,
     )
 
     @hookimpl

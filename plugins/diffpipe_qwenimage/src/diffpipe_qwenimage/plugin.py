@@ -15,6 +15,7 @@ from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_core.parts.targets import JOINT_ATTENTION
+from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_qwenimage.config import QwenImageConfig
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ COMPONENTS = {
     "tokenizer": TOKENIZER,
 }
 SIZES = (SizeMatch("text_encoder", "hidden_size", "joint_attention_dim", 3584),)
+#: original layouts of component files: ComfyUI's qwen_image_vae.safetensors is in the Wan VAE's
+FILE_LAYOUTS = {"vae": wan_vae_table}
 #: QwenImagePipeline's scheduler settings, for a folder without scheduler/scheduler_config.json
 SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 8192, "base_shift": 0.5,
              "max_shift": 0.9, "shift": 1.0, "time_shift_type": "exponential"}
@@ -49,7 +52,12 @@ class QwenImage(DiffusersModel, FlowSampling):
         contract=4, encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
-        "qwen-image", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="qwen_image_bf16.safetensors"
+        "qwen-image",
+        PIPELINES,
+        COMPONENTS,
+        sizes=SIZES,
+        single_file_example="qwen_image_bf16.safetensors",
+        file_layouts=FILE_LAYOUTS,
     )
     model_class = "QwenImageTransformer2DModel"
     single_file_markers = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -17,6 +17,13 @@ class WanConfig(DiffusersModelConfig, FlowMatchingConfig):
     TI2V 5B, Wan 2.2 T2V A14B); ``diffusion_model`` a single file in the original Wan key layout
     (``blocks.0.self_attn.q.weight``, ..., as ComfyUI and the Wan repositories ship it) whose transformer replaces the
     folder's (the trained expert's, with ``expert``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    )
 
     text_max_length: int = Field(
         512,
@@ -44,6 +51,12 @@ class WanConfig(DiffusersModelConfig, FlowMatchingConfig):
 class WanI2VConfig(WanConfig):
     """``[model]`` keys of Wan image-to-video (``WanImageToVideoPipeline`` folders: Wan 2.1 I2V 14B with its CLIP
     vision encoder, Wan 2.2 I2V A14B)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+    )
 
     sample_image: Path | None = Field(
         None,

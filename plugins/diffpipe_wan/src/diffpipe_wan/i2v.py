@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import DiffusersFolder
 from diffpipe_wan.config import WanI2VConfig
-from diffpipe_wan.plugin import COMPONENTS, SIZES, Wan, _folder_facts
+from diffpipe_wan.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, Wan, _folder_facts
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +44,7 @@ class WanI2V(Wan):
         COMPONENTS,
         sizes=SIZES,
         single_file_example="wan2.1_i2v_480p_14B_fp16.safetensors",
+        file_layouts=FILE_LAYOUTS,
     )
 
     def __init__(self) -> None:

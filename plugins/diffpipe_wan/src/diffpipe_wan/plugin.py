@@ -17,7 +17,9 @@ from diffpipe_core.model_files import read_json
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_wan.config import DEFAULT_SHIFT, WanConfig
+from diffpipe_wan.umt5 import umt5_table
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +45,9 @@ SIZES = (
     SizeMatch("image_encoder", "hidden_size", "image_dim"),
 )
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+#: original layouts of component files: the Wan VAE's (ComfyUI's wan_2.1_vae / wan2.2_vae files), the Wan T5's
+#: (Kijai's umt5-xxl-enc-bf16 file)
+FILE_LAYOUTS = {"vae": wan_vae_table, "text_encoder": umt5_table}
 
 
 @lru_cache(maxsize=16)
@@ -113,7 +118,12 @@ class Wan(DiffusersModel, FlowSampling):
         video=(4, 1, 16.0), encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
     )
     folder = DiffusersFolder(
-        "wan", ("WanPipeline",), COMPONENTS, sizes=SIZES, single_file_example="wan2.1_t2v_1.3B_fp16.safetensors"
+        "wan",
+        ("WanPipeline",),
+        COMPONENTS,
+        sizes=SIZES,
+        single_file_example="wan2.1_t2v_1.3B_fp16.safetensors",
+        file_layouts=FILE_LAYOUTS,
     )
     model_class = "WanTransformer3DModel"
     single_file_markers = ("head.modulation", "blocks.0.self_attn.q.weight")
