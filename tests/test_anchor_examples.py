@@ -273,4 +273,71 @@ def test_model_files_land_on_diffpipes_component_keys(tmp_path: Path) -> None:
     text = imported.files["run.toml"]
     assert "(as a key: its file is in text_encoders, written at clip_path)" in text
     assert f"not carried: llm_path = '{llm_folder}'" in text and "path" not in run
-    assert "Hugging Face cache's black-forest-labs/FLUX.1-dev" in text and "TODO: path" not in text
+    assert "TODO: path = ... (The model's diffusers folder" in text  # no snapshot in this machine's cache
+
+
+# the snippets that give their model as ComfyUI component files, for a model diffpipe has
+COMPONENT_SNIPPETS = [
+    i for i, (_, body) in enumerate(SNIPPETS)
+    if COMPONENT_KEYS & set(tomllib.loads(body)["model"]) and tomllib.loads(body)["model"]["type"] in MODEL_TYPES
+]  # fmt: skip
+
+
+def _tiny_folder(name: str, root: Path) -> Path:
+    """A tiny diffusers folder of model type ``name`` (the component snippets' models)."""
+    from diffpipe_flux.testing import write_tiny_flux2, write_tiny_klein
+    from diffpipe_hunyuan.testing15 import write_tiny_hunyuan15
+    from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
+    from diffpipe_zimage.testing import write_tiny_zimage
+
+    writers = {
+        "z-image": write_tiny_zimage, "hunyuan-video-1.5": write_tiny_hunyuan15, "flux2": write_tiny_flux2,
+        "flux2-klein": write_tiny_klein, "ltx-2": write_tiny_ltx2,
+    }  # fmt: skip
+    return writers[name](root / name)
+
+
+@pytest.mark.parametrize("index", COMPONENT_SNIPPETS, ids=lambda i: SNIPPET_IDS[i])
+def test_every_component_file_snippet_validates_with_tiny_component_files(
+    tmp_path: Path, index: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35 with 43: a snippet that gives its model as ComfyUI files (no diffusers folder) converts to diffpipe's
+    component keys and, with tiny component files in place of its paths and the model's configs in the Hugging Face
+    cache (as a user who downloaded them once has them), passes ``diffpipe validate`` with no TODO left."""
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+    from diffpipe_core.testing.component_files import hub_snapshot, write_component_files
+
+    heading, body = SNIPPETS[index]
+    model = tomllib.loads(body)["model"]
+    name = tomllib.loads(_convert(tmp_path, _in_main_example(body), EXAMPLES / "dataset.toml").files["run.toml"])[
+        "model"]["type"]  # fmt: skip
+    folder = _tiny_folder(name, tmp_path / "models")
+    files = write_component_files(folder, tmp_path / "comfy")  # diffusers' names: read under any layout
+    # under the snippet's own file name: the importer tells variants apart by it (FLUX.2 [klein] from [dev])
+    dit = files["diffusion_model"].rename(files["diffusion_model"].with_name(Path(model["diffusion_model"]).name))
+    files["diffusion_model"] = dit
+    given = {"diffusion_model": str(dit), "vae": str(files["vae"])}
+    given["text_encoders"] = [str(p) for p in files["text_encoders"]]
+    model = {k: v for k, v in model.items() if k not in (*COMPONENT_KEYS, "merge_adapters")}
+    model.update({k: v for k, v in given.items() if k != "vae" or "vae" in tomllib.loads(body)["model"]})
+    table = "[model]\n" + "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in model.items())
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64))
+    dataset = tmp_path / "dp_dataset.toml"
+    dataset.write_text("resolutions = [64]\n[[directory]]\npath = 'images'\n")
+    schema = get_registry().model(name).spec.config_schema
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_snapshot(folder, tmp_path / "hub", schema.hub_repos[0])
+    imported = _convert(tmp_path, _in_main_example(table), dataset)
+    run_text = imported.files["run.toml"]
+    assert "TODO" not in run_text.split("[model]")[1].split("\n[")[0], run_text
+    assert "the Hugging Face cache's snapshot of the model" in run_text
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / "run.toml").write_text(run_text)
+    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
+    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
+    assert f"ok (model {name}" in result.output and "the Hugging Face cache" in result.output
+    assert f"diffusion_model: {files['diffusion_model']}: diffusers" in result.output
+    for path in [*files["text_encoders"], *([files["vae"]] if "vae" in model else [])]:  # each file read as given
+        assert f": {path}: diffusers" in result.output, path

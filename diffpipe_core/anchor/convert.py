@@ -242,6 +242,16 @@ class _Converter:
         entries = data.get("directory") if isinstance(data.get("directory"), list) else []
         return any(isinstance(e, dict) and "control_path" in e for e in entries)
 
+    @staticmethod
+    def _cached(schema: Any) -> Path | None:
+        """The Hugging Face cache's snapshot of the model's published repository, when this machine has one."""
+        from diffpipe_core.component_files import cached_snapshot
+
+        try:
+            return cached_snapshot(getattr(schema, "hub_repos", ()), "")
+        except ValueError:
+            return None
+
     def _required_model_keys(self, model_name: str | None, section: _Section) -> None:
         """Required ``[model]`` keys the anchor config gave no value for: TODOs with the key's description."""
         if model_name is None:
@@ -250,10 +260,9 @@ class _Converter:
 
         schema = get_registry().model(model_name).spec.config_schema
         for key, info in schema.model_fields.items():
-            if key == "path" and not section.has(key) and getattr(schema, "hub_repos", ()):
-                repo = schema.hub_repos[0]
-                section.note(f"path: not given: the configs and tokenizers come from the Hugging Face cache's {repo} "
-                             f"(once: hf download {repo} --exclude '*.safetensors')")  # fmt: skip
+            if key == "path" and not section.has(key) and self._cached(schema):
+                section.note(f"path: not given: the configs and tokenizers come from {self._cached(schema)}, the "
+                             "Hugging Face cache's snapshot of the model")  # fmt: skip
                 continue
             needed = info.is_required() or (key == "path" and "hub_repos" in dir(schema))
             if needed and not section.has(key):

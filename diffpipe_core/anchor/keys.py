@@ -268,8 +268,12 @@ WEIGHT_FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")
 
 
 def _is_weight_file(value: Any) -> bool:
-    """A component given as one weight file (diffpipe's component-file keys take it); a folder is read through path."""
-    return isinstance(value, str) and not Path(value).expanduser().is_dir() and value.endswith(WEIGHT_FILE_SUFFIXES)
+    """A component given as one weight file (diffpipe's component-file keys take it): a file, or where it is not
+    here, a weight file's name; a folder is read through path."""
+    if not isinstance(value, str):
+        return False
+    where = Path(value).expanduser()
+    return where.is_file() or (not where.is_dir() and value.endswith(WEIGHT_FILE_SUFFIXES))
 
 
 def _component_file(to: str, key: str, value: Any, ctx: Context) -> list[Change]:
