@@ -1,6 +1,7 @@
 """What ``validate`` and every command check before any work, beyond the config files themselves: that the
 dataset gives enough micro-batches for ``gradient_accumulation_steps``, that the model has enough layers for
-``pipeline_stages``, and (not a problem, a line to say) how the model rounds the configured resolutions."""
+``pipeline_stages``, that the optimizer takes its ``kwargs``, and (not a problem, a line to say) how the model
+rounds the configured resolutions."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def layer_problems(cfg: Any, plugin: Any) -> list[str]:
         return [f"{source}: partition_split: {run.partition_split} points past the model's {n} layers "
                 f"(valid: 1..{n - 1})"]
     return []
+
+
+def optimizer_problems(cfg: Any) -> list[str]:
+    """``[optimizer] kwargs`` the optimizer does not take or of the wrong type (imports torch only when given)."""
+    if not cfg.run.optimizer.kwargs:
+        return []
+    from diffpipe_core.optim import kwargs_problems
+    from diffpipe_core.registry import get_registry
+
+    return kwargs_problems(cfg.run.optimizer, get_registry().pm, str(cfg.path))
 
 
 def resolution_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:
