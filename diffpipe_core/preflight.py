@@ -80,6 +80,21 @@ def optimizer_problems(cfg: Any) -> list[str]:
     return kwargs_problems(cfg.run.optimizer, get_registry().pm, str(cfg.path))
 
 
+def frame_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:
+    """A line per ``frame_buckets`` with counts above 1 for a model that trains on images only: they change nothing
+    (diffusion-pipe's example dataset has ``[1, 33]`` for every model, so this is said, not refused)."""
+    if spec.modality != "image":
+        return []
+    notes = []
+    for i, directory in enumerate([dataset, *dataset.directory]):
+        counts = [f for f in (directory.frame_buckets or []) if f != 1]
+        if counts:
+            where = "" if i == 0 else f"directory[{i - 1}]."
+            notes.append(f"{dataset.source}: {where}frame_buckets: model {spec.name!r} trains on images only, so "
+                         f"{counts} frames change nothing; remove them")
+    return notes
+
+
 def resolution_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:
     """One line per configured resolution the model trains at another size (sizes are rounded down to the
     model's ``spatial_multiple``), saying to what."""

@@ -108,3 +108,16 @@ def test_a_rounded_resolution_is_said_with_what_it_trains_at(project: Path) -> N
     assert result.exit_code == 0, result.output
     assert f"{dataset}: resolutions: 72 is not a multiple of 16 (model 'reference'); training at 64x64" in result.stdout
     assert "resolutions: 70x50 is not a multiple of 16 (model 'reference'); training at 64x48" in result.stdout
+
+
+def test_frame_buckets_on_an_image_model_are_said(project: Path) -> None:
+    dataset = project / "dataset.toml"
+    original = dataset.read_text()
+    try:
+        dataset.write_text(original.replace("resolutions = [64]", "resolutions = [64]\nframe_buckets = [1, 33]"))
+        result = _invoke(project, "validate")
+    finally:
+        dataset.write_text(original)
+    assert result.exit_code == 0, result.output
+    assert f"{dataset}: frame_buckets: model 'reference' trains on images only, so [33] frames change nothing; " \
+           "remove them" in result.stdout
