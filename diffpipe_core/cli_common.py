@@ -84,6 +84,7 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
     from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.model_files import model_file_problems
     from diffpipe_core.preflight import (
+        adapter_format_problems,
         frame_notes,
         layer_problems,
         micro_batch_problems,
@@ -108,4 +109,5 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
     if training and not problems:
         problems.extend(layer_problems(cfg, plugin))
         problems.extend(optimizer_problems(cfg))
+        problems.extend(adapter_format_problems(cfg, plugin))
     return problems

@@ -70,6 +70,44 @@ def layer_problems(cfg: Any, plugin: Any) -> list[str]:
     return []
 
 
+def adapter_format_problems(cfg: Any, plugin: Any) -> list[str]:
+    """``[adapter] save_formats`` the chosen targets cannot be written in (a fused ``qkv`` with a LoRA on only some of
+    q/k/v): each format exported once from the adapter on the model's meta-device skeleton (no weights read), for
+    plugins that load per stage; the others find out at the first save."""
+    adapter = cfg.run.adapter
+    if adapter is None or not [f for f in adapter.save_formats if f != "diffusers"]:
+        return []
+    if not plugin.has("diffusion_model_weights"):
+        return []
+    import torch
+
+    from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
+    from diffpipe_core.adapters import apply_adapter
+    from diffpipe_core.engine.saving import export_adapter_format
+    from diffpipe_core.quiet import library_prints
+
+    with library_prints():
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=torch.float32
+        )
+    targets = adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
+    config = from_adapter_table(adapter, list(targets))
+    try:
+        apply_adapter(model, config)
+    except ValueError as exc:
+        return [f"{cfg.path}: adapter.target_modules: {exc}"]
+    state = {n.replace(".default", ""): p for n, p in model.named_parameters() if is_adapter_param(n)}
+    problems = []
+    for fmt in dict.fromkeys(f for f in adapter.save_formats if f != "diffusers"):
+        try:
+            with torch.device("meta"):
+                export_adapter_format(state, plugin, config, fmt)
+        except Exception as exc:
+            problems.append(f"{cfg.path}: adapter.save_formats: {fmt!r} cannot be written for these targets "
+                            f"({type(exc).__name__}: {exc}); adapt every module the format fuses, or remove {fmt!r}")
+    return problems
+
+
 def optimizer_problems(cfg: Any) -> list[str]:
     """``[optimizer] kwargs`` the optimizer does not take or of the wrong type (imports torch only when given)."""
     if not cfg.run.optimizer.kwargs:
