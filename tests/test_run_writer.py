@@ -1,5 +1,6 @@
-"""Issue 37.1 and 37.5: a run folder has one writer (a second ``train --resume`` of a live run is refused, naming
-it; a killed run's lock is stale), and SIGINT to the launcher alone is said as SIGINT. Real runs of the reference
+"""Issue 37.1, 37.4 and 37.5: a run folder has one writer (a second ``train --resume`` of a live run is refused,
+naming it; a killed run's lock is stale), a resume on a dataset grown in place says the data order restarts, and
+SIGINT to the launcher alone is said as SIGINT. Real runs of the reference
 plugin, each in its own process group with a timeout; every wait is for an event (a checkpoint written)."""
 
 from __future__ import annotations
@@ -88,3 +89,20 @@ def test_sigint_to_the_launcher_alone_is_said_as_sigint(tmp_path: Path) -> None:
     assert proc.returncode == 130, (out + err)[-3000:]
     stops = [line for line in (out + err).splitlines() if "stopped by" in line]
     assert len(stops) == 1 and stops[0].startswith("diffpipe: stopped by SIGINT after step "), out + err
+
+
+def test_a_dataset_grown_in_place_then_resumed_says_the_data_order_restarts(tmp_path: Path) -> None:
+    """Issue 37.4: 4 images, 2 steps of micro-batches of 2 (a checkpoint each step); a fifth image added in place
+    (still 2 micro-batches an epoch, so nothing else notices); the resume encodes it and says the order restarts."""
+    config = project(tmp_path, max_steps=3)
+    first = run_diffpipe(["train", "--config", str(config)], cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.output[-3000:]
+    write_image_dataset(tmp_path / "more", 5, size=(64, 64))
+    for suffix in (".png", ".txt"):
+        (tmp_path / "more" / f"img_004{suffix}").rename(tmp_path / "images" / f"img_004{suffix}")
+    project(tmp_path, max_steps=5)
+    resumed = run_diffpipe(["train", "--config", str(config), "--resume", "latest"], cwd=tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    said = [line for line in resumed.output.splitlines() if "the dataset changed" in line]
+    assert said == ["diffpipe: the dataset changed since step-0000003 (4 samples then, 5 now): the epoch starts "
+                    "over in the new data's order"], resumed.output[-3000:]

@@ -88,6 +88,8 @@ def restore_checkpoint(
     elif layout.rank == 0:
         print(f"diffpipe: process layout changed since {ckpt.name}; optimizer state starts fresh", flush=True)
     sampler.load_state_dict(state["sampler"])
+    if layout.rank == 0 and sampler.note:
+        print(f"diffpipe: {sampler.note.replace('the checkpoint', ckpt.name, 1)}", flush=True)
     return state
 
 

@@ -56,6 +56,7 @@ class Trainer:
         eval_datasets: dict[str, Any] | None = None,
     ) -> None:
         from diffpipe_core.data import BucketSampler
+        from diffpipe_core.data.sampler import data_key
 
         self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
         self.device = device
@@ -65,7 +66,7 @@ class Trainer:
         self.dp, self.stage_id, self.dp_rank = self.layout.dp, self.layout.stage_id, self.layout.dp_rank
         groups = dataset.groups()
         self.sampler = BucketSampler(groups, bucket_sizes(self.run, dataset, groups), self.dp_rank, self.dp,
-                                     self.run.seed)
+                                     self.run.seed, data_key(dataset.sample_ids(list(range(len(dataset))))))
         gas = self.run.gradient_accumulation_steps
         if len(self.sampler) < gas:
             raise ValueError(
