@@ -102,7 +102,7 @@ def adapter_format_problems(cfg: Any, plugin: Any) -> list[str]:
         try:
             with torch.device("meta"):
                 export_adapter_format(state, plugin, config, fmt)
-        except Exception as exc:
+        except (ValueError, KeyError) as exc:  # the exporter's own verdict; anything else may be meta's doing
             problems.append(f"{cfg.path}: adapter.save_formats: {fmt!r} cannot be written for these targets "
                             f"({type(exc).__name__}: {exc}); adapt every module the format fuses, or remove {fmt!r}")
     return problems
