@@ -96,6 +96,18 @@ def test_numbers_are_strict(project: Path, key: str, line: str | None, said: str
     assert len(problems) == 1 and problems[0].startswith(f"{project / 'run.toml'}: {key}: {said}"), problems
 
 
+def test_dataset_numbers_are_strict(project: Path) -> None:
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    toml = project / "strict.toml"
+    toml.write_text('resolutions = [64.0]\n[[directory]]\npath = "images"\nnum_repeats = true\n')
+    with pytest.raises(ConfigError) as err:
+        load_dataset_config(toml)
+    text = "\n".join(err.value.problems)
+    assert "resolutions[0]: invalid value 64.0: a fraction, where " in text, text
+    assert "directory[0].num_repeats: invalid value true: true/false is not a number" in text, text
+
+
 def test_every_plugin_model_table_takes_integers_strictly() -> None:
     """Each installed plugin's ``[model]`` integer keys refuse 32.0 and true, as pydantic's strict mode would."""
     import typing
