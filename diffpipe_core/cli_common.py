@@ -83,7 +83,14 @@ def load_checked(
 def work_problems(cfg, datasets: list, world_size: int | None = None, training: bool = True) -> list[str]:
     from diffpipe_core.data.scan import DatasetError, scan_dataset
     from diffpipe_core.model_files import model_file_problems
-    from diffpipe_core.preflight import layer_problems, micro_batch_problems, resolution_notes
+    from diffpipe_core.preflight import (
+        adapter_format_problems,
+        frame_notes,
+        layer_problems,
+        micro_batch_problems,
+        optimizer_problems,
+        resolution_notes,
+    )
 
     plugin = get_registry().model(cfg.model_name)
     problems = model_file_problems(plugin, cfg.model)
@@ -97,8 +104,10 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
         if i == 0 and training:
             problems.extend(micro_batch_problems(cfg.run, scan, dp, str(cfg.path)))
         if primary():
-            for note in resolution_notes(dataset, plugin.spec):
+            for note in resolution_notes(dataset, plugin.spec) + frame_notes(dataset, plugin.spec):
                 click.echo(f"diffpipe: {note}")
     if training and not problems:
         problems.extend(layer_problems(cfg, plugin))
+        problems.extend(optimizer_problems(cfg))
+        problems.extend(adapter_format_problems(cfg, plugin))
     return problems

@@ -1,6 +1,7 @@
 """What ``validate`` and every command check before any work, beyond the config files themselves: that the
 dataset gives enough micro-batches for ``gradient_accumulation_steps``, that the model has enough layers for
-``pipeline_stages``, and (not a problem, a line to say) how the model rounds the configured resolutions."""
+``pipeline_stages``, that the optimizer takes its ``kwargs``, and (not a problem, a line to say) how the model
+rounds the configured resolutions."""
 
 from __future__ import annotations
 
@@ -67,6 +68,69 @@ def layer_problems(cfg: Any, plugin: Any) -> list[str]:
         return [f"{source}: partition_split: {run.partition_split} points past the model's {n} layers "
                 f"(valid: 1..{n - 1})"]
     return []
+
+
+def adapter_format_problems(cfg: Any, plugin: Any) -> list[str]:
+    """``[adapter] save_formats`` the chosen targets cannot be written in (a fused ``qkv`` with a LoRA on only some of
+    q/k/v): each format exported once from the adapter on the model's meta-device skeleton (no weights read), for
+    plugins that load per stage; the others find out at the first save."""
+    adapter = cfg.run.adapter
+    if adapter is None or not [f for f in adapter.save_formats if f != "diffusers"]:
+        return []
+    if not plugin.has("diffusion_model_weights"):
+        return []
+    import torch
+
+    from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
+    from diffpipe_core.adapters import apply_adapter
+    from diffpipe_core.engine.saving import export_adapter_format
+    from diffpipe_core.quiet import library_prints
+
+    with library_prints():
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=torch.float32
+        )
+    targets = adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
+    config = from_adapter_table(adapter, list(targets))
+    try:
+        apply_adapter(model, config)
+    except ValueError as exc:
+        return [f"{cfg.path}: adapter.target_modules: {exc}"]
+    state = {n.replace(".default", ""): p for n, p in model.named_parameters() if is_adapter_param(n)}
+    problems = []
+    for fmt in dict.fromkeys(f for f in adapter.save_formats if f != "diffusers"):
+        try:
+            with torch.device("meta"):
+                export_adapter_format(state, plugin, config, fmt)
+        except (ValueError, KeyError) as exc:  # the exporter's own verdict; anything else may be meta's doing
+            problems.append(f"{cfg.path}: adapter.save_formats: {fmt!r} cannot be written for these targets "
+                            f"({type(exc).__name__}: {exc}); adapt every module the format fuses, or remove {fmt!r}")
+    return problems
+
+
+def optimizer_problems(cfg: Any) -> list[str]:
+    """``[optimizer] kwargs`` the optimizer does not take or of the wrong type (imports torch only when given)."""
+    if not cfg.run.optimizer.kwargs:
+        return []
+    from diffpipe_core.optim import kwargs_problems
+    from diffpipe_core.registry import get_registry
+
+    return kwargs_problems(cfg.run.optimizer, get_registry().pm, str(cfg.path))
+
+
+def frame_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:
+    """A line per ``frame_buckets`` with counts above 1 for a model that trains on images only: they change nothing
+    (diffusion-pipe's example dataset has ``[1, 33]`` for every model, so this is said, not refused)."""
+    if spec.modality != "image":
+        return []
+    notes = []
+    for i, directory in enumerate([dataset, *dataset.directory]):
+        counts = [f for f in (directory.frame_buckets or []) if f != 1]
+        if counts:
+            where = "" if i == 0 else f"directory[{i - 1}]."
+            notes.append(f"{dataset.source}: {where}frame_buckets: model {spec.name!r} trains on images only, so "
+                         f"{counts} frames change nothing; remove them")
+    return notes
 
 
 def resolution_notes(dataset: DatasetConfig, spec: ModelSpec) -> list[str]:

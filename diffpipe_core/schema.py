@@ -210,14 +210,15 @@ def validate(
     context: Any = None,
     hints: KeyHint | None = None,
 ) -> M:
-    """Validate ``data`` against ``cls``; raise ConfigError listing every problem (see :func:`format_errors`). A
-    string where a number is expected (``lr = "1e-4"``) is one: pydantic would quietly convert it."""
-    strings = string_numbers(cls, data)
-    problems = [f"{source}: {prefix}{key}: {msg}" for key, msg in strings]
+    """Validate ``data`` against ``cls``; raise ConfigError listing every problem (see :func:`format_errors`). Numbers
+    are strict (see :func:`loose_numbers`): pydantic would quietly turn ``"1e-4"``, ``true`` and ``4.0`` into
+    numbers."""
+    loose = loose_numbers(cls, data)
+    problems = [f"{source}: {prefix}{key}: {msg}" for key, msg in loose]
     try:
         result = cls.model_validate(data, context=context)
     except ValidationError as exc:
-        said = tuple(f"{source}: {prefix}{key}: " for key, _ in strings)  # pydantic's word on the same key
+        said = tuple(f"{source}: {prefix}{key}: " for key, _ in loose)  # pydantic's word on the same key
         problems += [p for p in format_errors(exc, cls, source, prefix, hints) if not p.startswith(said)]
         raise ConfigError(problems) from None
     if problems:
@@ -226,16 +227,28 @@ def validate(
 
 
 _NUMBERS = (int, float)
+_UNION = (typing.Union, getattr(__import__("types"), "UnionType", None))
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a field takes (``Optional`` and ``Annotated`` unwrapped, unions flattened)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _members(args[0])
+    if origin in _UNION:
+        return [t for a in args if a is not type(None) for t in _members(a)]
+    return [annotation]
+
+
+def _is(annotation: Any, kind: type) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, kind) and (kind is bool or annotation is not bool)
 
 
 def _takes_number_not_string(annotation: Any) -> bool:
     """Whether a field of this type takes numbers and no strings (``float``, ``int | None``; not ``int | str``
     nor ``Literal['auto'] | int``)."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        kinds = [a for a in args if a is not type(None)]
-        return any(_takes_number_not_string(a) for a in kinds) and not any(_takes_string(a) for a in kinds)
-    return isinstance(annotation, type) and issubclass(annotation, _NUMBERS) and annotation is not bool
+    kinds = _members(annotation)
+    return any(_is(a, _NUMBERS) for a in kinds) and not any(_takes_string(a) for a in kinds)
 
 
 def _takes_string(annotation: Any) -> bool:
@@ -247,18 +260,44 @@ def _takes_string(annotation: Any) -> bool:
     return isinstance(annotation, type) and (issubclass(annotation, (str, Path)) or annotation is Any)
 
 
+def _loose_number(value: Any, annotation: Any) -> str | None:
+    """What is wrong with ``value`` for a field that takes numbers, in pydantic's strict mode: a bool is never a number
+    and a float is never an integer. None when it is fine or not a number field."""
+    kinds = _members(annotation)
+    if not any(_is(a, _NUMBERS) for a in kinds) or any(a is Any for a in kinds):
+        return None
+    expected = describe_type(annotation)
+    if isinstance(value, bool):
+        if any(_is(a, bool) for a in kinds):
+            return None
+        return f"invalid value {str(value).lower()}: true/false is not a number; {expected} is expected"
+    if isinstance(value, float) and any(_is(a, int) for a in kinds) and not any(_is(a, float) for a in kinds):
+        whole = f" (write {int(value)})" if value.is_integer() else ""
+        return f"invalid value {value!r}: a fraction, where {expected} is expected{whole}"
+    return None
+
+
 def _items_type(annotation: Any) -> list[Any]:
     """The element types of a list/tuple field (``Optional`` unwrapped); empty for anything else."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return [t for a in args if a is not type(None) for t in _items_type(a)]
-    if origin in (list, tuple):
-        return [a for a in args if a is not Ellipsis]
-    return []
+    found = []
+    for member in _members(annotation):
+        if typing.get_origin(member) in (list, tuple):
+            found += [a for a in typing.get_args(member) if a is not Ellipsis]
+    return found
 
 
-def string_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tuple[str, str]]:
-    """``(key path, message)`` for every string given where ``cls`` (and its nested tables) expects a number."""
+def _values_type(annotation: Any) -> Any:
+    """The value type of a ``dict[str, X]`` field, or None."""
+    for member in _members(annotation):
+        if typing.get_origin(member) is dict and len(typing.get_args(member)) == 2:
+            return typing.get_args(member)[1]
+    return None
+
+
+def loose_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tuple[str, str]]:
+    """``(key path, message)`` for every value ``cls`` (and its nested tables) would take as a number only by
+    converting it: a string (``lr = "1e-4"``), a bool (``max_steps = true``) or, for an integer, a float
+    (``max_steps = 4.0``)."""
     found: list[tuple[str, str]] = []
     if not isinstance(data, dict):
         return found
@@ -273,6 +312,10 @@ def string_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tupl
                 fix = ""
             found.append((key, f"invalid value {value!r}: a string, where {describe_type(annotation)} is expected"
                                f"{fix}"))
+        elif isinstance(value, (bool, float)):
+            problem = _loose_number(value, annotation)
+            if problem:
+                found.append((key, problem))
         elif isinstance(value, (list, tuple)):
             kinds = _items_type(annotation)
             for i, item in enumerate(value):
@@ -281,7 +324,10 @@ def string_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tupl
         elif isinstance(value, dict):
             sub = _unwrap_model(annotation)
             if sub is not None:
-                found.extend(string_numbers(sub, value, f"{key}."))
+                found.extend(loose_numbers(sub, value, f"{key}."))
+            elif (inner := _values_type(annotation)) is not None:
+                for name, item in value.items():
+                    check(item, inner, f"{key}.{name}")
 
     for name, field in cls.model_fields.items():
         key = field.alias or name

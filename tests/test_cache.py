@@ -475,3 +475,21 @@ def test_other_fingerprints_survive_until_prune_and_a_used_one_is_never_deleted(
     ds = _cache(toml, plugin, config_b, prune=True)
     assert not fp_a.exists() and counter.calls == 0
     assert len(ds.summary["pruned"]) == 1 and ds.summary["pruned"][0].startswith(f"removed {fp_a} (")
+
+
+def test_items_gone_since_the_last_cache_are_said_in_one_line(setup, capsys):
+    """Issue 37.4: files deleted between ``cache`` and ``train`` are named, not silently left out."""
+    tmp_path, plugin, config, _ = setup
+    toml = _dataset(tmp_path, n=6)
+    _cache(toml, plugin, config)
+    for stem in ("img_001", "img_004"):
+        for file in (tmp_path / "data").glob(f"{stem}.*"):
+            file.unlink()
+    capsys.readouterr()
+    ds = _cache(toml, plugin, config, progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "gone from the dataset" in line]
+    assert lines == ["diffpipe: 2 item(s) cached before are gone from the dataset (deleted or moved): "
+                     "data/img_001.png, data/img_004.png; 4 items remain"], lines
+    assert len(ds) == 4
+    _cache(toml, plugin, config, progress=True)  # said once: the index now lists the 4
+    assert "gone from the dataset" not in capsys.readouterr().err

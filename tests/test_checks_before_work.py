@@ -73,6 +73,23 @@ def test_more_stages_than_layers_are_refused_before_work(project: Path) -> None:
              stages=str(layers + 1))
 
 
+def test_optimizer_kwargs_it_does_not_take_are_refused_before_work(project: Path) -> None:
+    _refused(project, "optimizer.kwargs: 'adamw' does not take ['bogus']; it takes: lr, betas, eps, weight_decay",
+             lr="1e-3\nkwargs = { bogus = 1 }")
+
+
+def test_optimizer_kwargs_of_the_wrong_type_are_refused_before_work(project: Path) -> None:
+    _refused(project, "optimizer.kwargs.weight_decay: invalid value '0.1': a string, where a number is expected "
+             "(default 0.01)", lr='1e-3\nkwargs = { weight_decay = "0.1" }')
+
+
+def test_optimizer_kwargs_it_takes_pass(project: Path) -> None:
+    result = _invoke(project, "validate", lr="1e-3\nkwargs = { amsgrad = true }", optimizer='"adamw"')
+    assert result.exit_code == 0, result.output
+    result = _invoke(project, "validate", lr="1e-3\nkwargs = { momentum = 0.9 }", optimizer='"sgd"')
+    assert result.exit_code == 0, result.output
+
+
 def test_a_string_for_a_number_is_refused(project: Path) -> None:
     result = _invoke(project, "validate", lr='"1e-4"')
     assert result.exit_code == 1
@@ -91,3 +108,16 @@ def test_a_rounded_resolution_is_said_with_what_it_trains_at(project: Path) -> N
     assert result.exit_code == 0, result.output
     assert f"{dataset}: resolutions: 72 is not a multiple of 16 (model 'reference'); training at 64x64" in result.stdout
     assert "resolutions: 70x50 is not a multiple of 16 (model 'reference'); training at 64x48" in result.stdout
+
+
+def test_frame_buckets_on_an_image_model_are_said(project: Path) -> None:
+    dataset = project / "dataset.toml"
+    original = dataset.read_text()
+    try:
+        dataset.write_text(original.replace("resolutions = [64]", "resolutions = [64]\nframe_buckets = [1, 33]"))
+        result = _invoke(project, "validate")
+    finally:
+        dataset.write_text(original)
+    assert result.exit_code == 0, result.output
+    assert f"{dataset}: frame_buckets: model 'reference' trains on images only, so [33] frames change nothing; " \
+           "remove them" in result.stdout

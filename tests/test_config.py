@@ -70,6 +70,63 @@ def test_wrong_type_names_value_and_expected_type(project: Path) -> None:
     assert "micro_batch_size_per_gpu" in problems[0] and "'two'" in problems[0] and "an integer" in problems[0]
 
 
+@pytest.mark.parametrize(
+    ("key", "line", "said"),
+    [
+        ("adapter.alpha", "alpha = true", "invalid value true: true/false is not a number"),
+        ("max_steps", "max_steps = true", "invalid value true: true/false is not a number"),
+        ("max_steps", "max_steps = 4.0", "invalid value 4.0: a fraction, where an integer (or leave it out) is "
+                                         "expected (write 4)"),
+        ("optimizer.group_lr.model", "[optimizer]\ngroup_lr = { model = false }",
+         "invalid value false: true/false is not a number"),
+        ("model.sigmoid_scale", None, "invalid value true: true/false is not a number"),
+    ],
+)
+def test_numbers_are_strict(project: Path, key: str, line: str | None, said: str) -> None:
+    """A bool is never a number and a float never an integer, though pydantic's lax mode converts both."""
+    if key == "model.sigmoid_scale":
+        text = GOOD.replace('path = "model"', 'path = "model"\nsigmoid_scale = true')
+    elif key.startswith("adapter."):
+        text = GOOD.replace("rank = 4", f"rank = 4\n{line}")
+    elif line.startswith("["):
+        text = GOOD + line + "\n"
+    else:
+        text = line + "\n" + GOOD
+    problems = problems_for(project, text)
+    assert len(problems) == 1 and problems[0].startswith(f"{project / 'run.toml'}: {key}: {said}"), problems
+
+
+def test_dataset_numbers_are_strict(project: Path) -> None:
+    from diffpipe_core.data.dataset_config import load_dataset_config
+
+    toml = project / "strict.toml"
+    toml.write_text('resolutions = [64.0]\n[[directory]]\npath = "images"\nnum_repeats = true\n')
+    with pytest.raises(ConfigError) as err:
+        load_dataset_config(toml)
+    text = "\n".join(err.value.problems)
+    assert "resolutions[0]: invalid value 64.0: a fraction, where " in text, text
+    assert "directory[0].num_repeats: invalid value true: true/false is not a number" in text, text
+
+
+def test_every_plugin_model_table_takes_integers_strictly() -> None:
+    """Each installed plugin's ``[model]`` integer keys refuse 32.0 and true, as pydantic's strict mode would."""
+    import typing
+
+    from diffpipe_core.schema import loose_numbers
+
+    checked = 0
+    registry = get_registry()
+    for info in registry.models():
+        name, schema = info.name, registry.model(info.name).spec.config_schema
+        for key, field in schema.model_fields.items():
+            if field.annotation is int or int in typing.get_args(field.annotation):
+                for value in (32.0, True):
+                    found = loose_numbers(schema, {key: value})
+                    assert [k for k, _ in found] == [key], (name, key, value, found)
+                checked += 1
+    assert checked >= 10, checked
+
+
 def test_bad_choice_lists_valid_values(project: Path) -> None:
     problems = problems_for(project, GOOD + '\nlr_scheduler = "exponential"\n'.replace("\n", "", 0))
     text = "\n".join(problems)

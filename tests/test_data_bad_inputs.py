@@ -171,6 +171,22 @@ def test_video_shorter_than_every_frame_bucket(tmp_path: Path, caplog: pytest.Lo
     assert "6 frames at 8 fps" in reason and "a video needs at least 9 frames" in reason
 
 
+def test_a_tiny_image_is_left_out_rather_than_enlarged_64_times(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    image(tmp_path / "data" / "dot.png", (1, 1))
+    reason = only_skip(scan(tmp_path), "dot.png", "too small", caplog)
+    assert reason == "too small: 1x1 would be enlarged 64x to fill the 64x64 bucket (max_upscale = 8)"
+    assert {i.path.name for i in scan(tmp_path, extra="max_upscale = 64.0").items} == {"dot.png", "good.png"}
+
+
+def test_a_sliver_is_left_out_rather_than_cropped_to_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    image(tmp_path / "data" / "sliver.png", (20000, 20))
+    reason = only_skip(scan(tmp_path), "sliver.png", "too cropped", caplog)
+    assert reason == "too cropped: the 64x64 bucket would cut away 99.9% of 20000x20 (max_crop = 0.9)"
+    assert {i.path.name for i in scan(tmp_path, extra="max_crop = 1.0").items} == {"sliver.png", "good.png"}
+
+
 def test_missing_directory_is_a_validation_error_before_anything_runs(tmp_path: Path) -> None:
     toml = tmp_path / "dataset.toml"
     toml.write_text('[[directory]]\npath = "data"\n[[directory]]\npath = "no such dir"\n', encoding="utf-8")

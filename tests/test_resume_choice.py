@@ -114,3 +114,37 @@ def test_a_bare_run_name_is_looked_up_in_output_dir(tmp_path: Path, monkeypatch:
     assert chosen.run_dir == out / "20250101-000000" and chosen.checkpoint.name == "step-0000002"
     with pytest.raises(FileNotFoundError, match=f"no {out / 'nope'} nor {elsewhere / 'nope'}"):
         resolve_resume(out, "nope")
+
+
+@pytest.mark.parametrize("where", ["params", "optimizer"])
+def test_a_nonfinite_checkpoint_with_valid_checksums_gives_way_to_the_newest_finite_one(
+    tmp_path: Path, where: str
+) -> None:
+    """Issue 37.3: written whole (checksums match) but holding NaN: named, and the previous checkpoint used."""
+    run = tmp_path / "out" / "run"
+    write(run, 2)
+    if where == "params":
+        newest = write(run, 4, value=float("nan"))
+        said = f"{newest / 'params-stage0.safetensors'}: NaN or infinite values in 'blocks.0.lora_A.weight'"
+    else:
+        newest = ckpt.write_checkpoint(
+            run, 4, rank=0, stage_id=0, dp_rank=0,
+            params={"blocks.0.lora_A.weight": torch.ones(4, 8), "blocks.0.lora_B.weight": torch.zeros(8, 4)},
+            optimizer_state={"optimizer": {"state": {1: {"exp_avg": torch.full((8, 4), float("inf"))}},
+                                           "param_groups": []}, "scheduler": {"last_epoch": 4}},
+            train_state={"step": 4, "micro_index": 4, "pipeline_stages": 1, "world_size": 1, "total_steps": 8},
+            keep=3, barrier=lambda: None,
+        )  # fmt: skip
+        said = f"{newest / 'optimizer-stage0.pt'}: NaN or infinite values in 'optimizer.state.1.exp_avg'"
+    assert not checkpoint_problems_before_finite(newest)  # the checksums hold
+    chosen = resolve_resume(tmp_path / "out", "latest")
+    assert chosen.checkpoint.name == "step-0000002"
+    assert chosen.notes == (f"checkpoint step-0000004 is damaged: {said}",), chosen.notes
+    with pytest.raises(FileNotFoundError, match="is damaged: .*NaN or infinite values"):
+        resolve_resume(tmp_path / "out", str(newest))
+
+
+def checkpoint_problems_before_finite(folder: Path) -> list[str]:
+    from diffpipe_core.engine import checkpoint_check
+
+    return [p for p in checkpoint_check.checkpoint_problems(folder) if "NaN or infinite" not in p]

@@ -191,6 +191,26 @@ def test_trainable_state_counts_lora_weights_gradients_and_adamw_moments(project
     assert sum(c.state_bytes for c in costs.layers) == lora * 4 * 4  # float32 weight, gradient, two moments
 
 
+@pytest.mark.parametrize(
+    "table", ['type = "lokr"\nrank = 1000000', 'type = "lokr"\nrank = 8\nfactor = 4', 'type = "loha"\nrank = 4']
+)
+def test_trainable_state_counts_each_adapter_kinds_own_tensors(project: Path, table: str) -> None:
+    """Issue 37.10: a LoKr/LoHa is counted as what peft makes of it on the loaded model, not as a LoRA of its rank
+    (a LoKr's rank only caps its decomposed factor: 10^6 keeps both factors whole)."""
+    from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
+    from diffpipe_core.adapters import apply_adapter
+
+    (project / "custom.toml").write_text(RUN.format(stages=2, extra="", model="").replace("rank = 4", table))
+    cfg, plugin = load_config(project / "custom.toml", get_registry()), get_registry().model("reference")
+    stage = real_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, stage.model, stage.layers)
+    targets = plugin.require("lora_targets", model_config=cfg.model)
+    apply_adapter(stage.model, from_adapter_table(cfg.run.adapter, list(targets)))
+    real = sum(p.numel() for n, p in stage.model.named_parameters() if is_adapter_param(n))
+    assert sum(c.trainable for c in costs.layers) == real
+    assert sum(c.state_bytes for c in costs.layers) == real * 4 * 4  # float32 weight, gradient, two moments
+
+
 def test_saving_holds_the_gathered_adapter_on_rank_0_and_each_stages_share_elsewhere(project: Path) -> None:
     cfg, plugin = configured(project, stages=3, extra='save_dtype = "bfloat16"')
     stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)

@@ -314,6 +314,30 @@ def on_train_end(run_dir, summary):
 """
 
 
+def test_resume_on_one_stage_repeats_the_two_stage_run(tmp_path: Path) -> None:
+    """Issue 37.2: a 2-stage run resumed from its step-9 checkpoint on 1 stage carries the optimizer and LR-schedule
+    state over (re-split by parameter name), so its losses are the 2-stage run's (they drifted by ~1e-3 when the
+    optimizer state started fresh). Without LoRA dropout: its masks come from each rank's own RNG stream, which a
+    new layout does not repeat (README, "what a resume carries")."""
+    config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3)
+    config.write_text(config.read_text().replace("dropout = 0.1", "dropout = 0.0"))
+    train(tmp_path, config, "--num-procs", "2")
+    two_stages = run_dirs(tmp_path)[0]
+    run = tmp_path / "resumed"
+    shutil.copytree(two_stages, run)
+    shutil.rmtree(run / "checkpoints" / "step-0000012")
+    (run / "checkpoints" / "latest").write_text("step-0000009")
+    one = make_project(tmp_path, stages=1, max_steps=12, ckpt=3, name="one_stage.toml")
+    one.write_text(one.read_text().replace("dropout = 0.1", "dropout = 0.0"))
+    out = train(tmp_path, one, "--resume", str(run))
+    assert "pipeline_stages: 2 -> 1" in out and "the weights and the optimizer state are re-split" in out, out
+    assert "optimizer state re-split by parameter" in out, out
+    expected, got = losses(two_stages), losses(run)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(10, 13):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), (step, got[step], expected[step])
+
+
 def test_resume_after_editing_the_config(single: Path, tmp_path: Path) -> None:
     """Issue 20.2 and 20.19 on a copy of the finished ``single`` run (30 steps): resuming it unchanged says it is
     finished and changes nothing; a changed LoRA rank is refused naming the key and both values; a higher max_steps

@@ -22,6 +22,7 @@ import gc
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -416,6 +417,15 @@ def prepare_cache(
     pruned: list[str] = []
     if rank == 0:
         pruned = _collect_garbage(root, fp_dir, set(first_item), set(texts), prune, set(first_control))
+        gone = gone_since_index(index_path, fingerprint, entries, Path(dataset_toml).parent)
+        if gone:
+            shown = ", ".join(gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+            line = (f"diffpipe: {len(gone)} item(s) cached before are gone from the dataset (deleted or moved): "
+                    f"{shown}; {len(entries)} items remain")
+            if show:
+                tqdm.write(line, file=sys.stderr)
+            else:
+                log.info(line)
         _write_index(index_path, fingerprint, entries, skipped, plan)
         end_encoding_turn(fp_dir)
     barrier()
@@ -582,6 +592,21 @@ def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skippe
             for e in entries]
     _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
                               "skipped": [list(s) for s in skipped]})
+
+
+def gone_since_index(path: Path, fingerprint: str, entries: list[CacheEntry], anchor: Path) -> list[str]:
+    """The items the cache's index listed that ``entries`` (the new plan) lacks because their file is gone: deleted
+    or moved since the last ``cache`` or ``train``, so the user hears of it rather than training on fewer items.
+    Item ids are file paths relative to ``anchor`` (the dataset TOML's folder), with ``#clip`` / ``@WxH`` tails."""
+    try:
+        index = _read_index(path, fingerprint)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return []
+    if index is None:
+        return []
+    now = {e.id for e in entries}
+    return [e.id for e in index["entries"]
+            if e.id not in now and not (anchor / re.sub(r"(#\d+)?(@\d+x\d+)?$", "", e.id)).exists()]
 
 
 def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:

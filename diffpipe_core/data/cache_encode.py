@@ -166,7 +166,21 @@ def decoded_batches(
         pin_memory=pin_memory,
         prefetch_factor=2 if num_workers > 0 else None,
     )
-    return iter(loader)
+    return _handed_over(iter(loader))
+
+
+def _handed_over(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``batches``, with a worker that died while its batch's tensors were being handed over (the connection to it
+    reset or refused, before torch notices it is gone) reported as torch reports a dead worker."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (ConnectionError, EOFError) as exc:
+            raise RuntimeError(f"DataLoader worker died while handing over a batch ({type(exc).__name__}: {exc}).") \
+                from exc
+        yield batch
 
 
 def encode_media(

@@ -159,6 +159,19 @@ class _Overridable(_Strict):
         description="Keep items without a caption (trained with an empty prompt). When false they are "
         "left out with a warning. Default false.",
     )
+    max_upscale: float | None = Field(
+        None,
+        ge=1.0,
+        description="Leave out (with the reason, listed by diffpipe data) media that would be enlarged more than "
+        "this many times to fill its bucket (a 16 px icon at 512). Default 8.",
+    )
+    max_crop: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Leave out (with the reason) media whose center crop to its bucket's shape would cut away more "
+        "than this share of it (a 20000x20 sliver in a square bucket). Default 0.9.",
+    )
 
     _check_res = field_validator("resolutions")(_check_resolutions)
     _check_ar = field_validator("ar_buckets")(_check_ar_buckets)
@@ -251,6 +264,19 @@ class DatasetConfig(_Overridable):
         description="Keep items without a caption (trained with an empty prompt). When false they are "
         "left out with a warning.",
     )
+    max_upscale: float = Field(
+        8.0,
+        ge=1.0,
+        description="Leave out (with the reason, listed by diffpipe data) media that would be enlarged more than "
+        "this many times to fill its bucket (a 16 px icon at 512).",
+    )
+    max_crop: float = Field(
+        0.9,
+        ge=0.0,
+        le=1.0,
+        description="Leave out (with the reason) media whose center crop to its bucket's shape would cut away more "
+        "than this share of it (a 20000x20 sliver in a square bucket).",
+    )
     uncond_fraction: float = Field(
         0.0,
         ge=0.0,
@@ -320,6 +346,8 @@ class DatasetConfig(_Overridable):
             tag_delimiter=pick("tag_delimiter"),
             cache_shuffle_num=pick("cache_shuffle_num"),
             allow_empty_captions=pick("allow_empty_captions"),
+            max_upscale=float(pick("max_upscale")),
+            max_crop=float(pick("max_crop")),
         )
 
 
@@ -352,6 +380,8 @@ class DirectorySettings:
     control_paths: tuple[Path, ...] = ()  # edit pairs: the control image folders, in order
     size_buckets: tuple[tuple[int, int, int], ...] | None = None  # exact (width, height, frames) sizes
     default_mask_file: Path | None = None  # the mask of items without their own
+    max_upscale: float = 8.0
+    max_crop: float = 0.9
 
 
 def _resolve(value: Any, base: Path) -> Any:

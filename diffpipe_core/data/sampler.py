@@ -30,7 +30,7 @@ class BucketSampler:
     """
 
     def __init__(self, groups: list[list[int]], micro_batch_size: int | Sequence[int], dp_rank: int,
-                 dp_world_size: int, seed: int) -> None:
+                 dp_world_size: int, seed: int, data: str | None = None) -> None:
         sizes = [micro_batch_size] * len(groups) if isinstance(micro_batch_size, int) else list(micro_batch_size)
         if len(sizes) != len(groups):
             raise ValueError(f"{len(sizes)} micro-batch sizes for {len(groups)} groups")
@@ -44,6 +44,8 @@ class BucketSampler:
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.seed = int(seed)
+        self.data = data  # which samples the indices are (:func:`data_key`): a resume on other data says so
+        self.note: str | None = None  # why load_state_dict restarted the saved epoch, if it did
         self.epoch = 0
         self.position = 0
         full = sum(len(g) // size for g, size in kept)
@@ -92,12 +94,20 @@ class BucketSampler:
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "micro_batches": self._per_rank, "dp_world_size": self.dp_world_size}
+                "micro_batches": self._per_rank, "dp_world_size": self.dp_world_size, "data": self.data}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore epoch and position; a changed dataset or world size restarts the saved epoch."""
+        """Restore epoch and position; a changed dataset, seed or world size restarts the saved epoch (a changed
+        dataset, which no config key shows, is said in :attr:`note`)."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.note = None
+        saved_data = state.get("data")
+        if saved_data is not None and self.data is not None and saved_data != self.data:
+            then, now = saved_data.split(":", 1)[0], self.data.split(":", 1)[0]
+            self.note = (f"the dataset changed since the checkpoint ({then} samples then, {now} now): the epoch "
+                         "starts over in the new data's order")
+            self.position = 0
         same = (state.get("seed", self.seed) == self.seed
                 and state.get("micro_batches", self._per_rank) == self._per_rank
                 and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size)
@@ -105,3 +115,12 @@ class BucketSampler:
             log.warning("sampler state was saved for another dataset, seed or data-parallel size "
                         "(%s); restarting epoch %d from its beginning", state, self.epoch)
             self.position = 0
+
+
+def data_key(sample_ids: Sequence[str]) -> str:
+    """``"<count>:<sha256>"`` of a dataset's samples (their ids, in index order): what a checkpoint's sampler state
+    was made for."""
+    import hashlib
+
+    digest = hashlib.sha256("\0".join(sample_ids).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{len(sample_ids)}:{digest}"

@@ -60,6 +60,8 @@ CATEGORY_HINTS = {
     "stem (a/b.png <-> a/b.jpg)",
     "unreadable control": "replace the damaged control images",
     "size buckets": "add a [width, height, 1] size to size_buckets for the images",
+    "too small": "use larger media, a smaller resolution, or raise max_upscale",
+    "too cropped": "turn on enable_ar_bucket (with a wider min_ar..max_ar), or raise max_crop",
 }
 
 
@@ -356,6 +358,7 @@ def _scan_file(
     items = []
     resolutions = [None] if sized is not None else settings.resolutions
     multi_res = len(resolutions) > 1
+    beyond: list[str] = []  # why a resolution's bucket would distort it too much
     seen: set[Bucket] = set()
     for res in resolutions:
         spatial = sized if sized is not None else buckets.closest(width, height, settings, res)
@@ -364,6 +367,10 @@ def _scan_file(
         crop = 1 - min(width * spatial.height, spatial.width * height) / max(width * spatial.height,
                                                                              spatial.width * height)
         if bucket in seen:  # two resolutions that round to the same size
+            continue
+        too_far = _too_far(width, height, spatial, crop, settings)
+        if too_far:
+            beyond.append(too_far)
             continue
         seen.add(bucket)
         item_controls = tuple(
@@ -384,6 +391,8 @@ def _scan_file(
                     caption_variants=variants, crop_fraction=crop, controls=item_controls, mask_stretched=stretched,
                 )
             )
+    if not items and beyond:
+        raise _Skip(beyond[0])
     return items
 
 
@@ -395,6 +404,17 @@ def _own_bucket(width: int, height: int, settings: DirectorySettings, res: objec
         if own is not None:
             return own
     return buckets.closest(width, height, settings, res if res is not None else settings.resolutions[0])
+def _too_far(width: int, height: int, bucket: Bucket, crop: float, settings: DirectorySettings) -> str | None:
+    """Why fitting a ``width`` x ``height`` medium to ``bucket`` (resize to cover, center crop) would distort it
+    past the dataset's limits (``max_upscale``, ``max_crop``), or None."""
+    upscale = max(bucket.width / width, bucket.height / height)
+    if upscale > settings.max_upscale:
+        return (f"too small: {width}x{height} would be enlarged {upscale:.3g}x to fill the {bucket.width}x"
+                f"{bucket.height} bucket (max_upscale = {settings.max_upscale:g})")
+    if crop > settings.max_crop:
+        return (f"too cropped: the {bucket.width}x{bucket.height} bucket would cut away {crop:.1%} of "
+                f"{width}x{height} (max_crop = {settings.max_crop:g})")
+    return None
 
 
 def _paired_controls(

@@ -27,8 +27,8 @@ CANNOT_APPLY = {
 }
 NEW_RUN_HINT = "start a new run (adapter.init_from_existing can start from this run's saved adapter)"
 NOTES = {
-    "pipeline_stages": "the weights are re-split; the optimizer state starts fresh",
-    "partition_split": "the weights are re-split; the optimizer state starts fresh",
+    "pipeline_stages": "the weights and the optimizer state are re-split by parameter",
+    "partition_split": "the weights and the optimizer state are re-split by parameter",
     "adapter.init_from_existing": "ignored: a resumed run starts from its checkpoint",
     "output_dir": "the run stays in its folder",
     "micro_batch_size_per_gpu": "the epoch's data order restarts",

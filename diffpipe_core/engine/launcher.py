@@ -30,6 +30,17 @@ STOPPED = (0, PEER_FAILED, *STOP_CODES, *(-s for s in STOP_SIGNALS))
 """How workers end when a run is stopped by a signal: done, stopped, or let down by a stopped peer."""
 
 ERROR_DIR_ENV = "DIFFPIPE_ERROR_DIR"
+STOP_SIGNAL_FILE = "stop-signal"
+"""In the error folder: the name of the signal the launcher received and passed on to the workers as SIGTERM."""
+
+
+def stop_signal_name(signum: int) -> str:
+    """The name of the signal that stopped this worker: the one the launcher received when it passed one on."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    record = Path(folder) / STOP_SIGNAL_FILE if folder else None
+    if record is not None and record.is_file():
+        return record.read_text().strip()
+    return signal.Signals(signum).name
 
 _PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
 
@@ -211,6 +222,11 @@ def _supervise(start: Callable[[dict[str, str]], Any], num_procs: int, errors: P
             raise KeyboardInterrupt
         if not received:
             received.append(signum)
+            # SIGTERM to every worker (a second SIGINT would end one that Ctrl-C reached too), with the name of
+            # the one that came, for their "stopped by" line
+            record = errors / ".stop-signal.tmp"
+            record.write_text(signal.Signals(signum).name)
+            record.replace(errors / STOP_SIGNAL_FILE)
             stop_all(signal.SIGTERM)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

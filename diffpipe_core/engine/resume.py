@@ -9,6 +9,7 @@ from typing import Any
 from diffpipe_core.engine import config_changes
 from diffpipe_core.engine.checkpoint import read_train_state
 from diffpipe_core.engine.run_dir import Resume, resolve_resume
+from diffpipe_core.engine.run_lock import hold_run_folder
 from diffpipe_core.schema import ConfigError
 
 # the keys that decide how many steps a run has (besides the number of processes, for epoch-based runs)
@@ -20,12 +21,15 @@ def prepare_resume(
 ) -> Resume | None:
     """The checkpoint to resume from (having said which and why), or None when the run is already finished.
 
-    Raises ConfigError listing each changed key that cannot apply to the checkpoint; records the new config in
+    Holds the run folder (:mod:`diffpipe_core.engine.run_lock`): another live writer is refused. Raises ConfigError
+    listing each changed key that cannot apply to the checkpoint; records the new config in
     the run folder when some changed key does apply (``primary``: this process does the writing and the saying,
     not the other ranks an external launcher started)."""
     if not primary:
         say = _silent
     chosen = resolve_resume(cfg.run.output_dir, resume)
+    if primary:
+        hold_run_folder(chosen.run_dir)  # before anything in it is read for the decision or written
     for note in chosen.notes:
         say(f"diffpipe: {note}")
     state = read_train_state(chosen.checkpoint)

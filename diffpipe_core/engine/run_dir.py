@@ -49,10 +49,13 @@ def write_run_info(
 
 
 def start_run(cfg: Any, num_procs: int) -> Path:
-    """A new run folder for the validated config ``cfg`` (a ResolvedConfig), with its run info written."""
+    """A new run folder for the validated config ``cfg`` (a ResolvedConfig), with its run info written, held by this
+    process (:mod:`diffpipe_core.engine.run_lock`)."""
+    from diffpipe_core.engine.run_lock import hold_run_folder
     from diffpipe_core.registry import get_registry
 
     run_dir = new_run_dir(cfg.run.output_dir)
+    hold_run_folder(run_dir)
     plugins = {
         p.name: f"{p.distribution or 'in-process'} {p.version or ''}".strip() for p in get_registry().plugins.values()
     }

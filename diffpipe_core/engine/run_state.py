@@ -46,7 +46,8 @@ def write_checkpoint(
         "pipeline_stages": layout.stages,
         "total_steps": total_steps,
     }
-    optim_state = {"optimizer": stage.optimizer.state_dict(), "scheduler": stage.scheduler.state_dict()}
+    optim_state = {"optimizer": stage.optimizer.state_dict(), "scheduler": stage.scheduler.state_dict(),
+                   "param_names": optimizer_param_names(stage)}
     ckpt_io.write_checkpoint(
         run_dir,
         step,
@@ -62,7 +63,8 @@ def write_checkpoint(
 def restore_checkpoint(
     ckpt: Path, layout: Layout, stage: Stage, sampler: Any, optimizer_cfg: OptimizerConfig
 ) -> dict[str, Any]:
-    """Load a checkpoint into this stage (optimizer state only under the same process layout); the train state.
+    """Load a checkpoint into this stage (under another process layout the optimizer state is re-split by parameter
+    name: :func:`resharded_optimizer_state`); the train state.
 
     The optimizer's hyperparameters (lr, betas, weight decay, eps) are those of ``optimizer_cfg``, the config in
     force now, not the saved ones: a resume after editing them applies the edit (the LR schedule too, being
@@ -82,13 +84,52 @@ def restore_checkpoint(
             p.copy_(saved.to(p.dtype))
     if state.get("pipeline_stages") == layout.stages and state.get("world_size") == layout.world:
         optim = ckpt_io.read_optimizer_state(ckpt, layout.stage_id)
+    else:
+        optim = resharded_optimizer_state(ckpt, int(state.get("pipeline_stages") or 1), stage)
+        if layout.rank == 0:
+            how = "re-split by parameter" if optim is not None else "starts fresh (the checkpoint names no parameters)"
+            print(f"diffpipe: process layout changed since {ckpt.name} ({state.get('pipeline_stages')} stages, "
+                  f"{state.get('world_size')} processes; now {layout.stages}, {layout.world}); optimizer state "
+                  f"{how}", flush=True)
+    if optim is not None:
         stage.optimizer.load_state_dict(optim["optimizer"])
         stage.scheduler.load_state_dict(optim["scheduler"])
         apply_optimizer_config(stage, optimizer_cfg)
-    elif layout.rank == 0:
-        print(f"diffpipe: process layout changed since {ckpt.name}; optimizer state starts fresh", flush=True)
     sampler.load_state_dict(state["sampler"])
+    if layout.rank == 0 and sampler.note:
+        print(f"diffpipe: {sampler.note.replace('the checkpoint', ckpt.name, 1)}", flush=True)
     return state
+
+
+def optimizer_param_names(stage: Stage) -> list[str]:
+    """The model names of the optimizer's parameters, in the order its state dict numbers them."""
+    names = {id(p): n for n, p in stage.trainable.items()}
+    return [names[id(p)] for group in stage.optimizer.param_groups for p in group["params"]]
+
+
+def resharded_optimizer_state(ckpt: Path, saved_stages: int, stage: Stage) -> dict[str, Any] | None:
+    """This stage's optimizer and LR-schedule state from a checkpoint written under another process layout: each
+    parameter's state found by its name among every saved stage's (data-parallel replicas hold the same state), in
+    this optimizer's numbering and parameter groups. None when the checkpoint names no parameters (written before
+    they were recorded) or lacks one of this stage's."""
+    by_name: dict[str, Any] = {}
+    scheduler = None
+    for s in range(saved_stages):
+        saved = ckpt_io.read_optimizer_state(ckpt, s)
+        names = saved.get("param_names")
+        if names is None:
+            return None
+        numbers = [i for group in saved["optimizer"]["param_groups"] for i in group["params"]]
+        states = saved["optimizer"]["state"]
+        by_name.update({name: states[i] for name, i in zip(names, numbers, strict=True) if i in states})
+        scheduler = scheduler or saved["scheduler"]
+    own = stage.optimizer.state_dict()
+    numbers = [i for group in own["param_groups"] for i in group["params"]]
+    names = optimizer_param_names(stage)
+    if any(name not in by_name for name in names):
+        return None
+    state = {i: by_name[name] for name, i in zip(names, numbers, strict=True)}
+    return {"optimizer": {"state": state, "param_groups": own["param_groups"]}, "scheduler": scheduler}
 
 
 def apply_optimizer_config(stage: Stage, cfg: OptimizerConfig) -> None:

@@ -49,14 +49,11 @@ def write_adapter(
     always the diffusers file, are still written, so a late export bug never costs the trained adapter.
     """
     prefix = plugin.call("adapter_key_prefix") or "transformer"
-    export = _lora_file if kind_of(config).name == "lora" else _lycoris_file
     files: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
     for fmt in dict.fromkeys(["diffusers", *formats]):
         try:
-            exported = export(state, plugin, config, fmt)
-            if exported is None and fmt != "diffusers":
-                raise ValueError(f"model {plugin.name!r} cannot export a {kind_of(config).name} in format {fmt!r}")
+            exported = export_adapter_format(state, plugin, config, fmt)
         except Exception as exc:
             problems.append(f"adapter format {fmt!r} not written: {type(exc).__name__}: {exc}")
             exported = None
@@ -72,6 +69,19 @@ def write_adapter(
         save_adapter(tmp, files, config, dtype, prefix)
     replace_dir(tmp, out_dir)
     return problems
+
+
+def export_adapter_format(
+    state: dict[str, torch.Tensor], plugin: ModelPlugin, config: PeftConfig, fmt: str
+) -> dict[str, torch.Tensor] | None:
+    """The adapter ``state`` in ``fmt`` (None for ``diffusers`` when the core writes it); raises when the plugin
+    cannot write it. Works on meta tensors too (under ``torch.device("meta")``), as the check before any work
+    (:func:`diffpipe_core.preflight.adapter_format_problems`) calls it."""
+    export = _lora_file if kind_of(config).name == "lora" else _lycoris_file
+    exported = export(state, plugin, config, fmt)
+    if exported is None and fmt != "diffusers":
+        raise ValueError(f"model {plugin.name!r} cannot export a {kind_of(config).name} in format {fmt!r}")
+    return exported
 
 
 def _lora_file(

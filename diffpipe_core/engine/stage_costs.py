@@ -4,8 +4,8 @@ Per layer, from a meta twin of the model (same modules, weights on meta, so noth
 
 - weights in their real dtypes (the skeleton's: float32-kept modules are float32), block linears at their quantized
   size when ``[model] quantize`` is set; the part block swap would move to host memory is kept apart;
-- the trainable tensors (the adapter's LoRA weights in ``[adapter] dtype``, or every float weight of a full
-  fine-tune) with their gradients and optimizer state;
+- the trainable tensors (the adapter's own: LoRA, LoKr or LoHa, in ``[adapter] dtype``; or every float weight of a
+  full fine-tune) with their gradients and optimizer state;
 - what the layer keeps for backward for one micro-batch of the largest bucket, measured by a meta forward of the
   twin with the run's adapter (:mod:`diffpipe_core.engine.activations`), when first-layer inputs are given.
 """
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffpipe_core.adapters import apply_lora, lora_config
+from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
+from diffpipe_core.adapters import apply_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.activations import LayerTensors, measure_layers
 from diffpipe_core.engine.partition import layer_param_counts
@@ -111,10 +112,10 @@ def layer_costs(
     twin, twin_layers = meta_twin(model, layers)
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
-        apply_lora(twin, lora_config(run.adapter.rank, run.adapter.effective_alpha, run.adapter.dropout, list(targets)))
+        apply_adapter(twin, from_adapter_table(run.adapter, list(targets)))  # the kind's own tensors
         for name, p in twin.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(DTYPES[run.adapter.dtype])  # apply_lora leaves meta tensors as they are
+            if is_adapter_param(name):
+                p.data = p.data.to(DTYPES[run.adapter.dtype])  # apply_adapter leaves meta tensors as they are
     else:
         for p in twin.parameters():
             p.requires_grad_(p.is_floating_point())

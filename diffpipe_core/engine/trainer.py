@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import memory_report, stopping
 from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
-from diffpipe_core.engine.launcher import ERROR_DIR_ENV
+from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
 from diffpipe_core.engine.run_dir import CHECKPOINTS, truncate_metrics
@@ -57,6 +56,7 @@ class Trainer:
         eval_datasets: dict[str, Any] | None = None,
     ) -> None:
         from diffpipe_core.data import BucketSampler
+        from diffpipe_core.data.sampler import data_key
 
         self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
         self.device = device
@@ -66,7 +66,7 @@ class Trainer:
         self.dp, self.stage_id, self.dp_rank = self.layout.dp, self.layout.stage_id, self.layout.dp_rank
         groups = dataset.groups()
         self.sampler = BucketSampler(groups, bucket_sizes(self.run, dataset, groups), self.dp_rank, self.dp,
-                                     self.run.seed)
+                                     self.run.seed, data_key(dataset.sample_ids(list(range(len(dataset))))))
         gas = self.run.gradient_accumulation_steps
         if len(self.sampler) < gas:
             raise ValueError(
@@ -255,7 +255,7 @@ class Trainer:
         if self.rank == 0:
             procs = f" --num-procs {self.world}" if os.environ.get(ERROR_DIR_ENV) else ""
             tqdm.write(
-                f"diffpipe: stopped by {signal.Signals(signum).name} after step {step} of {self.total_steps}; "
+                f"diffpipe: stopped by {stop_signal_name(signum)} after step {step} of {self.total_steps}; "
                 f"checkpoint {CHECKPOINTS}/{checkpoint_name(step)} written. Resume with: diffpipe train --config "
                 f"{shlex.quote(str(self.cfg.path))}{procs} --resume {shlex.quote(str(self.run_dir))}"
             )

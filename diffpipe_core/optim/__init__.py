@@ -34,7 +34,9 @@ def builtin_optimizers() -> dict[str, OptimizerFactory]:
         "adamw": lambda params, **kw: torch.optim.AdamW(params, **kw),
         "adamw8bit": _adamw8bit,
         "adamw8bit_kahan": _adamw8bit_kahan,
-        "sgd": lambda params, lr, weight_decay, **_: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
+        "sgd": lambda params, lr, weight_decay, betas, eps, **kw: torch.optim.SGD(
+            params, lr=lr, weight_decay=weight_decay, **kw
+        ),
     }
     assert tuple(table) == BUILTIN_OPTIMIZERS  # the names validate checks, kept torch-free in optimizer_names
     return table
@@ -82,13 +84,66 @@ def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool
     _warn_low_precision_adamw(cfg.type, params, lora)
     lr = groups[0]["lr"] if len(groups) == 1 else cfg.lr
     given: Any = params if len(groups) == 1 else groups
-    kwargs = {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps, **cfg.kwargs}
     try:
-        return table[cfg.type](given, **kwargs)
+        return table[cfg.type](given, **_base_kwargs(cfg, lr))
     except TypeError as exc:
         if not cfg.kwargs:
             raise
         raise ValueError(f"optimizer.kwargs: {cfg.type!r} does not take {sorted(cfg.kwargs)}: {exc}") from None
+
+
+def _base_kwargs(cfg: OptimizerConfig, lr: float) -> dict[str, Any]:
+    return {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps, **cfg.kwargs}
+
+
+def kwargs_problems(cfg: OptimizerConfig, pm: Any, source: str) -> list[str]:
+    """``[optimizer] kwargs`` the optimizer does not take, or of another type than its default: read from the
+    signature of its class (built once over a tiny parameter without them), then built with them, before any work."""
+    factory = available_optimizers(pm).get(cfg.type)
+    if not cfg.kwargs or factory is None:
+        return []
+    import inspect
+
+    from diffpipe_core.quiet import library_prints
+
+    def build(kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+        with library_prints():
+            return factory([torch.nn.Parameter(torch.zeros(4))], **kwargs)
+
+    try:
+        plain = build(_base_kwargs(cfg.model_copy(update={"kwargs": {}}), cfg.lr))
+    except Exception:  # fails without the kwargs too: not theirs to report
+        return []
+    params = inspect.signature(type(plain).__init__).parameters
+    takes = [n for n, p in params.items() if n not in ("self", "params") and p.kind == p.POSITIONAL_OR_KEYWORD]
+    problems = []
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(k for k in cfg.kwargs if k not in params)
+        if unknown:
+            problems.append(f"{source}: optimizer.kwargs: {cfg.type!r} does not take {unknown}; it takes: "
+                            f"{', '.join(takes)}")
+    for key, value in cfg.kwargs.items():
+        if key in params and (wrong := _wrong_kind(value, params[key].default)):
+            problems.append(f"{source}: optimizer.kwargs.{key}: invalid value {value!r}: {wrong}")
+    if not problems:
+        try:
+            build(_base_kwargs(cfg, cfg.lr))
+        except Exception as exc:  # a value the optimizer checks itself (a negative beta, ...)
+            problems.append(f"{source}: optimizer.kwargs: {cfg.type!r} refuses {cfg.kwargs}: {exc}")
+    return problems
+
+
+def _wrong_kind(value: Any, default: Any) -> str | None:
+    """Why ``value`` cannot stand where a parameter defaults to ``default``, or None."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else f"true or false is expected (default {default})"
+    if isinstance(default, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            kind = "a string" if isinstance(value, str) else type(value).__name__
+            return f"{kind}, where a number is expected (default {default!r})"
+    if isinstance(default, tuple) and not isinstance(value, (list, tuple)):
+        return f"a list is expected (default {list(default)})"
+    return None
 
 
 @contextlib.contextmanager

@@ -98,3 +98,20 @@ def test_comfyui_lora_keys_and_fused_weights(zimage_run: Path) -> None:
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     got = original_to_diffusers(apply_comfyui_lora(diffusers_to_original(base), comfy))
     runs.assert_state_close(got, runs.merge_peft(base, runs.checkpoint_params(zimage_run), ALPHA / RANK))
+
+
+def test_a_format_the_targets_cannot_make_is_refused_before_any_work(tmp_path: Path) -> None:
+    """Issue 37.11: ComfyUI's Z-Image keys fuse q/k/v into one ``qkv``; a LoRA on ``to_q`` alone cannot be written in
+    that format. Said before caching or a run folder, not as 'not written' after the whole run."""
+    root = make_project(tmp_path)
+    (root / "run.toml").write_text(run_config().replace("[adapter]\n", '[adapter]\ntarget_modules = ["to_q"]\n'))
+    result = runs.run_diffpipe(["train", "--config", "run.toml"], cwd=root, timeout=300)
+    assert result.returncode == 1, result.output[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "adapter.save_formats" in line]
+    assert len(lines) == 1 and "'comfyui' cannot be written for these targets" in lines[0], result.stderr
+    assert "to_k" in lines[0]  # the part without a LoRA
+    assert not (root / "out").exists()
+    assert [p.name for p in (root / "cache").iterdir()] == ["scan"]  # what the scan learnt; nothing encoded
+    (root / "run.toml").write_text(run_config().replace("[adapter]\n", '[adapter]\ntarget_modules = ["to_q"]\n')
+                                   .replace("['diffusers', 'comfyui']", "['diffusers']"))
+    assert runs.run_diffpipe(["validate", "--config", "run.toml"], cwd=root, timeout=300).returncode == 0
