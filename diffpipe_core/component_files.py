@@ -64,9 +64,9 @@ def cached_snapshot(repos: Sequence[str], model_type: str) -> Path:
         )
     fetch = f"hf download {repos[0]} --exclude '*.safetensors' '*.bin' '*.pth' '*.gguf'"
     raise ValueError(
-        f"not given, and no snapshot of {' or '.join(repos)} is in the Hugging Face cache ({cache}); give path = a "
-        f"diffusers folder of the model (beside component files it needs only the config and tokenizer files), or "
-        f"put those small files in the cache once with: {fetch}"
+        f"required: not given, and no snapshot of {' or '.join(repos)} is in the Hugging Face cache ({cache}); give "
+        "path = a diffusers folder of the model (beside component files it needs only the config and tokenizer "
+        f"files), or put those small files in the cache once with: {fetch}"
     )
 
 

@@ -548,14 +548,6 @@ def _validate_model(
     except ConfigError as exc:
         problems.extend(exc.problems)
         return None
-    if "path" in schema.model_fields and getattr(model_cfg, "path", "") is None:  # no folder, none in the cache
-        from diffpipe_core.component_files import cached_snapshot
-
-        try:
-            cached_snapshot(getattr(schema, "hub_repos", ()), name)
-        except ValueError as exc:
-            problems.append(f"{source}: model.path: required key is missing: {exc}")
-        return None
     for key, field in schema.model_fields.items():
         if not (field.json_schema_extra or {}).get("must_exist", True):
             continue

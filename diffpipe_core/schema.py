@@ -190,7 +190,9 @@ def format_errors(
         else:
             value = err.get("input")
             expected = _expected(cls, loc)
-            msg = f"{err['msg']}" if kind == "value_error" and not loc else f"invalid value {value!r}: {err['msg']}"
+            msg = f"invalid value {value!r}: {err['msg']}"
+            if kind == "value_error" and (not loc or value is None):  # a model-level check, or a key left out
+                msg = str(err["msg"]).removeprefix("Value error, ")
             if expected and kind not in ("value_error", "assertion_error"):
                 msg += f" (expected {expected})"
         if kind != "extra_forbidden" and hints and loc:

@@ -196,7 +196,7 @@ def test_the_anchors_main_example_imports_and_validates(tmp_path: Path, hunyuan_
     # the one thing it cannot know: a diffusers folder for the VAE and text encoders diffusion-pipe took from files
     assert "1 to fill in before training" in output and "model.path: The model's diffusers folder" in output
     code, text = _validate(out / "run.toml")
-    assert code == 1 and "model.path: required key is missing" in text and text.count("problem") <= 1
+    assert code == 1 and "model.path: required: not given" in text and text.count("problem") <= 1
     run_toml = out / "run.toml"
     # the VAE file diffusion-pipe's example names (ComfyUI's) is carried as [model] vae; it is not on this machine
     vae = "vae = '/data2/imagegen_models/hunyuan_video_comfyui/hunyuan_video_vae_bf16.safetensors'\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from diffpipe_core.types import ModelConfigBase
 
@@ -39,6 +39,7 @@ class DiffusersModelConfig(ModelConfigBase):
 
     path: Path | None = Field(
         None,
+        validate_default=True,
         description="The model's diffusers folder (model_index.json and its component folders, as "
         "`save_pretrained` writes them; the components are listed by `diffpipe validate`). A component given as a "
         "file below needs only its config (and tokenizer) files here. Absent: the snapshot of the model's published "
@@ -79,16 +80,16 @@ class DiffusersModelConfig(ModelConfigBase):
             data["diffusion_model"] = data.pop("transformer_file")
         return data
 
-    @model_validator(mode="after")
-    def _config_folder(self) -> DiffusersModelConfig:
-        if self.path is None:  # the cache's snapshot, if any (config.py names what to give when there is none)
-            from diffpipe_core.component_files import cached_snapshot
+    @field_validator("path", mode="after")
+    @classmethod
+    def _config_folder(cls, value: Path | None, info: ValidationInfo) -> Path:
+        """Without a folder, the Hugging Face cache's snapshot of the model (ValueError saying what to give when
+        there is none)."""
+        if value is not None:
+            return value
+        from diffpipe_core.component_files import cached_snapshot
 
-            try:
-                object.__setattr__(self, "path", cached_snapshot(type(self).hub_repos, self.type))
-            except ValueError:
-                pass
-        return self
+        return cached_snapshot(cls.hub_repos, str(info.data.get("type", "")))
 
     @property
     def transformer_file(self) -> Path | None:

@@ -10,23 +10,13 @@ import pytest
 
 from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noqa: F401  (hf_offline: autouse)
 
-# Samples during the shared 2-stage run (issue 14): the base model before the first step, then every 12 steps.
-SAMPLE_TABLE = """
-[sample]
-prompts = ["a red cat"]
-before_first_step = true
-every_n_steps = 12
-steps = 3
-seed = 5
-resolution = 64
-"""
-
 
 @pytest.fixture(scope="session")
 def flux_two_stages(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shared Flux run on 2 pipeline stages x 1 (diffusers folder layout, per-stage loading), sampling as
-    SAMPLE_TABLE says: test_flux_train's ``two_stages`` and test_flux_sampling's run. Returns its run folder."""
-    from test_flux_train import make_project, train
+    test_flux_train.SAMPLE_TABLE says: test_flux_train's ``two_stages`` and test_flux_sampling's run. Returns its run
+    folder."""
+    from test_flux_train import SAMPLE_TABLE, make_project, train
 
     root = tmp_path_factory.mktemp("stages")
     config = make_project(root, stages=2, single_file=False)

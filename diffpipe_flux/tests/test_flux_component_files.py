@@ -209,9 +209,7 @@ def test_configs_from_the_hugging_face_cache(tiny_flux: Path, comfy: dict, tmp_p
 @pytest.mark.slow
 def test_component_files_train_as_the_folder(flux_two_stages: Path, tmp_path: Path) -> None:
     """The shared 2-stage run of the diffusers folder, again from ComfyUI files: equal losses and LoRA files."""
-    from test_flux_train import make_project
-
-    from conftest import SAMPLE_TABLE
+    from test_flux_train import SAMPLE_TABLE, make_project
 
     config = make_project(tmp_path, stages=2, single_file=False)
     files = comfy_files(tmp_path / "model", tmp_path / "comfy")

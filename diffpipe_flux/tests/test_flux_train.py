@@ -24,6 +24,16 @@ GOLDEN = Path(__file__).parent / "golden"  # saved/final of these runs (golden.p
 
 RANK, ALPHA, STEPS = 4, 8.0, 24
 MODEL = {"type": "flux", "t5_max_length": 16, "timestep_sample_method": "uniform", "flux_shift": True}
+# Samples during the shared 2-stage run (issue 14): the base model before the first step, then every 12 steps.
+SAMPLE_TABLE = """
+[sample]
+prompts = ["a red cat"]
+before_first_step = true
+every_n_steps = 12
+steps = 3
+seed = 5
+resolution = 64
+"""
 CAPTIONS = [
     "a red cat",
     "a blue dog",

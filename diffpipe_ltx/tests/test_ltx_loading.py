@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from diffpipe_core.engine import model_loading
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
-from diffpipe_core.testing.stage_reads import CountingReader
+from diffpipe_core.testing.stage_reads import counting
 from diffpipe_ltx.config import LTXConfig
 from diffpipe_ltx.lightricks import original_name
 from diffpipe_ltx.plugin import plugin as ltx
@@ -64,7 +64,7 @@ def test_per_stage_loading_reads_only_the_stage_tensors(
     assert registry.register_model("ltx-video", ltx).ok
     plugin = registry.model("ltx-video")
     read: list[str] = []
-    monkeypatch.setattr(model_loading, "safe_open", lambda *a, **kw: CountingReader(read, *a, **kw))
+    monkeypatch.setattr(model_loading, "open_weights", counting(read))
     stage = model_loading.load_for_stages(plugin, cfg, torch.device("cpu"), torch.bfloat16)
     assert all(p.device.type == "meta" for p in stage.model.parameters())
     last_stage = range(2, len(stage.layers))  # block 1 + output layer: the second of 2 stages
