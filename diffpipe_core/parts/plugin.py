@@ -282,6 +282,13 @@ class DiffusersModel:
                 found = self.diffusion_model_file(model_config) if single.is_file() else None
             except (OSError, ValueError) as exc:
                 return [str(exc)]
+            fits = found is not None and found.fit is not None and found.fit.complete
+            others = self.other_model_types(found.file.tensors) if found is not None and not fits else []
+            if others:
+                return [
+                    f"{single}: a {' or '.join(map(repr, others))} checkpoint (it holds that model's keys), not a "
+                    f"{self.spec.name!r} {component}; train it with [model] type = \"{others[0]}\""
+                ]
             if found is not None and found.fit is not None:
                 if not found.fit.complete:
                     return [
@@ -302,6 +309,23 @@ class DiffusersModel:
         except (OSError, ValueError) as exc:
             return [str(exc)]
         return []
+
+    def other_model_types(self, keys: Any) -> list[str]:
+        """The installed model types whose original single files hold every key of their ``single_file_markers``
+        among ``keys`` (with or without a file prefix), the most specific first; asked only of a file that does not
+        fit this model, to name the type that trains it."""
+        from diffpipe_core.registry import get_registry
+
+        names = {k.split(".", n)[-1] for k in keys for n in (0, 1, 2)}
+        if self.single_file_markers and all(m in names for m in self.single_file_markers):
+            return []  # this model's own kind of file (of another size, say): not another type's
+        found = []
+        for info in get_registry().models():
+            markers = getattr(info.module, "single_file_markers", ())
+            if info.name != self.spec.name and markers and all(m in names for m in markers):
+                found.append((len(markers), info.name))
+        best = max((n for n, _ in found), default=0)
+        return [name for n, name in found if n == best]
 
     def model_file_lines(self, model_config: ModelConfigBase) -> list[str]:
         """One line per component file (``diffpipe validate``): the layout found, dtype or quantization, parameter

@@ -286,3 +286,13 @@ def test_a_full_finetune_of_a_quantized_file_is_refused(comfy: dict, tmp_path: P
     assert str(fp8) in problem and "full fine-tune" in problem and "[adapter]" in problem
     config.write_text(runs.run_toml(model, {"lr": 1e-5}, {"rank": 4}))
     assert load_config(config, get_registry()).model.diffusion_model == fp8
+
+
+def test_another_models_file_is_named_with_the_type_to_train_it(comfy: dict, tmp_path: Path) -> None:
+    """A Z-Image checkpoint given to flux: named as Z-Image's, with the type that trains it."""
+    from diffpipe_zimage.testing import original_path, write_tiny_zimage
+
+    file = original_path(write_tiny_zimage(tmp_path / "zimage"))
+    [problem] = problems(from_files(comfy, diffusion_model=file))
+    assert str(file) in problem and "a 'z-image' checkpoint" in problem
+    assert 'type = "z-image"' in problem
