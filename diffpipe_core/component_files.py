@@ -275,7 +275,8 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
             if layer is not None and layer.weight == key and layer.gguf:
                 value = gguf_dequantize(value, layer.format).reshape(file.tensors[key][1])
             elif layer is not None and layer.weight == key:
-                value = dequantize(value, f.get_tensor(layer.scale) if layer.scale else None, torch.float32)
+                scale = f.get_tensor(layer.scale) if layer.scale else None
+                value = dequantize(value, scale, torch.float32, layer.rotation)
             for name, transform in made:
                 part = transform(value) if transform else value
                 if tuple(part.shape) != tuple(target[name].shape):
@@ -352,6 +353,7 @@ class KeptQuantized:
     scale_shape: tuple[int, ...]
     per_row: bool
     scaled: bool = True  # False: the file stores no scale (plain float8 casts), the scale is 1
+    rotation: int = 0  # convrot: the Hadamard group size the stored weight is rotated by
 
 
 def quantized_plan(model: nn.Module, file: ComponentFile, fit: Fit) -> dict[str, KeptQuantized]:
@@ -373,7 +375,7 @@ def quantized_plan(model: nn.Module, file: ComponentFile, fit: Fit) -> dict[str,
             if type(module) is not nn.Linear or keeps_float32(model, name):
                 continue
             shape = (module.out_features, 1) if per_row else ()
-            plan[module_name] = KeptQuantized(layer.storage, shape, per_row, layer.scale is not None)
+            plan[module_name] = KeptQuantized(layer.storage, shape, per_row, layer.scale is not None, layer.rotation)
     return plan
 
 
@@ -391,7 +393,8 @@ def keep_quantized(model: nn.Module, plan: Mapping[str, KeptQuantized], compute_
             setattr(parent, child, GGUFLinear.like(linear, kept.storage.removeprefix("gguf:"), compute_dtype))
             continue
         scale = kept.scale_shape if kept.scaled else None
-        setattr(parent, child, ScaledLinear.like(linear, storage_dtype(kept.storage), scale, compute_dtype))
+        stored = ScaledLinear.like(linear, storage_dtype(kept.storage), scale, compute_dtype, kept.rotation)
+        setattr(parent, child, stored)
     return model
 
 

@@ -55,10 +55,11 @@ class ScaledLinear(nn.Linear):
         weight: torch.Tensor,
         weight_scale: torch.Tensor | None,
         compute_dtype: torch.dtype,
+        rotation: int = 0,
     ) -> None:
         nn.Module.__init__(self)  # no full-precision weight is made: the stored one is the only copy
         self.in_features, self.out_features = in_features, out_features
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.rotation = compute_dtype, rotation
         # buffers, not parameters: never trained, and nothing (a data-parallel broadcast) treats them as weights
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
@@ -66,19 +67,33 @@ class ScaledLinear(nn.Linear):
 
     @classmethod
     def like(
-        cls, linear: nn.Linear, storage: torch.dtype, scale_shape: tuple[int, ...] | None, compute_dtype: torch.dtype
+        cls,
+        linear: nn.Linear,
+        storage: torch.dtype,
+        scale_shape: tuple[int, ...] | None,
+        compute_dtype: torch.dtype,
+        rotation: int = 0,
     ) -> ScaledLinear:
         """An empty module of ``linear``'s shape on its device (``meta`` for per-stage loading), weight in ``storage``,
-        its bias as ``linear``'s; ``scale_shape`` None: no scale (1)."""
+        its bias as ``linear``'s; ``scale_shape`` None: no scale (1); ``rotation``: the weight is stored rotated in
+        Hadamard groups of that many inputs (ComfyUI's int8 "convrot"), 0: not."""
         device = linear.weight.device
         weight = torch.empty(linear.out_features, linear.in_features, dtype=storage, device=device)
         scale = None if scale_shape is None else torch.ones(scale_shape, dtype=torch.float32, device=device)
-        return cls(linear.in_features, linear.out_features, linear.bias, weight, scale, compute_dtype)
+        return cls(linear.in_features, linear.out_features, linear.bias, weight, scale, compute_dtype, rotation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        out = _StoredWeightMatmul.apply(x.to(self.compute_dtype), _dequantized, self.weight, self.weight_scale, bias)
+        stored, scale = self.weight, self.weight_scale
+        out = _StoredWeightMatmul.apply(x.to(self.compute_dtype), self._dequantize, stored, scale, bias)
         return out.to(x.dtype)
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if not self.rotation:
+            return _dequantized(weight, scale, dtype)
+        from diffpipe_core.quantized_files import dequantize
+
+        return dequantize(weight, scale, dtype, self.rotation)
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

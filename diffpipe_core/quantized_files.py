@@ -41,6 +41,7 @@ class QuantizedLayer:
     storage: str
     scale: str | None
     format: str
+    rotation: int = 0  # convrot: the Hadamard group size the stored weight is rotated by (0: none)
 
     @property
     def gguf(self) -> bool:
@@ -62,8 +63,8 @@ def quantized_layers(
     path in the file's own key names. Reads only the tiny ``comfy_quant`` tensors. Raises :class:`QuantizationError`
     for a format diffpipe does not read (naming the layer, the format and what is read)."""
     layers: dict[str, QuantizedLayer] = {}
-    formats = _formats(path, header, metadata)
-    for key, (dtype, _shape) in header.items():
+    formats, rotations = _formats(path, header, metadata)
+    for key, (dtype, shape) in header.items():
         if not key.endswith(".weight"):
             continue
         module = _module(key)
@@ -80,36 +81,68 @@ def quantized_layers(
         scale = next((f"{module}.{p}" for p in SCALE_PARAMS if f"{module}.{p}" in header), None)
         if fmt == "int8_tensorwise" and scale is None:
             raise QuantizationError(f"{path}: int8 layer {module!r} has no weight_scale; the file is incomplete")
-        layers[module] = QuantizedLayer(key, READABLE[fmt], scale, fmt)
+        rotation = rotations.get(module, 0)
+        if rotation and (shape[-1] % rotation or not is_power_of_4(rotation)):
+            raise QuantizationError(
+                f"{path}: layer {module!r} is rotated in groups of {rotation}, which is no power of 4 dividing its "
+                f"{shape[-1]} inputs"
+            )
+        layers[module] = QuantizedLayer(key, READABLE[fmt], scale, fmt, rotation)
     return layers
 
 
 def _formats(
     path: Path, header: Mapping[str, tuple[str, tuple[int, ...]]], metadata: Mapping[str, str]
-) -> dict[str, str]:
-    """Each layer's declared format: from its ``comfy_quant`` tensor, else from ``_quantization_metadata``."""
+) -> tuple[dict[str, str], dict[str, int]]:
+    """Each layer's declared format, from its ``comfy_quant`` tensor, else from ``_quantization_metadata``; and the
+    Hadamard group size of the layers stored rotated (ComfyUI's int8 "convrot")."""
     found: dict[str, str] = {}
+    rotations: dict[str, int] = {}
     raw = metadata.get("_quantization_metadata")
+    confs: dict[str, dict] = {}
     if raw:
         try:
             layers = json.loads(raw).get("layers", {})
         except (ValueError, AttributeError) as exc:
             raise QuantizationError(f"{path}: _quantization_metadata is not readable JSON ({exc})") from exc
-        found.update({name: conf.get("format", "?") for name, conf in layers.items() if isinstance(conf, dict)})
-    confs = [k for k in header if k.endswith(".comfy_quant")]
-    if confs:
+        confs.update({name: conf for name, conf in layers.items() if isinstance(conf, dict)})
+    keys = [k for k in header if k.endswith(".comfy_quant")]
+    if keys:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            for key in confs:
-                conf = json.loads(f.get_tensor(key).numpy().tobytes())
-                if conf.get("convrot") or conf.get("params", {}).get("convrot"):
-                    raise QuantizationError(
-                        f"{path}: layer {_module(key)!r} is int8 with a Hadamard rotation (convrot), which diffpipe "
-                        "does not read yet; use the file's bf16, fp8 scaled or plain int8 version"
-                    )
-                found[_module(key)] = str(conf.get("format", "?"))
-    return found
+            confs.update({_module(k): json.loads(f.get_tensor(k).numpy().tobytes()) for k in keys})
+    for module, conf in confs.items():
+        found[module] = str(conf.get("format", "?"))
+        params = conf.get("params", {}) if isinstance(conf.get("params"), dict) else {}
+        if conf.get("convrot", params.get("convrot", False)):
+            rotations[module] = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", 256)))
+    return found, rotations
+
+
+def is_power_of_4(n: int) -> bool:
+    return n >= 4 and n & (n - 1) == 0 and (n.bit_length() - 1) % 2 == 0
+
+
+def hadamard(size: int) -> Any:
+    """The normalised regular Hadamard matrix of ``size`` (a power of 4) ComfyUI's int8 "convrot" files are rotated
+    by: Kronecker powers of the symmetric 4x4 seed over ``sqrt(size)``, so it is symmetric and orthogonal (rotating
+    twice is the identity), as comfy-kitchen builds it."""
+    import torch
+
+    seed = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]], dtype=torch.float32)
+    h = seed
+    while h.shape[0] < size:
+        h = torch.kron(h, seed)
+    return h / size**0.5
+
+
+def rotate(weight: Any, group: int) -> Any:
+    """``weight`` (out, in) rotated group-wise along its inputs: each block of ``group`` inputs times the Hadamard
+    matrix. It both stores (quantizing) and restores (loading) a convrot weight."""
+    out_features, in_features = weight.shape
+    h = hadamard(group).to(weight.dtype)
+    return (weight.reshape(out_features, in_features // group, group) @ h.T).reshape(out_features, in_features)
 
 
 GGUF_FLOATS = ("F32", "F16", "BF16")
@@ -168,14 +201,14 @@ def as_scale(tensor: Any) -> Any:
     return tensor.to(torch.float32).reshape(scale_shape(tuple(tensor.shape)))
 
 
-def dequantize(weight: Any, scale: Any | None, dtype: Any) -> Any:
-    """``weight.float() * scale`` in ``dtype`` (scale None: 1)."""
+def dequantize(weight: Any, scale: Any | None, dtype: Any, rotation: int = 0) -> Any:
+    """``weight.float() * scale`` in ``dtype`` (scale None: 1), rotated back where the file stores it rotated."""
     import torch
 
     value = weight.to(torch.float32)
     if scale is not None:
         value = value * as_scale(scale)
-    return value.to(dtype)
+    return (rotate(value, rotation) if rotation else value).to(dtype)
 
 
 def dequantizing(path: Path, layer: QuantizedLayer, dtype: Any) -> Callable[[Any], Any]:
@@ -193,6 +226,6 @@ def dequantizing(path: Path, layer: QuantizedLayer, dtype: Any) -> Callable[[Any
 
             with safe_open(str(path), framework="pt") as f:
                 scale = f.get_tensor(layer.scale)
-        return dequantize(weight, scale, dtype)
+        return dequantize(weight, scale, dtype, layer.rotation)
 
     return transform

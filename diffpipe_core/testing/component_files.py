@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from diffpipe_core.parts.layout import KeyTable
 
+CONVROT_GROUP = 16
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json")
 COMFY_PREFIX = "model.diffusion_model."
 
@@ -103,9 +104,13 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
       files);
     - ``"comfy_quant_fp8"``: float8_e4m3fn with ``weight_scale`` and the layer's ``comfy_quant`` JSON (current files);
     - ``"int8"``: int8 with one ``weight_scale`` per output row and ``comfy_quant`` ``int8_tensorwise``;
+    - ``"int8_convrot"``: the same of the weight rotated in Hadamard groups of :data:`CONVROT_GROUP` inputs (ComfyUI's
+      "convrot" files use 256; the tiny models' inputs divide into 16);
     - ``"fp8"``: plain float8_e4m3fn casts, no scale.
     """
     import torch
+
+    from diffpipe_core.quantized_files import rotate
 
     out: dict[str, torch.Tensor] = {}
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
@@ -122,11 +127,15 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
             out[f"{module}.{'scale_weight' if form == 'fp8_scaled' else 'weight_scale'}"] = scale.reshape(())
             if form == "comfy_quant_fp8":
                 out[f"{module}.comfy_quant"] = _layer_json({"format": "float8_e4m3fn"})
-        elif form == "int8":
+        elif form in ("int8", "int8_convrot"):
+            conf: dict[str, Any] = {"format": "int8_tensorwise"}
+            if form == "int8_convrot":  # stored rotated in Hadamard groups of CONVROT_GROUP inputs
+                w = rotate(w, CONVROT_GROUP)
+                conf |= {"convrot": True, "convrot_groupsize": CONVROT_GROUP}
             scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
             out[key] = (w / scale).round().clamp(-127, 127).to(torch.int8)
             out[f"{module}.weight_scale"] = scale
-            out[f"{module}.comfy_quant"] = _layer_json({"format": "int8_tensorwise"})
+            out[f"{module}.comfy_quant"] = _layer_json(conf)
         else:
             raise ValueError(f"unknown form {form!r}")
     if form == "fp8_scaled":
@@ -162,10 +171,12 @@ def quantize_file(file: Path, out: Path, form: str, min_elements: int = 256) -> 
 
 
 def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
-    """A quantized component file's weights as float32 values (``stored * scale``), markers and scales left out:
-    what the quantized file stands for."""
+    """A quantized component file's weights as float32 values (``stored * scale``, rotated back where stored rotated),
+    markers and scales left out: what the quantized file stands for."""
     import torch
     from safetensors.torch import load_file
+
+    from diffpipe_core.quantized_files import rotate
 
     state = load_file(str(file))
     out = {}
@@ -177,6 +188,10 @@ def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
         scale = state.get(f"{module}.scale_weight", state.get(f"{module}.weight_scale"))
         value = value.to(torch.float32)
         out[key] = value * scale.float() if scale is not None and last == "weight" else value
+        conf = state.get(f"{module}.comfy_quant")
+        group = json.loads(conf.numpy().tobytes()).get("convrot_groupsize") if conf is not None else None
+        if group and last == "weight":
+            out[key] = rotate(out[key], group)
     return out
 
 

@@ -36,7 +36,7 @@ from diffpipe_flux.plugin import plugin as flux
 from diffpipe_flux.testing import transformer_inputs
 
 CPU = torch.device("cpu")
-FORMS = ("fp8_scaled", "comfy_quant_fp8", "fp8", "int8", "gguf_Q8_0", "gguf_Q4_0")
+FORMS = ("fp8_scaled", "comfy_quant_fp8", "fp8", "int8", "int8_convrot", "gguf_Q8_0", "gguf_Q4_0")
 CLIP_PREFIX = "text_encoders.clip_l.transformer."  # a prefix of ComfyUI's, which diffpipe reads from the keys
 
 
@@ -122,7 +122,7 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path, fo
         assert sum(m.weight.numel() for m in kept) < (0.55 if form == "gguf_Q8_0" else 0.3) * full
     else:
         kept = [m for m in model.modules() if isinstance(m, ScaledLinear)]
-        storage = torch.int8 if form == "int8" else torch.float8_e4m3fn
+        storage = torch.int8 if form.startswith("int8") else torch.float8_e4m3fn
         assert len(kept) == 50 and all(m.weight.dtype == storage for m in kept)  # q, k and v cut from each fused qkv
         assert sum(m.weight.numel() * m.weight.element_size() for m in kept) == sum(m.weight.numel() for m in kept)
     assert f"{len(kept)} linears kept quantized" in flux.model_file_lines(cfg)[0]
