@@ -296,3 +296,38 @@ def test_another_models_file_is_named_with_the_type_to_train_it(comfy: dict, tmp
     [problem] = problems(from_files(comfy, diffusion_model=file))
     assert str(file) in problem and "a 'z-image' checkpoint" in problem
     assert 'type = "z-image"' in problem
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_train_on_a_quantized_base_as_on_its_weights(comfy: dict, tmp_path: Path, kind: str) -> None:
+    """peft's LoKr / LoHa on the kept fp8 linears: the same adapter gives the output and input gradients it gives on
+    the dequantized weights (its delta is computed apart from the stored weight, never cast to float8)."""
+    from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model
+
+    file = quantize_file(comfy["diffusion_model"], tmp_path / "fp8_scaled.safetensors", "fp8_scaled")
+    plain = save(dequantized_state(file), tmp_path / "dequantized.safetensors")
+    models = []
+    for dit in (file, plain):
+        model = flux.load_diffusion_model(from_files(comfy, diffusion_model=dit), CPU, torch.float32)
+        config = (LoKrConfig if kind == "lokr" else LoHaConfig)(
+            r=4, alpha=8, target_modules=["attn.to_q", "attn.to_k", "attn.to_v"], init_weights=False
+        )
+        models.append(inject_adapter_in_model(config, model))
+    quantized_model, reference = models
+    adapter = {n: p for n, p in quantized_model.named_parameters() if p.requires_grad}
+    assert adapter and any(isinstance(m, ScaledLinear) for m in quantized_model.modules())
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name in adapter:
+                param.copy_(adapter[name])
+    inputs = transformer_inputs()
+    outs, grads = [], []
+    for model in models:
+        hidden = inputs["hidden_states"].clone().requires_grad_(True)
+        out = model(**{**inputs, "hidden_states": hidden}, return_dict=False)[0]
+        out.pow(2).mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad} | {"input": hidden.grad})
+    assert torch.allclose(outs[0], outs[1], atol=1e-5), (outs[0] - outs[1]).abs().max()
+    for name, grad in grads[1].items():
+        assert torch.allclose(grads[0][name], grad, atol=1e-5, rtol=1e-4), name
