@@ -189,8 +189,38 @@ class DiffusersModel:
         return Path(model_config.path)  # type: ignore[attr-defined]
 
     def model_folder_config(self, model_config: ModelConfigBase) -> dict[str, Any]:
-        """The diffusion model's ``config.json`` (diffusers' private keys left out)."""
-        return self.folder.model_config(self.model_folder(model_config), self.model_component(model_config))
+        """The diffusion model's ``config.json`` (diffusers' private keys left out), with what :attr:`file_config`
+        reads from a ``diffusion_model`` file's tensors where the file differs (a schnell file beside a dev folder)."""
+        config = self.folder.model_config(self.model_folder(model_config), self.model_component(model_config))
+        return {**config, **self.config_from_file(model_config, config)}
+
+    #: Config keys read from a ``diffusion_model`` file's tensors, as ComfyUI's model detection reads them: key ->
+    #: a regular expression searched in the file's keys (any layout, any prefix). With one group (a block index) the
+    #: key is the block count; without, a flag set when any key matches. E.g. Flux's
+    #: ``{"num_layers": r"(?:^|\.)(?:double_blocks|transformer_blocks)\.(\d+)\.", "guidance_embeds": ...}``.
+    file_config: ClassVar[dict[str, str]] = {}
+
+    def config_from_file(self, model_config: ModelConfigBase, config: dict[str, Any]) -> dict[str, Any]:
+        """The :attr:`file_config` values of the ``diffusion_model`` file that differ from ``config`` (only its header
+        is read)."""
+        import re
+
+        single = self.single_file(model_config) if self.single_file_key == "diffusion_model" else None
+        if not self.file_config or single is None or not Path(single).is_file():
+            return {}
+        from diffpipe_core.component_files import read_component_file
+
+        keys = list(read_component_file(Path(single), "diffusion_model").tensors)
+        found: dict[str, Any] = {}
+        for key, pattern in self.file_config.items():
+            rx = re.compile(pattern)
+            if rx.groups:
+                indices = [int(m.group(1)) for k in keys if (m := rx.search(k))]
+                if indices:
+                    found[key] = max(indices) + 1
+            else:
+                found[key] = any(rx.search(k) for k in keys)
+        return {k: v for k, v in found.items() if config.get(k) != v}
 
     def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
         layout = self.original_layout(self.model_folder_config(model_config))
@@ -342,9 +372,13 @@ class DiffusersModel:
             component = self.model_component(model_config)
             layout = found.fit.layout if found.fit else "unknown layout"
             kept = f", {len(found.plan)} linears kept quantized" if found.plan else ""
+            config = self.folder.model_config(folder, component)
+            read = self.config_from_file(model_config, config)
+            variant = "".join(f", {k} = {v} from the file (the config says {config.get(k)})" for k, v in read.items())
             lines.append(
                 f"diffusion_model: {single}: {layout}, {found.file.quantization()}{kept}, "
                 f"{human_count(found.file.parameter_count())} parameters, sized by {folder / component / 'config.json'}"
+                f"{variant}"
             )
         for component, (file, fit) in self.folder.component_files(folder, model_config).items():
             cls = self.folder.component_class(component)

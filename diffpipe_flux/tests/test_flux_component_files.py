@@ -183,12 +183,11 @@ def test_bad_files_are_named_in_one_line_each(comfy: dict, tmp_path: Path) -> No
     # a text encoder given as the VAE
     [problem] = problems(from_files(comfy, vae=comfy["text_encoders"][1]))
     assert "model.vae" in problem and str(comfy["text_encoders"][1]) in problem
-    # a transformer of another size than the config says
-    state = load_file(str(dit))
-    state = {k: v for k, v in state.items() if ".double_blocks.1." not in k}
+    # a transformer file that lacks a tensor the model needs (its block counts are read from the file itself)
+    state = {k: v for k, v in load_file(str(dit)).items() if not k.endswith("txt_in.weight")}
     smaller = save(state, tmp_path / "smaller.safetensors")
     [problem] = problems(from_files(comfy, diffusion_model=smaller))
-    assert str(smaller) in problem and "another size" in problem and "transformer_blocks.1." in problem
+    assert str(smaller) in problem and "another size" in problem and "context_embedder.weight" in problem
 
 
 def test_configs_from_the_hugging_face_cache(tiny_flux: Path, comfy: dict, tmp_path: Path, monkeypatch) -> None:
@@ -331,3 +330,19 @@ def test_lokr_and_loha_train_on_a_quantized_base_as_on_its_weights(comfy: dict, 
     assert torch.allclose(outs[0], outs[1], atol=1e-5), (outs[0] - outs[1]).abs().max()
     for name, grad in grads[1].items():
         assert torch.allclose(grads[0][name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_the_files_own_variant_and_block_counts_are_read_from_its_tensors(comfy: dict, tmp_path: Path) -> None:
+    """A schnell-like file with other block counts beside the dev folder's configs: the model is built as the file
+    is (no guidance embedder, its block counts), validate says so, and it loads that file's weights exactly."""
+    from diffpipe_flux.testing import TinyFluxConfig, bfl_path, write_tiny_flux
+
+    schnell = write_tiny_flux(tmp_path / "schnell", TinyFluxConfig(num_layers=1, num_single_layers=3,
+                                                                   guidance_embeds=False))  # fmt: skip
+    cfg = from_files(comfy, diffusion_model=bfl_path(schnell))
+    assert flux.validate_model_files(cfg) == []
+    line = flux.model_file_lines(cfg)[0]
+    assert "num_layers = 1 from the file (the config says 2)" in line and "guidance_embeds = False" in line
+    model = flux.load_diffusion_model(cfg, CPU, torch.float32)
+    assert len(model.transformer_blocks) == 1 and len(model.single_transformer_blocks) == 3
+    same_state(model, flux.load_diffusion_model(FluxConfig(type="flux", path=schnell), CPU, torch.float32))

@@ -51,6 +51,11 @@ class Flux(DiffusersModel, FlowSampling):
     encoder_components = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")  # CLIP-L, then T5
     comfy_takes_diffusers_names = True
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
+    file_config = {  # dev or schnell, and the block counts, from the file itself (BFL's or diffusers' names)
+        "num_layers": r"(?:^|\.)(?:double_blocks|transformer_blocks)\.(\d+)\.",
+        "num_single_layers": r"(?:^|\.)(?:single_blocks|single_transformer_blocks)\.(\d+)\.",
+        "guidance_embeds": r"(?:^|\.)(?:guidance_in|time_text_embed\.guidance_embedder)\.",
+    }
     single_file_name = "flux1-transformer.safetensors"
     key_tables = "diffpipe_flux.bfl"
 
