@@ -37,7 +37,13 @@ DEVICES = [
     pytest.param(
         "cuda",
         id="cuda",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="no CUDA device: the GPU half, run by bench/gpu_proof.sh; its CPU twin runs here",
+            ),
+        ],
     ),
 ]
 

@@ -143,20 +143,6 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
     return out
 
 
-def kept_linears(model: torch.nn.Module, min_elements: int = 256) -> list[str]:
-    """The linears of a model loaded from a folder whose weights :func:`quantize_state` quantizes and a quantized
-    load keeps quantized: every ``nn.Linear`` of ``min_elements`` weights or more outside the model class's
-    ``_keep_in_fp32_modules`` (those load dequantized)."""
-    from torch import nn
-
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return [
-        name
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and module.weight.numel() >= min_elements and not keep & set(name.split("."))
-    ]
-
-
 def _layer_json(conf: dict[str, Any]) -> torch.Tensor:
     import torch
 
@@ -207,10 +193,16 @@ def assert_same_state(got: Mapping[str, torch.Tensor], expected: Mapping[str, to
 
 def quantizable_linears(model: nn.Module, min_elements: int = 256) -> set[str]:
     """The names of ``model``'s linears whose weights :func:`quantize_state` quantizes (2-D, at least
-    ``min_elements``): the linears a model loaded from such a file should keep quantized."""
+    ``min_elements``) and that a quantized load keeps quantized: all but those in the model class's
+    ``_keep_in_fp32_modules`` (they load dequantized, as Wan's time embedder)."""
     from torch import nn
 
-    return {n for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.numel() >= min_elements}
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return {
+        n
+        for n, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.numel() >= min_elements and not keep & set(n.split("."))
+    }
 
 
 def comfyui_files(
@@ -264,7 +256,7 @@ def assert_kept_quantized(plugin: Any, config: Any, plain_config: Any, storage: 
     assert plugin.validate_model_files(config) == []
     model = plugin.load_diffusion_model(config, cpu, torch.bfloat16)
     kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    assert set(kept) == quantizable_linears(plugin.load_diffusion_model(plain_config, cpu, torch.bfloat16))
+    assert kept and set(kept) == quantizable_linears(plugin.load_diffusion_model(plain_config, cpu, torch.bfloat16))
     assert all(m.weight.dtype == storage for m in kept.values())
     assert f"{len(kept)} linears kept quantized" in plugin.model_file_lines(config)[0]
     registry = Registry()

@@ -15,18 +15,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 from diffpipe_core.parts.wan_vae import wan_vae_table
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
     config_only,
     dequantized_state,
-    kept_linears,
     quantize_file,
     save,
     write_component_files,
 )
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_cosmos.plugin import predict2
 from diffpipe_cosmos.testing import original_path
 
@@ -95,16 +92,7 @@ def test_a_checkpoint_comfyui_saved_loads_too(comfy: dict, tmp_path: Path) -> No
 def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) -> None:
     file = quantize_file(comfy["diffusion_model"], tmp_path / "cosmos_predict2_2B_t2i_fp8_scaled.st", "fp8_scaled")
     cfg = from_files(comfy, diffusion_model=file)
-    assert predict2.validate_model_files(cfg) == []
-    model = predict2.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = predict2.load_diffusion_model(from_files(comfy), CPU, torch.bfloat16)
-    assert sorted(kept) == sorted(kept_linears(plain)) and len(kept) > 10
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in predict2.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("cosmos-predict2", predict2).ok
-    assert_stages_read_their_own(registry.model("cosmos-predict2"), cfg)
+    assert_kept_quantized(predict2, cfg, from_files(comfy), torch.float8_e4m3fn)
 
 
 def test_an_fp8_scaled_oldt5_loads_dequantized(comfy: dict, tmp_path: Path) -> None:

@@ -17,18 +17,15 @@ from torch import nn
 
 from diffpipe_core.component_files import cached_snapshot
 from diffpipe_core.parts.wan_vae import wan_vae_table
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
     config_only,
     dequantized_state,
     hub_snapshot,
-    kept_linears,
     quantize_file,
     write_component_files,
 )
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_qwenimage.config import QwenImageEditConfig
 from diffpipe_qwenimage.edit import plugin as edit
 from diffpipe_qwenimage.plugin import plugin as qwen
@@ -85,16 +82,7 @@ def test_a_quantized_transformer_stays_quantized(tiny_qwen: Path, tmp_path: Path
     files = comfy_files(tiny_qwen, tmp_path)
     file = quantize_file(files["diffusion_model"], tmp_path / "qwen_image_fp8_e4m3fn.safetensors", "fp8_scaled")
     cfg = from_files(qwen, files, diffusion_model=file)
-    assert qwen.validate_model_files(cfg) == []
-    model = qwen.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = qwen.load_diffusion_model(from_files(qwen, files), CPU, torch.bfloat16)
-    assert sorted(kept) == sorted(kept_linears(plain)) and len(kept) > 10
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in qwen.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("qwen-image", qwen).ok
-    assert_stages_read_their_own(registry.model("qwen-image"), cfg)
+    assert_kept_quantized(qwen, cfg, from_files(qwen, files), torch.float8_e4m3fn)
 
 
 def test_an_fp8_scaled_qwen25_vl_loads_dequantized(tiny_qwen: Path, tmp_path: Path) -> None:

@@ -17,20 +17,17 @@ from torch import nn
 
 from diffpipe_core.anchor.keys import toml_key, toml_value
 from diffpipe_core.parts.wan_vae import wan_vae_table
-from diffpipe_core.quantize import ScaledLinear
-from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
     component_state,
     config_only,
     dequantized_state,
-    kept_linears,
     quantize_file,
     save,
     write_component_files,
 )
-from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_wan.i2v import wan_i2v
 from diffpipe_wan.original import layout_for_config
 from diffpipe_wan.plugin import wan
@@ -118,16 +115,7 @@ def test_a_quantized_transformer_stays_quantized(tiny_wan: Path, tmp_path: Path)
     files = comfy_files(tiny_wan, tmp_path)
     file = quantize_file(files["diffusion_model"], tmp_path / "wan2.1_t2v_fp8_scaled.safetensors", "fp8_scaled")
     cfg = from_files(wan, files, diffusion_model=file)
-    assert wan.validate_model_files(cfg) == []
-    model = wan.load_diffusion_model(cfg, CPU, torch.bfloat16)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
-    plain = wan.load_diffusion_model(from_files(wan, files), CPU, torch.bfloat16)
-    assert sorted(kept) == sorted(kept_linears(plain)) and len(kept) > 10  # time_embedder loads dequantized
-    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept.values())
-    assert f"{len(kept)} linears kept quantized" in wan.model_file_lines(cfg)[0]
-    registry = Registry()
-    assert registry.register_model("wan", wan).ok
-    assert_stages_read_their_own(registry.model("wan"), cfg)
+    assert_kept_quantized(wan, cfg, from_files(wan, files), torch.float8_e4m3fn)
 
 
 def test_an_fp8_scaled_umt5_loads_dequantized(tiny_wan: Path, tmp_path: Path) -> None:
