@@ -15,9 +15,10 @@ module's key stem changes (``transformer.transformer_blocks.0.attn.to_q``, ``lor
 ComfyUI applies (``comfy/weight_adapter/lokr.py``, ``loha.py``) ``dW = kron(w1, w2) * alpha / dim`` for LoKr,
 where ``dim`` is the rank of the decomposed factor (``w2_b.shape[0]``, else ``w1_b.shape[0]``) and the scale is 1
 when neither factor is decomposed; and ``dW = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0]`` for LoHa.
-peft scales both by ``alpha / r`` always, so a LoKr module whose factors are both whole has ``alpha / r`` folded
-into its ``lokr_w1`` in those layouts. The diffusers file keeps peft's tensors as trained, with the peft config in
-its metadata, the way diffusers' ``load_lora_adapter`` reads a LoKr.
+peft scales both by ``alpha / r`` always. Every saved file has that scale folded into one factor of each module and
+alpha = rank (:func:`fold_strength`), so each tool applies the trained strength whether it reads the alpha or not;
+the diffusers file keeps peft's tensor names with the peft config in its metadata, the way diffusers'
+``load_lora_adapter`` reads a LoKr.
 """
 
 from __future__ import annotations
@@ -110,6 +111,47 @@ def from_adapter_table(adapter: Any, target_modules: list[str]) -> PeftConfig:
 def _targets(config: PeftConfig) -> Any:
     targets = config.target_modules
     return sorted(targets) if isinstance(targets, (set, list)) else targets
+
+
+STRENGTH_TENSORS = ("lora_B", "lokr_w1", "lokr_w1_a", "hada_w1_a")  # one per module: the factor the scale goes into
+
+
+def _strength_tensor(key: str) -> bool:
+    return any(part in STRENGTH_TENSORS for part in key.split("."))
+
+
+def with_strength(config: PeftConfig, alpha: float) -> PeftConfig:
+    """``config`` with its alpha set to ``alpha`` (the rest unchanged)."""
+    import copy
+
+    out = copy.deepcopy(config)
+    if isinstance(out, LoraConfig):
+        out.lora_alpha = alpha
+    else:
+        out.alpha = alpha  # type: ignore[attr-defined]
+    return out
+
+
+def fold_strength(state: dict[str, torch.Tensor], config: PeftConfig) -> tuple[dict[str, torch.Tensor], PeftConfig]:
+    """The adapter with peft's ``alpha / r`` multiplied into one factor of every module (``lora_B``, ``lokr_w1`` or
+    ``lokr_w1_a``, ``hada_w1_a``) and alpha set to the rank.
+
+    Every tool then applies the trained strength whatever it reads: diffusers with or without the file's metadata
+    (its default alpha is the rank), ComfyUI with or without an ``.alpha`` key (none: scale 1), kohya's tools."""
+    alpha, rank = alpha_and_rank(config)
+    if alpha == rank:
+        return state, config
+    scale = alpha / rank
+    wide = {k: v if v.dtype == torch.float64 else v.float() for k, v in state.items()}  # saving casts once, after
+    folded = {k: v * scale if _strength_tensor(k) else v for k, v in wide.items()}
+    return folded, with_strength(config, float(rank))
+
+
+def unfold_factor(saved: PeftConfig, run: PeftConfig) -> float:
+    """What a saved adapter's strength tensors are multiplied by to train on under ``run``'s alpha and rank: 1 when
+    both scale alike (a file with alpha folded in has scale 1; an older one kept its own alpha)."""
+    (saved_alpha, saved_rank), (run_alpha, run_rank) = alpha_and_rank(saved), alpha_and_rank(run)
+    return (saved_alpha / saved_rank) / (run_alpha / run_rank)
 
 
 def saved_config(config: PeftConfig) -> dict[str, Any]:

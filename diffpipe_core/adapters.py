@@ -210,8 +210,10 @@ def save_adapter(
     config: PeftConfig,
     dtype: torch.dtype,
     prefix: str,
+    metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``.
+    """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``; every file's
+    metadata also holds ``metadata``.
 
     Only the diffusers file (``adapter_model.safetensors``) carries the adapter config as metadata; diffusers
     refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
@@ -221,6 +223,7 @@ def save_adapter(
     for name, state in files.items():
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         meta = diffusers_metadata(config, [prefix, *others]) if name == ADAPTER_FILE else {"format": "pt"}
+        meta |= metadata or {}
         atomic_save_safetensors(tensors, out_dir / name, meta)
     atomic_write_text(out_dir / CONFIG_FILE, json.dumps(saved_adapter_config(config), indent=2))
 

@@ -8,16 +8,32 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftConfig
+from safetensors.torch import load_file
 
-from diffpipe_core.adapter_kinds import comfy_tensors, config_from_saved, peft_config
-from diffpipe_core.adapters import adapter_state_dict, apply_adapter, load_adapter, read_adapter
+from diffpipe_core.adapter_kinds import comfy_tensors, config_from_saved, peft_config, unfold_factor, with_strength
+from diffpipe_core.adapters import (
+    ADAPTER_FILE,
+    adapter_state_dict,
+    apply_adapter,
+    diffusers_format,
+    load_adapter,
+    read_adapter,
+    save_adapter,
+)
 from diffpipe_core.config import OptimizerConfig, load_config
 from diffpipe_core.engine.saving import write_adapter
 from diffpipe_core.engine.stage_build import init_adapter_from
 from diffpipe_core.optim import build_optimizer, parameter_groups
 from diffpipe_core.registry import get_registry
 from diffpipe_core.schema import ConfigError
-from diffpipe_core.testing.comfy import delta_weight, merged_weights
+from diffpipe_core.testing.comfy import (
+    apply_file,
+    assert_applies_as_trained,
+    delta_weight,
+    merged_weights,
+    transformer_names_key_map,
+)
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_reference.model import TinyDiT, load_module, write_tiny_model
 
@@ -86,35 +102,78 @@ def reference_model(project: Path) -> TinyDiT:
     return load_module(TinyDiT, project / "model", "transformer", torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["lokr", "loha"])
-def test_saved_adapter_loads_back_and_starts_a_run(project: Path, tmp_path: Path, kind: str) -> None:
-    plugin = get_registry().model("reference")
-    options = {"factor": 4} if kind == "lokr" else {}
-    config = peft_config(kind, 2, 4.0, ["to_q", "fc1"], **options)
+def trained_adapter(project: Path, config: PeftConfig) -> torch.nn.Module:
+    """The reference model with ``config``'s adapter, every factor drawn from ``normal(0, 1)`` (seed 0)."""
     model = apply_adapter(reference_model(project), config)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.normal_()
+    return model
+
+
+def assert_same_weights(got: torch.nn.Module, expected: torch.nn.Module) -> None:
+    want, have = merged_weights(expected), merged_weights(got)
+    assert all(torch.allclose(have[k], want[k], rtol=1e-6, atol=1e-6) for k in want)
+
+
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
+def test_saved_adapter_loads_back_and_starts_a_run(project: Path, tmp_path: Path, kind: str) -> None:
+    plugin = get_registry().model("reference")
+    options = {"factor": 4} if kind == "lokr" else {}
+    config = peft_config(kind, 2, 4.0, ["to_q", "fc1"], **options)
+    model = trained_adapter(project, config)
     assert write_adapter(tmp_path / "saved", adapter_state_dict(model), plugin, config, [], torch.float32) == []
     state, saved = read_adapter(tmp_path / "saved")
-    assert saved["peft_type"] == kind.upper() and saved["alpha"] == 4.0
-    assert config_from_saved(saved).to_dict() == config.to_dict()
-    # load_adapter (diffpipe sample --adapter) and init_from_existing (a new run) both reproduce the weights
-    loaded = load_adapter(reference_model(project), tmp_path / "saved")
+    # the trained alpha 4 is folded into the tensors: alpha = rank, so every tool applies the trained strength
+    assert saved["peft_type"] == kind.upper() and saved["lora_alpha" if kind == "lora" else "alpha"] == 2.0
+    assert config_from_saved(saved).to_dict() == with_strength(config, 2.0).to_dict()
+    # load_adapter (diffpipe sample --adapter) and init_from_existing (a new run, alpha 4 again) reproduce the weights
     fresh = apply_adapter(reference_model(project), config)
     init_adapter_from(fresh, plugin, tmp_path / "saved", config)
-    expected = merged_weights(model)
-    for other in (loaded, fresh):
-        got = merged_weights(other)
-        assert all(torch.equal(got[k], expected[k]) for k in expected)
-    other_kind = peft_config("lora" if kind != "lora" else "lokr", 2, 4.0, ["to_q"])
-    with pytest.raises(ValueError, match=f"holds a {kind.upper()} adapter; this run trains type = 'lora'"):
+    for other in (load_adapter(reference_model(project), tmp_path / "saved"), fresh):
+        assert_same_weights(other, model)
+    other = "lokr" if kind == "lora" else "lora"
+    other_kind = peft_config(other, 2, 4.0, ["to_q"])
+    with pytest.raises(ValueError, match=f"holds a {kind.upper()} adapter; this run trains type = '{other}'"):
         init_adapter_from(apply_adapter(reference_model(project), other_kind), plugin, tmp_path / "saved", other_kind)
-    bigger = peft_config(kind, 3, 4.0, ["to_q", "fc1"])
+    bigger = peft_config(kind, 3, 4.0, ["to_q", "fc1"], **options)
     with pytest.raises(ValueError, match="the rank, factor or target modules differ"):
         init_adapter_from(apply_adapter(reference_model(project), bigger), plugin, tmp_path / "saved", bigger)
+
+
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
+def test_every_saved_layout_applies_the_trained_strength_whatever_alpha_the_tool_reads(
+    project: Path, tmp_path: Path, kind: str
+) -> None:
+    """Trained with alpha 4 at rank 2 (strength 2), saved: the diffusers file applied as ComfyUI applies a file
+    without ``.alpha`` (scale 1, ComfyUI's ``transformer.<module>`` key map) gives the trained weights."""
+    plugin = get_registry().model("reference")
+    config = peft_config(kind, 2, 4.0, ["to_q", "fc1"], **({"factor": 4} if kind == "lokr" else {}))
+    model = trained_adapter(project, config)
+    assert write_adapter(tmp_path / "s", adapter_state_dict(model), plugin, config, [], torch.float32) == []
+    base = merged_weights(reference_model(project))
+    file = load_file(str(tmp_path / "s" / ADAPTER_FILE))
+    assert not [k for k in file if k.endswith(".alpha")]
+    applied = apply_file(base, file, transformer_names_key_map(base, prefix=""))
+    assert_applies_as_trained(applied, merged_weights(model), base)
+
+
+def test_a_file_saved_before_the_fold_starts_a_run_at_its_own_strength(project: Path, tmp_path: Path) -> None:
+    """A LoRA file written with alpha 4 at rank 2 and unfolded tensors (before diffpipe folded alpha in) started
+    under alpha 2 gets its tensors rescaled, so the run starts from the saved adapter's weights."""
+    plugin = get_registry().model("reference")
+    config = peft_config("lora", 2, 4.0, ["to_q", "fc1"])
+    model = trained_adapter(project, config)
+    files = {ADAPTER_FILE: diffusers_format(adapter_state_dict(model), "transformer")}
+    save_adapter(tmp_path / "old", files, config, torch.float32, "transformer")
+    assert read_adapter(tmp_path / "old")[1]["lora_alpha"] == 4.0
+    weaker = peft_config("lora", 2, 2.0, ["to_q", "fc1"])
+    fresh = apply_adapter(reference_model(project), weaker)
+    init_adapter_from(fresh, plugin, tmp_path / "old", weaker)
+    assert_same_weights(fresh, model)
+    assert unfold_factor(config, weaker) == 2.0 and unfold_factor(with_strength(config, 2.0), config) == 0.5
 
 
 def test_lokr_with_whole_factors_gets_its_strength_in_comfyui_layout() -> None:

@@ -86,3 +86,21 @@ def test_too_little_data_is_an_error():
         BucketSampler([[0, 1, 2]], 4, 0, 1, seed=0)
     with pytest.raises(ValueError, match="dp_rank"):
         BucketSampler(GROUPS, 2, 2, 2, seed=0)
+
+
+@pytest.mark.parametrize(("saved_dp", "new_dp"), [(2, 1), (1, 2), (2, 4)])
+def test_another_data_parallel_degree_goes_on_in_the_epochs_global_order(saved_dp, new_dp):
+    """The ranks of a run take the epoch's micro-batches interleaved (rank r: r, r + dp, ...); resumed under another
+    number of ranks, the new ranks go on from the micro-batches the saved ranks took together."""
+    order = BucketSampler(GROUPS, 1, 0, 1, seed=5).epoch_batches(0)  # 22 micro-batches of 1, in global order
+    saved = [BucketSampler(GROUPS, 1, r, saved_dp, seed=5) for r in range(saved_dp)]
+    for sampler in saved:
+        it = iter(sampler)
+        for _ in range(8 // saved_dp):  # 8 micro-batches taken together
+            next(it)
+    new = [BucketSampler(GROUPS, 1, r, new_dp, seed=5) for r in range(new_dp)]
+    for sampler in new:
+        sampler.load_state_dict(saved[0].state_dict())
+    rest = [list(s) for s in new]
+    taken = len(new[0]) * new_dp  # the epoch's micro-batches the new ranks share (a whole number each)
+    assert [rest[i % new_dp][i // new_dp] for i in range(taken - 8)] == order[8:taken]

@@ -25,8 +25,9 @@ class BucketSampler:
     report it. They are not dropped from training: the next epoch reshuffles, so other samples sit out.
 
     ``state_dict`` holds the epoch and the position (micro-batches already yielded by ``__iter__`` this
-    epoch); after ``load_state_dict`` iteration continues from there. When an epoch's iteration runs to
-    its end the sampler moves to the next epoch.
+    epoch); after ``load_state_dict`` iteration continues from there, also under another data-parallel degree:
+    the ranks together have taken the first ``position * dp`` micro-batches of the epoch's order, and the new ranks
+    go on from there. When an epoch's iteration runs to its end the sampler moves to the next epoch.
     """
 
     def __init__(self, groups: list[list[int]], micro_batch_size: int | Sequence[int], dp_rank: int,
@@ -49,6 +50,7 @@ class BucketSampler:
         self.epoch = 0
         self.position = 0
         full = sum(len(g) // size for g, size in kept)
+        self._full = full
         self._per_rank = full // dp_world_size
         total = sum(len(g) for g in self.groups)
         self.remainder = total - sum(len(b) for b in self._all_batches(0)[: self._per_rank * dp_world_size])
@@ -97,8 +99,10 @@ class BucketSampler:
                 "micro_batches": self._per_rank, "dp_world_size": self.dp_world_size, "data": self.data}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore epoch and position; a changed dataset, seed or world size restarts the saved epoch (a changed
-        dataset, which no config key shows, is said in :attr:`note`)."""
+        """Restore epoch and position; under another data-parallel degree the epoch's order goes on from the
+        micro-batches the saved ranks took together (rounded down to a whole number per new rank). A changed
+        dataset, seed or micro-batch size restarts the saved epoch (a changed dataset, which no config key shows, is
+        said in :attr:`note`)."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.note = None
@@ -108,11 +112,16 @@ class BucketSampler:
             self.note = (f"the dataset changed since the checkpoint ({then} samples then, {now} now): the epoch "
                          "starts over in the new data's order")
             self.position = 0
-        same = (state.get("seed", self.seed) == self.seed
-                and state.get("micro_batches", self._per_rank) == self._per_rank
-                and state.get("dp_world_size", self.dp_world_size) == self.dp_world_size)
-        if not same:
-            log.warning("sampler state was saved for another dataset, seed or data-parallel size "
+        saved_dp = int(state.get("dp_world_size", self.dp_world_size))
+        # the same epoch order (seed, and as many micro-batches per saved rank as the saved ranks took)
+        same_order = (state.get("seed", self.seed) == self.seed
+                      and state.get("micro_batches", self._full // saved_dp) == self._full // saved_dp)
+        if saved_dp != self.dp_world_size and same_order:
+            self.position = self.position * saved_dp // self.dp_world_size  # the epoch's order goes on
+            if self.position >= self._per_rank:
+                self.epoch, self.position = self.epoch + 1, 0
+        elif not same_order:
+            log.warning("sampler state was saved for another dataset, seed or micro-batch size "
                         "(%s); restarting epoch %d from its beginning", state, self.epoch)
             self.position = 0
 

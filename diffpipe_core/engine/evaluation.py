@@ -47,7 +47,7 @@ def evaluate(
                 context = TrainingContext(model_config=cfg.model, step=step, eval_quantile=q, loss=run.loss)
                 if loss is not None:
                     loss.context = context
-                batches = MicroBatches(dataset, sampler, plugin, context, run.seed + 1, layout.dp_rank, 0)
+                batches = MicroBatches(dataset, sampler, plugin, context, run.seed + 1, layout.dp_rank, 0, layout.dp)
                 value = float(engine.eval_batch(iter(batches), num_micro_batches=len(sampler)))
                 per_quantile.append(value)
                 results[f"{name}/t_q{q:.1f}"] = value

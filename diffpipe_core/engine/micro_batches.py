@@ -24,6 +24,12 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
+def global_micro_batch(micro_index: int, dp: int, dp_rank: int) -> int:
+    """The number of a rank's ``micro_index``-th micro-batch in the run's single sequence of micro-batches (the
+    sampler's global order interleaves the ranks): the same micro-batch has the same number on any layout."""
+    return micro_index * dp + dp_rank
+
+
 def bucket_sizes(run: RunConfig, dataset: Any, groups: list[list[int]]) -> list[int]:
     """The micro-batch size of each bucket group of ``dataset`` (``micro_batch_size_per_gpu`` may be per resolution)."""
     sizes = []
@@ -45,9 +51,10 @@ class MicroBatches:
         seed: int,
         dp_rank: int,
         micro_index: int,
+        dp: int = 1,
     ) -> None:
         self.dataset, self.sampler, self.plugin, self.context = dataset, sampler, plugin, context
-        self.seed, self.dp_rank, self.micro_index = seed, dp_rank, micro_index
+        self.seed, self.dp_rank, self.dp, self.micro_index = seed, dp_rank, dp, micro_index
         self.step_ids: list[str] = []  # one per sample drawn since the trainer last emptied it
         self._it = iter(sampler)
 
@@ -61,7 +68,11 @@ class MicroBatches:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._it = iter(self.sampler)
             indices = next(self._it)
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.micro_index, self.dp_rank))
+        # seeded by the micro-batch's global number, so its noise is the same on any layout (0: the seed of
+        # data-parallel rank 0 before global numbers, so one-rank runs draw what they drew)
+        generator = torch.Generator().manual_seed(
+            mix_seed(self.seed, global_micro_batch(self.micro_index, self.dp, self.dp_rank), 0)
+        )
         self.micro_index += 1
         self.step_ids.extend(self.dataset.sample_ids(indices))
         batch = self.dataset.collate(indices, generator)

@@ -101,6 +101,13 @@ def restore_checkpoint(
     return state
 
 
+def carried_micro_index(state: dict[str, Any], layout: Layout) -> int:
+    """This rank's count of micro-batches drawn, from a checkpoint's train state: under another data-parallel degree,
+    the saved ranks' micro-batches shared out over the new ones (the run's global micro-batch sequence goes on)."""
+    saved_dp = int(state.get("world_size") or layout.world) // int(state.get("pipeline_stages") or layout.stages)
+    return int(state["micro_index"]) * saved_dp // layout.dp
+
+
 def optimizer_param_names(stage: Stage) -> list[str]:
     """The model names of the optimizer's parameters, in the order its state dict numbers them."""
     names = {id(p): n for n, p in stage.trainable.items()}

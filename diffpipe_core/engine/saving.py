@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from peft import PeftConfig
 
-from diffpipe_core.adapter_kinds import alpha_and_rank, keyed_format, kind_of, modules_of
+from diffpipe_core.adapter_kinds import alpha_and_rank, fold_strength, keyed_format, kind_of, modules_of
 from diffpipe_core.adapters import ADAPTER_FILE, diffusers_format, save_adapter
 from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text, replace_dir, space_checked
 from diffpipe_core.registry import ModelPlugin
@@ -35,6 +35,9 @@ def gather_to_rank0(local: dict[str, torch.Tensor], include: bool) -> dict[str, 
     return merged
 
 
+TRAINED_ALPHA = "diffpipe.trained_alpha"  # metadata: the alpha trained with, folded into the saved tensors
+
+
 def write_adapter(
     out_dir: Path,
     state: dict[str, torch.Tensor],
@@ -47,7 +50,10 @@ def write_adapter(
 
     A format whose export fails is left out and named in the returned list of problems; the others, and
     always the diffusers file, are still written, so a late export bug never costs the trained adapter.
+    Every file has the trained strength folded in and alpha = rank (:func:`fold_strength`).
     """
+    trained_alpha, _ = alpha_and_rank(config)
+    state, config = fold_strength(state, config)
     prefix = plugin.call("adapter_key_prefix") or "transformer"
     files: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
@@ -66,7 +72,7 @@ def write_adapter(
         shutil.rmtree(tmp)
     needed = sum(v.numel() * dtype.itemsize for tensors in files.values() for v in tensors.values())
     with space_checked(tmp, needed, f"the adapter {out_dir}", _kept(out_dir)):
-        save_adapter(tmp, files, config, dtype, prefix)
+        save_adapter(tmp, files, config, dtype, prefix, {TRAINED_ALPHA: f"{trained_alpha:g}"})
     replace_dir(tmp, out_dir)
     return problems
 

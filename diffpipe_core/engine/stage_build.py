@@ -13,7 +13,14 @@ from peft import PeftConfig
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param, kind_of
+from diffpipe_core.adapter_kinds import (
+    STRENGTH_TENSORS,
+    config_from_saved,
+    from_adapter_table,
+    is_adapter_param,
+    kind_of,
+    unfold_factor,
+)
 from diffpipe_core.adapters import read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
@@ -25,6 +32,7 @@ from diffpipe_core.engine.ds_patches import (
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
+from diffpipe_core.engine.layer_rng import LayerSeeds, seed_stage_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan
@@ -86,6 +94,7 @@ class Stage:
     engine: Any
     loss: LossFunction
     plan: StagePlan | None = None
+    seeds: LayerSeeds | None = None  # the layers' random streams (:mod:`diffpipe_core.engine.layer_rng`)
 
 
 @dataclass
@@ -100,6 +109,7 @@ class StageModule:
     module: ExplicitPartitionPipelineModule
     loss: LossFunction
     plan: StagePlan
+    seeds: LayerSeeds
 
 
 def build_stage_module(
@@ -153,6 +163,8 @@ def build_stage_module(
     layers, n_swapped = wrap_stage_layers(
         stage.layers, own, plugin.spec.block_layers, checkpointing, run.blocks_to_swap, device
     )
+    seeds = LayerSeeds(run.seed, own.start, layout.dp, layout.dp_rank)
+    layers = seed_stage_layers(layers, own, seeds)
     if layout.rank == 0:
         explain_memory_savers(cfg, plugin, device, lora is not None, n_swapped)
     loss = LossFunction(plugin, TrainingContext(model_config=cfg.model, loss=run.loss))
@@ -164,7 +176,7 @@ def build_stage_module(
             loss_fn=loss,
             dynamic_shape=True,
         )
-    return StageModule(model, layer_names, parts, own, lora, module, loss, plan)
+    return StageModule(model, layer_names, parts, own, lora, module, loss, plan, seeds)
 
 
 def build_stage(
@@ -213,7 +225,7 @@ def build_stage(
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
     return Stage(
         model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
-        built.plan,
+        built.plan, built.seeds,
     )
 
 
@@ -273,6 +285,7 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
         )
     prefix = plugin.call("adapter_key_prefix") or "transformer"
     named = {n.replace(".default", ""): p for n, p in model.named_parameters() if is_adapter_param(n)}
+    factor = unfold_factor(config_from_saved(saved), config)  # saved files carry their strength folded in
     loaded = 0
     for key, value in state.items():
         if key.endswith(".alpha"):
@@ -285,6 +298,8 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
                     f"adapter.init_from_existing: {path}: {key} has shape {tuple(value.shape)}, this run's adapter "
                     f"{tuple(param.shape)}; the rank, factor or target modules differ"
                 )
+            if factor != 1.0 and any(part in STRENGTH_TENSORS for part in bare.split(".")):
+                value = value.float() * factor
             param.data.copy_(value.to(param.dtype))
             loaded += 1
     if loaded == 0 and any(p.device.type != "meta" for p in named.values()):

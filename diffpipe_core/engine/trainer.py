@@ -31,7 +31,7 @@ from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
 from diffpipe_core.engine.run_dir import CHECKPOINTS, truncate_metrics
-from diffpipe_core.engine.run_state import restore_checkpoint, save_trained, write_checkpoint
+from diffpipe_core.engine.run_state import carried_micro_index, restore_checkpoint, save_trained, write_checkpoint
 from diffpipe_core.engine.stage_build import Layout, build_stage
 from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
 from diffpipe_core.optim import evaluation_weights
@@ -102,7 +102,8 @@ class Trainer:
         start_step, micro_index = 0, 0
         if resume_from is not None:
             state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler, self.run.optimizer)
-            start_step, micro_index = state["step"], state["micro_index"]
+            start_step = state["step"]
+            micro_index = carried_micro_index(state, self.layout)
             if start_step >= self.total_steps:
                 if self.rank == 0:
                     print(f"diffpipe: run {self.run_dir} is finished (step {start_step} of {self.total_steps}); "
@@ -117,7 +118,11 @@ class Trainer:
         run = self.run
         context = TrainingContext(model_config=self.cfg.model, loss=run.loss)
         self.stage.loss.context = context
-        batches = MicroBatches(self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index)
+        batches = MicroBatches(
+            self.dataset, self.sampler, self.plugin, context, run.seed, self.dp_rank, micro_index, self.dp
+        )
+        if self.stage.seeds is not None:
+            self.stage.seeds.micro_index = micro_index
         summary = TrainSummary()
         writer = self._writer() if self.rank == 0 else None
         metrics_file = (self.run_dir / "metrics.jsonl").open("a") if self.rank == 0 else None

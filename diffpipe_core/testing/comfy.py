@@ -133,3 +133,25 @@ def merged_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str
             if isinstance(module, BaseTunerLayer) and adapter in getattr(module, "scaling", {}):
                 out[f"{name}.weight"] += module.get_delta_weight(adapter).float()
     return out
+
+
+def transformer_names_key_map(model_keys: Iterable[str], prefix: str = "diffusion_model.") -> dict[str, KeyTarget]:
+    """The entries ComfyUI's ``model_lora_keys_unet`` adds for a model whose own weights carry diffusers' names
+    (Qwen-Image): ``transformer.<module>`` onto ``<prefix><module>.weight`` (``model_keys`` without ``prefix``)."""
+    return {f"transformer.{k[: -len('.weight')]}": f"{prefix}{k}" for k in model_keys if k.endswith(".weight")}
+
+
+def assert_applies_as_trained(
+    applied: dict[str, torch.Tensor],
+    trained: dict[str, torch.Tensor],
+    untrained: dict[str, torch.Tensor],
+    atol: float = 1e-5,
+) -> None:
+    """A file applied as ComfyUI applies it (``applied``) gives the trained weights key by key, and training moved
+    some weight clearly more than the error, so a file applied at another strength (or not at all) fails."""
+    missing = sorted(set(trained) - set(applied))
+    assert not missing, f"{len(missing)} trained weights not among the applied ones: {missing[:5]}"
+    worst = max(float((applied[k] - trained[k]).abs().max()) for k in trained)
+    moved = max(float((trained[k] - untrained[k].float()).abs().max()) for k in trained)
+    assert worst <= atol, f"applied weights differ from the trained ones by up to {worst:.3g}"
+    assert moved > 100 * max(worst, 1e-7), f"training moved the weights by only {moved:.3g}"

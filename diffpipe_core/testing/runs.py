@@ -178,12 +178,18 @@ def read_saved_lora(
     saved: Path, rank: int, alpha: float, holding: tuple[str, ...] = ()
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The diffusers-format LoRA a run saved in ``saved`` (e.g. ``saved/final``): its tensors and peft config, after
-    checking the config's rank and alpha; with ``holding`` (keys without the ``transformer.`` prefix), that every key
-    is the transformer's and those are among them."""
-    from diffpipe_core.adapters import read_adapter
+    checking the config's rank, that the trained ``alpha`` is folded in (alpha = rank in the config, the trained one
+    in the file's metadata); with ``holding`` (keys without the ``transformer.`` prefix), that every key is the
+    transformer's and those are among them."""
+    from safetensors import safe_open
+
+    from diffpipe_core.adapters import ADAPTER_FILE, read_adapter
+    from diffpipe_core.engine.saving import TRAINED_ALPHA
 
     state, cfg = read_adapter(saved)
-    assert cfg["r"] == rank and cfg["lora_alpha"] == alpha, (cfg["r"], cfg["lora_alpha"])
+    assert cfg["r"] == rank and cfg["lora_alpha"] == rank, (cfg["r"], cfg["lora_alpha"])
+    with safe_open(str(Path(saved) / ADAPTER_FILE), "pt") as f:
+        assert float(f.metadata()[TRAINED_ALPHA]) == alpha, f.metadata()
     if holding:
         assert all(k.startswith("transformer.") for k in state), sorted(state)[:3]
         missing = [k for k in holding if f"transformer.{k}" not in state]
@@ -281,11 +287,12 @@ def assert_lora_reproduces(
 ) -> None:
     """The diffusers LoRA ``lora_file`` loaded into ``pipe`` with :func:`load_lora_into` makes ``pipe.transformer``
     give the trained model ``reference``'s outputs on ``inputs`` (and not the untrained ones); with ``alpha``, the
-    adapter diffusers built carries that strength."""
+    adapter diffusers built has alpha = rank (the trained ``alpha`` is folded into the file's tensors)."""
     untrained = outputs(pipe.transformer, inputs)
     load_lora_into(pipe, lora_file)
     if alpha is not None:
-        assert pipe.transformer.peft_config["trained"].lora_alpha == alpha
+        built = pipe.transformer.peft_config["trained"]
+        assert built.lora_alpha == built.r, (built.lora_alpha, built.r)
     assert_reproduces(outputs(pipe.transformer, inputs), outputs(reference, inputs), untrained)
 
 

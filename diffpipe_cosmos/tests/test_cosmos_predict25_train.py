@@ -89,7 +89,7 @@ def test_diffusers_lora_loads_with_load_lora_weights_and_reproduces(predict25_ru
 
 def test_comfyui_lora_applies_to_nvidias_layout(predict25_run: Path) -> None:
     comfy = load_file(str(predict25_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
-    assert float(comfy["diffusion_model.blocks.0.self_attn.q_proj.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.blocks.0.self_attn.q_proj.alpha"]) == RANK
     assert len(comfy) == 3 * 10 * 2  # lora_A, lora_B, alpha x 10 linears x 2 blocks
     folder = predict25_run.parent.parent / "model" / "transformer" / "diffusion_pytorch_model.safetensors"
     # Predict2's table: 2.5 adds only crossattn_proj, which no LoRA targets

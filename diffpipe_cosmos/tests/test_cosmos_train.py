@@ -157,7 +157,7 @@ def test_diffusers_lora_loads_with_peft_loader_and_reproduces(run: tuple[str, Pa
     )
     loaded = {n.replace(".trained", ""): p for n, p in fresh.named_parameters() if "lora_" in n}
     assert set(loaded) == {k[len("transformer.") :] for k in state}
-    assert fresh.peft_config["trained"].lora_alpha == ALPHA
+    assert fresh.peft_config["trained"].lora_alpha == RANK
     for frames in (1, 2):
         inputs = transformer_inputs(frames)
         got, expected = runs.outputs(fresh, inputs), runs.outputs(reference, inputs)
@@ -171,7 +171,7 @@ def test_comfyui_lora_applies_to_the_original_weights(run: tuple[str, Path]) -> 
     comfy = load_file(str(path / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     native = "blocks.block0.blocks.0.block.attn.to_q.0" if name == "cosmos" else "blocks.0.self_attn.q_proj"
     assert f"diffusion_model.{native}.lora_A.weight" in comfy
-    assert float(comfy[f"diffusion_model.{native}.alpha"]) == ALPHA
+    assert float(comfy[f"diffusion_model.{native}.alpha"]) == RANK
     assert all(k.startswith("diffusion_model.") and "transformer_blocks" not in k for k in comfy)
     assert len(comfy) == 3 * 10 * 2  # lora_A, lora_B, alpha x 10 linears x 2 blocks
 

@@ -15,12 +15,15 @@ from safetensors.torch import load_file
 
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
 from diffpipe_flux.packing import image_ids, text_ids
 from diffpipe_flux.testing import bfl_path, comfy_lora_keys, write_tiny_chroma
 
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 16
+CHROMA_TABLE = chroma_layout_for_config({"num_layers": 2, "num_single_layers": 2, "approximator_layers": 2,
+                                         "num_attention_heads": 2, "attention_head_dim": 16})  # fmt: skip
 MODEL = {"type": "chroma", "diffusion_model": "model.bfl.safetensors", "t5_max_length": 8}
 SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "every_n_steps": STEPS, "steps": 2, "seed": 5}
 
@@ -85,20 +88,31 @@ def test_diffusers_lora_loads_in_chroma_pipeline_and_reproduces(chroma_run: Path
 
 
 def test_comfyui_lora_keys_and_fused_weights(chroma_run: Path) -> None:
-    from diffpipe_flux.chroma_keys import layout_for_config as chroma_layout_for_config
-
     comfy = load_file(str(chroma_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     assert set(comfy) == comfy_lora_keys(2, 2)
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * RANK
     assert comfy["diffusion_model.single_blocks.0.linear1.lora_B.weight"].shape == (7 * 32, 4 * RANK)
 
     # applied to the original weights as ComfyUI does, it equals the trained LoRAs merged one by one
     base = load_file(str(bfl_path(model_dir(chroma_run))))
     original = load_file(str(model_dir(chroma_run) / "transformer" / "diffusion_pytorch_model.safetensors"))
-    table = chroma_layout_for_config({"num_layers": 2, "num_single_layers": 2, "approximator_layers": 2,
-                                      "num_attention_heads": 2, "attention_head_dim": 16})  # fmt: skip
     merged = runs.merge_peft(original, runs.checkpoint_params(chroma_run), ALPHA / RANK)
-    runs.assert_state_close(table.to_model(runs.apply_comfyui(base, comfy), "applied"), merged)
+    runs.assert_state_close(CHROMA_TABLE.to_model(runs.apply_comfyui(base, comfy), "applied"), merged)
+
+
+def test_comfyui_loads_the_diffusers_file_at_the_trained_strength(chroma_run: Path) -> None:
+    """ComfyUI's Chroma is a Flux: it loads the diffusers-format file through Flux's ``transformer.<diffusers name>``
+    key map, with no ``.alpha`` (scale 1), into the original layout's fused weights."""
+    from test_flux_lokr import comfy_flux_key_map
+
+    from diffpipe_core.testing.comfy import apply_file, assert_applies_as_trained
+
+    base = load_file(str(bfl_path(model_dir(chroma_run))))
+    lora = load_file(str(chroma_run / "saved" / "final" / "adapter_model.safetensors"))
+    original = load_file(str(model_dir(chroma_run) / "transformer" / "diffusion_pytorch_model.safetensors"))
+    trained = runs.merge_peft(original, runs.checkpoint_params(chroma_run), ALPHA / RANK)
+    applied = CHROMA_TABLE.to_model(apply_file(base, lora, comfy_flux_key_map(2, 2, 32)), "applied")
+    assert_applies_as_trained(applied, trained, original)
 
 
 def test_first_sample_is_chroma_pipelines(chroma_run: Path) -> None:

@@ -100,8 +100,8 @@ def test_comfyui_lora_keys_and_fused_weights(run) -> None:
     variant, run_dir = run
     comfy = load_file(str(run_dir / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     assert set(comfy) == comfy_lora_keys(2, 2)
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
-    assert float(comfy["diffusion_model.single_blocks.0.linear1.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * RANK
+    assert float(comfy["diffusion_model.single_blocks.0.linear1.alpha"]) == RANK
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"].shape == (3 * 32, 3 * RANK)
 
     # applied to the original weights as ComfyUI does, it equals the trained LoRAs merged one by one

@@ -149,7 +149,7 @@ def test_kontext_lora_loads_in_the_kontext_pipeline_and_reproduces(kontext_runs:
     from safetensors.torch import load_file
 
     comfy = load_file(str(saved / "adapter_model.comfyui.safetensors"))
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * RANK
     assert all(
         k.startswith("diffusion_model.double_blocks.") or k.startswith("diffusion_model.single_blocks.") for k in comfy
     )
@@ -191,3 +191,27 @@ def test_kontext_sample_with_a_control_image_equals_the_pipeline(tiny_flux: Path
     noise = torch.randn((1, 4, 8, 8), generator=noise_generator(5, 0))
     expected = pipeline_latents(pipe, texts, noise, 3, cfg_scale, image=image_latents, max_area=64 * 64)
     assert_same_sample(ours, expected, noise)
+
+
+@pytest.mark.slow
+def test_comfyui_loads_the_kontext_diffusers_file_at_the_trained_strength(kontext_runs: dict[int, Path]) -> None:
+    """ComfyUI loads a Kontext LoRA as a Flux one: the diffusers-format file through Flux's ``transformer.<diffusers
+    name>`` key map, with no ``.alpha`` (scale 1), into the BFL layout's fused weights."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_flux_lokr import comfy_flux_key_map
+
+    from diffpipe_core.testing.comfy import apply_file, assert_applies_as_trained
+    from diffpipe_flux.bfl import bfl_to_diffusers, diffusers_to_bfl
+
+    run = kontext_runs[2]
+    folder = run.parent.parent / "model" / "transformer"
+    config = json.loads((folder / "config.json").read_text())
+    original = load_file(str(folder / "diffusion_pytorch_model.safetensors"))
+    lora = load_file(str(run / "saved" / "final" / "adapter_model.safetensors"))
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    key_map = comfy_flux_key_map(config["num_layers"], config["num_single_layers"], hidden)
+    applied = bfl_to_diffusers(apply_file(diffusers_to_bfl(original), lora, key_map))
+    trained = runs.merge_peft(original, runs.checkpoint_params(run), ALPHA / RANK)
+    assert_applies_as_trained(applied, trained, original)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from test_flux_lokr import comfy_flux_key_map
 from test_flux_train import make_project
 
-from diffpipe_core.adapter_kinds import config_from_saved
+from diffpipe_core.adapter_kinds import config_from_saved, with_strength
 from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.comfy import apply_file, merged_weights
@@ -87,8 +87,8 @@ def test_saved_comfyui_lokr_equals_the_trained_weights(lokr_run) -> None:
     base = FluxTransformer2DModel.from_pretrained(str(model_dir / "transformer"))
     base_bfl = diffusers_to_bfl({k: v.float() for k, v in base.state_dict().items()})
     _, saved_cfg = read_adapter(run / "saved" / "final")
-    assert saved_cfg["peft_type"] == "LOKR" and saved_cfg["r"] == 2 and saved_cfg["alpha"] == 3.0
-    apply_adapter(base, config_from_saved(saved_cfg))
+    assert saved_cfg["peft_type"] == "LOKR" and saved_cfg["r"] == 2 and saved_cfg["alpha"] == 2.0  # 3 folded in
+    apply_adapter(base, with_strength(config_from_saved(saved_cfg), 3.0))  # the checkpoint holds alpha 3's factors
     params = load_file(str(run / "checkpoints" / "step-0000004" / "params-stage0.safetensors"))
     assert any(".lokr_w2_a." in k for k in params) and any(".lokr_w1." in k for k in params)
     missing, unexpected = base.load_state_dict(params, strict=False)

@@ -137,8 +137,8 @@ def test_comfyui_lora_keys_and_fused_weights(two_stages: Path) -> None:
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape == (3 * RANK, 32)
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight"].shape == (3 * 32, 3 * RANK)
     assert comfy["diffusion_model.single_blocks.0.linear1.lora_B.weight"].shape == (7 * 32, 4 * RANK)
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.proj.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * RANK
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.proj.alpha"]) == RANK
 
     # Applied to the BFL base weights as ComfyUI does, it equals the trained q/k/v/mlp LoRAs merged one by one.
     applied = runs.apply_comfyui(load_file(str(bfl_path(model_dir))), comfy)

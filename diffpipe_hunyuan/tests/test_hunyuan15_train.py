@@ -91,7 +91,8 @@ def transformer_inputs(conditioned: bool) -> dict[str, torch.Tensor]:
     }
 
 
-def test_diffusers_lora_loads_with_load_lora_adapter_and_reproduces(run: Path) -> None:
+@pytest.mark.parametrize("route", ["folder and weight_name", "file path"])
+def test_diffusers_lora_loads_with_load_lora_adapter_and_reproduces(run: Path, route: str) -> None:
     import diffusers
     from diffusers import HunyuanVideo15Transformer3DModel
 
@@ -113,12 +114,15 @@ def test_diffusers_lora_loads_with_load_lora_adapter_and_reproduces(run: Path) -
     inputs = transformer_inputs(name.endswith("ImageToVideoPipeline"))
     untrained = runs.outputs(pipe.transformer, inputs)
     with runs.library_warnings() as warnings:
-        pipe.transformer.load_lora_adapter(
-            str(saved), weight_name="adapter_model.safetensors", prefix="transformer", adapter_name="trained"
-        )
+        if route == "file path":  # as users call it: diffusers builds the adapter with its default alpha (= rank)
+            pipe.transformer.load_lora_adapter(str(saved / "adapter_model.safetensors"), adapter_name="trained")
+        else:
+            pipe.transformer.load_lora_adapter(
+                str(saved), weight_name="adapter_model.safetensors", prefix="transformer", adapter_name="trained"
+            )
     assert not [m for m in warnings if "keys" in m.lower()], warnings
-    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
-    # alpha != rank, so reproducing the outputs also proves diffusers applied the trained strength
+    assert pipe.transformer.peft_config["trained"].lora_alpha == RANK
+    # trained with alpha != rank, saved folded: reproducing the outputs proves the strength arrives
     runs.assert_reproduces(runs.outputs(pipe.transformer, inputs), runs.outputs(reference, inputs), untrained)
 
 
@@ -143,11 +147,11 @@ def comfy_layout(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 def test_comfyui_lora_has_comfyui_keys_and_applies_like_the_separate_loras(run: Path) -> None:
     comfy = load_file(str(run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape == (3 * RANK, 32)
-    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * ALPHA
+    assert float(comfy["diffusion_model.double_blocks.0.img_attn.qkv.alpha"]) == 3 * RANK
     # the last block's text queries are not adapted: its txt_attn.qkv LoRA holds k and v only
     assert comfy["diffusion_model.double_blocks.1.txt_attn.qkv.lora_B.weight"].shape == (3 * 32, 2 * RANK)
-    assert float(comfy["diffusion_model.double_blocks.1.txt_attn.qkv.alpha"]) == 2 * ALPHA
-    assert float(comfy["diffusion_model.double_blocks.1.img_mod.lin.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.double_blocks.1.txt_attn.qkv.alpha"]) == 2 * RANK
+    assert float(comfy["diffusion_model.double_blocks.1.img_mod.lin.alpha"]) == RANK
 
     base = load_file(str(run.parent.parent / "model" / "transformer" / "diffusion_pytorch_model.safetensors"))
     weights, names = comfy_layout(base)

@@ -159,8 +159,8 @@ def test_diffusers_lora_loads_in_hunyuan_pipeline_and_reproduces(two_stages: tup
     pipe = HunyuanVideoPipeline.from_pretrained(str(model_dir), local_files_only=True)
     untrained = runs.outputs(pipe.transformer, transformer_inputs())
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
-    # alpha != rank, so reproducing the outputs also proves diffusers applied the trained strength
+    assert pipe.transformer.peft_config["trained"].lora_alpha == RANK
+    # trained with alpha != rank, saved folded: reproducing the outputs proves the strength arrives
     got, expected = runs.outputs(pipe.transformer, transformer_inputs()), runs.outputs(reference, transformer_inputs())
     runs.assert_reproduces(got, expected, untrained)
 
@@ -171,8 +171,8 @@ def test_comfyui_lora_keys_and_fused_weights(two_stages: tuple[Path, str]) -> No
     comfy = load_file(str(run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     assert comfy["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape == (3 * RANK, 32)
     assert comfy["diffusion_model.single_blocks.1.linear1.lora_B.weight"].shape == (3 * 32 + 128, 4 * RANK)
-    assert float(comfy["diffusion_model.single_blocks.1.linear1.alpha"]) == 4 * ALPHA
-    assert float(comfy["diffusion_model.double_blocks.1.img_mod.lin.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.single_blocks.1.linear1.alpha"]) == 4 * RANK
+    assert float(comfy["diffusion_model.double_blocks.1.img_mod.lin.alpha"]) == RANK
 
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     got = original_to_diffusers(apply_comfyui_lora(diffusers_to_original(base), comfy))

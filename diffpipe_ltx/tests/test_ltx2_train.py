@@ -116,7 +116,7 @@ def test_comfyui_file_has_the_keys_comfyui_maps_and_applies_like_diffusers(ltx2_
     assert len(modules) == 2 * (2 * 4 + 2)  # 2 blocks x (attn1 + attn2 q/k/v/out, ff in/out)
     expected = {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert set(comfy) == expected
-    assert all(float(comfy[f"diffusion_model.{m}.alpha"]) == ALPHA for m in modules)
+    assert all(float(comfy[f"diffusion_model.{m}.alpha"]) == RANK for m in modules)
 
     # ComfyUI's key map for the native LTXAVModel (every weight's module under diffusion_model.) takes each stem;
     # patched into the original-layout weights they equal the diffusers LoRA merged into the folder's weights

@@ -143,4 +143,4 @@ def test_comfyui_file_has_native_keys_and_alpha(runs: dict[str, Path]) -> None:
         assert torch.equal(
             comfy[f"diffusion_model.{m}.lora_B.weight"], diffusers_file[f"transformer.{m}.lora_B.weight"]
         )
-        assert float(comfy[f"diffusion_model.{m}.alpha"]) == ALPHA
+        assert float(comfy[f"diffusion_model.{m}.alpha"]) == RANK

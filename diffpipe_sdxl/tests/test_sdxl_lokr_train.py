@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_sdxl_lokr import comfy_sdxl_key_map, sgm
 from test_sdxl_train import RUN_TOML
 
-from diffpipe_core.adapter_kinds import config_from_saved
+from diffpipe_core.adapter_kinds import config_from_saved, with_strength
 from diffpipe_core.adapters import apply_adapter, read_adapter
 from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.comfy import apply_file, merged_weights
@@ -79,7 +79,9 @@ def test_saved_kohya_lokr_equals_the_trained_unet(lokr_run, tiny_sdxl: tuple[Pat
     run = lokr_run[0]
     unet = UNet2DConditionModel.from_pretrained(tiny_sdxl[0], subfolder="unet", local_files_only=True)
     base = sgm({k: v.float() for k, v in unet.state_dict().items()}, unet)
-    apply_adapter(unet, config_from_saved(read_adapter(run / "saved" / "final")[1]))
+    saved = read_adapter(run / "saved" / "final")[1]
+    assert saved["r"] == 2 and saved["alpha"] == 2.0  # the trained alpha 4 is folded into the saved factors
+    apply_adapter(unet, with_strength(config_from_saved(saved), 4.0))  # the checkpoint holds alpha 4's factors
     params = load_file(str(run / "checkpoints" / "step-0000004" / "params-stage0.safetensors"))
     missing, unexpected = unet.load_state_dict(params, strict=False)
     assert not unexpected and not [k for k in missing if "lokr_" in k]

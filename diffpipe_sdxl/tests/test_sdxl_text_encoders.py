@@ -156,7 +156,7 @@ def test_kohya_lora_of_the_text_encoders_fits_comfyui_and_diffusers(te_run: Path
     names = LORA_CLIP_MAP.values()
     clip = {f"lora_te{n}_text_model_encoder_layers_{b}_{v}" for n, b in ((1, 0), (2, 0), (2, 1)) for v in names}
     assert {m for m in modules if m.startswith("lora_te")} == clip
-    assert float(kohya["lora_te2_text_model_encoder_layers_0_self_attn_q_proj.alpha"]) == ALPHA
+    assert float(kohya["lora_te2_text_model_encoder_layers_0_self_attn_q_proj.alpha"]) == RANK
 
     # ComfyUI maps every module and applies W += alpha / rank * up @ down: the trained UNet and encoders
     key_map = comfyui_key_map(*tiny_sdxl)

@@ -144,13 +144,13 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor, what: str) -> None:
 def test_saved_lora_key_layouts(two_stages: Path) -> None:
     saved = two_stages / "saved" / "final"
     state, cfg = read_adapter(saved)
-    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 4  # the trained alpha 8 is folded into lora_B
     assert "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight" in state
     assert all(k.startswith("unet.") and ".lora_" in k for k in state)
     kohya = load_file(str(saved / "adapter_model.kohya.safetensors"))
     assert "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in kohya
     assert "lora_unet_output_blocks_0_1_transformer_blocks_1_ff_net_2.lora_up.weight" in kohya
-    assert float(kohya["lora_unet_middle_block_1_transformer_blocks_0_attn2_to_k.alpha"]) == 8.0
+    assert float(kohya["lora_unet_middle_block_1_transformer_blocks_0_attn2_to_k.alpha"]) == 4.0
     assert len(kohya) == len(state) * 3 // 2  # down, up and alpha per module
 
 

@@ -89,3 +89,9 @@ def test_edit_lora_loads_in_the_edit_pipeline_and_reproduces_on_reference_tokens
     pipe = load_pipeline(model_dir)
     assert type(pipe).__name__ == "QwenImageEditPipeline"
     runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, inputs)
+
+
+def test_comfyui_loads_the_edit_diffusers_file_at_the_trained_strength(edit_runs: dict[int, Path]) -> None:
+    from test_qwenimage_train import comfyui_applies_the_diffusers_file
+
+    comfyui_applies_the_diffusers_file(edit_runs[2], ALPHA, RANK)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffpipe_core.testing import runs
+from diffpipe_core.testing import comfy, runs
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_qwenimage.testing import comfy_path, load_pipeline, write_tiny_qwen
 
@@ -102,6 +102,21 @@ def test_diffusers_lora_loads_in_qwen_image_pipeline_and_reproduces(qwen_run: Pa
     runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs(), ALPHA)
 
 
+def comfyui_applies_the_diffusers_file(run: Path, alpha: float, rank: int) -> None:
+    """ComfyUI loads the diffusers-format file of Qwen-Image (and -Edit: the same model class) through its
+    ``transformer.<module>`` key map, with no ``.alpha`` (scale 1): every module, at the trained strength."""
+    original = load_file(str(run.parent.parent / "model" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    lora = load_file(str(run / "saved" / "final" / "adapter_model.safetensors"))
+    held = {f"diffusion_model.{k}": v for k, v in original.items()}
+    applied = comfy.apply_file(held, lora, comfy.transformer_names_key_map(original))  # raises on a key left out
+    trained = runs.merge_peft({k: v.float() for k, v in original.items()}, runs.checkpoint_params(run), alpha / rank)
+    comfy.assert_applies_as_trained({k[len("diffusion_model.") :]: v for k, v in applied.items()}, trained, original)
+
+
+def test_comfyui_loads_the_diffusers_file_at_the_trained_strength(qwen_run: Path) -> None:
+    comfyui_applies_the_diffusers_file(qwen_run, ALPHA, RANK)
+
+
 def test_comfyui_lora_has_comfyuis_keys_and_applies_like_the_separate_loras(qwen_run: Path) -> None:
     comfy = load_file(str(qwen_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     base = load_file(str(comfy_path(qwen_run.parent.parent / "model")))  # ComfyUI's file: model.diffusion_model.<name>
@@ -112,7 +127,7 @@ def test_comfyui_lora_has_comfyuis_keys_and_applies_like_the_separate_loras(qwen
     # "<stem>.lora_A.weight", "<stem>.lora_B.weight" and the "<stem>.alpha" scalar
     want = {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert set(comfy) == want and all(f"{m}.weight" in native for m in modules)
-    assert float(comfy["diffusion_model.transformer_blocks.0.attn.to_q.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.transformer_blocks.0.attn.to_q.alpha"]) == RANK
     assert comfy["diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight"].shape == (RANK, 32)
     got = runs.apply_comfyui(native, comfy)
     merged = runs.merge_peft(native, params, ALPHA / RANK)

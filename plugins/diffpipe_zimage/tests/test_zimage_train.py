@@ -73,8 +73,8 @@ def test_diffusers_lora_loads_in_zimage_pipeline_and_reproduces(zimage_run: Path
     pipe = ZImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
     untrained = runs.outputs(stacked(pipe.transformer), transformer_inputs())
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    assert pipe.transformer.peft_config["trained"].lora_alpha == ALPHA
-    # alpha != rank, so reproducing the outputs also proves diffusers applied the trained strength
+    assert pipe.transformer.peft_config["trained"].lora_alpha == RANK
+    # trained with alpha != rank, saved folded: reproducing the outputs proves the strength arrives
     got = runs.outputs(stacked(pipe.transformer), transformer_inputs())
     runs.assert_reproduces(got, runs.outputs(stacked(reference), transformer_inputs()), untrained)
 
@@ -92,8 +92,8 @@ def test_comfyui_lora_keys_and_fused_weights(zimage_run: Path) -> None:
         expected
     )
     assert comfy["diffusion_model.layers.0.attention.qkv.lora_B.weight"].shape == (96, 3 * RANK)
-    assert float(comfy["diffusion_model.layers.0.attention.qkv.alpha"]) == 3 * ALPHA
-    assert float(comfy["diffusion_model.layers.1.feed_forward.w2.alpha"]) == ALPHA
+    assert float(comfy["diffusion_model.layers.0.attention.qkv.alpha"]) == 3 * RANK
+    assert float(comfy["diffusion_model.layers.1.feed_forward.w2.alpha"]) == RANK
 
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     got = original_to_diffusers(apply_comfyui_lora(diffusers_to_original(base), comfy))
