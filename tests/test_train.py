@@ -391,7 +391,8 @@ def test_saved_lora_reproduces_trained_outputs(single: Path) -> None:
     assert all(k.startswith("transformer.") for k in state)
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert meta["transformer.lora_alpha"] == 16 and meta["transformer.r"] == 8
+        trained_alpha = f.metadata()["diffpipe.trained_alpha"]
+    assert meta["transformer.lora_alpha"] == 8 and meta["transformer.r"] == 8 and trained_alpha == "16"
 
     model_dir = single.parent.parent / "model"
     config = read_config(model_dir)

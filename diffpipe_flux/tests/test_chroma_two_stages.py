@@ -31,12 +31,12 @@ def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_trains_on_two_stages_from_the_folder_and_the_lora_reproduces(two_stage_run: Path) -> None:
     from diffusers import ChromaPipeline, ChromaTransformer2DModel
-    from test_chroma_train import RANK, model_dir, transformer_inputs
+    from test_chroma_train import ALPHA, RANK, model_dir, transformer_inputs
 
     runs.assert_trained_in_stages(two_stage_run, STEPS, 2)
     saved = two_stage_run / "saved" / "final"
     _, cfg = read_adapter(saved)
     fresh = ChromaTransformer2DModel.from_pretrained(str(model_dir(two_stage_run) / "transformer"))
-    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, cfg["lora_alpha"], cfg["target_modules"])
+    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, ALPHA, cfg["target_modules"])
     pipe = ChromaPipeline.from_pretrained(str(model_dir(two_stage_run)), local_files_only=True)
     runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs())
