@@ -33,3 +33,19 @@ def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509: several reference images) folder."""
     return _folder(tmp_path_factory, "QwenImageEditPlusPipeline")
 
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen21(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ``QwenImage21Pipeline`` folder; its ComfyUI file is ``testing21.comfy_path(folder)``."""
+    from diffpipe_qwenimage.testing21 import write_tiny_qwen21
+
+    return write_tiny_qwen21(tmp_path_factory.mktemp("qwen21") / "QwenImage21Pipeline")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen21_turbo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen-Image 2.1 Turbo folder (``sample_sigmas`` in its ``model_index.json``)."""
+    from diffpipe_qwenimage.testing21 import write_tiny_qwen21
+
+    return write_tiny_qwen21(tmp_path_factory.mktemp("qwen21") / "turbo", turbo=True)

@@ -1,0 +1,146 @@
+"""Write a tiny random-weight Qwen-Image 2.1 to disk in its real layouts, for tests and benchmarks.
+
+:func:`write_tiny_qwen21` saves a diffusers ``QwenImage21Pipeline`` folder (``model_index.json`` with the pipeline's
+``sample_sigmas`` for a Turbo folder, ``transformer/`` (``QwenImage21Transformer2DModel``: single-stream, block-causal),
+``vae/`` (``AutoencoderKLQwenImage21``, 16x spatial), ``text_encoder/`` (``Qwen3VLForConditionalGeneration`` with a
+1-block vision tower), ``processor/`` (a ``Qwen3VLProcessor``: its PIL image processor, tokenizer and chat template),
+``scheduler/``) and beside it the transformer as one ComfyUI file (diffusers names under ``model.diffusion_model.``).
+The byte-level BPE tokenizer is trained in-process on the pipeline's prompt template, so the system turn the
+pipeline drops is one token per word, as with the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffpipe_core.testing import tiny
+
+SYSTEM = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
+TEMPLATE = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
+#: the tiny Turbo folder's ``sample_sigmas`` (the pipeline's config: the checkpoint's own few-step grid)
+TURBO_SIGMAS = [1.0, 0.75, 0.5, 0.25]
+
+
+@dataclass
+class TinyQwen21Config(tiny.TinySizes):
+    """Sizes of the tiny Qwen-Image 2.1: a 2-block transformer over 4 latent channels (unpatched: one token per
+    latent pixel), a 2-layer Qwen3-VL (``text_dim``: its hidden size = ``context_in_dim``)."""
+
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    mlp_ratio: int = 3
+
+
+def processor() -> Any:
+    """A ``Qwen3VLProcessor`` without its video half (:class:`~diffpipe_qwenimage.vision.ImageOnlyQwen3VLProcessor`):
+    a Qwen-like tokenizer trained on the pipeline's template, the PIL image processor at 16-pixel patches, the
+    Qwen2-VL chat template (the pipeline counts its system turn with it)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from diffpipe_qwenimage.vision import ImageOnlyQwen3VLProcessor
+
+    tok = tiny.qwen2_vl_tokenizer([TEMPLATE.format("a photo of a red cat")])
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32 * 16, patch_size=16)
+    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None,
+                                     chat_template=tiny.QWEN2_VL_CHAT_TEMPLATE)
+
+
+def text_encoder(tok: Any, dim: int) -> Any:
+    """A tiny ``Qwen3VLForConditionalGeneration``: 2 text layers (interleaved multimodal RoPE), a 1-block vision
+    tower."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = {f"{role}_token_id": tok.convert_tokens_to_ids(f"<|{token}|>") for role, token in (
+        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end"))}
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    text = dict(vocab_size=len(tok), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                pad_token_id=tok.pad_token_id, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+
+
+def tiny_vae(channels: int) -> Any:
+    """An ``AutoencoderKLQwenImage21`` (16x spatial) with non-trivial ``latents_mean`` / ``latents_std``."""
+    from diffusers import AutoencoderKLQwenImage21
+
+    return AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=8, z_dim=channels, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True],
+        latents_mean=[0.1 * (i - channels / 2) for i in range(channels)],
+        latents_std=[1.0 + 0.25 * i for i in range(channels)],
+    )
+
+
+def tiny_transformer(cfg: TinyQwen21Config, **extra: Any) -> Any:
+    """The random-weight diffusers ``QwenImage21Transformer2DModel`` of ``cfg``; ``extra``: further config keys
+    (``causal_condition=False``)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(cfg.seed)
+    model = QwenImage21Transformer2DModel(
+        in_channels=cfg.latent_channels, out_channels=cfg.latent_channels, num_layers=cfg.num_layers,
+        attention_head_dim=cfg.attention_head_dim, num_attention_heads=cfg.num_attention_heads,
+        context_in_dim=cfg.text_dim, mlp_ratio=cfg.mlp_ratio, axes_dims_rope=tuple(cfg.axes_dims_rope), **extra,
+    )
+    with torch.no_grad():  # the zero-centred norm and zero-initialised parts get weights a trained model would have
+        for param in model.parameters():
+            if not param.any():
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def parts(cfg: TinyQwen21Config) -> dict[str, tiny.Part]:
+    """The ``QwenImage21Pipeline`` components of ``cfg``, in build order."""
+    proc = processor()
+    return {
+        "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
+        "vae": tiny.Part(lambda: tiny_vae(cfg.latent_channels), seed=cfg.seed + 1),
+        "text_encoder": tiny.Part(lambda: text_encoder(proc.tokenizer, cfg.text_dim), seed=cfg.seed + 2),
+        "processor": tiny.Part(lambda: proc),
+        "scheduler": tiny.Part(lambda: tiny.flow_scheduler(use_dynamic_shifting=True, time_shift_type="exponential")),
+    }
+
+
+def comfy_path(folder: Path) -> Path:
+    """Where :func:`write_tiny_qwen21` puts the ComfyUI-layout single file of ``folder``'s transformer."""
+    return tiny.beside(folder, "-comfy.safetensors")
+
+
+def write_tiny_qwen21(folder: Path, cfg: TinyQwen21Config | None = None, turbo: bool = False) -> Path:
+    """A tiny ``QwenImage21Pipeline`` folder (``turbo``: with ``sample_sigmas`` in ``model_index.json``, as the
+    Turbo checkpoint's config carries its grid) and its ComfyUI-layout transformer file beside it
+    (:func:`comfy_path`)."""
+    cfg = cfg or TinyQwen21Config()
+    folder = Path(folder)
+    pipe = tiny.pipeline("QwenImage21Pipeline", parts(cfg))
+    proc = pipe.processor  # it does not save itself without torchvision: its image processor, tokenizer, template
+    pipe.register_modules(processor=None)
+    pipe.save_pretrained(str(folder), safe_serialization=True)
+    for part in (proc.image_processor, proc.tokenizer):
+        part.save_pretrained(str(folder / "processor"))
+    (folder / "processor" / "chat_template.jinja").write_text(proc.chat_template)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    if turbo:
+        index["sample_sigmas"] = TURBO_SIGMAS
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    state = {f"model.diffusion_model.{k}": v for k, v in pipe.transformer.state_dict().items()}
+    tiny.save_single_file(state, comfy_path(folder))
+    return folder
+
+
+def load_pipeline(folder: Path) -> Any:
+    """The ``QwenImage21Pipeline`` of a tiny folder (float32), its processor loaded without torchvision."""
+    from diffusers import QwenImage21Pipeline
+
+    from diffpipe_qwenimage.vision import ImageOnlyQwen3VLProcessor, load_processor
+
+    processor = load_processor(Path(folder) / "processor", ImageOnlyQwen3VLProcessor)
+    return QwenImage21Pipeline.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
+                                               processor=processor)
