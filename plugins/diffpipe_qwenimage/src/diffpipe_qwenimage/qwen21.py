@@ -49,6 +49,7 @@ class QwenImage21(DiffusersModel, FlowSampling):
         "qwen-image-2.1", QwenImage21Config,
         "Qwen-Image 2.1 text-to-image (diffusers folder, or ComfyUI's single-file transformer over it)",
         contract=4, encoder_settings=("text_max_length",), block_layers=("BlockLayer",), spatial_multiple=32,
+        guidance_in_one_batch=False,  # padding the shorter prompt would move the image's positions
     )
     folder = DiffusersFolder(
         "qwen-image-2.1",
