@@ -16,25 +16,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import step_time  # this folder's Qwen-Image bench (the script's folder is on sys.path)
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_qwenimage.qwen21 import flat, plugin
 from diffpipe_qwenimage.testing21 import TinyQwen21Config, write_tiny_qwen21
 
 MODEL = TinyQwen21Config(num_layers=4, num_attention_heads=4, attention_head_dim=64, axes_dims_rope=(16, 24, 24),
                          latent_channels=16, text_dim=64)
-TEXT_LEN, SIZE = 64, 256
+TEXT_LEN, SIZE = step_time.TEXT_LEN, step_time.SIZE
 MODEL_TABLE = bench.model_table("qwen-image-2.1", text_max_length=TEXT_LEN)
 
 
 def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
-    captions = [" ".join(["a long caption of a red cat on a house"] * 6) + f" {i}" for i in range(4)]
-    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
+    """Qwen-Image's bench run (``step_time.diffpipe_times``: the same images and captions) of Qwen-Image 2.1."""
+    return step_time.diffpipe_times(root, args, MODEL_TABLE)
 
 
 def plain_times(model_dir: Path, args) -> list[float]:
