@@ -44,8 +44,9 @@ def tiny_qwen21(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen21_turbo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen-Image 2.1 Turbo folder (``sample_sigmas`` in its ``model_index.json``)."""
-    from diffpipe_qwenimage.testing21 import write_tiny_qwen21
+def tiny_qwen21_turbo(tiny_qwen21: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen-Image 2.1 Turbo folder: ``tiny_qwen21``'s weights with ``sample_sigmas`` in its
+    ``model_index.json``, as the Turbo checkpoint's config carries its grid."""
+    from diffpipe_qwenimage.testing21 import as_turbo
 
-    return write_tiny_qwen21(tmp_path_factory.mktemp("qwen21") / "turbo", turbo=True)
+    return as_turbo(tiny_qwen21, tmp_path_factory.mktemp("qwen21") / "turbo")

@@ -127,12 +127,24 @@ def write_tiny_qwen21(folder: Path, cfg: TinyQwen21Config | None = None, turbo: 
     (folder / "processor" / "chat_template.jinja").write_text(proc.chat_template)
     index = json.loads((folder / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen3VLProcessor"]
-    if turbo:
-        index["sample_sigmas"] = TURBO_SIGMAS
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     state = {f"model.diffusion_model.{k}": v for k, v in pipe.transformer.state_dict().items()}
     tiny.save_single_file(state, comfy_path(folder))
-    return folder
+    return as_turbo(folder, folder) if turbo else folder
+
+
+def as_turbo(folder: Path, out: Path) -> Path:
+    """Tiny Qwen-Image 2.1 folder ``folder`` as a Turbo folder at ``out`` (``folder`` itself, or a copy of it):
+    :data:`TURBO_SIGMAS` as ``sample_sigmas`` in its ``model_index.json``."""
+    import shutil
+
+    folder, out = Path(folder), Path(out)
+    if out != folder:
+        shutil.copytree(folder, out, dirs_exist_ok=True)
+    index = json.loads((out / "model_index.json").read_text())
+    index["sample_sigmas"] = TURBO_SIGMAS
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
 
 
 def load_pipeline(folder: Path) -> Any:
