@@ -94,7 +94,7 @@ class QwenImage21(DiffusersModel, FlowSampling):
         turn it drops, the last decoder layer's output before the final norm)."""
         from diffpipe_core.parts.encoders import load_components
         from diffpipe_core.parts.text import text_pipeline
-        from diffpipe_qwenimage.vision import ImageOnlyQwen3VLProcessor, load_processor
+        from diffpipe_core.parts.vl_processors import ImageOnlyQwen3VLProcessor, load_processor
 
         enc = load_components(self.folder, model_config, device, "vae", "text_encoder")
         enc.processor = load_processor(model_config.path / "processor", ImageOnlyQwen3VLProcessor)

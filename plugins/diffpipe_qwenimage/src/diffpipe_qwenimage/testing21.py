@@ -1,12 +1,13 @@
 """Write a tiny random-weight Qwen-Image 2.1 to disk in its real layouts, for tests and benchmarks.
 
-:func:`write_tiny_qwen21` saves a diffusers ``QwenImage21Pipeline`` folder (``model_index.json`` with the pipeline's
-``sample_sigmas`` for a Turbo folder, ``transformer/`` (``QwenImage21Transformer2DModel``: single-stream, block-causal),
-``vae/`` (``AutoencoderKLQwenImage21``, 16x spatial), ``text_encoder/`` (``Qwen3VLForConditionalGeneration`` with a
-1-block vision tower), ``processor/`` (a ``Qwen3VLProcessor``: its PIL image processor, tokenizer and chat template),
-``scheduler/``) and beside it the transformer as one ComfyUI file (diffusers names under ``model.diffusion_model.``).
-The byte-level BPE tokenizer is trained in-process on the pipeline's prompt template, so the system turn the
-pipeline drops is one token per word, as with the real tokenizer.
+:func:`write_tiny_qwen21` saves a diffusers ``QwenImage21Pipeline`` folder: ``model_index.json`` (with the pipeline's
+``sample_sigmas`` for a Turbo folder), ``transformer/`` (``QwenImage21Transformer2DModel``: single-stream,
+block-causal), ``vae/`` (``AutoencoderKLQwenImage21``, 16x spatial), ``text_encoder/`` (the core's tiny
+``Qwen3VLForConditionalGeneration``, :func:`~diffpipe_core.testing.tiny.qwen3_vl`), ``processor/`` (a
+``Qwen3VLProcessor``: its PIL image processor, tokenizer and chat template), ``scheduler/``; and beside it the
+transformer as one ComfyUI file (diffusers names under ``model.diffusion_model.``). The byte-level BPE tokenizer is
+trained in-process on the pipeline's prompt template, so the system turn the pipeline drops is one token per word, as
+with the real tokenizer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from diffpipe_core.parts.vl_processors import save_processor
 from diffpipe_core.testing import tiny
 
 SYSTEM = "Comprehend and analyze the provided prompt."  # QwenImage21Pipeline.sys_prompt
@@ -36,33 +38,9 @@ class TinyQwen21Config(tiny.TinySizes):
 
 
 def processor() -> Any:
-    """A ``Qwen3VLProcessor`` without its video half (:class:`~diffpipe_qwenimage.vision.ImageOnlyQwen3VLProcessor`):
-    a Qwen-like tokenizer trained on the pipeline's template, the PIL image processor at 16-pixel patches, the
-    Qwen2-VL chat template (the pipeline counts its system turn with it)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from diffpipe_qwenimage.vision import ImageOnlyQwen3VLProcessor
-
-    tok = tiny.qwen2_vl_tokenizer([TEMPLATE.format("a photo of a red cat")])
-    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32 * 16, patch_size=16)
-    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=None,
-                                     chat_template=tiny.QWEN2_VL_CHAT_TEMPLATE)
-
-
-def text_encoder(tok: Any, dim: int) -> Any:
-    """A tiny ``Qwen3VLForConditionalGeneration``: 2 text layers (interleaved multimodal RoPE), a 1-block vision
-    tower."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    ids = {f"{role}_token_id": tok.convert_tokens_to_ids(f"<|{token}|>") for role, token in (
-        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end"))}
-    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
-    text = dict(vocab_size=len(tok), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-                pad_token_id=tok.pad_token_id, rope_parameters=rope)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+    """A Qwen3-VL processor (:func:`~diffpipe_core.testing.tiny.qwen3_vl_processor`) whose tokenizer is trained on
+    the pipeline's template."""
+    return tiny.qwen3_vl_processor([TEMPLATE.format("a photo of a red cat")])
 
 
 def tiny_vae(channels: int) -> Any:
@@ -101,7 +79,7 @@ def parts(cfg: TinyQwen21Config) -> dict[str, tiny.Part]:
     return {
         "transformer": tiny.Part(lambda: tiny_transformer(cfg)),
         "vae": tiny.Part(lambda: tiny_vae(cfg.latent_channels), seed=cfg.seed + 1),
-        "text_encoder": tiny.Part(lambda: text_encoder(proc.tokenizer, cfg.text_dim), seed=cfg.seed + 2),
+        "text_encoder": tiny.Part(lambda: tiny.qwen3_vl(proc.tokenizer, cfg.text_dim), seed=cfg.seed + 2),
         "processor": tiny.Part(lambda: proc),
         "scheduler": tiny.Part(lambda: tiny.flow_scheduler(use_dynamic_shifting=True, time_shift_type="exponential")),
     }
@@ -122,9 +100,7 @@ def write_tiny_qwen21(folder: Path, cfg: TinyQwen21Config | None = None, turbo: 
     proc = pipe.processor  # it does not save itself without torchvision: its image processor, tokenizer, template
     pipe.register_modules(processor=None)
     pipe.save_pretrained(str(folder), safe_serialization=True)
-    for part in (proc.image_processor, proc.tokenizer):
-        part.save_pretrained(str(folder / "processor"))
-    (folder / "processor" / "chat_template.jinja").write_text(proc.chat_template)
+    save_processor(proc, folder / "processor")
     index = json.loads((folder / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen3VLProcessor"]
     (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -151,7 +127,7 @@ def load_pipeline(folder: Path) -> Any:
     """The ``QwenImage21Pipeline`` of a tiny folder (float32), its processor loaded without torchvision."""
     from diffusers import QwenImage21Pipeline
 
-    from diffpipe_qwenimage.vision import ImageOnlyQwen3VLProcessor, load_processor
+    from diffpipe_core.parts.vl_processors import ImageOnlyQwen3VLProcessor, load_processor
 
     processor = load_processor(Path(folder) / "processor", ImageOnlyQwen3VLProcessor)
     return QwenImage21Pipeline.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
