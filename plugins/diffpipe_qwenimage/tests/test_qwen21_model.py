@@ -77,9 +77,10 @@ def test_a_folder_of_another_model_is_named(tiny_qwen21: Path, tmp_path: Path) -
     assert "text_config.hidden_size is 64" in problem and "context_in_dim 32" in problem
 
 
-def test_inputs_are_packed_as_the_pipeline_at_its_shift(tiny_qwen21: Path) -> None:
+def test_inputs_are_packed_as_the_pipeline_at_its_shift(tiny_qwen21: Path, caplog: pytest.LogCaptureFixture) -> None:
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
+    plugin.__dict__.pop("_padding_noted", None)
     cfg = config(tiny_qwen21)
     g = torch.Generator().manual_seed(0)
     latents, text = torch.randn(2, 4, 4, 6, generator=g), torch.randn(2, 32, 32, generator=g)
@@ -93,6 +94,8 @@ def test_inputs_are_packed_as_the_pipeline_at_its_shift(tiny_qwen21: Path) -> No
     assert torch.equal(pipe._pack_latents(noise.unsqueeze(1), 2, 4, 4, 6), noise.flatten(2).transpose(1, 2))
     assert x.shape == velocity.shape == (2, 24, 4) and shapes.tolist() == [[1, 4, 6]]
     assert embeds.shape == (2, 9, 32) and torch.equal(embeds, text[:, :9]) and text_mask.dtype == torch.bool
+    # captions of 9 and 5 tokens padded together: said once, with what trains exactly
+    assert [r.message for r in caplog.records if "micro_batch_size_per_gpu = 1" in r.message]
     # the shift is the pipeline's for 24 tokens: the tiny scheduler shifts dynamically, exponentially
     c = pipe.scheduler.config
     mu = calculate_shift(24, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)

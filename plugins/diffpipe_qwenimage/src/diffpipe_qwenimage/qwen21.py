@@ -155,8 +155,18 @@ class QwenImage21(DiffusersModel, FlowSampling):
         b, c, h, w = batch["latents"].shape
         f = flow_sample(batch["latents"], cfg, context, generator, training_shift(cfg, h * w, SCHEDULER))
         text, mask = trimmed(batch["text_embeds"], batch["text_mask"])
+        self.note_padding(mask)
         targets = with_mask((flat(f.target),), batch, lambda m: flat(m.expand(b, c, h, w)))
         return (flat(f.x_t), f.t, text, mask, torch.tensor([[1, h, w]])), targets
+
+    def note_padding(self, mask: torch.Tensor) -> None:
+        """Say once per process that a micro-batch held captions of different lengths: padded to the longest, as the
+        pipeline pads a batch of prompts, which moves the image's positions behind the shorter ones."""
+        if mask.shape[0] > 1 and not self.__dict__.get("_padding_noted") and not bool(mask.all()):
+            self.__dict__["_padding_noted"] = True
+            log.warning("qwen-image-2.1: captions of different lengths share a micro-batch and are padded to the "
+                        "longest, which moves the image's positions behind the shorter ones; micro_batch_size_per_gpu "
+                        "= 1 (with gradient_accumulation_steps) trains exactly what a single prompt samples")
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
