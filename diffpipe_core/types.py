@@ -76,6 +76,10 @@ class ModelSpec:
             batches carry ``EncodeBatch.first_frames``, image items train as before); ``"required"`` (an
             image-to-video-only model: an image in its dataset is an error naming the file). What ``encode_batch``
             returns for the first frame (image latents, image-encoder embeddings, or both) is cached with the clip.
+        guidance_in_one_batch: with classifier-free guidance, sampling runs the negative and the positive prompt as
+            one micro-batch of 2 (their text padded to the longer); False: as two micro-batches, each at its own
+            length, for a model whose output depends on the text's padding (Qwen-Image 2.1's joint sequence places
+            the image after the text, so padding moves its positions).
         contract: the plugin contract version the plugin is written against and needs
             (``diffpipe_core.CONTRACT_VERSION`` when it was written; ``CHANGELOG.md`` lists the versions). A core
             implementing an older contract refuses the plugin by name, saying which version it needs, instead of
@@ -102,6 +106,7 @@ class ModelSpec:
     control_sample_area: int | None = None
     control_in_captions: bool = False
     first_frame: Literal["none", "optional", "required"] = "none"
+    guidance_in_one_batch: bool = True
     contract: int = 1
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ __all__ = ["IMAGE_PROCESSOR", "TOKENIZER", "DiffusersFolder", "SizeMatch"]
 class SizeMatch:
     """Two components must fit together: ``component``'s config ``key`` equals the diffusion model's ``model_key``
     (``model_default`` when its config leaves it out). E.g. the T5's ``d_model`` = the transformer's
-    ``caption_channels``."""
+    ``caption_channels``; a dotted ``key`` reads a nested config (a VL model's ``text_config.hidden_size``)."""
 
     component: str
     key: str
@@ -191,12 +191,13 @@ class DiffusersFolder:
         found = []
         for match in self.sizes:
             other, _ = read_json(path / match.component / "config.json")
-            if model is None or other is None or match.key not in other:
+            value = _nested(other, match.key)
+            if model is None or value is None:
                 continue
             want = model.get(match.model_key, match.model_default)
-            if other[match.key] != want:
+            if value != want:
                 found.append(
-                    f"{path / match.component / 'config.json'}: {match.key} is {other[match.key]}, but "
+                    f"{path / match.component / 'config.json'}: {match.key} is {value}, but "
                     f"{path / component / 'config.json'} has {match.model_key} {want}; the components are from "
                     "different models"
                 )
@@ -381,6 +382,15 @@ class DiffusersFolder:
         else:
             files = diffusers_weight_files(folder, what=f"{component} weights")
         return [(f, lambda key, c=component: f"{c}.{key}") for f in files]
+
+
+def _nested(config: Mapping[str, Any] | None, key: str) -> Any:
+    """``config[a][b]`` for the dotted ``key`` ``"a.b"``; None where any part is missing."""
+    for part in key.split("."):
+        if not isinstance(config, Mapping) or part not in config:
+            return None
+        config = config[part]
+    return config
 
 
 def _count(model: Any) -> str:

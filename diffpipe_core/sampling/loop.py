@@ -46,8 +46,9 @@ def generate(
     """Denoise one sample per entry of ``texts`` and return their final latents (float32, on the CPU).
 
     Each step sends every sample as its own micro-batch through ``forward``; with ``cfg > 1`` a micro-batch
-    holds the negative and the positive prompt (batch 2) and the two predictions are combined by
-    :func:`combine_guidance` before the plugin's ``denoise_step``.
+    holds the negative and the positive prompt (batch 2; two micro-batches of 1 for a model whose spec says
+    ``guidance_in_one_batch = False``) and the two predictions are combined by :func:`combine_guidance` before the
+    plugin's ``denoise_step``.
     """
     if len(texts) != len(generators):
         raise ValueError(f"{len(texts)} prompts but {len(generators)} noise generators")
@@ -57,16 +58,24 @@ def generate(
         latents, schedule = plugin.require("denoise_init", request=request, model_config=model_config, generator=gen)
         if guided and text.uncond is None:
             raise ValueError("cfg > 1 needs the negative prompt's text encoding")
-        batch_text = _cat(text.uncond, text.cond) if guided else text.cond
-        states.append([latents, schedule, batch_text])
+        if not guided:
+            batches = [text.cond]
+        elif plugin.spec.guidance_in_one_batch:
+            batches = [_cat(text.uncond, text.cond)]
+        else:
+            batches = [text.uncond, text.cond]
+        states.append([latents, schedule, batches])
     steps = len(states[0][1]) - 1 if states else 0
     for index in range(steps):
         inputs = []
-        for latents, schedule, batch_text in states:
-            model_latents = torch.cat([latents, latents]) if guided else latents
+        for latents, schedule, batches in states:
             step = {"schedule": schedule, "index": index, "request": request, "model_config": model_config}
-            inputs.append(plugin.require("denoise_inputs", latents=model_latents, text=batch_text, **step))
-        predictions = forward(inputs)
+            for batch_text in batches:
+                n = next(iter(batch_text.values())).shape[0]
+                model_latents = torch.cat([latents] * n) if n > 1 else latents
+                inputs.append(plugin.require("denoise_inputs", latents=model_latents, text=batch_text, **step))
+        outputs = iter(forward(inputs))
+        predictions = [torch.cat([next(outputs) for _ in batches]) for _, _, batches in states]
         for state, prediction in zip(states, predictions, strict=True):
             if guided:
                 uncond, cond = prediction.float().chunk(2)

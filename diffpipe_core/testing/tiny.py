@@ -320,6 +320,36 @@ def qwen25_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def qwen3_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
+    """A ``Qwen3VLForConditionalGeneration`` of ``layers`` text layers (4 heads of 8, 2 KV heads, interleaved
+    multimodal RoPE ``[1, 1, 2]``) and a 1-block vision tower at 16-pixel patches, for :func:`qwen3_vl_processor`'s
+    tokenizer (its vision tokens): the text encoder of Qwen-Image 2.1 (and of the Qwen3-VL-conditioned models)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokens = {"image": "image_pad", "video": "video_pad", "vision_start": "vision_start", "vision_end": "vision_end"}
+    ids = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for role, token in tokens.items()}
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+    text = dict(vocab_size=len(tokenizer), hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+                pad_token_id=tokenizer.pad_token_id, rope_parameters=rope)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+
+
+def qwen3_vl_processor(texts: Sequence[str] = ()) -> Any:
+    """A ``Qwen3VLProcessor`` without its video half (:class:`~diffpipe_core.parts.vl_processors.
+    ImageOnlyQwen3VLProcessor`): :func:`qwen2_vl_tokenizer` trained on ``texts`` (a pipeline's prompt template),
+    the PIL image processor at 16-pixel patches (up to 16 merged patches), Qwen2-VL's chat template (text parts)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from diffpipe_core.parts.vl_processors import ImageOnlyQwen3VLProcessor
+
+    images = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=32 * 32 * 16, patch_size=16)
+    return ImageOnlyQwen3VLProcessor(image_processor=images, tokenizer=qwen2_vl_tokenizer(texts), video_processor=None,
+                                     chat_template=QWEN2_VL_CHAT_TEMPLATE)
+
+
 # ---------------------------------------------------------------------------------------------- VAEs
 def wan_vae(z_dim: int, **config: Any) -> Any:
     """A random ``AutoencoderKLWan`` with Wan 2.1's geometry (8x spatial, 4x temporal) at the smallest width (base

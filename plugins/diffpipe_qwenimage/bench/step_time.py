@@ -30,12 +30,13 @@ TEXT_LEN, SIZE = 64, 256
 MODEL_TABLE = bench.model_table("qwen-image", text_max_length=TEXT_LEN)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
+def diffpipe_times(root: Path, args, table: str = MODEL_TABLE) -> list[float]:
+    """Train with `diffpipe train` in ``root`` (which holds ``model/``; ``table``: the ``[model]`` table, Qwen-Image's
+    or Qwen-Image 2.1's) on 4 long-captioned SIZE x SIZE images; step times from metrics.jsonl."""
     captions = [" ".join(["a long caption of a red cat on a house"] * 6) + f" {i}" for i in range(4)]
     write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
+    return bench.train_times(root, args, table)
 
 
 def plain_times(model_dir: Path, args) -> list[float]:

@@ -33,3 +33,20 @@ def tiny_edit_plus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ``QwenImageEditPlusPipeline`` (Qwen-Image-Edit-2509: several reference images) folder."""
     return _folder(tmp_path_factory, "QwenImageEditPlusPipeline")
 
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen21(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ``QwenImage21Pipeline`` folder; its ComfyUI file is ``testing21.comfy_path(folder)``."""
+    from diffpipe_qwenimage.testing21 import write_tiny_qwen21
+
+    return write_tiny_qwen21(tmp_path_factory.mktemp("qwen21") / "QwenImage21Pipeline")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen21_turbo(tiny_qwen21: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen-Image 2.1 Turbo folder: ``tiny_qwen21``'s weights with ``sample_sigmas`` in its
+    ``model_index.json``, as the Turbo checkpoint's config carries its grid."""
+    from diffpipe_qwenimage.testing21 import as_turbo
+
+    return as_turbo(tiny_qwen21, tmp_path_factory.mktemp("qwen21") / "turbo")

@@ -52,3 +52,31 @@ class QwenImageEditConfig(QwenImageConfig):
         "Qwen2.5-VL sees them. Default: the pipeline's, 1024*1024 for QwenImageEditPipeline, 384*384 for "
         "QwenImageEditPlusPipeline.",
     )
+
+
+class QwenImage21Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of Qwen-Image 2.1. ``path`` is a diffusers ``QwenImage21Pipeline`` folder; ``diffusion_model``
+    a single-file transformer as ComfyUI loads it (``qwen_image_2.1_bf16.safetensors``: diffusers names, optionally
+    under ``model.diffusion_model.``; fp8 scaled and int8 files stay quantized)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Qwen/Qwen-Image-2.1",)
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        le=8192,
+        description="Qwen3-VL tokens of a caption kept after the system turn the pipeline drops; shorter embeddings "
+        "are padded to it in the cache and the padding is masked, longer ones cut (with a warning).",
+    )
+    dynamic_shift: bool = Field(
+        True,
+        description="Shift the training times as the pipeline's scheduler shifts its sigmas for the image's token "
+        "count (mu = calculate_shift with the folder's scheduler config); false: the fixed shift.",
+    )
+
+
+class QwenImage21TurboConfig(QwenImage21Config):
+    """``[model]`` keys of Qwen-Image 2.1 Turbo: ``path`` is the Turbo checkpoint's ``QwenImage21Pipeline`` folder
+    (its ``model_index.json`` carries the few-step ``sample_sigmas``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Qwen/Qwen-Image-2.1-Turbo",)

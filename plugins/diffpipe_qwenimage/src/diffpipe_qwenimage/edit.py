@@ -61,7 +61,8 @@ class QwenImageEdit(QwenImage):
         (also one whose template lacks the vision block, for instructions without reference images)."""
         from diffpipe_core.parts.encoders import load_components
         from diffpipe_core.parts.text import text_pipeline
-        from diffpipe_qwenimage.vision import VL_AREA, load_processor
+        from diffpipe_core.parts.vl_processors import load_processor
+        from diffpipe_qwenimage.vision import VL_AREA
 
         enc = load_components(self.folder, model_config, device, "vae", "text_encoder", "tokenizer")
         enc.pipeline = json.loads((model_config.path / "model_index.json").read_text())["_class_name"]

@@ -68,9 +68,7 @@ class QwenImage(DiffusersModel, FlowSampling):
 
     def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
         """ComfyUI's layout: the diffusers names (optionally under ``model.diffusion_model.``)."""
-        from diffpipe_core.parts.layout import KeyTable
-
-        return KeyTable((), name="ComfyUI", model="Qwen-Image transformer", passthrough=True)
+        return comfy_layout("Qwen-Image transformer")
 
     def lora_layout(self, state_dict: dict[str, torch.Tensor]) -> KeyTable:
         return self.original_layout({})
@@ -211,6 +209,13 @@ class QwenImage(DiffusersModel, FlowSampling):
             return decoder.decode(z.to(param.device, param.dtype)).sample[:, :, 0].float().clamp(-1, 1)
 
 
+def comfy_layout(model: str) -> KeyTable:
+    """The layout of ComfyUI's Qwen-Image files: the diffusers names (optionally under ``model.diffusion_model.``)."""
+    from diffpipe_core.parts.layout import KeyTable
+
+    return KeyTable((), name="ComfyUI", model=model, passthrough=True)
+
+
 def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The cached text cut to the longest caption among ``mask``'s rows (the rest is masked padding anyway)."""
     n = max(1, int(mask.sum(dim=1).max()))
@@ -218,23 +223,28 @@ def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @functools.lru_cache(maxsize=16)
-def scheduler_settings(path: Path) -> dict[str, Any]:
-    """The folder's ``scheduler/scheduler_config.json`` over :data:`SCHEDULER`."""
+def _scheduler_file(path: Path) -> dict[str, Any]:
     file = Path(path) / "scheduler" / "scheduler_config.json"
-    return {**SCHEDULER, **(json.loads(file.read_text()) if file.is_file() else {})}
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def training_shift(cfg: QwenImageConfig, image_tokens: int) -> float:
+def scheduler_settings(path: Path, defaults: dict[str, Any] = SCHEDULER) -> dict[str, Any]:
+    """The folder's ``scheduler/scheduler_config.json`` over ``defaults`` (Qwen-Image's :data:`SCHEDULER`)."""
+    return {**defaults, **_scheduler_file(Path(path))}
+
+
+def training_shift(cfg: Any, image_tokens: int, defaults: dict[str, Any] = SCHEDULER) -> float:
     """The time shift of training: with ``dynamic_shift`` the one the pipeline's scheduler applies to its sigmas for
     ``image_tokens`` (``mu`` linear in the token count; the exponential time shift is the shift ``e^mu``, the linear
-    one the shift ``mu``), else ``shift``."""
+    one the shift ``mu``), else ``shift``. ``defaults``: the pipeline's scheduler settings where the folder's
+    scheduler config has none."""
     import math
 
     from diffpipe_core.diffusion import flux_resolution_shift
 
     if not cfg.dynamic_shift:
         return cfg.shift
-    s = scheduler_settings(cfg.path)
+    s = scheduler_settings(cfg.path, defaults)
     if not s["use_dynamic_shifting"]:
         return float(s["shift"])
     keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")

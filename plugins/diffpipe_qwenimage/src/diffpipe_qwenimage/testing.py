@@ -79,11 +79,11 @@ def mrope_section(head_dim: int) -> list[int]:
 
 
 def processor(tok: Any) -> Any:
-    """The edit pipelines' ``Qwen2VLProcessor`` (images only: see :mod:`diffpipe_qwenimage.vision`), its image
+    """The edit pipelines' ``Qwen2VLProcessor`` (images only: see :mod:`diffpipe_core.parts.vl_processors`), its image
     processor sized for tiny images (up to 16 merged patches)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from diffpipe_qwenimage.vision import ImageOnlyProcessor
+    from diffpipe_core.parts.vl_processors import ImageOnlyProcessor
 
     images = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16)
     return ImageOnlyProcessor(image_processor=images, tokenizer=tok, video_processor=None)
@@ -152,11 +152,11 @@ def write_tiny_qwen(folder: Path, pipeline: str = "QwenImagePipeline", cfg: Tiny
 
 
 def load_pipeline(folder: Path) -> Any:
-    """The diffusers pipeline of a tiny folder (float32), its processor given as :func:`~diffpipe_qwenimage.vision.
-    load_processor` loads it (diffusers would need torchvision for it)."""
+    """The diffusers pipeline of a tiny folder (float32), its processor given as
+    :func:`~diffpipe_core.parts.vl_processors.load_processor` loads it (diffusers would need torchvision for it)."""
     import diffusers
 
-    from diffpipe_qwenimage.vision import load_processor
+    from diffpipe_core.parts.vl_processors import load_processor
 
     folder = Path(folder)
     name = json.loads((folder / "model_index.json").read_text())["_class_name"]

@@ -1,43 +1,14 @@
-"""What Qwen2.5-VL sees of the reference images of an edit pair: the folder's processor, and each image resized as
-the edit pipelines resize it before calling ``encode_prompt``."""
+"""What Qwen2.5-VL sees of the reference images of an edit pair: each image resized as the edit pipelines resize it
+before calling ``encode_prompt`` (the processor itself: :mod:`diffpipe_core.parts.vl_processors`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2VLProcessor
 
 #: the pipelines' default area of the image Qwen2.5-VL sees (QwenImageEditPipeline, QwenImageEditPlusPipeline)
 VL_AREA = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 384 * 384}
-
-
-class ImageOnlyProcessor(Qwen2VLProcessor):
-    """``Qwen2VLProcessor`` without its video half. transformers 5 cannot build the video processor (nor check a
-    missing one) without torchvision; images need neither, and everything else is the processor's own."""
-
-    def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def load_processor(folder: Path) -> Any:
-    """The folder's processor as its pipeline loads it (``AutoProcessor``) where torchvision is installed; without
-    torchvision the same processor for images only: the PIL backend of its image processor and its tokenizer."""
-    from transformers import AutoTokenizer
-    from transformers.utils import is_torchvision_available
-
-    if is_torchvision_available():
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    images = Qwen2VLImageProcessorPil.from_pretrained(str(folder), local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    return ImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
 
 
 def to_pil(pixels: torch.Tensor) -> Any:
