@@ -126,6 +126,25 @@ class OptimizerConfig(Strict):
         "warmup_steps and lr_scheduler are set aside (a group_lr of 0 still freezes its group). Applies to a resumed "
         "run too, so it changes the rate of a run in progress (diffusion-pipe's force_constant_lr).",
     )
+    offload: bool = Field(
+        False,
+        description="Keep the optimizer state in host memory between steps; each parameter's state is brought to "
+        "the GPU for its own update and sent back, so the GPU holds one parameter's state at a time instead of all "
+        "(for AdamW, twice the trainable weights' float32 bytes). For full fine-tunes; costs host-device copies "
+        "every step. Optimizers: 'adamw', 'adamw8bit', 'adamw8bit_kahan', 'sgd', 'automagic', 'muon'.",
+    )
+
+    @model_validator(mode="after")
+    def _offloadable(self) -> OptimizerConfig:
+        from diffpipe_core.optimizer_names import OFFLOADABLE_OPTIMIZERS
+
+        if self.offload and self.type not in OFFLOADABLE_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.offload: {self.type!r} updates its parameters together (or is not known to update each "
+                f"from its own state alone), so its state cannot be offloaded one parameter at a time; offload works "
+                f"with {', '.join(repr(n) for n in OFFLOADABLE_OPTIMIZERS)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _group_lrs(self) -> OptimizerConfig:

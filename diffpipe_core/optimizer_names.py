@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adamw8bit_kahan", "sgd")
+# whose update of one parameter reads only that parameter's state: [optimizer] offload steps them one at a time
+# (not optimi's: their step counter is the group's, so stepping one parameter at a time would count it once each)
+OFFLOADABLE_OPTIMIZERS = (*BUILTIN_OPTIMIZERS, "automagic", "muon")
 
 
 def optimizer_names(pm: Any) -> list[str]:

@@ -1,6 +1,7 @@
 """Issue 42 (optimizers half) end to end, through the real CLI with 2 processes and 2 pipeline stages on the reference
-model: torch's Muon (with AdamW for the rest, from the diffpipe-optimizers plugin) at ``[optimizer]
-force_constant_lr`` over a config that asks for warmup and a cosine schedule; its resume from the middle checkpoint;
+model: torch's Muon (with AdamW for the rest, from the diffpipe-optimizers plugin), its state offloaded, at
+``[optimizer] force_constant_lr`` over a config that asks for warmup and a cosine schedule; its resume from the middle
+checkpoint;
 and two resumes of copies of the run from that checkpoint with ``--reset-optimizer`` (switching to a pytorch-optimizer
 class) and ``--reset-optimizer --reset-dataloader`` (switching to automagic).
 """
@@ -54,9 +55,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = make_project(root, stages=2, max_steps=4, ckpt=2)
     # one micro-batch per step: 4 steps an epoch, so the step-2 checkpoint is in the middle of epoch 0
     text = config.read_text().replace("gradient_accumulation_steps = 2", "gradient_accumulation_steps = 1")
-    config.write_text(
-        text.replace("[optimizer]\nlr = 3e-3", f'[optimizer]\ntype = "muon"\nlr = 3e-3\nforce_constant_lr = {FORCED}')
-    )
+    muon = f'[optimizer]\ntype = "muon"\nlr = 3e-3\nforce_constant_lr = {FORCED}\noffload = true'
+    config.write_text(text.replace("[optimizer]\nlr = 3e-3", muon))
     logs = {"first": _train(root, config)}
     [run_dir] = run_dirs(root)
     first = {"losses": train_losses(run_dir), "metrics": read_metrics(run_dir), "params4": _params(run_dir, 4)}
@@ -69,7 +69,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, "run": run_dir, "first": first, "reset": reset, "both": both, "logs": logs}
 
 
-def test_muon_at_a_forced_constant_lr_trains_on_two_stages_and_resumes_exactly(runs: dict[str, Any]) -> None:
+def test_offloaded_muon_at_a_forced_constant_lr_trains_on_two_stages_and_resumes_exactly(runs: dict[str, Any]) -> None:
     run_dir, first = runs["run"], runs["first"]
     assert sorted(first["losses"]) == [1, 2, 3, 4]
     # warmup_steps = 2 and lr_scheduler = "cosine" are set aside: every step at force_constant_lr

@@ -31,6 +31,7 @@ from diffpipe_core.engine.plan_build import make_plan
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.optim import build_optimizer, forced_lr, parameter_groups, run_lr_lambda
+from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
@@ -190,6 +191,8 @@ def build_stage(
     for group in groups:
         group["lr"] = forced_lr(run.optimizer, group["lr"])
     optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
+    if run.optimizer.offload:
+        offload_state(optimizer)  # before the LR schedule wraps its step
     scheduler = LambdaLR(optimizer, run_lr_lambda(run, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     if lora is not None:

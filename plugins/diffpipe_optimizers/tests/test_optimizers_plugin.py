@@ -158,7 +158,6 @@ def test_automagic_learns_a_rate_per_element_from_sign_agreement() -> None:
     # agree (+ bump); step 2: all agree (+ bump); step 3: column 0 flips (- bump), the others agree, within max_lr
     expected = torch.tensor([[9e-5, 1.2e-4, 1.1e-4], [9e-5, 1.1e-4, 1.2e-4]])
     assert torch.allclose(rates, expected, rtol=0, atol=1.2e-4 / 127), rates  # kept as int8 x one scale
-    assert optimizer.mean_rates()[0] == pytest.approx(float(expected.mean()), rel=1e-2)
     assert weight.grad is not None and weight.detach().abs().max() > 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 MAX_START_LR = 1e-3  # ai-toolkit forces larger starting rates to 1e-6: "this does not work like prodigy"
+FLOAT32_STATE = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "lr_mask_scale")
 
 
 class Automagic(torch.optim.Optimizer):
@@ -115,14 +116,16 @@ class Automagic(torch.optim.Optimizer):
                     p.copy_(weight)
         return loss
 
-    def mean_rates(self) -> list[float]:
-        """Each group's mean learned per-element rate (its start ``lr`` before the first step): what the run
-        logs as its learning rate."""
-        means = []
-        for group in self.param_groups:
-            rates = [_read_rates(self.state[p]).mean() for p in group["params"] if self.state[p]]
-            means.append(float(torch.stack(rates).mean()) if rates else group["lr"])
-        return means
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, then the float32 state put back in float32 (torch casts a bf16 parameter's state to bf16)."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params, strict=True):
+            for key in FLOAT32_STATE:
+                if key in saved.get(i, {}):
+                    self.state[p][key] = saved[i][key].to(device=p.device, dtype=torch.float32)
 
 
 def _store_rates(state: dict[str, Any], rates: torch.Tensor) -> None:
