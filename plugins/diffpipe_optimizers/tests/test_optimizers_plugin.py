@@ -46,7 +46,7 @@ def build(cfg: OptimizerConfig, net: torch.nn.Module) -> torch.optim.Optimizer:
     return build_optimizer(cfg, parameter_groups(cfg, trainable, None), get_registry().pm)
 
 
-def test_the_plugin_registers_both_through_its_entry_point() -> None:
+def test_the_plugin_registers_its_optimizers_through_its_entry_point() -> None:
     registry = get_registry()
     assert registry.plugins["optimizers"].is_model is False
     assert set(KINDS) - {"pytorch_optimizer.CAME"} | {"pytorch_optimizer.*"} <= set(available_optimizers(registry.pm))
