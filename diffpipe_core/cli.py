@@ -117,6 +117,15 @@ def _echo_plan(cfg) -> None:
     flag_value="latest",
     help="Resume: 'latest' (the default when given without a value), a run folder or a checkpoint folder.",
 )
+@click.option(
+    "--reset-optimizer",
+    is_flag=True,
+    help="With --resume: keep the weights, start the optimizer state fresh (the LR schedule goes on from the "
+    "checkpoint's step); [optimizer] type may then change.",
+)
+@click.option(
+    "--reset-dataloader", is_flag=True, help="With --resume: start the checkpoint's epoch over from its first batch."
+)
 @click.option("--regenerate-cache", is_flag=True, help="Re-encode the whole dataset.")
 @click.option("--strict", is_flag=True, help="Key the cache on file hashes rather than size and mtime.")
 @click.option("--trust-cache", is_flag=True, help="Use the cache index without re-checking the files.")
@@ -131,6 +140,8 @@ def train(
     model: str | None,
     num_procs: int | None,
     resume: str | None,
+    reset_optimizer: bool,
+    reset_dataloader: bool,
     regenerate_cache: bool,
     strict: bool,
     trust_cache: bool,
@@ -151,6 +162,10 @@ def train(
     from diffpipe_core.engine.resume import prepare_resume
     from diffpipe_core.engine.run_dir import start_run
 
+    resets = ["--reset-optimizer"] * reset_optimizer + ["--reset-dataloader"] * reset_dataloader
+    if resets and not resume:
+        raise click.UsageError(f"{' and '.join(resets)}: only for a resumed run; add --resume (a run or checkpoint "
+                               "folder, or 'latest')")
     external = launched_externally()
     if external is not None:
         n = external
@@ -162,10 +177,10 @@ def train(
     args = ["--config", str(cfg.path), "--model", cfg.model_name, "--scanned"]
     if resume:
         primary = external is None or os.environ.get("RANK") == "0"
-        chosen = prepare_resume(cfg, resume, n, click.echo, primary)  # a bad path or edit: one message, see _Main
+        chosen = prepare_resume(cfg, resume, n, click.echo, primary, reset_optimizer)  # bad: one message, see _Main
         if chosen is None:
             return  # finished: nothing to do
-        args += ["--run-dir", str(chosen.run_dir), "--resume-from", str(chosen.checkpoint)]
+        args += ["--run-dir", str(chosen.run_dir), "--resume-from", str(chosen.checkpoint), *resets]
     elif external is not None:
         args += ["--new-run"]  # rank 0 creates the run folder and tells the others
     else:

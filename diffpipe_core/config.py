@@ -102,7 +102,9 @@ class OptimizerConfig(Strict):
         description="'adamw' (torch), 'adamw8bit' (bitsandbytes 8-bit states), 'adamw8bit_kahan' (8-bit states plus "
         "Kahan-compensated bf16/fp16 weights: updates below bf16 resolution still count; use it for full fine-tunes "
         "of bf16 models), 'sgd', or a name a plugin registers (diffpipe-optimizers: 'prodigy', "
-        "'adamw_schedulefree').",
+        "'adamw_schedulefree', 'adamw_optimi' and 'stableadamw' (torch-optimi, Kahan summation for bf16), "
+        "'automagic', 'muon' (torch's Muon for 2-D weights, AdamW for the rest), or any pytorch-optimizer class as "
+        "'pytorch_optimizer.<Class>', e.g. 'pytorch_optimizer.CAME').",
     )
     lr: float = Field(2e-5, gt=0, description="Peak learning rate (of every parameter group group_lr leaves out).")
     group_lr: dict[str, float] = Field(
@@ -117,6 +119,32 @@ class OptimizerConfig(Strict):
     kwargs: dict[str, Any] = Field(
         {}, description="Further keyword arguments of the optimizer, e.g. { d_coef = 0.5 } for 'prodigy'."
     )
+    force_constant_lr: float | None = Field(
+        None,
+        gt=0,
+        description="Train every parameter group at this learning rate, constant from the first step: lr, group_lr, "
+        "warmup_steps and lr_scheduler are set aside (a group_lr of 0 still freezes its group). Applies to a resumed "
+        "run too, so it changes the rate of a run in progress (diffusion-pipe's force_constant_lr).",
+    )
+    offload: bool = Field(
+        False,
+        description="Keep the optimizer state in host memory between steps; each parameter's state is brought to "
+        "the GPU for its own update and sent back, so the GPU holds one parameter's state at a time instead of all "
+        "(for AdamW, twice the trainable weights' float32 bytes). For full fine-tunes; costs host-device copies "
+        "every step. Optimizers: 'adamw', 'adamw8bit', 'adamw8bit_kahan', 'sgd', 'automagic', 'muon'.",
+    )
+
+    @model_validator(mode="after")
+    def _offloadable(self) -> OptimizerConfig:
+        from diffpipe_core.optimizer_names import OFFLOADABLE_OPTIMIZERS
+
+        if self.offload and self.type not in OFFLOADABLE_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.offload: {self.type!r} updates its parameters together (or is not known to update each "
+                f"from its own state alone), so its state cannot be offloaded one parameter at a time; offload works "
+                f"with {', '.join(repr(n) for n in OFFLOADABLE_OPTIMIZERS)}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _group_lrs(self) -> OptimizerConfig:
@@ -473,10 +501,10 @@ def _training_paths(run: RunConfig, source: str) -> list[str]:
             problems.append(f"{source}: eval_datasets[{i}].config: file not found: {ev.config}")
     return problems
 def _unknown_optimizer(run: RunConfig, registry: Registry, source: str) -> list[str]:
-    from diffpipe_core.optimizer_names import optimizer_names
+    from diffpipe_core.optimizer_names import is_known_optimizer, optimizer_names
 
     names = optimizer_names(registry.pm)
-    if run.optimizer.type in names:
+    if is_known_optimizer(run.optimizer.type, names):
         return []
     close = difflib.get_close_matches(run.optimizer.type, names, n=1, cutoff=0.6)
     hint = f" Did you mean {close[0]!r}?" if close else ""

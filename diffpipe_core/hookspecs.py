@@ -323,7 +323,9 @@ def register_commands(cli: Any) -> None:
 
 @hookspec
 def register_optimizers(register: Callable[[str, Callable[..., torch.optim.Optimizer]], None]) -> None:
-    """Offer optimizers by name: ``register("lion", lambda params, **kw: Lion(params, **kw))``."""
+    """Offer optimizers by name: ``register("lion", lambda params, **kw: Lion(params, **kw))``. A family of names,
+    ``register("lib.*", lookup)``, offers ``[optimizer] type = "lib.<Name>"`` for any name: ``lookup(name)`` returns
+    its factory or raises a ValueError saying which names are valid (imported only when a config names one)."""
 
 
 @hookspec

@@ -109,8 +109,11 @@ def adapter_format_problems(cfg: Any, plugin: Any) -> list[str]:
 
 
 def optimizer_problems(cfg: Any) -> list[str]:
-    """``[optimizer] kwargs`` the optimizer does not take or of the wrong type (imports torch only when given)."""
-    if not cfg.run.optimizer.kwargs:
+    """``[optimizer] kwargs`` the optimizer does not take or of the wrong type, and values a plugin's optimizer
+    refuses (imports torch only for those or a plugin's optimizer)."""
+    from diffpipe_core.optimizer_names import BUILTIN_OPTIMIZERS
+
+    if not cfg.run.optimizer.kwargs and cfg.run.optimizer.type in BUILTIN_OPTIMIZERS:
         return []
     from diffpipe_core.optim import kwargs_problems
     from diffpipe_core.registry import get_registry

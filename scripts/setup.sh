@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install diffpipe-core (with its wandb extra), the model plugins (reference, flux, sdxl,
-# hunyuan, ltx, cosmos), the optimizers plugin (prodigy, schedule-free) and the dev tools.
+# hunyuan, ltx, cosmos), the optimizers plugin (prodigy, schedule-free, torch-optimi, pytorch-optimizer) and the dev tools.
 # torch is pinned here, not in the packages: CI and these CPU machines use the 2.13.0 CPU build;
 # on a GPU machine keep your own CUDA torch (set DIFFPIPE_TORCH to the spec you want, or "skip").
 # pip's and the build backends' own output goes to $VENV/setup.log (shown on failure; DIFFPIPE_VERBOSE=1 shows it).

@@ -170,7 +170,8 @@ def test_the_anchors_main_example_imports_and_validates(tmp_path: Path, hunyuan_
     assert run["dataset"] == "dataset.toml" and run["output_dir"] == str(tmp_path / "runs")
     assert run["model"]["quantize"] == "float8" and "transformer_dtype" not in run["model"]
     assert run["model"]["diffusion_model"].endswith(".original.safetensors")
-    assert run["optimizer"]["type"] == "adamw" and run["adapter"] == {"type": "lora", "rank": 32, "dtype": "bfloat16"}
+    assert run["optimizer"]["type"] == "adamw_optimi"
+    assert run["adapter"] == {"type": "lora", "rank": 32, "dtype": "bfloat16"}
     assert run["eval_before_first_step"] is True and "video_clip_mode" not in run
     assert data["video_clip_mode"] == "single_beginning"
     assert data["directory"] == [{"path": str(hunyuan_files / "images"), "num_repeats": 1}]
@@ -232,7 +233,8 @@ def test_the_options_of_the_anchors_example_import(tmp_path: Path, hunyuan_files
     assert run["eval_every_n_steps"] == 1000 // 4 and run["save_every_n_steps"] == 1000 // 4  # 4 samples a step
     assert "partition_method" not in run and run["optimizer"]["type"] == "adamw8bit_kahan"
     comments = _comments(run_text)
-    for dropped in ("force_constant_lr", "reentrant_activation_checkpointing", "map_num_proc", "x_axis_examples",
+    assert run["optimizer"]["force_constant_lr"] == 1e-5
+    for dropped in ("reentrant_activation_checkpointing", "map_num_proc", "x_axis_examples",
                     "stabilize", "partition_method = 'manual'"):
         assert f"not carried: {dropped}" in comments, dropped
     assert "sekrit" not in run_text  # an API key never goes into a comment
@@ -266,7 +268,11 @@ def test_an_adapter_or_optimizer_diffpipe_lacks_is_a_todo_not_a_silent_swap() ->
     (lokr,) = changes_for("adapter", "type", "lokr", ctx)
     assert lokr.value == "lokr" and lokr.needs_input == ("lokr" not in known)
     (automagic,) = changes_for("optimizer", "type", "automagic", ctx)
-    assert automagic.needs_input and automagic.value == "automagic" and "'adamw8bit_kahan'" in automagic.why
+    assert automagic.value == "automagic" and not automagic.needs_input  # the diffpipe-optimizers plugin's
+    (came,) = changes_for("optimizer", "type", "CAME", ctx)  # the anchor's fallback: pytorch-optimizer by class name
+    assert came.value == "pytorch_optimizer.CAME" and not came.needs_input and "pytorch-optimizer" in came.why
+    (optimi,) = changes_for("optimizer", "type", "adamw_optimi", ctx)
+    assert optimi.value == "adamw_optimi" and not optimi.needs_input
 
 
 # ---------------------------------------------------------------------------------------- validate's hints

@@ -309,3 +309,29 @@ def test_the_memory_split_and_each_stages_estimate_worked_by_hand() -> None:
     plan = plan_stages(chain([10, 10, 10, 10, 20], [5] * 5, 4), run, 3, on_gpu=False, activations="-")
     assert plan.parts == [0, 2, 3, 5]
     assert estimates(plan) == [(2, 20, 2 * 18 + 4, 5, 65), (2, 10, 2 * 13 + 8, 5, 49), (1, 30, 18 + 4, 5, 57)]
+
+
+def test_an_offloaded_optimizer_state_leaves_the_device_state_and_stays_in_the_checkpoint(project: Path) -> None:
+    cfg, plugin = configured(project)
+    plain = layer_costs(cfg, plugin, *_meta_stage(cfg, plugin))
+    offloaded_cfg, _ = configured(project, model="[optimizer]\noffload = true")
+    offloaded = layer_costs(offloaded_cfg, plugin, *_meta_stage(offloaded_cfg, plugin))
+    lora = sum(c.trainable for c in plain.layers)
+    assert sum(c.state_bytes for c in plain.layers) - sum(c.state_bytes for c in offloaded.layers) == lora * 4 * 2
+    assert [c.optimizer_bytes for c in offloaded.layers] == [c.optimizer_bytes for c in plain.layers]
+
+
+def _meta_stage(cfg, plugin):
+    stage = load_for_stages(plugin, cfg.model, torch.device("meta"), torch.bfloat16)
+    return stage.model, stage.layers
+
+
+def test_optimizer_state_bytes_of_the_plugin_optimizers() -> None:
+    from diffpipe_core.engine.stage_costs import optimizer_state_bytes
+
+    n, bf16, f32 = 1000, torch.bfloat16, torch.float32
+    assert optimizer_state_bytes("muon", n, f32, ndim=2) == 4 * n  # one momentum buffer
+    assert optimizer_state_bytes("muon", n, f32, ndim=1) == 8 * n  # AdamW's two moments
+    assert optimizer_state_bytes("adamw_optimi", n, bf16) == 3 * 2 * n  # + the Kahan buffer
+    assert optimizer_state_bytes("automagic", n, f32, ndim=2) == 2 * n  # int8 rates and signs; factored moment
+    assert optimizer_state_bytes("automagic", n, bf16, ndim=1) == 2 * n + 2 * n + 4 * n

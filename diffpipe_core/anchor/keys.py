@@ -214,7 +214,7 @@ RUN_RULES: dict[str, Rule] = {
         "it is DeepSpeed's console log interval; diffpipe shows a progress bar instead, and log_every_n_steps "
         "sets the TensorBoard interval"
     ),
-    "force_constant_lr": _none("set [optimizer] lr and lr_scheduler = 'constant' instead"),
+    "force_constant_lr": _same("optimizer"),
     "reentrant_activation_checkpointing": _none(
         "diffpipe's activation checkpointing is always non-reentrant, which works with any number of stages"
     ),
@@ -404,29 +404,31 @@ ADAPTER_RULES: dict[str, Rule] = {
 
 OPTIMIZER_NAMES = {
     "adamw": "adamw",
-    "adamw_optimi": "adamw",
+    "adamw_optimi": "adamw_optimi",
+    "stableadamw": "stableadamw",
+    "automagic": "automagic",
     "adamw8bit": "adamw8bit",
     "adamw8bitkahan": "adamw8bit_kahan",
     "adamw8bit_kahan": "adamw8bit_kahan",
     "sgd": "sgd",
 }
+PLUGIN = "the diffpipe-optimizers plugin (pip install diffpipe-optimizers)"
 
 
 def _optimizer_type(key: str, value: Any, ctx: Context) -> list[Change]:
     name = str(value)
-    mapped = OPTIMIZER_NAMES.get(name.lower())
-    if mapped == "adamw" and name.lower() == "adamw_optimi":
-        why = (
-            "diffpipe's 'adamw' is torch's AdamW; optimi's adds Kahan summation for bf16 weights, which diffpipe "
-            "offers as 'adamw8bit_kahan' (use it for a bf16 full fine-tune)"
-        )
-        return [Change("optimizer", key, mapped, why)]
-    if mapped is not None:
-        return [Change("optimizer", key, mapped)]
     registered = _registered_optimizers()
+    mapped = OPTIMIZER_NAMES.get(name.lower())
+    if mapped is not None:
+        missing = registered is not None and mapped not in registered
+        why = f"{mapped!r} comes with {PLUGIN}" if missing else ""
+        return [Change("optimizer", key, mapped, why, needs_input=missing)]
     for candidate in (name, name.lower()):
         if registered is None or candidate in registered:
             return [Change("optimizer", key, candidate)]
+    if registered is not None and "pytorch_optimizer.*" in registered:
+        why = "diffusion-pipe loads an optimizer it does not name itself from pytorch-optimizer by class name"
+        return [Change("optimizer", key, f"pytorch_optimizer.{name}", why)]
     offer = ", ".join(repr(n) for n in sorted(registered or ()))
     why = f"no optimizer {name!r} is installed in diffpipe; it has {offer} (plugins register more)"
     return [Change("optimizer", key, name, why, needs_input=True)]

@@ -23,7 +23,7 @@ CANNOT_APPLY = {
     "adapter.type": "the checkpoint holds another adapter kind's tensors",
     "adapter.rank": "the checkpoint's LoRA tensors have the old rank",
     "adapter.target_modules": "the checkpoint's LoRA tensors are for the old modules",
-    "optimizer.type": "the checkpoint's optimizer state is another optimizer's",
+    "optimizer.type": "the checkpoint's optimizer state is another optimizer's; --reset-optimizer starts a fresh one",
 }
 NEW_RUN_HINT = "start a new run (adapter.init_from_existing can start from this run's saved adapter)"
 NOTES = {
@@ -79,11 +79,17 @@ def _show(value: Any) -> str:
     return "(absent)" if value is None else ("(a table)" if value == "(a table)" else repr(value))
 
 
-def review(saved: dict[str, Any], new: dict[str, Any], step: int) -> tuple[list[str], list[str]]:
-    """``(refused, applied)``: one line per changed key, naming both values."""
+def review(
+    saved: dict[str, Any], new: dict[str, Any], step: int, fresh_optimizer: bool = False
+) -> tuple[list[str], list[str]]:
+    """``(refused, applied)``: one line per changed key, naming both values. ``fresh_optimizer``
+    (``--reset-optimizer``): the optimizer's state is not read, so its type may change."""
     refused, applied = [], []
     for key, (old, now) in changes(saved, new).items():
-        if key in CANNOT_APPLY:
+        if key == "optimizer.type" and fresh_optimizer:
+            applied.append(f"{key}: {_show(old)} -> {_show(now)} from step {step} (a fresh optimizer: "
+                           "--reset-optimizer)")
+        elif key in CANNOT_APPLY:
             refused.append(
                 f"{key}: {_show(old)} when the run was trained, {_show(now)} now: cannot apply to a resumed run "
                 f"({CANNOT_APPLY[key]}); change it back, or {NEW_RUN_HINT}"

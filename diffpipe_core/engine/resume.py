@@ -17,14 +17,16 @@ _LENGTH_KEYS = ("max_steps", "epochs", "micro_batch_size_per_gpu", "gradient_acc
 
 
 def prepare_resume(
-    cfg: Any, resume: str, num_procs: int, say: Callable[[str], None], primary: bool = True
+    cfg: Any, resume: str, num_procs: int, say: Callable[[str], None], primary: bool = True,
+    reset_optimizer: bool = False,
 ) -> Resume | None:
     """The checkpoint to resume from (having said which and why), or None when the run is already finished.
 
     Holds the run folder (:mod:`diffpipe_core.engine.run_lock`): another live writer is refused. Raises ConfigError
     listing each changed key that cannot apply to the checkpoint; records the new config in
     the run folder when some changed key does apply (``primary``: this process does the writing and the saying,
-    not the other ranks an external launcher started)."""
+    not the other ranks an external launcher started). ``reset_optimizer``: the optimizer starts fresh, so its type
+    may change."""
     if not primary:
         say = _silent
     chosen = resolve_resume(cfg.run.output_dir, resume)
@@ -38,7 +40,7 @@ def prepare_resume(
     new = config_changes.resolved_dump(cfg)
     applied: list[str] = []
     if saved is not None:
-        refused, applied = config_changes.review(saved, new, step)
+        refused, applied = config_changes.review(saved, new, step, reset_optimizer)
         if refused:
             raise ConfigError([f"{cfg.path}: {line}" for line in refused])
     if _finished(cfg, state, saved, num_procs):

@@ -61,14 +61,17 @@ def write_checkpoint(
 
 
 def restore_checkpoint(
-    ckpt: Path, layout: Layout, stage: Stage, sampler: Any, optimizer_cfg: OptimizerConfig
+    ckpt: Path, layout: Layout, stage: Stage, sampler: Any, optimizer_cfg: OptimizerConfig,
+    reset_optimizer: bool = False, reset_dataloader: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint into this stage (under another process layout the optimizer state is re-split by parameter
     name: :func:`resharded_optimizer_state`); the train state.
 
     The optimizer's hyperparameters (lr, betas, weight decay, eps) are those of ``optimizer_cfg``, the config in
     force now, not the saved ones: a resume after editing them applies the edit (the LR schedule too, being
-    rebuilt from the config)."""
+    rebuilt from the config). ``reset_optimizer`` (``--reset-optimizer``): the weights only, the optimizer state
+    starts fresh while the LR schedule goes on from the checkpoint's step. ``reset_dataloader``
+    (``--reset-dataloader``): the checkpoint's epoch starts over from its first micro-batch."""
     state = ckpt_io.read_train_state(ckpt)
     params = ckpt_io.read_params(ckpt)
     missing = [n for n in stage.trainable if n not in params]
@@ -82,7 +85,10 @@ def restore_checkpoint(
                     f"checkpoint {ckpt}: {name} has shape {tuple(saved.shape)}, the model's is {tuple(p.shape)}"
                 )
             p.copy_(saved.to(p.dtype))
-    if state.get("pipeline_stages") == layout.stages and state.get("world_size") == layout.world:
+    if reset_optimizer:
+        _continue_schedule(ckpt, layout, stage, optimizer_cfg, state)
+        optim = None
+    elif state.get("pipeline_stages") == layout.stages and state.get("world_size") == layout.world:
         optim = ckpt_io.read_optimizer_state(ckpt, layout.stage_id)
     else:
         optim = resharded_optimizer_state(ckpt, int(state.get("pipeline_stages") or 1), stage)
@@ -92,12 +98,20 @@ def restore_checkpoint(
                   f"{state.get('world_size')} processes; now {layout.stages}, {layout.world}); optimizer state "
                   f"{how}", flush=True)
     if optim is not None:
+        built = configured_hyperparameters(stage.optimizer)
         stage.optimizer.load_state_dict(optim["optimizer"])
         stage.scheduler.load_state_dict(optim["scheduler"])
-        apply_optimizer_config(stage, optimizer_cfg)
+        apply_optimizer_config(stage, optimizer_cfg, built)
     sampler.load_state_dict(state["sampler"])
+    if reset_dataloader:
+        sampler.position = 0
     if layout.rank == 0 and sampler.note:
         print(f"diffpipe: {sampler.note.replace('the checkpoint', ckpt.name, 1)}", flush=True)
+    if layout.rank == 0 and (reset_optimizer or reset_dataloader):
+        said = ["optimizer state starts fresh (the LR schedule goes on from step "
+                f"{state['step']})"] * reset_optimizer + [f"epoch {sampler.epoch} starts over from its first "
+                                                          "micro-batch"] * reset_dataloader
+        print(f"diffpipe: resuming {ckpt.name} with reset: weights kept; {'; '.join(said)}", flush=True)
     return state
 
 
@@ -106,6 +120,15 @@ def carried_micro_index(state: dict[str, Any], layout: Layout) -> int:
     the saved ranks' micro-batches shared out over the new ones (the run's global micro-batch sequence goes on)."""
     saved_dp = int(state.get("world_size") or layout.world) // int(state.get("pipeline_stages") or layout.stages)
     return int(state["micro_index"]) * saved_dp // layout.dp
+
+
+def _continue_schedule(
+    ckpt: Path, layout: Layout, stage: Stage, optimizer_cfg: OptimizerConfig, state: dict[str, Any]
+) -> None:
+    """A fresh optimizer's LR schedule at the checkpoint's position (read from a saved stage's schedule state)."""
+    saved = ckpt_io.read_optimizer_state(ckpt, min(layout.stage_id, int(state.get("pipeline_stages") or 1) - 1))
+    stage.scheduler.last_epoch = int(saved["scheduler"]["last_epoch"])
+    apply_optimizer_config(stage, optimizer_cfg)
 
 
 def optimizer_param_names(stage: Stage) -> list[str]:
@@ -139,20 +162,31 @@ def resharded_optimizer_state(ckpt: Path, saved_stages: int, stage: Stage) -> di
     return {"optimizer": {"state": state, "param_groups": own["param_groups"]}, "scheduler": scheduler}
 
 
-def apply_optimizer_config(stage: Stage, cfg: OptimizerConfig) -> None:
+CONFIGURED = ("betas", "weight_decay", "eps")  # the [optimizer] keys an optimizer's groups hold, besides lr
+
+
+def configured_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's ``betas``, ``weight_decay`` and ``eps`` as the optimizer was built from the config in force (or
+    the optimizer's own defaults where the config gives none, as for a group of Muon's or a third beta)."""
+    return [{k: g[k] for k in CONFIGURED if k in g} for g in optimizer.param_groups]
+
+
+def apply_optimizer_config(
+    stage: Stage, cfg: OptimizerConfig, built: list[dict[str, Any]] | None = None
+) -> None:
     """Give the loaded optimizer and LR schedule the hyperparameters of ``cfg`` (the loaded state dicts hold the
-    old ones), keeping the schedule's position; each parameter group at its ``group_lr`` when it has one."""
-    from diffpipe_core.optim import DEFAULT_GROUP
+    old ones), keeping the schedule's position; each parameter group at its ``group_lr`` when it has one. ``built``:
+    :func:`configured_hyperparameters` of the optimizer before its state was loaded."""
+    from diffpipe_core.optim import DEFAULT_GROUP, forced_lr
 
     scheduler = stage.scheduler
     groups = stage.optimizer.param_groups
-    scheduler.base_lrs = [cfg.group_lr.get(g.get("name", DEFAULT_GROUP), cfg.lr) for g in groups]
+    scheduler.base_lrs = [forced_lr(cfg, cfg.group_lr.get(g.get("name", DEFAULT_GROUP), cfg.lr)) for g in groups]
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
     for group, lr, base in zip(groups, lrs, scheduler.base_lrs, strict=True):
         group["lr"], group["initial_lr"] = lr, base
-        for key in ("betas", "weight_decay", "eps"):
-            if key in group:
-                group[key] = getattr(cfg, key)
+    for group, configured in zip(groups, built or [], strict=False):
+        group.update(configured)
     scheduler._last_lr = lrs
 
 

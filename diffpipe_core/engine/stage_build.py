@@ -38,7 +38,8 @@ from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
-from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
+from diffpipe_core.optim import build_optimizer, forced_lr, parameter_groups, run_lr_lambda
+from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
@@ -199,8 +200,12 @@ def build_stage(
             "change partition_split or the adapter's target_modules"
         )
     groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
+    for group in groups:
+        group["lr"] = forced_lr(run.optimizer, group["lr"])
     optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
-    scheduler = LambdaLR(optimizer, lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps))
+    if run.optimizer.offload:
+        offload_state(optimizer)  # before the LR schedule wraps its step
+    scheduler = LambdaLR(optimizer, run_lr_lambda(run, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     if lora is not None:
         guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)

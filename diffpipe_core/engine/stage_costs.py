@@ -81,16 +81,25 @@ def meta_twin(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, lis
     return twin, list(twin_layers)
 
 
-def optimizer_state_bytes(kind: str, numel: int, dtype: torch.dtype) -> int:
+def optimizer_state_bytes(kind: str, numel: int, dtype: torch.dtype, ndim: int = 2) -> int:
     """Optimizer state of one trainable tensor: AdamW two moments in its dtype; the 8-bit ones one byte each (32-bit
-    below bitsandbytes' 4096-element threshold) plus block scales; Kahan adds a compensation buffer; SGD none.
-    Optimizers a plugin registers are assumed AdamW-like."""
+    below bitsandbytes' 4096-element threshold) plus block scales; Kahan adds a compensation buffer (adamw8bit_kahan,
+    and optimi's and automagic's for bf16/fp16 weights); SGD none; Muon one momentum buffer for a 2-D weight (AdamW's
+    two moments for the rest); automagic an int8 rate and a sign per element (its factored second moment is a row and
+    a column). Other optimizers a plugin registers are assumed AdamW-like."""
     size = torch.empty((), dtype=dtype).element_size()
+    kahan = numel * size if dtype != torch.float32 else 0
     if kind == "sgd":
         return 0
     if kind in ("adamw8bit", "adamw8bit_kahan"):
         moments = 2 * numel + 2 * 4 * -(-numel // 256) if numel >= 4096 else 2 * 4 * numel
-        return moments + (numel * size if kind == "adamw8bit_kahan" and dtype != torch.float32 else 0)
+        return moments + (kahan if kind == "adamw8bit_kahan" else 0)
+    if kind in ("adamw_optimi", "stableadamw"):
+        return 2 * numel * size + kahan
+    if kind == "automagic":
+        return 2 * numel + kahan + (0 if ndim >= 2 else 4 * numel)
+    if kind == "muon" and ndim == 2:
+        return numel * size
     return 2 * numel * size
 
 
@@ -140,8 +149,10 @@ def layer_costs(
             if t.requires_grad:
                 trainable += t.numel()
                 trainable_bytes += _bytes(t)
-                optimizer += optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype)
-                state += 2 * _bytes(t) + optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype)  # + gradient
+                kept = optimizer_state_bytes(run.optimizer.type, t.numel(), t.dtype, t.dim())
+                optimizer += kept
+                # + gradient; an offloaded state is in host memory (the device holds one tensor's while it steps)
+                state += 2 * _bytes(t) + (0 if run.optimizer.offload else kept)
                 if run.adapter is None:  # a full fine-tune's weights are weights; LoRA's count with the states
                     weight, state = weight + _bytes(t), state - _bytes(t)
             else:

@@ -96,12 +96,16 @@ class Trainer:
             return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
 
     # ----------------------------------------------------------------------------- loop
-    def train(self, resume_from: Path | None = None) -> TrainSummary:
+    def train(
+        self, resume_from: Path | None = None, reset_optimizer: bool = False, reset_dataloader: bool = False
+    ) -> TrainSummary:
         """Train to ``total_steps`` and save; a signal stops it after a step with a checkpoint
-        (:mod:`diffpipe_core.engine.stopping`, raising :class:`~diffpipe_core.engine.stopping.Stopped`)."""
+        (:mod:`diffpipe_core.engine.stopping`, raising :class:`~diffpipe_core.engine.stopping.Stopped`). The resets
+        apply to ``resume_from`` (:func:`~diffpipe_core.engine.run_state.restore_checkpoint`)."""
         start_step, micro_index = 0, 0
         if resume_from is not None:
-            state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler, self.run.optimizer)
+            state = restore_checkpoint(resume_from, self.layout, self.stage, self.sampler, self.run.optimizer,
+                                       reset_optimizer, reset_dataloader)
             start_step = state["step"]
             micro_index = carried_micro_index(state, self.layout)
             if start_step >= self.total_steps:

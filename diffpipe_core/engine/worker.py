@@ -103,7 +103,7 @@ def _cache_and_train(args: argparse.Namespace, cfg, plugin, device: torch.device
     trainer = Trainer(cfg, plugin, dataset, run_dir, device, eval_datasets)
     if sampling is not None:
         sampling.attach(trainer)
-    trainer.train(Path(args.resume_from) if args.resume_from else None)
+    trainer.train(Path(args.resume_from) if args.resume_from else None, args.reset_optimizer, args.reset_dataloader)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +124,8 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--run-dir")
     parser.add_argument("--new-run", action="store_true", help="rank 0 creates the run folder (external launcher)")
     parser.add_argument("--resume-from")
+    parser.add_argument("--reset-optimizer", action="store_true", help="resume the weights with a fresh optimizer")
+    parser.add_argument("--reset-dataloader", action="store_true", help="resume with the epoch's data order restarted")
     parser.add_argument("--cache-only", action="store_true")
     parser.add_argument("--regenerate", action="store_true")
     parser.add_argument("--strict", action="store_true")

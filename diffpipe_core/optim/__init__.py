@@ -43,10 +43,22 @@ def builtin_optimizers() -> dict[str, OptimizerFactory]:
 
 
 def available_optimizers(pm: Any) -> dict[str, OptimizerFactory]:
-    """Built-ins plus every ``register_optimizers`` contribution."""
+    """Built-ins plus every ``register_optimizers`` contribution (a family, ``"prefix.*"``, maps to its lookup)."""
     table = builtin_optimizers()
     pm.hook.register_optimizers(register=lambda name, factory: table.__setitem__(name, factory))
     return table
+
+
+def find_optimizer(table: dict[str, OptimizerFactory], name: str) -> tuple[OptimizerFactory, bool]:
+    """``(factory, from_family)`` for ``[optimizer] type = name``: a registered name, or ``prefix.Rest`` of a
+    registered family ``prefix.*`` (whose lookup is called with ``Rest`` and raises a ValueError naming the valid
+    ones). A ValueError naming the available ones when neither."""
+    if name in table:
+        return table[name], False
+    prefix, dot, rest = name.partition(".")
+    if dot and rest and f"{prefix}.*" in table:
+        return table[f"{prefix}.*"](rest), True
+    raise ValueError(f"optimizer.type: unknown optimizer {name!r}; available: {', '.join(sorted(table))}")
 
 
 DEFAULT_GROUP = "model"  # the one parameter group of a plugin that names none
@@ -77,31 +89,37 @@ def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool
     groups existed. ``lora``: the parameters are an adapter's (for the low-precision warning)."""
     if groups and not isinstance(groups[0], dict):
         groups = [{"name": DEFAULT_GROUP, "params": list(groups), "lr": cfg.lr}]
-    table = available_optimizers(pm)
-    if cfg.type not in table:
-        raise ValueError(f"optimizer.type: unknown optimizer {cfg.type!r}; available: {', '.join(sorted(table))}")
+    factory, from_family = find_optimizer(available_optimizers(pm), cfg.type)
     params = [p for g in groups for p in g["params"]]
     _warn_low_precision_adamw(cfg.type, params, lora)
     lr = groups[0]["lr"] if len(groups) == 1 else cfg.lr
     given: Any = params if len(groups) == 1 else groups
     try:
-        return table[cfg.type](given, **_base_kwargs(cfg, lr))
+        return factory(given, **_base_kwargs(cfg, lr, from_family))
     except TypeError as exc:
         if not cfg.kwargs:
             raise
         raise ValueError(f"optimizer.kwargs: {cfg.type!r} does not take {sorted(cfg.kwargs)}: {exc}") from None
 
 
-def _base_kwargs(cfg: OptimizerConfig, lr: float) -> dict[str, Any]:
-    return {"lr": lr, "betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps, **cfg.kwargs}
+def _base_kwargs(cfg: OptimizerConfig, lr: float, set_only: bool = False) -> dict[str, Any]:
+    """The optimizer's keyword arguments; ``set_only`` (a family's class, whose own defaults may differ in kind, as
+    a third beta): betas, weight_decay and eps only where the config sets them."""
+    base = {"betas": cfg.betas, "weight_decay": cfg.weight_decay, "eps": cfg.eps}
+    if set_only:
+        base = {k: v for k, v in base.items() if k in cfg.model_fields_set}
+    return {"lr": lr, **base, **cfg.kwargs}
 
 
 def kwargs_problems(cfg: OptimizerConfig, pm: Any, source: str) -> list[str]:
     """``[optimizer] kwargs`` the optimizer does not take, or of another type than its default: read from the
-    signature of its class (built once over a tiny parameter without them), then built with them, before any work."""
-    factory = available_optimizers(pm).get(cfg.type)
-    if not cfg.kwargs or factory is None:
-        return []
+    signature of its class (built once over a tiny parameter without them), then built with them, before any work.
+    Also what the optimizer refuses without them, when its error names the config key (a family's class it does not
+    have, a learning rate it refuses)."""
+    try:
+        factory, from_family = find_optimizer(available_optimizers(pm), cfg.type)
+    except ValueError as exc:  # a family's class it does not have (an unknown name is validate's to report)
+        return [f"{source}: {exc}"] if "." in cfg.type else []
     import inspect
 
     from diffpipe_core.quiet import library_prints
@@ -111,8 +129,10 @@ def kwargs_problems(cfg: OptimizerConfig, pm: Any, source: str) -> list[str]:
             return factory([torch.nn.Parameter(torch.zeros(4))], **kwargs)
 
     try:
-        plain = build(_base_kwargs(cfg.model_copy(update={"kwargs": {}}), cfg.lr))
-    except Exception:  # fails without the kwargs too: not theirs to report
+        plain = build(_base_kwargs(cfg.model_copy(update={"kwargs": {}}), cfg.lr, from_family))
+    except Exception as exc:  # fails without the kwargs too: theirs to report only when it names a config key
+        return [f"{source}: {exc}"] if isinstance(exc, ValueError) and str(exc).startswith("optimizer") else []
+    if not cfg.kwargs:
         return []
     params = inspect.signature(type(plain).__init__).parameters
     takes = [n for n, p in params.items() if n not in ("self", "params") and p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -127,7 +147,7 @@ def kwargs_problems(cfg: OptimizerConfig, pm: Any, source: str) -> list[str]:
             problems.append(f"{source}: optimizer.kwargs.{key}: invalid value {value!r}: {wrong}")
     if not problems:
         try:
-            build(_base_kwargs(cfg, cfg.lr))
+            build(_base_kwargs(cfg, cfg.lr, from_family))
         except Exception as exc:  # a value the optimizer checks itself (a negative beta, ...)
             problems.append(f"{source}: optimizer.kwargs: {cfg.type!r} refuses {cfg.kwargs}: {exc}")
     return problems
@@ -186,6 +206,19 @@ def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter], lora:
         f"resolution (about |w|/256 in bf16) are lost and training can stall; {fix}",
         flush=True,
     )
+
+
+def forced_lr(cfg: OptimizerConfig, lr: float) -> float:
+    """The peak learning rate of a group configured at ``lr``: ``force_constant_lr`` when set (a group frozen at 0
+    stays frozen)."""
+    return lr if cfg.force_constant_lr is None or lr == 0 else cfg.force_constant_lr
+
+
+def run_lr_lambda(run: Any, total_steps: int) -> Callable[[int], float]:
+    """The run's LR multiplier by step: ``[optimizer] force_constant_lr`` sets warmup and schedule aside."""
+    if run.optimizer.force_constant_lr is not None:
+        return lr_lambda("constant", 0, total_steps)
+    return lr_lambda(run.lr_scheduler, run.warmup_steps, total_steps)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

@@ -5,6 +5,7 @@ tests/test_logging_and_optimizers.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,13 @@ from diffpipe_core.registry import get_registry
 KINDS = {
     "prodigy": OptimizerConfig(type="prodigy", lr=1.0, weight_decay=0.01, kwargs={"d_coef": 0.5}),
     "adamw_schedulefree": OptimizerConfig(type="adamw_schedulefree", lr=1e-2, kwargs={"warmup_steps": 2}),
+    "adamw_optimi": OptimizerConfig(type="adamw_optimi", lr=1e-2),
+    "stableadamw": OptimizerConfig(type="stableadamw", lr=1e-2),
+    "automagic": OptimizerConfig(type="automagic", lr=1e-4, kwargs={"lr_bump": 1e-5}),
+    "muon": OptimizerConfig(type="muon", lr=1e-2),
+    "pytorch_optimizer.CAME": OptimizerConfig(type="pytorch_optimizer.CAME", lr=1e-3),
 }
+PACKAGES = {"prodigyopt", "schedulefree", "optimi", "diffpipe_optimizers", "pytorch_optimizer"}
 
 
 def model() -> torch.nn.Module:
@@ -39,10 +46,10 @@ def build(cfg: OptimizerConfig, net: torch.nn.Module) -> torch.optim.Optimizer:
     return build_optimizer(cfg, parameter_groups(cfg, trainable, None), get_registry().pm)
 
 
-def test_the_plugin_registers_both_through_its_entry_point() -> None:
+def test_the_plugin_registers_its_optimizers_through_its_entry_point() -> None:
     registry = get_registry()
     assert registry.plugins["optimizers"].is_model is False
-    assert {"prodigy", "adamw_schedulefree"} <= set(available_optimizers(registry.pm))
+    assert set(KINDS) - {"pytorch_optimizer.CAME"} | {"pytorch_optimizer.*"} <= set(available_optimizers(registry.pm))
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -50,7 +57,7 @@ def test_state_resumes_bit_identically_from_a_checkpoint(kind: str, tmp_path: Pa
     cfg = KINDS[kind]
     net = model()
     optimizer = build(cfg, net)
-    assert type(optimizer).__module__.split(".")[0] in ("prodigyopt", "schedulefree")
+    assert type(optimizer).__module__.split(".")[0] in PACKAGES
     for i in range(3):
         step(net, optimizer, i)
     # the core's checkpoint files: trainable tensors (safetensors) and optimizer state (torch.save, weights_only)
@@ -115,3 +122,102 @@ def test_unknown_optimizer_argument_names_the_key() -> None:
     cfg = OptimizerConfig(type="adamw_schedulefree", kwargs={"d_coef": 1.0})
     with pytest.raises(ValueError, match=r"optimizer.kwargs: 'adamw_schedulefree' does not take \['d_coef'\]"):
         build(cfg, model())
+
+
+def bf16_step_sizes(kind: str) -> torch.Tensor:
+    """How far 20 tiny steps (far below bf16's resolution near 1.0) move a bf16 weight of ones."""
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    optimizer = build_optimizer(OptimizerConfig(type=kind, lr=1e-4, weight_decay=0.0), [weight], get_registry().pm)
+    for _ in range(20):
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+    return (weight.detach().float() - 1).abs()
+
+
+@pytest.mark.parametrize("kind", ["adamw_optimi", "stableadamw"])
+def test_optimi_kahan_summation_keeps_updates_below_bf16_resolution(kind: str) -> None:
+    # bf16's spacing just below 1.0 is 2**-8 ~ 0.0039: plain AdamW's 1e-4 steps round away, optimi's compensated
+    # ones add up to 2e-3, past half a spacing, so the weight is one spacing lower
+    assert torch.equal(bf16_step_sizes("adamw"), torch.zeros(64))
+    assert torch.equal(bf16_step_sizes(kind), torch.full((64,), 2.0**-8))
+
+
+def test_automagic_learns_a_rate_per_element_from_sign_agreement() -> None:
+    from diffpipe_optimizers.automagic import Automagic
+
+    weight = torch.nn.Parameter(torch.zeros(2, 3))
+    optimizer = Automagic([weight], lr=1e-4, lr_bump=1e-5, min_lr=5e-5, max_lr=1.2e-4)
+    signs = torch.tensor([[1.0, -1.0, 1.0], [1.0, 1.0, -1.0]])
+    for flip in (False, False, True):  # the last step flips the sign of column 0's gradients only
+        weight.grad = signs.clone()
+        if flip:
+            weight.grad[:, 0] *= -1
+        optimizer.step()
+    rates = optimizer.state[weight]["lr_mask"].float() * optimizer.state[weight]["lr_mask_scale"]
+    # step 1 compares with a polarity of "not positive": positive gradients disagree (1e-4 - bump), negative ones
+    # agree (+ bump); step 2: all agree (+ bump); step 3: column 0 flips (- bump), the others agree, within max_lr
+    expected = torch.tensor([[9e-5, 1.2e-4, 1.1e-4], [9e-5, 1.1e-4, 1.2e-4]])
+    assert torch.allclose(rates, expected, rtol=0, atol=1.2e-4 / 127), rates  # kept as int8 x one scale
+    assert weight.grad is not None and weight.detach().abs().max() > 0
+
+
+def test_muon_steps_2d_weights_with_torchs_muon_and_the_rest_with_adamw() -> None:
+    net = model()
+    optimizer = build(KINDS["muon"], net)
+    assert [(g["muon"], [p.ndim for p in g["params"]]) for g in optimizer.param_groups] == [
+        (True, [2, 2]), (False, [1, 1])]  # fmt: skip
+    reference = model()
+    params = list(reference.parameters())
+    muon = torch.optim.Muon([p for p in params if p.ndim == 2], lr=1e-2, weight_decay=0.01,
+                            adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-2, weight_decay=0.01, betas=(0.9, 0.99),
+                              eps=1e-8)
+    for i in range(3):
+        step(net, optimizer, i)
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+        muon.zero_grad()
+        adamw.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        muon.step()
+        adamw.step()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert set(optimizer.state[net[0].weight]) == {"momentum_buffer"}
+    assert set(optimizer.state[net[0].bias]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_pytorch_optimizer_class_by_name_and_its_own_defaults() -> None:
+    optimizer = build(KINDS["pytorch_optimizer.CAME"], model())
+    assert type(optimizer).__name__ == "CAME" and type(optimizer).__module__.startswith("pytorch_optimizer")
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999, 0.9999)  # betas not set: CAME's three
+    assert optimizer.param_groups[0]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (OptimizerConfig(type="pytorch_optimizer.CAMEE"),
+         r"optimizer.type: pytorch-optimizer has no optimizer class 'CAMEE'; did you mean 'pytorch_optimizer.CAME'"),
+        (OptimizerConfig(type="pytorch_optimizer.CAME", betas=(0.9, 0.99)),
+         r"optimizer.betas: pytorch_optimizer.CAME takes 3 betas \(its default: \[0.9, 0.999, 0.9999\]\), got"),
+        (OptimizerConfig(type="automagic", lr=0.1), r"optimizer.lr: automagic .* lr must be in \(0, 0.001\]"),
+        (OptimizerConfig(type="muon", kwargs={"ns_stepz": 3}),
+         r"optimizer.kwargs: 'muon' does not take \['ns_stepz'\]"),
+    ],
+)  # fmt: skip
+def test_bad_values_are_refused_before_work_naming_the_key(cfg: OptimizerConfig, message: str) -> None:
+    from diffpipe_core.optim import kwargs_problems
+
+    [problem] = kwargs_problems(cfg, get_registry().pm, "run.toml")
+    assert problem.startswith("run.toml: ")
+    assert re.search(message, problem), problem
+
+
+def test_a_missing_package_says_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "optimi", None)  # what an uninstalled package looks like to import
+    with pytest.raises(ValueError, match=r"^optimizer.type: 'adamw_optimi' needs the torch-optimi package, which is "
+                                         r"not installed: pip install torch-optimi$"):
+        build(KINDS["adamw_optimi"], model())

@@ -132,7 +132,7 @@ def test_comfyui_lora_is_loaded_whole_by_comfyuis_key_map(qwen21_run: Path) -> N
     params = runs.checkpoint_params(qwen21_run)
     modules = sorted({k.split(".lora_A.")[0] for k in params if ".lora_A." in k})
     want = {f"transformer.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
-    assert set(comfy) == want and float(comfy["transformer.transformer_blocks.0.img_mlp.proj.alpha"]) == RANK  # alpha folded in
+    assert set(comfy) == want and float(comfy["transformer.transformer_blocks.0.img_mlp.proj.alpha"]) == RANK  # folded
     native = comfy_native(weights)
     got = apply_file({f"diffusion_model.{k}": v for k, v in native.items()}, comfy, comfy_qwen21_key_map(native))
     merged = comfy_native(runs.merge_peft(weights, params, ALPHA / RANK))
