@@ -303,8 +303,8 @@ class RunConfig(Strict):
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
     model: dict[str, Any] = Field(
         description="Model table; its keys are defined by the model plugin (`diffpipe config-reference --model NAME`). "
-        "Every model takes `type`, `dtype` and `quantize` ('nf4', 'int8', 'float8' or 'float8_e5m2': quantized "
-        "frozen base weights for LoRA training)."
+        "Every model takes `type`, `dtype`, `quantize` ('nf4', 'int8', 'float8' or 'float8_e5m2': quantized "
+        "frozen base weights for LoRA training), `merge_adapters` and `cfg` (see \"[model] keys every model takes\")."
     )
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")

@@ -32,8 +32,10 @@ class ModelConfigBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    type: str = Field(description="The model plugin's name (`diffpipe models` lists them), or `--model`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of the diffusion model's weights (a plugin may set another default)."
+    )
     quantize: Literal["nf4", "int8", "float8", "float8_e5m2"] | None = Field(
         None,
         description="Quantize the frozen base weights while each pipeline stage loads (LoRA only): 'nf4' or 'int8' "

@@ -230,3 +230,26 @@ def test_bad_values_are_refused_naming_the_key(tmp_path: Path, snippet: str, mes
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "run.toml", get_registry(), purpose="sample")
     assert message in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------------------------------ the anchor's part lrs
+def test_the_anchors_block_part_learning_rates_become_name_patterns(tmp_path: Path) -> None:
+    """diffusion-pipe's cross_attn_lr / self_attn_lr / mlp_lr / mod_lr (Cosmos-Predict2, Anima) become group_lr
+    patterns, each naming exactly that part of diffpipe's (diffusers') Cosmos-Predict2 transformer."""
+    from test_anchor_config import _imported_run
+
+    from diffpipe_cosmos.testing import TinyCosmosConfig, tiny_transformer
+
+    run = _imported_run(tmp_path, "type = 'cosmos_predict2'\nself_attn_lr = 1e-5\ncross_attn_lr = 2e-5\n"
+                                  "mlp_lr = 3e-5\nmod_lr = 4e-5\nllm_adapter_lr = 0")
+    lrs = run["optimizer"]["group_lr"]
+    assert lrs == {"*.attn1.*": 1e-5, "*.attn2.*": 2e-5, "*.ff.*": 3e-5, "*.norm*.linear_*": 4e-5}
+    model = tiny_transformer(TinyCosmosConfig())
+    trainable = {n: torch.nn.Parameter(torch.zeros(1)) for n, _ in model.named_parameters()}
+    by_id = {id(p): n for n, p in trainable.items()}
+    groups = {g["name"]: [by_id[id(p)] for p in g["params"]] for g in parameter_groups(
+        OptimizerConfig(group_lr=lrs), trainable, None)}
+    assert set(groups) == {"model", *lrs}
+    parts = {"*.attn1.*": ".attn1.", "*.attn2.*": ".attn2.", "*.ff.*": ".ff.", "*.norm*.linear_*": ".linear_"}
+    for pattern, part in parts.items():
+        assert groups[pattern] and all(part in n for n in groups[pattern]), (pattern, groups[pattern][:3])

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_train import make_project, run_dirs, train
 
 from diffpipe_core.engine.run_dir import train_losses
 from diffpipe_core.testing.runs import checkpoint_params, stage_files
 from diffpipe_reference.model import TinyDiTConfig
-from test_train import make_project, run_dirs, train
 
 pytestmark = pytest.mark.slow
 
