@@ -64,6 +64,25 @@ def test_ema_follows_its_formula_and_swaps_in_and_back() -> None:
     assert not EmaWeights(cfg, {"w": w}).load({})  # a checkpoint without EMA: the average restarts from w
 
 
+@pytest.mark.parametrize("use_for_samples", [True, False])
+def test_samples_and_eval_use_the_ema_when_asked(use_for_samples: bool) -> None:
+    """The trainer's sampling weights (what samples and eval losses run with) are the EMA with use_for_samples,
+    the weights otherwise, and the weights again after."""
+    from types import SimpleNamespace
+
+    from diffpipe_core.engine.trainer import Trainer
+
+    w = torch.nn.Parameter(torch.ones(2))
+    cfg = EmaConfig(use_for_samples=use_for_samples)
+    ema = EmaWeights(cfg, {"w": w})
+    ema.average["w"].fill_(5.0)
+    trainer = SimpleNamespace(stage=SimpleNamespace(ema=ema, optimizer=torch.optim.SGD([w], lr=0.1)),
+                              run=SimpleNamespace(ema=cfg))
+    with Trainer._sampling_weights(trainer):
+        assert torch.equal(w.detach(), torch.full((2,), 5.0 if use_for_samples else 1.0))
+    assert torch.equal(w.detach(), torch.ones(2))
+
+
 # ------------------------------------------------------------------------------------------ CFG
 def test_cfg_folds_the_gradient_free_uncond_prediction_into_the_loss() -> None:
     """The reference plugin's own compute_loss, through the stage's LossFunction with the step's unconditional
