@@ -272,3 +272,32 @@ def test_the_anchors_block_part_learning_rates_become_name_patterns(tmp_path: Pa
     parts = {"*.attn1.*": ".attn1.", "*.attn2.*": ".attn2.", "*.ff.*": ".ff.", "*.norm*.linear_*": ".linear_"}
     for pattern, part in parts.items():
         assert groups[pattern] and all(part in n for n in groups[pattern]), (pattern, groups[pattern][:3])
+
+
+# ------------------------------------------------------------------------------------------ the memory plan
+def test_the_memory_plan_counts_the_ema_kept_on_the_stage_and_the_exclusions(tmp_path: Path) -> None:
+    """An [ema] on the stage's device adds one copy of each layer's trained tensors to its state; on the CPU it adds
+    nothing to the stage; exclude_modules takes block 0's adapter out of the plan's trained tensors."""
+    from diffpipe_core.engine.stage_costs import layer_costs
+    from diffpipe_reference.model import write_tiny_model
+
+    write_tiny_model(tmp_path / "model")
+    plugin = get_registry().model("reference")
+
+    def costs(extra: str = "", adapter: str = "") -> list:
+        text = (f"output_dir = 'out'\n{extra}\n[model]\ntype = 'reference'\npath = 'model'\n[adapter]\nrank = 4\n"
+                f"{adapter}")
+        (tmp_path / "run.toml").write_text(text)
+        cfg = load_config(tmp_path / "run.toml", get_registry(), purpose="sample")
+        model = plugin.require("load_diffusion_model", model_config=cfg.model, device=torch.device("meta"),
+                               dtype=torch.float32)
+        layers = plugin.require("split_into_layers", model=model, model_config=cfg.model)
+        return layer_costs(cfg, plugin, model, layers).layers
+
+    plain, on_stage, on_cpu = costs(), costs("[ema]\ndevice = 'stage'"), costs("[ema]\ndevice = 'cpu'")
+    assert any(layer.trainable_bytes for layer in plain)
+    for a, b, c in zip(plain, on_stage, on_cpu, strict=True):
+        assert b.state_bytes == a.state_bytes + a.trainable_bytes and c.state_bytes == a.state_bytes
+    excluded = costs(adapter="exclude_modules = ['^blocks\\.0\\.']")
+    assert excluded[1].trainable == 0 < plain[1].trainable  # layer 1 is block 0
+    assert [e.trainable for e in excluded[2:]] == [p.trainable for p in plain[2:]]
