@@ -301,3 +301,30 @@ def test_the_memory_plan_counts_the_ema_kept_on_the_stage_and_the_exclusions(tmp
     excluded = costs(adapter="exclude_modules = ['^blocks\\.0\\.']")
     assert excluded[1].trainable == 0 < plain[1].trainable  # layer 1 is block 0
     assert [e.trainable for e in excluded[2:]] == [p.trainable for p in plain[2:]]
+
+
+def test_names_that_match_nothing_are_refused_before_any_work(tmp_path: Path) -> None:
+    """What `validate` and `train` check on the meta-device model before any work: an exclude_modules regex, a
+    group_lr pattern or a merged file that names nothing of this model is refused, naming it."""
+    from diffpipe_core.preflight import trained_name_problems
+    from diffpipe_reference.model import write_tiny_model
+
+    write_tiny_model(tmp_path / "model")
+    save_file({"transformer.double_blocks.0.qkv.lora_A.weight": torch.zeros(2, 4),
+               "transformer.double_blocks.0.qkv.lora_B.weight": torch.zeros(4, 2)}, str(tmp_path / "flux.safetensors"))
+    save_file({"transformer.blocks.0.fc1.lora_A.weight": torch.zeros(2, 64),
+               "transformer.blocks.0.fc1.lora_B.weight": torch.zeros(128, 2)}, str(tmp_path / "ours.safetensors"))
+    plugin = get_registry().model("reference")
+
+    def problems(model: str = "", adapter: str = "", optimizer: str = "") -> list[str]:
+        (tmp_path / "run.toml").write_text(f"output_dir = 'out'\n[model]\ntype = 'reference'\npath = 'model'\n{model}"
+                                           f"\n[adapter]\n{adapter}\n[optimizer]\n{optimizer}\n")
+        return trained_name_problems(load_config(tmp_path / "run.toml", get_registry(), purpose="sample"), plugin)
+
+    assert problems("merge_adapters = [{ path = 'ours.safetensors' }]", "exclude_modules = ['fc2']",
+                    "group_lr = { '*.fc1.*' = 1e-4 }") == []
+    assert "exclude_modules: 'norm_out' matches none" in problems(adapter="exclude_modules = ['norm_out']")[0]
+    assert "group_lr: pattern '*.ff.*' matches none of the 48 trained parameters" in problems(
+        optimizer="group_lr = { '*.ff.*' = 1e-4 }")[0]
+    assert "flux.safetensors: 'transformer.double_blocks.0.qkv.lora_A.weight' names no module" in problems(
+        "merge_adapters = [{ path = 'flux.safetensors' }]")[0]
