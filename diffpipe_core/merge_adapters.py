@@ -2,8 +2,10 @@
 
 Each file's keys are read in any layout diffpipe writes: diffusers (peft keys under the pipeline prefix, the
 strength in the ``lora_adapter_metadata``), peft (bare keys or ``base_model.model.``, an ``adapter_config.json``
-beside), and ComfyUI / kohya files that use the model's own module names (``diffusion_model.`` or the pipeline
-prefix, ``lora_unet_<module with _>``; ``lora_down``/``lora_up``; a scalar ``.alpha`` per module). Each module's
+beside), ComfyUI / kohya files that use the model's own module names (``diffusion_model.`` or the pipeline
+prefix, ``lora_unet_<module with _>``; ``lora_down``/``lora_up``; a scalar ``.alpha`` per module), and files in the
+model's original (native) layout, placed by the plugin's ``original_weight_targets`` (a fused ``qkv`` update cut
+into ``to_q``/``to_k``/``to_v``). Each module's
 weight becomes ``W + weight * alpha / rank * B @ A``, computed in float32 and stored in the weight's dtype, only for
 the modules of this stage's layers (others are still on the meta device) and before ``quantize`` quantizes them. A
 module's update exists only while it is added (one module's weight in float32 at a time).
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,14 @@ PREFIXES = ("base_model.model.", "diffusion_model.", "transformer.", "unet.")
 
 @dataclass(frozen=True)
 class ModuleUpdate:
-    """One module's LoRA in a merged file: the keys of its down (A) and up (B) matrices and its strength."""
+    """One module's LoRA in a merged file: the keys of its down (A) and up (B) matrices, its strength, and the model
+    tensors its update goes into, each with the transform cutting that tensor's part out of the update (None: the
+    whole update; a native layout's fused ``qkv`` goes into three)."""
 
-    module: str
     down: str
     up: str
     scale: float
+    targets: tuple[tuple[str, Any], ...]
 
 
 def adapter_file(path: Path) -> Path:
@@ -71,9 +75,16 @@ def module_names(stem: str, modules: set[str], kohya: dict[str, str], prefix: st
     return None
 
 
-def plan_updates(file: Path, modules: Iterable[str], prefix: str) -> list[ModuleUpdate]:
-    """Every LoRA module of ``file`` placed on one of the model's ``modules`` (names), with its scale; a key that
-    is not a LoRA's, or names no module of the model, raises a ValueError naming it (read from the header only)."""
+NativeTargets = Callable[[list[str]], "dict[str, list[tuple[str, Any]]] | None"]
+
+
+def plan_updates(
+    file: Path, modules: Iterable[str], prefix: str, native: NativeTargets | None = None
+) -> list[ModuleUpdate]:
+    """Every LoRA module of ``file`` placed on the model: on one of its ``modules`` (names), or, for a key stem in
+    the model's original layout, on the tensors ``native`` (the plugin's ``original_weight_targets``) gives its
+    ``<stem>.weight``; with its scale. A key that is not a LoRA's, or that names nothing of the model, raises a
+    ValueError naming it (read from the header only)."""
     from safetensors import safe_open
 
     names = set(modules)
@@ -84,23 +95,27 @@ def plan_updates(file: Path, modules: Iterable[str], prefix: str) -> list[Module
         ranks = {k: f.get_slice(k).get_shape()[0] for k in keys if k.endswith((PAIRS[0][0], PAIRS[1][0]))}
         alphas = {k: float(f.get_tensor(k)) for k in keys if k.endswith(".alpha")}
     file_alpha = _file_alpha(file, metadata)
+    pairs = [(down, down[: -len(ds)], down[: -len(ds)] + us) for ds, us in PAIRS for down in sorted(keys)
+             if down.endswith(ds)]
+    placed = {stem: ((m + ".weight", None),) for _, stem, _ in pairs
+              if (m := module_names(stem, names, kohya, prefix)) is not None}
+    unplaced = [stem + ".weight" for _, stem, _ in pairs if stem not in placed]
+    if unplaced and native is not None:
+        for key, made in (native(unplaced) or {}).items():
+            placed[key[: -len(".weight")]] = tuple(made)
     updates, used = [], set()
-    for down_suffix, up_suffix in PAIRS:
-        for down in sorted(k for k in keys if k.endswith(down_suffix)):
-            stem = down[: -len(down_suffix)]
-            up = stem + up_suffix
-            if up not in keys:
-                raise ValueError(f"model.merge_adapters: {file}: {down} has no {up}")
-            module = module_names(stem, names, kohya, prefix)
-            if module is None:
-                close = difflib.get_close_matches(stem.split(".", 1)[-1], sorted(names), n=3, cutoff=0.5)
-                raise ValueError(f"model.merge_adapters: {file}: {down!r} names no module of this model"
-                                 + (f" (closest: {', '.join(close)})" if close else "")
-                                 + "; it holds a LoRA of another model or layout")
-            rank = ranks[down]
-            alpha = alphas.get(stem + ".alpha", file_alpha if file_alpha is not None else float(rank))
-            updates.append(ModuleUpdate(module, down, up, alpha / rank))
-            used |= {down, up, stem + ".alpha"}
+    for down, stem, up in pairs:
+        if up not in keys:
+            raise ValueError(f"model.merge_adapters: {file}: {down} has no {up}")
+        if stem not in placed:
+            close = difflib.get_close_matches(stem.split(".", 1)[-1], sorted(names), n=3, cutoff=0.5)
+            raise ValueError(f"model.merge_adapters: {file}: {down!r} names no module of this model"
+                             + (f" (closest: {', '.join(close)})" if close else "")
+                             + "; it holds a LoRA of another model or layout")
+        rank = ranks[down]
+        alpha = alphas.get(stem + ".alpha", file_alpha if file_alpha is not None else float(rank))
+        updates.append(ModuleUpdate(down, up, alpha / rank, placed[stem]))
+        used |= {down, up, stem + ".alpha"}
     other = sorted(keys - used)
     if other:
         raise ValueError(f"model.merge_adapters: {file}: {other[0]!r} (and {len(other) - 1} more) is not a LoRA "
@@ -110,28 +125,41 @@ def plan_updates(file: Path, modules: Iterable[str], prefix: str) -> list[Module
     return updates
 
 
-def merge_into(model: Any, entries: Iterable[Any], prefix: str) -> int:
-    """Add each ``[model] merge_adapters`` entry (``path``, ``weight``) into the weights of ``model``'s modules that
-    hold real tensors (this stage's; meta ones are another stage's and skipped). Returns how many module updates
-    were added. Refuses (ValueError naming it) a module whose weight is kept quantized from its file."""
+def merge_into(model: Any, entries: Iterable[Any], prefix: str, native: NativeTargets | None = None) -> int:
+    """Add each ``[model] merge_adapters`` entry (``path``, ``weight``) into the weights of ``model`` that hold real
+    tensors (this stage's; meta ones are another stage's and skipped); ``native``: see :func:`plan_updates`.
+    Returns how many module updates were added (a fused native module counts once). Refuses (ValueError naming it)
+    a weight kept quantized from its file."""
     import torch
     from safetensors import safe_open
 
-    modules = dict(model.named_modules())
+    modules = [name for name, _ in model.named_modules()]
+    tensors = dict(model.named_parameters())
     added = 0
     for entry in entries:
         file = adapter_file(entry.path)
-        updates = plan_updates(file, modules, prefix)
+        updates = plan_updates(file, modules, prefix, native)
         with safe_open(str(file), "pt") as f, torch.no_grad():
             for update in updates:
-                weight = getattr(modules[update.module], "weight", None)
-                if weight is None or weight.device.type == "meta":
+                held = [(tensors[name], fn) for name, fn in update.targets
+                        if name in tensors and tensors[name].device.type != "meta"]
+                if not held:
                     continue
-                if not weight.is_floating_point() or weight.dtype.itemsize == 1:
-                    raise ValueError(f"model.merge_adapters: {update.module} is kept quantized from its file "
-                                     f"({weight.dtype}); merge into a bf16/fp16 file, or use [model] quantize on it")
                 down, up = f.get_tensor(update.down).float(), f.get_tensor(update.up).float()
-                delta = (up.flatten(1) @ down.flatten(1)).view(weight.shape).to(weight.device)
-                weight.copy_((weight.float() + entry.weight * update.scale * delta).to(weight.dtype))
+                delta = entry.weight * update.scale * (up.flatten(1) @ down.flatten(1))
+                for weight, fn in held:
+                    if not weight.is_floating_point() or weight.dtype.itemsize == 1:
+                        raise ValueError(f"model.merge_adapters: {update.down} goes into a weight kept quantized "
+                                         f"from its file ({weight.dtype}); merge into a bf16/fp16 file, or use "
+                                         "[model] quantize on it")
+                    part = (fn(delta) if fn else delta).reshape(weight.shape).to(weight.device)
+                    weight.copy_((weight.float() + part).to(weight.dtype))
                 added += 1
     return added
+
+
+def native_targets(plugin: Any, model_config: Any) -> NativeTargets | None:
+    """The plugin's ``original_weight_targets`` for this model as :func:`plan_updates` takes it, or None."""
+    if not plugin.has("original_weight_targets"):
+        return None
+    return lambda keys: plugin.call("original_weight_targets", model_config=model_config, keys=keys)

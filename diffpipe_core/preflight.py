@@ -125,7 +125,7 @@ def trained_name_problems(cfg: Any, plugin: Any) -> list[str]:
 
     from diffpipe_core.adapter_kinds import from_adapter_table
     from diffpipe_core.adapters import apply_adapter, excluding
-    from diffpipe_core.merge_adapters import adapter_file, plan_updates
+    from diffpipe_core.merge_adapters import adapter_file, native_targets, plan_updates
     from diffpipe_core.optim import unmatched_lr_patterns
     from diffpipe_core.quiet import library_prints
 
@@ -136,7 +136,8 @@ def trained_name_problems(cfg: Any, plugin: Any) -> list[str]:
     prefix = plugin.call("adapter_key_prefix") or "transformer"
     for entry in merged:
         try:
-            plan_updates(adapter_file(entry.path), [n for n, _ in model.named_modules()], prefix)
+            plan_updates(adapter_file(entry.path), [n for n, _ in model.named_modules()], prefix,
+                         native_targets(plugin, cfg.model))
         except ValueError as exc:
             return [f"{cfg.path}: {exc}"]
     if adapter is not None:

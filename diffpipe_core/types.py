@@ -49,7 +49,7 @@ class ModelConfigBase(BaseModel):
         (),
         description="LoRAs merged into the frozen base as each pipeline stage loads, before quantize: "
         "[{ path = \"de-distill.safetensors\", weight = 1.0 }, ...] (a saved adapter folder or file in any layout "
-        "diffpipe exports: diffusers, peft, ComfyUI or kohya keys, with the model's own module names). W += weight * "
+        "diffpipe exports: diffusers, peft, ComfyUI (also the model's native layout) or kohya keys). W += weight * "
         "scale * B @ A, scale = alpha / rank from the file's .alpha tensors, metadata or adapter_config.json. The "
         "trained adapter is saved alone.",
     )

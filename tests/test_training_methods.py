@@ -328,3 +328,48 @@ def test_names_that_match_nothing_are_refused_before_any_work(tmp_path: Path) ->
         optimizer="group_lr = { '*.ff.*' = 1e-4 }")[0]
     assert "flux.safetensors: 'transformer.double_blocks.0.qkv.lora_A.weight' names no module" in problems(
         "merge_adapters = [{ path = 'flux.safetensors' }]")[0]
+
+
+def test_a_native_layout_comfyui_lora_merges_like_its_diffusers_twin(tmp_path: Path) -> None:
+    """Flux's ComfyUI LoRA, as the plugin exports it (BFL names, q/k/v fused into qkv and linear1, per-module
+    .alpha), merged through the plugin's original_weight_targets gives the base the same LoRA's diffusers file
+    gives: each fused update cut into the right model tensors, at the right strength."""
+    from diffpipe_core.adapters import adapter_state_dict
+    from diffpipe_core.merge_adapters import native_targets
+    from diffpipe_core.schema import validate
+    from diffpipe_core.testing.runs import with_random_lora
+    from diffpipe_flux.testing import write_tiny_flux
+
+    plugin = get_registry().model("flux")
+    cfg = validate(plugin.spec.config_schema, {"type": "flux", "path": write_tiny_flux(tmp_path / "flux"),
+                                               "dtype": "float32"}, "test")
+
+    def load() -> torch.nn.Module:
+        return plugin.require("load_diffusion_model", model_config=cfg, device=torch.device("cpu"),
+                              dtype=torch.float32)
+
+    qkv = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    made = plugin.call("original_weight_targets", model_config=cfg, keys=[qkv, "diffusion_model.nothing.weight"])
+    assert list(made) == [qkv] and [name for name, _ in made[qkv]] == [
+        f"transformer_blocks.0.attn.to_{p}.weight" for p in "qkv"]
+    torch.manual_seed(0)
+    targets = plugin.require("lora_targets", model_config=cfg)
+    lora = {k: v.contiguous() for k, v in adapter_state_dict(with_random_lora(load(), targets)).items()}
+    comfy = plugin.require("export_adapter", state_dict=lora, alpha=6.0, rank=4, format="comfyui")
+    assert any(".img_attn.qkv." in k for k in comfy) and any(".linear1." in k for k in comfy)
+    save_file({k: v.contiguous() for k, v in comfy.items()}, str(tmp_path / "comfy.safetensors"))
+    twin = {f"transformer.{k}": v for k, v in lora.items()}
+    twin |= {f"transformer.{k.removesuffix('.lora_A.weight')}.alpha": torch.tensor(6.0) for k in lora
+             if k.endswith(".lora_A.weight")}
+    save_file(twin, str(tmp_path / "diffusers.safetensors"))
+
+    base = {k: v.clone() for k, v in load().state_dict().items()}
+    native, merged = load(), load()
+    assert merge_into(native, [MergedAdapter(path=tmp_path / "comfy.safetensors", weight=0.7)], "transformer",
+                      native_targets(plugin, cfg)) > 0
+    merge_into(merged, [MergedAdapter(path=tmp_path / "diffusers.safetensors", weight=0.7)], "transformer")
+    got, expected = native.state_dict(), merged.state_dict()
+    changed = {k for k in base if not torch.equal(expected[k], base[k])}
+    assert {k.removesuffix(".lora_A.weight") + ".weight" for k in lora if k.endswith(".lora_A.weight")} == changed
+    for key in base:
+        assert torch.allclose(got[key], expected[key], atol=1e-5), key

@@ -31,7 +31,7 @@ from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
-from diffpipe_core.merge_adapters import merge_into
+from diffpipe_core.merge_adapters import merge_into, native_targets
 from diffpipe_core.optim import build_optimizer, lr_lambda, parameter_groups
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
@@ -139,7 +139,8 @@ def build_stage_module(
         materialise_layers(plugin, cfg.model, stage, swapped, torch.device("cpu"))
     label = f"stage {layout.stage_id}" if layout.dp_rank == 0 else None  # quantize_stage prints one line
     if cfg.model.merge_adapters:  # into the full-precision weights, before quantize_stage quantizes them
-        merged = merge_into(stage.model, cfg.model.merge_adapters, plugin.call("adapter_key_prefix") or "transformer")
+        merged = merge_into(stage.model, cfg.model.merge_adapters, plugin.call("adapter_key_prefix") or "transformer",
+                            native_targets(plugin, cfg.model))
         if label:
             print(f"diffpipe: {label}: merged {len(cfg.model.merge_adapters)} adapter(s) into the base "
                   f"({merged} module updates)", flush=True)
