@@ -54,6 +54,33 @@ def apply_adapter(model: nn.Module, config: PeftConfig, dtype: torch.dtype = tor
 apply_lora = apply_adapter  # the name LoRA-only callers know
 
 
+def excluding(model: nn.Module, config: PeftConfig, patterns: Sequence[str]) -> PeftConfig:
+    """``config`` adapting the modules its ``target_modules`` match in ``model`` except those a regex of
+    ``patterns`` finds in the full module name (``[adapter] exclude_modules``), named one by one; a pattern that
+    takes out nothing raises a ValueError naming it and the modules there were."""
+    import copy
+    import re
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    if not patterns:
+        return config
+    matched = [name for name, _ in model.named_modules() if name and check_target_module_exists(config, name)]
+    idle = [p for p in patterns if not any(re.search(p, name) for name in matched)]
+    if idle:
+        shown = ", ".join(matched[:4]) + (f" and {len(matched) - 4} more" if len(matched) > 4 else "")
+        raise ValueError(f"adapter.exclude_modules: {idle[0]!r} matches none of the {len(matched)} adapted modules "
+                         f"({shown}); remove it or fix the regex")
+    kept = [name for name in matched if not any(re.search(p, name) for p in patterns)]
+    if not kept:
+        raise ValueError(
+            f"adapter.exclude_modules: {list(patterns)} take out every adapted module; nothing would train"
+        )
+    config = copy.deepcopy(config)
+    config.target_modules = kept
+    return config
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Adapter weights with peft's adapter name removed (``...to_q.lora_A.weight``, ``...to_q.lokr_w1``); meta
     tensors skipped."""

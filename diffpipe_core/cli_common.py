@@ -90,6 +90,7 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
         micro_batch_problems,
         optimizer_problems,
         resolution_notes,
+        trained_name_problems,
     )
 
     plugin = get_registry().model(cfg.model_name)
@@ -110,4 +111,5 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
         problems.extend(layer_problems(cfg, plugin))
         problems.extend(optimizer_problems(cfg))
         problems.extend(adapter_format_problems(cfg, plugin))
+        problems.extend(trained_name_problems(cfg, plugin))
     return problems

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -64,6 +65,12 @@ class AdapterConfig(Strict):
     target_modules: list[str] | None = Field(
         None, description="Module names or regexes to adapt; overrides the model plugin's lora_targets."
     )
+    exclude_modules: list[str] = Field(
+        [],
+        description="Regexes (searched in each module's full name, e.g. 'adaln' or '^blocks\\.0\\.') whose modules "
+        "are taken out of the adapted ones (lora_targets or target_modules); a pattern that takes out nothing is "
+        "refused, naming it.",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the adapter weights while training."
     )
@@ -91,6 +98,11 @@ class AdapterConfig(Strict):
                 )
         if self.factor == 0:
             raise ValueError("adapter.factor: 0 is not a factor; use a positive number or -1")
+        for pattern in self.exclude_modules:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"adapter.exclude_modules: {pattern!r} is not a regex: {exc}") from None
         return self
 
 
@@ -110,8 +122,10 @@ class OptimizerConfig(Strict):
     group_lr: dict[str, float] = Field(
         {},
         description="Peak learning rate per parameter group the model plugin names (its parameter_groups hook; "
-        "`diffpipe validate` lists them for a wrong name), e.g. { text_encoder_1 = 1e-5 }; 0 freezes a group. "
-        "Groups left out train at lr.",
+        "`diffpipe validate` lists them for a wrong name), e.g. { text_encoder_1 = 1e-5 }, or per parameter name "
+        "pattern (a key holding * ? or [ is a glob over the trainable parameters' names: { \"*.attn*\" = 1e-4, "
+        "\"*.ff*\" = 5e-5 }; the first pattern a parameter matches wins over its named group; a pattern matching no "
+        "parameter is refused); 0 freezes a group. Parameters left out train at lr.",
     )
     betas: tuple[float, float] = Field((0.9, 0.99), description="Adam betas.")
     weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay.")
@@ -152,6 +166,27 @@ class OptimizerConfig(Strict):
         if bad:
             raise ValueError(f"optimizer.group_lr: learning rates must be >= 0, got {bad}")
         return self
+
+
+# ------------------------------------------------------------------------------------------ [ema] (issue 42)
+class EmaConfig(Strict):
+    """``[ema]``: an exponential moving average of the trained weights (LoRA or full), kept per pipeline stage."""
+
+    decay: float = Field(
+        0.999, gt=0, lt=1, description="Each update: ema = decay * ema + (1 - decay) * weights."
+    )
+    start_step: int = Field(
+        0, ge=0, description="Until this optimizer step the average is a copy of the weights; updates start after it."
+    )
+    every_n_steps: int = Field(1, ge=1, description="Update the average every N optimizer steps (after start_step).")
+    device: Literal["cpu", "stage"] = Field(
+        "stage",
+        description="Where the average lives: 'stage' (the stage's device, beside the weights) or 'cpu' (host "
+        "memory: no accelerator memory, a copy each update).",
+    )
+    use_for_samples: bool = Field(
+        False, description="Samples and eval losses during training use the average instead of the weights."
+    )
 
 
 class WandbConfig(Strict):
@@ -296,11 +331,16 @@ class RunConfig(Strict):
     seed: int = Field(42, description="Seed for data order, noise and timesteps.")
     model: dict[str, Any] = Field(
         description="Model table; its keys are defined by the model plugin (`diffpipe config-reference --model NAME`). "
-        "Every model takes `type`, `dtype` and `quantize` ('nf4', 'int8', 'float8' or 'float8_e5m2': quantized "
-        "frozen base weights for LoRA training)."
+        "Every model takes `type`, `dtype`, `quantize` ('nf4', 'int8', 'float8' or 'float8_e5m2': quantized "
+        "frozen base weights for LoRA training), `merge_adapters` and `cfg` (see \"[model] keys every model takes\")."
     )
     adapter: AdapterConfig | None = Field(None, description="Adapter table; leave out for full fine-tuning.")
     optimizer: OptimizerConfig = Field(OptimizerConfig(), description="Optimizer table.")
+    ema: EmaConfig | None = Field(
+        None,
+        description="Keep an EMA of the trained weights, saved beside them (saved/<name>/ema/) in the same formats "
+        "and in checkpoints; leave out for none.",
+    )
     sample: SampleConfig | None = Field(None, description="Samples during training; leave out for none.")
     logging: LoggingConfig = Field(LoggingConfig(), description="Logging table.")
 
@@ -529,6 +569,12 @@ def _unknown_formats(run: RunConfig, spec: ModelSpec, source: str) -> list[str]:
     return problems
 
 
+def is_lr_pattern(key: str) -> bool:
+    """Whether an ``[optimizer] group_lr`` key is a glob over parameter names (it holds ``*``, ``?`` or ``[``)
+    rather than the name of a group the model plugin names."""
+    return any(c in key for c in "*?[")
+
+
 def _component_problems(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase, source: str) -> list[str]:
     """``[optimizer] group_lr`` names groups the plugin has; a LoKr/LoHa is saved only in layouts the plugin
     names keys for."""
@@ -536,10 +582,11 @@ def _component_problems(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase,
     if run.optimizer.group_lr:
         groups = list(plugin.call("parameter_groups", model_config=model_cfg) or {"model": []})
         for name in run.optimizer.group_lr:
-            if name not in groups:
+            if name not in groups and not is_lr_pattern(name):
                 problems.append(
                     f"{source}: optimizer.group_lr: model {plugin.name!r} has no parameter group {name!r}; "
-                    f"its groups: {', '.join(repr(g) for g in groups)}"
+                    f"its groups: {', '.join(repr(g) for g in groups)} (or write a parameter name pattern with * "
+                    "such as \"*.attn*\")"
                 )
     adapter = run.adapter
     if adapter is not None and adapter.type != "lora" and model_cfg.quantize == "nf4":

@@ -17,8 +17,11 @@ Relative paths are resolved against the folder of the file that names them.
 
 def config_reference_markdown(registry: Registry | None = None, model: str | None = None) -> str:
     from diffpipe_core.data.dataset_config import DatasetConfig
+    from diffpipe_core.types import ModelConfigBase
 
     parts = [HEADER, reference_markdown(RunConfig, "top level")]
+    parts.append("\n## [model] keys every model takes\n")
+    parts.append(reference_markdown(ModelConfigBase, "[model]", "model"))
     parts.append("\n## dataset.toml\n")
     parts.append(reference_markdown(DatasetConfig, "top level"))
     if registry is not None and model is not None:

@@ -194,6 +194,20 @@ def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
 
 
 @hookspec(firstresult=True)
+def original_weight_targets(model_config: ModelConfigBase, keys: list[str]) -> dict[str, list[tuple[str, Any]]] | None:
+    """*model, optional* Where weights named in the model's original (native) layout go in the diffusion model: how
+    ``[model] merge_adapters`` merges a LoRA file in a native layout (the ComfyUI LoRA of Flux, with BFL names and a
+    fused ``qkv``: ``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight``).
+
+    ``keys`` are original-layout weight keys (``<native module>.weight``, under ``diffusion_model.`` or another
+    read prefix, or none). Return, for each key the layout knows, the model tensors it makes as ``[(model tensor
+    name, transform)]``: ``transform`` (None: as is) cuts the model tensor out of a tensor shaped like the original
+    weight (a fused ``qkv`` makes three, each a slice of rows). Leave out the keys it does not know; None: the model
+    has no original layout. Called before anything is loaded. ``DiffusersModel`` answers from its key tables.
+    """
+
+
+@hookspec(firstresult=True)
 def parameter_groups(model_config: ModelConfigBase) -> dict[str, list[str]]:
     """*model, optional* Named parameter groups, for per-component learning rates (``[optimizer] group_lr``).
 

@@ -108,6 +108,51 @@ def adapter_format_problems(cfg: Any, plugin: Any) -> list[str]:
     return problems
 
 
+def trained_name_problems(cfg: Any, plugin: Any) -> list[str]:
+    """``[model] merge_adapters`` files whose keys are no LoRA of this model, and ``[adapter] exclude_modules`` and
+    ``[optimizer] group_lr`` name patterns that match nothing: checked on the model's meta-device skeleton (with
+    the adapter applied; no weights read, the merged files' headers only), for plugins that load per stage; the
+    others find out when the stage is built."""
+    from diffpipe_core.config import is_lr_pattern
+
+    adapter, group_lr, merged = cfg.run.adapter, cfg.run.optimizer.group_lr, cfg.model.merge_adapters
+    patterns = any(is_lr_pattern(k) for k in group_lr)
+    if not (patterns or merged or (adapter is not None and adapter.exclude_modules)):
+        return []
+    if not plugin.has("diffusion_model_weights"):
+        return []
+    import torch
+
+    from diffpipe_core.adapter_kinds import from_adapter_table
+    from diffpipe_core.adapters import apply_adapter, excluding
+    from diffpipe_core.merge_adapters import adapter_file, native_targets, plan_updates
+    from diffpipe_core.optim import unmatched_lr_patterns
+    from diffpipe_core.quiet import library_prints
+
+    with library_prints():
+        model = plugin.require(
+            "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=torch.float32
+        )
+    prefix = plugin.call("adapter_key_prefix") or "transformer"
+    for entry in merged:
+        try:
+            plan_updates(adapter_file(entry.path), [n for n, _ in model.named_modules()], prefix,
+                         native_targets(plugin, cfg.model))
+        except ValueError as exc:
+            return [f"{cfg.path}: {exc}"]
+    if adapter is not None:
+        targets = adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
+        try:
+            apply_adapter(model, excluding(model, from_adapter_table(adapter, list(targets)), adapter.exclude_modules))
+        except ValueError as exc:
+            return [f"{cfg.path}: {exc}"]
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        names = [n for n, p in model.named_parameters() if p.is_floating_point()]
+    return [f"{cfg.path}: optimizer.group_lr: pattern {g!r} matches none of the {len(names)} trained parameters "
+            f"(e.g. {', '.join(names[:3])})" for g in unmatched_lr_patterns(group_lr, names)]
+
+
 def optimizer_problems(cfg: Any) -> list[str]:
     """``[optimizer] kwargs`` the optimizer does not take or of the wrong type, and values a plugin's optimizer
     refuses (imports torch only for those or a plugin's optimizer)."""

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # annotations only: importing the contract must not import torch (fast CLI start)
     import torch
+
+
+class MergedAdapter(BaseModel):
+    """One entry of ``[model] merge_adapters``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path = Field(description="The adapter: a saved folder or its safetensors file.")
+    weight: float = Field(1.0, description="Strength the adapter is merged at (1.0: as trained).")
 
 
 class ModelConfigBase(BaseModel):
@@ -22,8 +32,10 @@ class ModelConfigBase(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: str
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    type: str = Field(description="The model plugin's name (`diffpipe models` lists them), or `--model`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of the diffusion model's weights (a plugin may set another default)."
+    )
     quantize: Literal["nf4", "int8", "float8", "float8_e5m2"] | None = Field(
         None,
         description="Quantize the frozen base weights while each pipeline stage loads (LoRA only): 'nf4' or 'int8' "
@@ -31,6 +43,22 @@ class ModelConfigBase(BaseModel):
         "same in float8_e5m2: wider range, coarser steps). Every nn.Linear of "
         "the model's blocks except float32-kept and tiny ones (< 4096 weights); embedders and the final layer keep "
         "dtype. LoRA trains on top; the base is never saved.",
+    )
+    # --------------------------------------------------------------------- training methods (issue 42)
+    merge_adapters: tuple[MergedAdapter, ...] = Field(
+        (),
+        description="LoRAs merged into the frozen base as each pipeline stage loads, before quantize: "
+        "[{ path = \"de-distill.safetensors\", weight = 1.0 }, ...] (a saved adapter folder or file in any layout "
+        "diffpipe exports: diffusers, peft, ComfyUI (also the model's native layout) or kohya keys). W += weight * "
+        "scale * B @ A, scale = alpha / rank from the file's .alpha tensors, metadata or adapter_config.json. The "
+        "trained adapter is saved alone.",
+    )
+    cfg: float | None = Field(
+        None,
+        gt=1,
+        description="CFG-augmented training of a guidance-distilled model: each step also runs the model on the "
+        "empty prompt (no gradient, one extra forward) and trains (output + (cfg - 1) * uncond) / cfg toward the "
+        "target, so the model keeps its distilled guidance scale cfg. Leave out for plain training.",
     )
 
 

@@ -314,6 +314,12 @@ def _text_encoder_files(key: str, ctx: Context) -> list[Change]:
     return [Change("model", "text_encoders", files, why)]
 
 
+# the anchor's learning rates per part of each block (Cosmos-Predict2, Anima), as name patterns over diffpipe's
+# (diffusers') module names: self_attn = attn1, cross_attn = attn2, mlp = ff, adaln_modulation = normK.linear_J
+BLOCK_PART_LRS = {"self_attn_lr": "*.attn1.*", "cross_attn_lr": "*.attn2.*", "mlp_lr": "*.ff.*",
+                  "mod_lr": "*.norm*.linear_*"}
+
+
 MODEL_RULES: dict[str, Rule] = {
     "dtype": _model_dtype,
     "transformer_dtype": _transformer_dtype,
@@ -344,6 +350,8 @@ MODEL_RULES: dict[str, Rule] = {
     "unet_lr": lambda key, value, ctx: _group_lr("unet", value, ctx),
     "text_encoder_1_lr": lambda key, value, ctx: _group_lr("text_encoder_1", value, ctx),
     "text_encoder_2_lr": lambda key, value, ctx: _group_lr("text_encoder_2", value, ctx),
+    **{key: lambda key, value, ctx: _pattern_lr(key, value) for key in BLOCK_PART_LRS},
+    "llm_adapter_lr": _none("diffpipe's models have no LLM adapter inside the transformer (Anima's)"),
 }
 
 def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
@@ -358,6 +366,14 @@ def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
 
 
 SDXL_TEXT_ENCODERS = "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead"
+
+
+def _pattern_lr(key: str, value: Any) -> list[Change]:
+    """diffusion-pipe's ``[model] self_attn_lr`` etc.: ``[optimizer] group_lr`` with the name pattern of those
+    modules in the diffusers model."""
+    pattern = BLOCK_PART_LRS[key]
+    return [Change("optimizer", "group_lr", {pattern: value},
+                   f"the learning rate of the parameters named {pattern} (diffusers' name for that part)")]
 
 
 def _group_lr(group: str, value: Any, ctx: Context) -> list[Change]:

@@ -167,18 +167,25 @@ class CachedDataset:
         """The items' ids (file path, ``#clip`` for video clips), for error messages."""
         return [self.entries[int(self._item_of[i])].id for i in indices]
 
-    def collate(self, indices: list[int], generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    def collate(
+        self, indices: list[int], generator: torch.Generator | None = None, uncond: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Stacked tensors of the given samples: every media and caption key the plugin returned, and the tensors
         of the ``k``-th control image as ``control_<k>_<key>`` (:func:`diffpipe_core.types.control_key`).
 
         Random choices (caption dropout with probability ``uncond_fraction``, and which cached caption
         variant) come from ``generator``, two uniform draws per sample whatever the data, so equal
-        generators give equal batches.
+        generators give equal batches. ``uncond``: every caption is the empty prompt (``[model] cfg``'s
+        unconditional pass), the draws made all the same.
         """
         if not indices:
             raise ValueError("collate: empty list of indices")
         n = len(indices)
         drop = torch.rand(n, generator=generator) < self.uncond_fraction
+        if uncond:
+            if self._empty is None:
+                raise CacheError("the cache has no empty-prompt embedding for [model] cfg; run caching again")
+            drop = torch.ones_like(drop)
         pick = torch.rand(n, generator=generator)
         items = [int(self._item_of[i]) for i in indices]
         groups = {self.entries[i].group for i in items}
@@ -200,6 +207,12 @@ class CachedDataset:
             part = _gather(self._control_shards, [self._controls[i][k] for i in items], self.sample_ids(indices))
             out.update({control_batch_key(k, name): tensor for name, tensor in part.items()})
         return out
+
+
+def needs_empty_prompt(dataset: Any, model_config: Any) -> bool:
+    """Whether the cache holds the empty prompt's embedding: for caption dropout (``uncond_fraction``) or for the
+    unconditional pass of CFG-augmented training (``[model] cfg``)."""
+    return dataset.uncond_fraction > 0 or getattr(model_config, "cfg", None) is not None
 
 
 def _locate(shards: list[Shard], wanted: set[str]) -> dict[str, tuple[int, int]]:
@@ -300,7 +313,7 @@ def prepare_cache(
     root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
     fp_dir = root / fingerprint[:16]
     index_path = root / "index.json"
-    empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+    empty_key = caption_key("", fingerprint) if needs_empty_prompt(cfg, model_config) else None
     if rank == 0:  # one lease per run: the other ranks end with rank 0
         with gate(root):
             take_lease(fp_dir)
@@ -459,7 +472,7 @@ def open_cached(dataset_toml: Path, plugin: Any, model_config: ModelConfigBase) 
     index = _read_index(root / "index.json", fingerprint)
     if index is None or not index["entries"]:
         return None
-    empty_key = caption_key("", fingerprint) if cfg.uncond_fraction > 0 else None
+    empty_key = caption_key("", fingerprint) if needs_empty_prompt(cfg, model_config) else None
     try:
         return CachedDataset(index["entries"], root / fingerprint[:16], cfg.uncond_fraction, empty_key)
     except CacheError:

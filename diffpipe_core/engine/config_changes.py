@@ -24,6 +24,8 @@ CANNOT_APPLY = {
     "adapter.rank": "the checkpoint's LoRA tensors have the old rank",
     "adapter.target_modules": "the checkpoint's LoRA tensors are for the old modules",
     "optimizer.type": "the checkpoint's optimizer state is another optimizer's; --reset-optimizer starts a fresh one",
+    "adapter.exclude_modules": "the checkpoint's adapter tensors are for the old modules",
+    "model.merge_adapters": "the checkpoint was trained on a base with other adapters merged in",
 }
 NEW_RUN_HINT = "start a new run (adapter.init_from_existing can start from this run's saved adapter)"
 NOTES = {

@@ -62,18 +62,29 @@ class MicroBatches:
         return self
 
     def __next__(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        indices, micro_index = self.draw()
+        self.step_ids.extend(self.dataset.sample_ids(indices))
+        return self.make(indices, micro_index)
+
+    def draw(self) -> tuple[list[int], int]:
+        """The next micro-batch's sample indices and number (the sampler moves on; a new epoch reshuffles)."""
         try:
             indices = next(self._it)
         except StopIteration:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             self._it = iter(self.sampler)
             indices = next(self._it)
+        self.micro_index += 1
+        return indices, self.micro_index - 1
+
+    def make(self, indices: list[int], micro_index: int, uncond: bool = False) -> tuple[tuple[Any, ...], ...]:
+        """Micro-batch ``micro_index`` of ``indices``: collated and prepared with its own seeded generator, so the
+        same call gives the same noise and timesteps. ``uncond``: every caption is the empty prompt."""
         # seeded by the micro-batch's global number, so its noise is the same on any layout (0: the seed of
         # data-parallel rank 0 before global numbers, so one-rank runs draw what they drew)
         generator = torch.Generator().manual_seed(
-            mix_seed(self.seed, global_micro_batch(self.micro_index, self.dp, self.dp_rank), 0)
+            mix_seed(self.seed, global_micro_batch(micro_index, self.dp, self.dp_rank), 0)
         )
-        self.micro_index += 1
-        self.step_ids.extend(self.dataset.sample_ids(indices))
-        batch = self.dataset.collate(indices, generator)
+        batch = self.dataset.collate(indices, generator, uncond=True) if uncond else self.dataset.collate(
+            indices, generator)
         return self.plugin.require("prepare_inputs", batch=batch, context=self.context, generator=generator)

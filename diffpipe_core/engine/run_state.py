@@ -37,7 +37,8 @@ def write_checkpoint(
     Refused (:class:`NonFiniteWeights`) when a trainable tensor is not finite."""
     latest = run_dir / "checkpoints" / "latest"
     kept = f"checkpoints/{latest.read_text().strip()} stays" if latest.is_file() else "there is no older checkpoint"
-    check_finite(stage.trainable, f"checkpoint at step {step}", kept, _device(stage))
+    params = {**stage.trainable, **(stage.ema.checkpoint_tensors() if stage.ema is not None else {})}
+    check_finite(params, f"checkpoint at step {step}", kept, _device(stage))
     state = {
         "step": step,
         "micro_index": micro_index,
@@ -52,7 +53,7 @@ def write_checkpoint(
         run_dir,
         step,
         **_place(layout),
-        params=stage.trainable,
+        params=params,
         optimizer_state=optim_state,
         train_state=state,
         keep=cfg.run.keep_checkpoints,
@@ -85,6 +86,9 @@ def restore_checkpoint(
                     f"checkpoint {ckpt}: {name} has shape {tuple(saved.shape)}, the model's is {tuple(p.shape)}"
                 )
             p.copy_(saved.to(p.dtype))
+    if stage.ema is not None and not stage.ema.load(params) and layout.rank == 0:
+        print(f"diffpipe: {ckpt.name} holds no EMA ([ema] is new in this run); the average starts from its weights",
+              flush=True)
     if reset_optimizer:
         _continue_schedule(ckpt, layout, stage, optimizer_cfg, state)
         optim = None
@@ -194,10 +198,22 @@ def save_trained(
     run_dir: Path, name: str, cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, stage: Stage
 ) -> Path:
     """``saved/<name>/``: the adapter (gathered to rank 0, in every configured format) or the full model's
-    shards (one per stage) plus the plugin's model formats."""
+    shards (one per stage) plus the plugin's model formats; with ``[ema]``, the average the same way in
+    ``saved/<name>/ema/``."""
+    out = _write_trained(run_dir / "saved" / name, f"saved/{name}", _last_save(run_dir, name), cfg, plugin, layout,
+                         stage)
+    if stage.ema is not None:
+        with stage.ema.swapped_in():
+            _write_trained(out / "ema", f"saved/{name}/ema", f"saved/{name} is written", cfg, plugin, layout, stage)
+    return out
+
+
+def _write_trained(
+    out: Path, what: str, kept: str, cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, stage: Stage
+) -> Path:
+    """What :func:`save_trained` writes of the stage's trained tensors as they are now, into ``out``."""
     run = cfg.run
-    out = run_dir / "saved" / name
-    check_finite(stage.trainable, f"saved/{name}", _last_save(run_dir, name), _device(stage))
+    check_finite(stage.trainable, what, kept, _device(stage))
     save_dtype = DTYPES[run.save_dtype]
     if stage.lora is not None:
         merged = gather_to_rank0(lora_state_dict(stage.model), include=layout.dp_rank == 0)

@@ -21,7 +21,7 @@ from diffpipe_core.adapter_kinds import (
     kind_of,
     unfold_factor,
 )
-from diffpipe_core.adapters import read_adapter
+from diffpipe_core.adapters import excluding, read_adapter
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradient
 from diffpipe_core.engine.ds_patches import (
@@ -32,12 +32,14 @@ from diffpipe_core.engine.ds_patches import (
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
+from diffpipe_core.engine.ema import EmaWeights
 from diffpipe_core.engine.layer_rng import LayerSeeds, seed_stage_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
+from diffpipe_core.merge_adapters import merge_into, native_targets
 from diffpipe_core.optim import build_optimizer, forced_lr, parameter_groups, run_lr_lambda
 from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import quantize_stage
@@ -75,8 +77,13 @@ class LossFunction:
 
     def __init__(self, plugin: ModelPlugin, context: TrainingContext) -> None:
         self.plugin, self.context = plugin, context
+        self.uncond: list[Any] | None = None  # [model] cfg: this step's unconditional outputs, one per micro-batch
 
     def __call__(self, outputs: Any, targets: Any) -> Any:
+        if self.uncond:
+            from diffpipe_core.engine.cfg_training import fold_uncond
+
+            outputs = fold_uncond(outputs, self.uncond.pop(0), self.context.model_config.cfg)
         return self.plugin.require("compute_loss", outputs=outputs, targets=targets, context=self.context)
 
 
@@ -96,6 +103,7 @@ class Stage:
     loss: LossFunction
     plan: StagePlan | None = None
     seeds: LayerSeeds | None = None  # the layers' random streams (:mod:`diffpipe_core.engine.layer_rng`)
+    ema: EmaWeights | None = None  # [ema]: the average of ``trainable``
 
 
 @dataclass
@@ -141,6 +149,12 @@ def build_stage_module(
         materialise_layers(plugin, cfg.model, stage, resident, device)
         materialise_layers(plugin, cfg.model, stage, swapped, torch.device("cpu"))
     label = f"stage {layout.stage_id}" if layout.dp_rank == 0 else None  # quantize_stage prints one line
+    if cfg.model.merge_adapters:  # into the full-precision weights, before quantize_stage quantizes them
+        merged = merge_into(stage.model, cfg.model.merge_adapters, plugin.call("adapter_key_prefix") or "transformer",
+                            native_targets(plugin, cfg.model))
+        if label:
+            print(f"diffpipe: {label}: merged {len(cfg.model.merge_adapters)} adapter(s) into the base "
+                  f"({merged} module updates)", flush=True)
     quantize_stage(cfg.model, stage, own, plugin.spec.block_layers, label)
     model = stage.model
     layer_names = [type(layer).__name__ for layer in stage.layers]
@@ -148,7 +162,7 @@ def build_stage_module(
     lora = None
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
-        lora = from_adapter_table(run.adapter, list(targets))
+        lora = excluding(model, from_adapter_table(run.adapter, list(targets)), run.adapter.exclude_modules)
         adapt_layers(model, stage.layers, lora, DTYPES[run.adapter.dtype])
         if run.adapter.init_from_existing:
             init_adapter_from(model, plugin, run.adapter.init_from_existing, lora)
@@ -228,9 +242,10 @@ def build_stage(
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
+    ema = EmaWeights(run.ema, trainable) if run.ema is not None else None
     return Stage(
         model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
-        built.plan, built.seeds,
+        built.plan, built.seeds, ema,
     )
 
 

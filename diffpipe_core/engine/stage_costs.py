@@ -5,7 +5,8 @@ Per layer, from a meta twin of the model (same modules, weights on meta, so noth
 - weights in their real dtypes (the skeleton's: float32-kept modules are float32), block linears at their quantized
   size when ``[model] quantize`` is set; the part block swap would move to host memory is kept apart;
 - the trainable tensors (the adapter's own: LoRA, LoKr or LoHa, in ``[adapter] dtype``; or every float weight of a
-  full fine-tune) with their gradients and optimizer state;
+  full fine-tune) with their gradients and optimizer state, and their ``[ema]`` copy when it lives on the stage's
+  device (``device = "cpu"`` keeps it in host memory, outside the plan);
 - what the layer keeps for backward for one micro-batch of the largest bucket, measured by a meta forward of the
   twin with the run's adapter (:mod:`diffpipe_core.engine.activations`), when first-layer inputs are given.
 """
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
-from diffpipe_core.adapters import apply_adapter
+from diffpipe_core.adapters import apply_adapter, excluding
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.activations import LayerTensors, measure_layers
 from diffpipe_core.engine.partition import layer_param_counts
@@ -121,7 +122,8 @@ def layer_costs(
     twin, twin_layers = meta_twin(model, layers)
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
-        apply_adapter(twin, from_adapter_table(run.adapter, list(targets)))  # the kind's own tensors
+        config = excluding(twin, from_adapter_table(run.adapter, list(targets)), run.adapter.exclude_modules)
+        apply_adapter(twin, config)  # the kind's own tensors
         for name, p in twin.named_parameters():
             if is_adapter_param(name):
                 p.data = p.data.to(DTYPES[run.adapter.dtype])  # apply_adapter leaves meta tensors as they are
@@ -153,6 +155,8 @@ def layer_costs(
                 optimizer += kept
                 # + gradient; an offloaded state is in host memory (the device holds one tensor's while it steps)
                 state += 2 * _bytes(t) + (0 if run.optimizer.offload else kept)
+                if run.ema is not None and run.ema.device == "stage":  # [ema]: one more copy beside the weights
+                    state += _bytes(t)
                 if run.adapter is None:  # a full fine-tune's weights are weights; LoRA's count with the states
                     weight, state = weight + _bytes(t), state - _bytes(t)
             else:

@@ -11,11 +11,13 @@ module; this one only runs the steps and decides when each of those happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import memory_report, stopping
+from diffpipe_core.engine.cfg_training import replay, uncond_pass
 from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
 from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
@@ -94,6 +97,15 @@ class Trainer:
     def _save(self, name: str) -> Path:
         with evaluation_weights(self.stage.optimizer):
             return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
+
+    @contextlib.contextmanager
+    def _sampling_weights(self) -> Iterator[None]:
+        """The weights samples and eval losses use: the optimizer's evaluation weights, or the EMA with
+        ``[ema] use_for_samples``."""
+        ema = self.stage.ema
+        with evaluation_weights(self.stage.optimizer):
+            with ema.swapped_in(self.run.ema.use_for_samples) if ema is not None else contextlib.nullcontext():
+                yield
 
     # ----------------------------------------------------------------------------- loop
     def train(
@@ -181,7 +193,14 @@ class Trainer:
             step_lrs = list(scheduler.get_last_lr())  # the lrs this step uses (train_batch steps the scheduler)
             lr = step_lrs[0]
             t0 = time.perf_counter()
-            loss = float(self.engine.train_batch(data_iter=batches))
+            data: Any = batches
+            if self.cfg.model.cfg is not None:  # CFG-augmented training: the empty prompt's outputs first
+                drawn, uncond = uncond_pass(self.engine, batches, run.gradient_accumulation_steps)
+                self.stage.loss.uncond, data = (list(uncond) if uncond is not None else None), replay(batches, drawn)
+            try:
+                loss = float(self.engine.train_batch(data_iter=data))
+            finally:
+                self.stage.loss.uncond = None
             dt = time.perf_counter() - t0
             step += 1
             if step == first_step + 1:
@@ -202,6 +221,8 @@ class Trainer:
                     )
             else:
                 consecutive_bad = 0
+                if self.stage.ema is not None:
+                    self.stage.ema.update(step)
                 summary.first_loss = loss if summary.first_loss is None else summary.first_loss
                 summary.last_loss = loss
             # rank 0's samples times the data-parallel ranks: exact unless micro-batch sizes differ by bucket
@@ -247,7 +268,7 @@ class Trainer:
             ):
                 self._log_eval(step, writer, metrics_file)
             if self.samples is not None and self.samples.sampler.due(step, epoch_done, self._epoch(step)):
-                with evaluation_weights(self.stage.optimizer):
+                with self._sampling_weights():
                     self.samples.after_step(step, epoch_done, self._epoch(step), writer)
             checkpointed = False
             if step < self.total_steps and self._checkpoint_due(step, epoch_done, last_ckpt_time):
@@ -271,7 +292,7 @@ class Trainer:
         raise stopping.Stopped(signum, agreed=True)
 
     def evaluate(self, step: int, writer: Any) -> dict[str, float]:
-        with evaluation_weights(self.stage.optimizer):
+        with self._sampling_weights():
             return evaluate(
                 self.engine, self.eval_datasets, self.cfg, self.plugin, self.layout, step, writer, self.stage.loss
             )

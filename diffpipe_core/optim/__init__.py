@@ -4,6 +4,7 @@ and the LR schedule."""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -69,18 +70,33 @@ def parameter_groups(
 ) -> list[dict[str, Any]]:
     """The optimizer's parameter groups: ``{"name", "params", "lr"}`` per group the plugin names (its
     ``parameter_groups`` hook: group -> regexes matched against parameter names; a parameter matching none joins
-    the first group), each at ``cfg.group_lr[name]`` or ``cfg.lr``. Groups with no parameter on this pipeline stage
-    are left out. Without ``cfg.group_lr`` all parameters form one group, as before groups existed."""
+    the first group), each at ``cfg.group_lr[name]`` or ``cfg.lr``, and one group per name pattern of ``group_lr``
+    (:func:`~diffpipe_core.config.is_lr_pattern`: a glob such as ``*.attn*``), named by the pattern, holding the
+    parameters it is the first pattern to match. Groups with no parameter on this pipeline stage are left out.
+    Without ``cfg.group_lr`` all parameters form one group, as before groups existed."""
+    from diffpipe_core.config import is_lr_pattern
+
     if not cfg.group_lr:
         return [{"name": DEFAULT_GROUP, "params": list(trainable.values()), "lr": cfg.lr}]
     named = named or {DEFAULT_GROUP: []}
     patterns = {g: [re.compile(p) for p in pats] for g, pats in named.items()}
-    members: dict[str, list[torch.nn.Parameter]] = {g: [] for g in named}
+    globs = [key for key in cfg.group_lr if is_lr_pattern(key)]
+    members: dict[str, list[torch.nn.Parameter]] = {g: [] for g in [*named, *globs]}
     first = next(iter(named))
     for name, param in trainable.items():
-        group = next((g for g, pats in patterns.items() if any(p.match(name) for p in pats)), first)
+        group = next((g for g in globs if fnmatch.fnmatchcase(name, g)), None)
+        if group is None:
+            group = next((g for g, pats in patterns.items() if any(p.match(name) for p in pats)), first)
         members[group].append(param)
     return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
+
+
+def unmatched_lr_patterns(group_lr: dict[str, float], names: Iterable[str]) -> list[str]:
+    """The name patterns of ``group_lr`` that match none of the trainable parameter ``names``."""
+    from diffpipe_core.config import is_lr_pattern
+
+    names = list(names)
+    return [g for g in group_lr if is_lr_pattern(g) and not any(fnmatch.fnmatchcase(n, g) for n in names)]
 
 
 def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool = False) -> torch.optim.Optimizer:

@@ -531,6 +531,20 @@ class DiffusersModel:
         return self.default_lora_targets(model_config)
 
     @hookimpl
+    def original_weight_targets(self, model_config: ModelConfigBase, keys: list[str]) -> dict[str, list] | None:
+        """The model tensors each original-layout key makes, by the first of :meth:`original_layouts` that knows
+        it (:meth:`~diffpipe_core.parts.layout.KeyTable.targets`); None without :attr:`key_tables`."""
+        tables = self.original_layouts(self.model_folder_config(model_config)) if self.key_tables else []
+        if not tables:
+            return None
+        found = {}
+        for key in keys:
+            made = next((m for t in tables if (m := t.targets(t.strip(key)))), None)
+            if made:
+                found[key] = made
+        return found
+
+    @hookimpl
     def adapter_key_prefix(self) -> str:
         """The diffusion model's component name in its pipeline (``transformer``, ``unet``)."""
         return self.folder.model
