@@ -301,3 +301,27 @@ def gguf_values(file: Path) -> dict[str, torch.Tensor]:
             value = f.get_tensor(key)
             out[key] = value.float() if kind in ("F32", "F16", "BF16") else gguf_dequantize(value, kind).reshape(shape)
     return out
+
+
+def variant_file(model: nn.Module, out: Path, table: KeyTable | None = None) -> Path:
+    """A diffusion model (of a variant other than a folder's) as a ComfyUI ``diffusion_model`` file at ``out``: its
+    weights in ``table``'s original layout (None: diffusers' names) under ``model.diffusion_model.``."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = table.to_original(state) if table is not None else state
+    return save({COMFY_PREFIX + k: v for k, v in state.items()}, Path(out))
+
+
+def assert_variant_loads_as_itself(plugin: Any, config: Any, variant: nn.Module, read: Mapping[str, Any]) -> None:
+    """``config``'s ``diffusion_model`` file holds ``variant`` (a model of another variant than ``config.path``'s
+    folder): it validates, ``model_file_lines`` names each value of ``read`` (config key -> the variant's value) as read
+    from the file, and the model builds with those values and loads the file's weights exactly (float32)."""
+    import torch
+
+    assert plugin.validate_model_files(config) == []
+    line = plugin.model_file_lines(config)[0]
+    for key, value in read.items():
+        assert variant.config[key] == value, (key, variant.config[key])
+        assert f"{key} = {value} from the file's tensors" in line, (key, line)
+    model = plugin.load_diffusion_model(config, torch.device("cpu"), torch.float32)
+    assert all(model.config[key] == value for key, value in read.items())
+    assert_same_state(model.state_dict(), {k: v.float() for k, v in variant.state_dict().items()})
