@@ -303,10 +303,26 @@ def gguf_values(file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def variant_file(model: nn.Module, out: Path, table: KeyTable | None = None) -> Path:
-    """A diffusion model (of a variant other than a folder's) as a ComfyUI ``diffusion_model`` file at ``out``: its
-    weights in ``table``'s original layout (None: diffusers' names) under ``model.diffusion_model.``."""
+def variant_model(plugin: Any, folder: Path, seed: int = 1, **changes: Any) -> nn.Module:
+    """``plugin``'s diffusion model of another variant than diffusers folder ``folder``'s: its config with
+    ``changes`` (block counts, heads, flags), random weights from ``seed``."""
+    import torch
+
+    from diffpipe_core.parts.folder import find_class
+
+    torch.manual_seed(seed)
+    config = {**plugin.folder.model_config(Path(folder)), **changes}
+    return find_class(plugin.model_class).from_config(config).eval()
+
+
+def variant_file(plugin: Any, model: nn.Module, out: Path) -> Path:
+    """Diffusion model ``model`` (of another variant than a folder's) as a ComfyUI ``diffusion_model`` file at ``out``:
+    its weights in ``plugin``'s original layout (under the layout's own prefix, else ``model.diffusion_model.``), or in
+    diffusers' names under ``model.diffusion_model.`` for a model without one."""
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    table = plugin.original_layout(dict(model.config))
+    if table is not None and table.write_prefix:
+        return save(table.to_original(state), Path(out))
     state = table.to_original(state) if table is not None else state
     return save({COMFY_PREFIX + k: v for k, v in state.items()}, Path(out))
 
@@ -317,7 +333,8 @@ def assert_variant_loads_as_itself(plugin: Any, config: Any, variant: nn.Module,
     from the file, and the model builds with those values and loads the file's weights exactly (float32)."""
     import torch
 
-    assert plugin.validate_model_files(config) == []
+    problems = plugin.validate_model_files(config)
+    assert problems == [], problems
     line = plugin.model_file_lines(config)[0]
     for key, value in read.items():
         assert variant.config[key] == value, (key, variant.config[key])

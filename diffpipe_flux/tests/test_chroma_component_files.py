@@ -16,9 +16,12 @@ from diffpipe_core.schema import ConfigError, validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_variant_loads_as_itself,
     comfyui_files,
     hub_snapshot,
     quantize_file,
+    variant_file,
+    variant_model,
 )
 from diffpipe_flux.chroma import plugin as chroma
 from diffpipe_flux.chroma_keys import layout_for_config
@@ -66,3 +69,11 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) ->
     file = quantize_file(comfy["diffusion_model"], tmp_path / "chroma_fp8_scaled.safetensors", "fp8_scaled")
     cfg = config(comfy["configs"], comfy, diffusion_model=file)
     assert_kept_quantized(chroma, cfg, config(comfy["configs"], comfy), torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Other block counts, heads and approximator depth than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "approximator_layers": 3}
+    variant = variant_model(chroma, comfy["configs"], **read)
+    file = variant_file(chroma, variant, tmp_path / "chroma.safetensors")
+    assert_variant_loads_as_itself(chroma, config(comfy["configs"], comfy, diffusion_model=file), variant, read)

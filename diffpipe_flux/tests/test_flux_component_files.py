@@ -28,6 +28,7 @@ from diffpipe_core.testing.component_files import (
     quantize_file,
     save,
     variant_file,
+    variant_model,
     write_component_files,
     write_gguf,
 )
@@ -337,12 +338,9 @@ def test_lokr_and_loha_train_on_a_quantized_base_as_on_its_weights(comfy: dict, 
 def test_the_files_own_variant_and_sizes_are_read_from_its_tensors(comfy: dict, tmp_path: Path) -> None:
     """A schnell-like file with other block counts and heads beside the dev folder's configs: the model is built as
     the file is (no guidance embedder, its block counts and width), validate says so, and it loads exactly."""
-    from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer
-
-    variant = tiny_transformer(TinyFluxConfig(num_layers=1, num_single_layers=3, num_attention_heads=3,
-                                              guidance_embeds=False))  # fmt: skip
-    file = variant_file(variant, tmp_path / "schnell.st", layout_for_config(variant.config))
     read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "guidance_embeds": False}
+    variant = variant_model(flux, comfy["configs"], **read)
+    file = variant_file(flux, variant, tmp_path / "schnell.st")
     assert_variant_loads_as_itself(flux, from_files(comfy, diffusion_model=file), variant, read)
 
 
@@ -351,10 +349,8 @@ def test_a_diffusers_export_of_another_variant_writes_its_own_config(comfy: dict
     the model's (the file's block counts, no guidance embedder), not the folder's: it loads back as the model."""
     from diffusers import FluxTransformer2DModel
 
-    from diffpipe_flux.testing import TinyFluxConfig, tiny_transformer
-
-    variant = tiny_transformer(TinyFluxConfig(num_layers=1, num_single_layers=3, guidance_embeds=False))
-    cfg = from_files(comfy, diffusion_model=variant_file(variant, tmp_path / "schnell.st"))
+    variant = variant_model(flux, comfy["configs"], num_layers=1, num_single_layers=3, guidance_embeds=False)
+    cfg = from_files(comfy, diffusion_model=variant_file(flux, variant, tmp_path / "schnell.st"))
     state = {k: v.contiguous() for k, v in flux.load_diffusion_model(cfg, CPU, torch.float32).state_dict().items()}
     saved = runs.write_saved_model(state, tmp_path / "saved")
     assert flux.export_model(saved_dir=saved, model_config=cfg, out_dir=tmp_path / "out", format="diffusers")

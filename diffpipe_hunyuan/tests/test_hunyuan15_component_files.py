@@ -20,9 +20,12 @@ from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
     assert_same_state,
+    assert_variant_loads_as_itself,
     comfyui_files,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
 )
 from diffpipe_hunyuan.i2v15 import plugin as i2v
 from diffpipe_hunyuan.original15 import layouts_for_config
@@ -97,3 +100,12 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, crop_start15: int,
     cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
     plain = config(t2v, comfy["configs"], crop_start15, **files_of(comfy))
     assert_kept_quantized(t2v, cfg, plain, torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, crop_start15: int, tmp_path: Path) -> None:
+    """Other block counts and heads than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "num_refiner_layers": 2, "num_attention_heads": 3}
+    variant = variant_model(t2v, comfy["configs"], **read)
+    file = variant_file(t2v, variant, tmp_path / "hunyuan15.safetensors")
+    cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
+    assert_variant_loads_as_itself(t2v, cfg, variant, read)
