@@ -9,6 +9,7 @@ stage."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from diffpipe_core.testing.component_files import (
     assert_same_state,
     assert_variant_loads_as_itself,
     comfyui_files,
+    component_state,
     quantize_file,
     save,
     variant_file,
@@ -93,6 +95,25 @@ def test_image_to_video_files_over_its_folder(tiny_hunyuan15_i2v: Path, crop_sta
     cfg = config(i2v, tiny_hunyuan15_i2v, crop_start15, **files_of(comfy))
     folder = config(i2v, tiny_hunyuan15_i2v, crop_start15)
     assert_loads_as_the_folder(i2v, cfg, folder, (*ENCODERS, "image_encoder"))
+
+
+def head(key: str) -> bool:
+    """SigLIP's attention-pooling head (``vision_model.head.*``)."""
+    return re.search(r"(?:^|\.)head\.", key) is not None
+
+
+def test_the_siglip_image_encoder_from_its_comfyui_file(tiny_hunyuan15_i2v: Path, crop_start15: int, tmp_path) -> None:
+    """ComfyUI's ``sigclip_vision_patch14_384.safetensors`` listed in ``text_encoders`` over the i2v folder: the image
+    encoder is read from it (its tensors say which component it is), without the attention-pooling head the pipeline
+    never runs (ComfyUI's file may lack it: zeros), and loads exactly the file's weights."""
+    siglip = {k: v for k, v in component_state(tiny_hunyuan15_i2v, "image_encoder").items() if not head(k)}
+    file = save({k: v + 1 for k, v in siglip.items()}, tmp_path / "sigclip_vision_patch14_384.safetensors")
+    cfg = config(i2v, tiny_hunyuan15_i2v, crop_start15, text_encoders=[file])
+    assert i2v.validate_model_files(cfg) == []
+    assert f"image_encoder: {file}: diffusers, float32" in "\n".join(i2v.model_file_lines(cfg))
+    got = i2v.load_encoders(cfg, CPU).image_encoder.state_dict()
+    assert_same_state({k: v for k, v in got.items() if not head(k)}, {k: v + 1 for k, v in siglip.items()})
+    assert any(head(k) for k in got) and all(not got[k].any() for k in got if head(k))
 
 
 def test_a_quantized_transformer_stays_quantized(comfy: dict, crop_start15: int, tmp_path: Path) -> None:
