@@ -342,3 +342,46 @@ def assert_variant_loads_as_itself(plugin: Any, config: Any, variant: nn.Module,
     model = plugin.load_diffusion_model(config, torch.device("cpu"), torch.float32)
     assert all(model.config[key] == value for key, value in read.items())
     assert_same_state(model.state_dict(), {k: v.float() for k, v in variant.state_dict().items()})
+
+
+def model_keys(files: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys of :func:`comfyui_files`' files: ``path`` (the configs), ``diffusion_model``, ``vae`` and
+    ``text_encoders``."""
+    keys = {"path": str(files["configs"]), "diffusion_model": str(files["diffusion_model"])}
+    if "vae" in files:
+        keys["vae"] = str(files["vae"])
+    keys["text_encoders"] = [str(p) for p in files["text_encoders"]]
+    return keys
+
+
+def train_from_files(root: Path, config: Path, keys: Mapping[str, Any], procs: int = 1, **env: str) -> Path:
+    """Run ``config`` (a run.toml whose ``[model]`` says ``path = "model"``, maybe with a ``diffusion_model``) with
+    the model given by ``keys`` instead (:func:`model_keys`), in ``procs`` processes. Returns its run folder."""
+    import re
+
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+    from diffpipe_core.testing import runs
+
+    text = re.sub(r"^(?:diffusion_model|transformer_file) = .*\n", "", Path(config).read_text(), flags=re.M)
+    given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
+    text, n = re.subn(r"^path = [\"']model[\"']\n", lambda _: given, text, flags=re.M)
+    assert n == 1, f"{config}: its [model] names its folder as path = 'model'"
+    Path(config).write_text(text)
+    return runs.train(root, config, procs=procs, timeout=600, **env)
+
+
+def assert_trains_as(run: Path, expected: Path) -> None:
+    """Run ``run`` trained as ``expected`` did: the same losses (rel 1e-6) and LoRA files (every format both saved)."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from diffpipe_core.testing import runs
+
+    got, want = runs.losses(run), runs.losses(expected)
+    assert len(got) == len(want) > 0 and got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    names = sorted(p.name for p in (expected / "saved/final").glob("adapter_model*.safetensors"))
+    assert names and names == sorted(p.name for p in (run / "saved/final").glob("adapter_model*.safetensors"))
+    for name in names:
+        a, b = load_file(str(run / "saved/final" / name)), load_file(str(expected / "saved/final" / name))
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), name
