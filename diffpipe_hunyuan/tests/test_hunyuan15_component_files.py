@@ -21,11 +21,14 @@ from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
     assert_same_state,
+    assert_trains_as,
     assert_variant_loads_as_itself,
     comfyui_files,
     component_state,
+    model_keys,
     quantize_file,
     save,
+    train_from_files,
     variant_file,
     variant_model,
 )
@@ -130,3 +133,15 @@ def test_a_file_of_another_variant_loads_as_itself(comfy: dict, crop_start15: in
     file = variant_file(t2v, variant, tmp_path / "hunyuan15.safetensors")
     cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
     assert_variant_loads_as_itself(t2v, cfg, variant, read)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(hunyuan15_run: Path, tiny_hunyuan15: Path, tmp_path: Path) -> None:
+    """The shared text-to-video run (Tencent's single file over the folder), again from ComfyUI files only: equal
+    losses and LoRA files."""
+    from test_hunyuan15_train import write_project
+
+    config = write_project(tmp_path, "hunyuan-video-1.5", tiny_hunyuan15)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    run = train_from_files(tmp_path, config, model_keys(files), OMP_NUM_THREADS="1")
+    assert_trains_as(run, hunyuan15_run)
