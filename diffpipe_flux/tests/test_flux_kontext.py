@@ -191,3 +191,19 @@ def test_kontext_sample_with_a_control_image_equals_the_pipeline(tiny_flux: Path
     noise = torch.randn((1, 4, 8, 8), generator=noise_generator(5, 0))
     expected = pipeline_latents(pipe, texts, noise, 3, cfg_scale, image=image_latents, max_area=64 * 64)
     assert_same_sample(ours, expected, noise)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(kontext_runs: dict[int, Path]) -> None:
+    """The 1-process run again from ComfyUI's files only (issue 35): BFL's transformer, the LDM VAE, CLIP and T5 beside
+    a folder of configs: equal losses and LoRA files."""
+    from test_flux_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, model_keys, train_from_files
+
+    root = kontext_runs[1].parent.parent
+    files = comfy_files(root / "model", root / "comfy")
+    config = root / "run1_files.toml"
+    config.write_text((root / "run1.toml").read_text().replace("output_dir = 'out1'", "output_dir = 'out1_files'"))
+    assert_trains_as(train_from_files(root, config, model_keys(files)), kontext_runs[1])
+
