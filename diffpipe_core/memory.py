@@ -38,12 +38,19 @@ class CheckpointedLayer(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.layer, inputs, use_reentrant=False)
 
 
+def _stored_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """A kept-quantized linear's stored weight and scale (buffers of :class:`~diffpipe_core.quantize.ScaledLinear`,
+    ``GGUFLinear``: the names in their ``stored_buffers``), which move with its block as its weights do."""
+    return [t for n in getattr(module, "stored_buffers", ()) if (t := module._buffers.get(n)) is not None]
+
+
 class _HostWeights:
-    """One block's frozen float parameters and their host copies."""
+    """One block's frozen float parameters (and a quantized base's stored weights) and their host copies."""
 
     def __init__(self, layer: nn.Module, device: torch.device) -> None:
         self.device = device
         self.params = [p for p in layer.parameters() if not p.requires_grad and p.is_floating_point()]
+        self.params += [t for m in layer.modules() for t in _stored_buffers(m)]
         pin = device.type == "cuda"
         self.host = [p.detach().to("cpu").pin_memory() if pin else p.detach().to("cpu") for p in self.params]
         self.loaded = False
@@ -153,15 +160,16 @@ class SwappedBlock(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> SwappedBlock:
         # Keep swapped weights out of module.to(device): PipelineModule and DeepSpeed move the whole stage to
         # the device, which would put every swapped block on the GPU at once.
-        held = [(m, name, p) for m in self.layer.modules() for name, p in list(m._parameters.items())
-                if p is not None and any(p is q for q in self.swapper.blocks[self.index].params)]
-        for m, name, _ in held:
-            del m._parameters[name]
+        swapped = self.swapper.blocks[self.index].params
+        held = [(m, table, name, p) for m in self.layer.modules() for table in (m._parameters, m._buffers)
+                for name, p in list(table.items()) if p is not None and any(p is q for q in swapped)]
+        for _, table, name, _ in held:
+            del table[name]
         try:
             return super()._apply(fn, recurse)
         finally:
-            for m, name, p in held:
-                m._parameters[name] = p
+            for _, table, name, p in held:
+                table[name] = p
 
 
 def _make_float_inputs_require_grad(inputs: Any) -> Any:

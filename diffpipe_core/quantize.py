@@ -22,7 +22,7 @@ without per-stage loading loads the whole model first.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,9 @@ class ScaledLinear(nn.Linear):
     ``compute_dtype``. A quantized file (ComfyUI's fp8 scaled and int8 files) loads into one as it is stored
     (:meth:`like` builds the empty module); :class:`Float8Linear` quantizes one. peft wraps it like any
     ``nn.Linear``."""
+
+    #: the buffers that are its weight: block swap moves them between host and device with the block
+    stored_buffers: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
 
     def __init__(
         self,
@@ -124,6 +127,8 @@ class GGUFLinear(nn.Linear):
     """A frozen linear whose weight is a GGUF file's quantized blocks (``Q8_0``, ``Q4_K``, ...), kept as its raw bytes
     (``(out_features, bytes per row)`` uint8) and dequantized in each forward (diffusers' GGUF dequantization), computed
     in ``compute_dtype``. :meth:`like` builds the empty module per-stage loading fills."""
+
+    stored_buffers: ClassVar[tuple[str, ...]] = ("weight",)  # as ScaledLinear's
 
     def __init__(self, linear: nn.Linear, kind: str, row_bytes: int, compute_dtype: torch.dtype) -> None:
         nn.Module.__init__(self)

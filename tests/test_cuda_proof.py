@@ -89,6 +89,76 @@ def test_block_swap_and_offload_give_the_cpu_result(device: torch.device, checkp
         assert all(p.is_pinned() for p in block.params) == (device.type == "cuda")
 
 
+def quantized_lora_model(kind: str) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """The reference model with every block linear kept quantized as a quantized file leaves it (``"fp8_scaled"``: a
+    :class:`ScaledLinear` of float8 weights and their scale; ``"gguf_Q8_0"``: a :class:`GGUFLinear` of GGUF blocks)
+    and a LoRA (non-zero) on ``to_q`` and ``fc1``, split into its layers."""
+    import gguf
+
+    from diffpipe_core.quantize import Float8Linear, GGUFLinear
+    from diffpipe_reference.layers import split_into_layers
+    from diffpipe_reference.model import TinyDiT, TinyDiTConfig
+
+    torch.manual_seed(0)
+    model = TinyDiT(TinyDiTConfig(dim=32, depth=4, heads=2)).requires_grad_(False)
+    for block in model.blocks:
+        for name, linear in [(n, m) for n, m in block.named_modules() if type(m) is torch.nn.Linear]:
+            if kind == "fp8_scaled":
+                kept: torch.nn.Module = Float8Linear(linear, torch.float32)
+            else:
+                kept = GGUFLinear.like(linear, "Q8_0", torch.float32)
+                raw = gguf.quants.quantize(linear.weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                kept.weight.copy_(torch.from_numpy(raw))
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent), child, kept)
+    apply_lora(model, lora_config(4, 4, 0.0, ["to_q", "fc1"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    return model, split_into_layers(model)
+
+
+@pytest.mark.parametrize("kind", ["fp8_scaled", "gguf_Q8_0"])
+def test_block_swap_moves_a_quantized_bases_stored_weights(device: torch.device, kind: str) -> None:
+    """Block swap over a base kept quantized (ComfyUI's fp8 scaled files, ``[model] quantize = "float8"``, GGUF): the
+    stored weights and scales are what moves between host and device (swapped out between uses, not left on the
+    device by the stage's move, not dequantized), they come back unchanged, and the LoRA's loss and gradients are
+    those of the unswapped layers on the device and of the CPU."""
+    from diffpipe_core.quantize import GGUFLinear, ScaledLinear
+
+    model, layers = quantized_lora_model(kind)
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear | GGUFLinear)}
+    stored = {f"{n}.{b}": t.clone() for n, m in quantized.items() for b, t in m.named_buffers(recurse=False)}
+    assert len(quantized) == 28 and {t.dtype for t in stored.values()} >= {
+        "fp8_scaled": {torch.float8_e4m3fn}, "gguf_Q8_0": {torch.uint8}}[kind]  # fmt: skip
+    cpu_loss, cpu_grads = run(layers, model)
+    on(device, layers)
+    plain_loss, plain_grads = run(layers, model, device)
+    wrapped, swapped = wrap_stage_layers(layers, range(len(layers)), ("BlockLayer",), False, 3, device)
+    on(device, wrapped)
+    swapper = next(w for w in wrapped if isinstance(w, SwappedBlock)).swapper
+    moved = [t for block in swapper.blocks for t in block.params]
+    in_swapped = {n: m for n, m in quantized.items() if any(m.weight is t for t in moved)}
+    assert swapped == 3 and len(in_swapped) == 21  # the 7 linears of each of the 3 swapped blocks
+    loss, grads = run(wrapped, model, device)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, cpu_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == plain_grads.keys() == cpu_grads.keys() and len(grads) == 16
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    for name, module in quantized.items():  # between uses, a swapped block's stored weights are in host memory
+        where = "cpu" if name in in_swapped else device.type
+        for buffer, value in module.named_buffers(recurse=False):
+            assert value.device.type == where, (name, buffer)
+            assert value.dtype == stored[f"{name}.{buffer}"].dtype
+            bits = value.cpu().reshape(-1).view(torch.uint8)
+            assert torch.equal(bits, stored[f"{name}.{buffer}"].reshape(-1).view(torch.uint8)), (name, buffer)
+            if name in in_swapped:
+                assert value.is_pinned() == (device.type == "cuda"), (name, buffer)
+
+
 @pytest.mark.parametrize("mode, tol", [("nf4", 0.15), ("int8", 0.02), ("float8", 0.05)])
 def test_quantized_base_is_close_to_the_cpu_model_and_lora_learns(device: torch.device, mode: str, tol: float) -> None:
     """``[model] quantize`` on the device (bitsandbytes' nf4 / int8 kernels, float8 storage): the stage's outputs

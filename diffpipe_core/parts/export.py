@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffpipe_core.adapters import diffusers_format, fused_lora_format
-from diffpipe_core.atomic import atomic_save_safetensors
+from diffpipe_core.atomic import atomic_save_safetensors, atomic_write_text
 from diffpipe_core.engine.saving import SAVED_INDEX, read_saved_model
 from diffpipe_core.parts.layout import KeyTable, _swap_halves
 
@@ -70,12 +71,12 @@ def export_lora(
     return None
 
 
-def export_diffusers_folder(saved_dir: Path, model_config_file: Path, out_dir: Path) -> None:
-    """The core's saved shards as a diffusers model folder: ``config.json`` (copied from ``model_config_file``) and
+def export_diffusers_folder(saved_dir: Path, model_config: Mapping[str, Any], out_dir: Path) -> None:
+    """The core's saved shards as a diffusers model folder: ``config.json`` (``model_config``: the trained model's) and
     ``diffusion_pytorch_model-0000k-of-0000n.safetensors`` with their index; ``from_pretrained(out_dir)`` loads it."""
     saved_dir, out_dir = Path(saved_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(model_config_file, out_dir / "config.json")
+    atomic_write_text(out_dir / "config.json", json.dumps(dict(model_config), indent=2) + "\n")
     weight_map = json.loads((saved_dir / SAVED_INDEX).read_text())["weight_map"]
     renamed = {shard: "diffusion_pytorch_model" + shard[len("model") :] for shard in set(weight_map.values())}
     for shard, new in renamed.items():

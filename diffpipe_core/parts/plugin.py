@@ -23,6 +23,7 @@ would silently skip it). This module imports no torch: the work happens inside t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from importlib import import_module
 from pathlib import Path
@@ -195,32 +196,30 @@ class DiffusersModel:
         return {**config, **self.config_from_file(model_config, config)}
 
     #: Config keys read from a ``diffusion_model`` file's tensors, as ComfyUI's model detection reads them: key ->
-    #: a regular expression searched in the file's keys (any layout, any prefix). With one group (a block index) the
-    #: key is the block count; without, a flag set when any key matches. E.g. Flux's
-    #: ``{"num_layers": r"(?:^|\.)(?:double_blocks|transformer_blocks)\.(\d+)\.", "guidance_embeds": ...}``.
-    file_config: ClassVar[dict[str, str]] = {}
+    #: a regular expression searched in the file's keys (any layout, any prefix): with one group (a block index) the
+    #: key is the block count, without, a flag set when any key matches; or a
+    #: :class:`~diffpipe_core.parts.file_variant.Shape`: a size of a tensor's shape (a width, a channel count; divided
+    #: by a config value, as a head count from a width). E.g. Flux's ``{"num_layers":
+    #: r"(?:^|\.)(?:double_blocks|transformer_blocks)\.(\d+)\.", "guidance_embeds": ...}``. A file's ``config``
+    #: metadata (its diffusers config JSON) is read too, below the tensors.
+    file_config: ClassVar[dict[str, Any]] = {}
 
     def config_from_file(self, model_config: ModelConfigBase, config: dict[str, Any]) -> dict[str, Any]:
-        """The :attr:`file_config` values of the ``diffusion_model`` file that differ from ``config`` (only its header
-        is read)."""
-        import re
+        """The config values of the ``diffusion_model`` file that differ from ``config``: its ``config`` metadata,
+        then what :attr:`file_config` reads from its tensors (only its header is read)."""
+        return {k: v for k, (v, _) in self.file_variant(model_config, config).items()}
 
+    def file_variant(self, model_config: ModelConfigBase, config: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+        """:meth:`config_from_file` with where each value was read: key -> ``(value, "tensors" or "metadata")``."""
         single = self.single_file(model_config) if self.single_file_key == "diffusion_model" else None
-        if not self.file_config or single is None or not Path(single).is_file():
+        if single is None or not Path(single).is_file():
             return {}
         from diffpipe_core.component_files import read_component_file
+        from diffpipe_core.parts.file_variant import file_variant
 
-        keys = list(read_component_file(Path(single), "diffusion_model").tensors)
-        found: dict[str, Any] = {}
-        for key, pattern in self.file_config.items():
-            rx = re.compile(pattern)
-            if rx.groups:
-                indices = [int(m.group(1)) for k in keys if (m := rx.search(k))]
-                if indices:
-                    found[key] = max(indices) + 1
-            else:
-                found[key] = any(rx.search(k) for k in keys)
-        return {k: v for k, v in found.items() if config.get(k) != v}
+        file = read_component_file(Path(single), "diffusion_model")
+        component = self.model_component(model_config)
+        return file_variant(file.tensors, file.metadata, self.file_config, config, component)
 
     def layout_for(self, model_config: ModelConfigBase) -> KeyTable:
         layout = self.original_layout(self.model_folder_config(model_config))
@@ -373,8 +372,11 @@ class DiffusersModel:
             layout = found.fit.layout if found.fit else "unknown layout"
             kept = f", {len(found.plan)} linears kept quantized" if found.plan else ""
             config = self.folder.model_config(folder, component)
-            read = self.config_from_file(model_config, config)
-            variant = "".join(f", {k} = {v} from the file (the config says {config.get(k)})" for k, v in read.items())
+            read = self.file_variant(model_config, config)
+            variant = "".join(
+                f", {k} = {v} from the file's {source} (the config says {config.get(k)})"
+                for k, (v, source) in read.items()
+            )
             lines.append(
                 f"diffusion_model: {single}: {layout}, {found.file.quantization()}{kept}, "
                 f"{human_count(found.file.parameter_count())} parameters, sized by {folder / component / 'config.json'}"
@@ -608,8 +610,9 @@ class DiffusersModel:
         from diffpipe_core.parts.export import export_diffusers_folder, export_single_file
 
         folder = self.model_folder(model_config) / self.model_component(model_config)
-        if format == "diffusers":
-            export_diffusers_folder(saved_dir, folder / "config.json", out_dir)
+        if format == "diffusers":  # the config of the model trained: the folder's, as the diffusion_model file reads
+            config = {**json.loads((folder / "config.json").read_text()), **self.model_folder_config(model_config)}
+            export_diffusers_folder(saved_dir, config, out_dir)
             return True
         if format == "single_file" and self.original_layout(self.model_folder_config(model_config)) is not None:
             export_single_file(saved_dir, self.layout_for(model_config), Path(out_dir) / self.single_file_name)

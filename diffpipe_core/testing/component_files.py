@@ -301,3 +301,87 @@ def gguf_values(file: Path) -> dict[str, torch.Tensor]:
             value = f.get_tensor(key)
             out[key] = value.float() if kind in ("F32", "F16", "BF16") else gguf_dequantize(value, kind).reshape(shape)
     return out
+
+
+def variant_model(plugin: Any, folder: Path, seed: int = 1, **changes: Any) -> nn.Module:
+    """``plugin``'s diffusion model of another variant than diffusers folder ``folder``'s: its config with
+    ``changes`` (block counts, heads, flags), random weights from ``seed``."""
+    import torch
+
+    from diffpipe_core.parts.folder import find_class
+
+    torch.manual_seed(seed)
+    config = {**plugin.folder.model_config(Path(folder)), **changes}
+    return find_class(plugin.model_class).from_config(config).eval()
+
+
+def variant_file(plugin: Any, model: nn.Module, out: Path) -> Path:
+    """Diffusion model ``model`` (of another variant than a folder's) as a ComfyUI ``diffusion_model`` file at ``out``:
+    its weights in ``plugin``'s original layout (under the layout's own prefix, else ``model.diffusion_model.``), or in
+    diffusers' names under ``model.diffusion_model.`` for a model without one."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    table = plugin.original_layout(dict(model.config))
+    if table is not None and table.write_prefix:
+        return save(table.to_original(state), Path(out))
+    state = table.to_original(state) if table is not None else state
+    return save({COMFY_PREFIX + k: v for k, v in state.items()}, Path(out))
+
+
+def assert_variant_loads_as_itself(plugin: Any, config: Any, variant: nn.Module, read: Mapping[str, Any]) -> None:
+    """``config``'s ``diffusion_model`` file holds ``variant`` (a model of another variant than ``config.path``'s
+    folder): it validates, ``model_file_lines`` names each value of ``read`` (config key -> the variant's value) as read
+    from the file, and the model builds with those values and loads the file's weights exactly (float32)."""
+    import torch
+
+    problems = plugin.validate_model_files(config)
+    assert problems == [], problems
+    line = plugin.model_file_lines(config)[0]
+    for key, value in read.items():
+        assert variant.config[key] == value, (key, variant.config[key])
+        assert f"{key} = {value} from the file's tensors" in line, (key, line)
+    model = plugin.load_diffusion_model(config, torch.device("cpu"), torch.float32)
+    assert all(model.config[key] == value for key, value in read.items())
+    assert_same_state(model.state_dict(), {k: v.float() for k, v in variant.state_dict().items()})
+
+
+def model_keys(files: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[model]`` keys of :func:`comfyui_files`' files: ``path`` (the configs), ``diffusion_model``, ``vae`` and
+    ``text_encoders``."""
+    keys = {"path": str(files["configs"]), "diffusion_model": str(files["diffusion_model"])}
+    if "vae" in files:
+        keys["vae"] = str(files["vae"])
+    keys["text_encoders"] = [str(p) for p in files["text_encoders"]]
+    return keys
+
+
+def train_from_files(root: Path, config: Path, keys: Mapping[str, Any], procs: int = 1, **env: str) -> Path:
+    """Run ``config`` (a run.toml whose ``[model]`` says ``path = "model"``, maybe with a ``diffusion_model``) with
+    the model given by ``keys`` instead (:func:`model_keys`), in ``procs`` processes. Returns its run folder."""
+    import re
+
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+    from diffpipe_core.testing import runs
+
+    text = re.sub(r"^(?:diffusion_model|transformer_file) = .*\n", "", Path(config).read_text(), flags=re.M)
+    given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
+    text, n = re.subn(r"^path = [\"']model[\"']\n", lambda _: given, text, flags=re.M)
+    assert n == 1, f"{config}: its [model] names its folder as path = 'model'"
+    Path(config).write_text(text)
+    return runs.train(root, config, procs=procs, timeout=600, **env)
+
+
+def assert_trains_as(run: Path, expected: Path) -> None:
+    """Run ``run`` trained as ``expected`` did: the same losses (rel 1e-6) and LoRA files (every format both saved)."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file
+
+    from diffpipe_core.testing import runs
+
+    got, want = runs.losses(run), runs.losses(expected)
+    assert len(got) == len(want) > 0 and got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    names = sorted(p.name for p in (expected / "saved/final").glob("adapter_model*.safetensors"))
+    assert names and names == sorted(p.name for p in (run / "saved/final").glob("adapter_model*.safetensors"))
+    for name in names:
+        a, b = load_file(str(run / "saved/final" / name)), load_file(str(expected / "saved/final" / name))
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), name

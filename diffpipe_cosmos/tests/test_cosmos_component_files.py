@@ -18,10 +18,13 @@ from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
+    assert_variant_loads_as_itself,
     config_only,
     dequantized_state,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
     write_component_files,
 )
 from diffpipe_cosmos.plugin import predict2
@@ -103,3 +106,11 @@ def test_an_fp8_scaled_oldt5_loads_dequantized(comfy: dict, tmp_path: Path) -> N
     assert set(values) <= set(state)
     for name, tensor in values.items():
         assert torch.equal(state[name], tensor), name
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Another block count and heads (as 14B beside a 2B folder) than the folder's config: read from the file."""
+    read = {"num_layers": 1, "num_attention_heads": 3}
+    variant = variant_model(predict2, comfy["configs"], **read)
+    file = variant_file(predict2, variant, tmp_path / "cosmos.safetensors")
+    assert_variant_loads_as_itself(predict2, from_files(comfy, diffusion_model=file), variant, read)

@@ -16,9 +16,15 @@ from diffpipe_core.schema import ConfigError, validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_trains_as,
+    assert_variant_loads_as_itself,
     comfyui_files,
     hub_snapshot,
+    model_keys,
     quantize_file,
+    train_from_files,
+    variant_file,
+    variant_model,
 )
 from diffpipe_flux.chroma import plugin as chroma
 from diffpipe_flux.chroma_keys import layout_for_config
@@ -66,3 +72,22 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) ->
     file = quantize_file(comfy["diffusion_model"], tmp_path / "chroma_fp8_scaled.safetensors", "fp8_scaled")
     cfg = config(comfy["configs"], comfy, diffusion_model=file)
     assert_kept_quantized(chroma, cfg, config(comfy["configs"], comfy), torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Other block counts, heads and approximator depth than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "approximator_layers": 3}
+    variant = variant_model(chroma, comfy["configs"], **read)
+    file = variant_file(chroma, variant, tmp_path / "chroma.safetensors")
+    assert_variant_loads_as_itself(chroma, config(comfy["configs"], comfy, diffusion_model=file), variant, read)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(chroma_run: Path, tmp_path: Path) -> None:
+    """The shared Chroma run (original single file over the folder), again from ComfyUI files only: equal losses
+    and LoRA files."""
+    from test_chroma_train import make_project
+
+    config = make_project(tmp_path)
+    files = comfyui_files(tmp_path / "model", tmp_path / "comfy", layout_for_config, partial(vae_table, prefix=""))
+    assert_trains_as(train_from_files(tmp_path, config, model_keys(files)), chroma_run)

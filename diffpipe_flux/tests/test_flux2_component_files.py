@@ -23,11 +23,14 @@ from diffpipe_core.registry import Registry
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
     COMFY_PREFIX,
+    assert_variant_loads_as_itself,
     component_state,
     config_only,
     hub_snapshot,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
@@ -171,3 +174,14 @@ def test_klein_component_files_train_as_the_folder(klein_run: Path, tmp_path: Pa
     for name in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
         got, want = load_file(str(run / "saved/final" / name)), load_file(str(klein_run / "saved/final" / name))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
+
+
+def test_a_file_of_another_variant_loads_as_itself(variant: tuple, tmp_path: Path) -> None:
+    """A klein-like file (no guidance embedder) beside the dev folder, a dev-like one beside klein's, each with other
+    block counts and heads: read from the file's tensors."""
+    _, plugin, _, _, files = variant
+    guidance = plugin.folder.model_config(files["configs"])["guidance_embeds"]
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "guidance_embeds": not guidance}
+    model = variant_model(plugin, files["configs"], **read)
+    file = variant_file(plugin, model, tmp_path / "flux2.safetensors")
+    assert_variant_loads_as_itself(plugin, from_files(variant, diffusion_model=file), model, read)

@@ -20,12 +20,15 @@ from diffpipe_core.quantize import GGUFLinear, ScaledLinear
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
+    assert_variant_loads_as_itself,
     config_only,
     dequantized_state,
     gguf_values,
     hub_snapshot,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
     write_component_files,
     write_gguf,
 )
@@ -332,17 +335,42 @@ def test_lokr_and_loha_train_on_a_quantized_base_as_on_its_weights(comfy: dict, 
         assert torch.allclose(grads[0][name], grad, atol=1e-5, rtol=1e-4), name
 
 
-def test_the_files_own_variant_and_block_counts_are_read_from_its_tensors(comfy: dict, tmp_path: Path) -> None:
-    """A schnell-like file with other block counts beside the dev folder's configs: the model is built as the file
-    is (no guidance embedder, its block counts), validate says so, and it loads that file's weights exactly."""
-    from diffpipe_flux.testing import TinyFluxConfig, bfl_path, write_tiny_flux
+def test_the_files_own_variant_and_sizes_are_read_from_its_tensors(comfy: dict, tmp_path: Path) -> None:
+    """A schnell-like file with other block counts and heads beside the dev folder's configs: the model is built as
+    the file is (no guidance embedder, its block counts and width), validate says so, and it loads exactly."""
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "guidance_embeds": False}
+    variant = variant_model(flux, comfy["configs"], **read)
+    file = variant_file(flux, variant, tmp_path / "schnell.st")
+    assert_variant_loads_as_itself(flux, from_files(comfy, diffusion_model=file), variant, read)
 
-    schnell = write_tiny_flux(tmp_path / "schnell", TinyFluxConfig(num_layers=1, num_single_layers=3,
-                                                                   guidance_embeds=False))  # fmt: skip
-    cfg = from_files(comfy, diffusion_model=bfl_path(schnell))
+
+def test_a_diffusers_export_of_another_variant_writes_its_own_config(comfy: dict, tmp_path: Path) -> None:
+    """A full fine-tune of a schnell-like file beside the dev folder exports a diffusers folder whose config.json is
+    the model's (the file's block counts, no guidance embedder), not the folder's: it loads back as the model."""
+    from diffusers import FluxTransformer2DModel
+
+    variant = variant_model(flux, comfy["configs"], num_layers=1, num_single_layers=3, guidance_embeds=False)
+    cfg = from_files(comfy, diffusion_model=variant_file(flux, variant, tmp_path / "schnell.st"))
+    state = {k: v.contiguous() for k, v in flux.load_diffusion_model(cfg, CPU, torch.float32).state_dict().items()}
+    saved = runs.write_saved_model(state, tmp_path / "saved")
+    assert flux.export_model(saved_dir=saved, model_config=cfg, out_dir=tmp_path / "out", format="diffusers")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["num_layers"], config["num_single_layers"], config["guidance_embeds"]) == (1, 3, False)
+    assert config["_class_name"] == "FluxTransformer2DModel"
+    same_state(FluxTransformer2DModel.from_pretrained(str(tmp_path / "out")), variant)
+
+
+def test_a_files_config_metadata_is_read_below_its_tensors(comfy: dict, tmp_path: Path) -> None:
+    """A file carrying its diffusers config as ``config`` metadata (as Lightricks' files do): values no tensor shows
+    (the RoPE axes) come from it, and the tensors win where both say (its num_layers is wrong)."""
+    from safetensors.torch import load_file
+
+    meta = {"transformer": {"_class_name": "FluxTransformer2DModel", "axes_dims_rope": [2, 6, 8], "num_layers": 7}}
+    file = save(load_file(str(comfy["diffusion_model"])), tmp_path / "meta.st", {"config": json.dumps(meta)})
+    cfg = from_files(comfy, diffusion_model=file)
     assert flux.validate_model_files(cfg) == []
     line = flux.model_file_lines(cfg)[0]
-    assert "num_layers = 1 from the file (the config says 2)" in line and "guidance_embeds = False" in line
+    assert "axes_dims_rope = [2, 6, 8] from the file's metadata (the config says [4, 4, 8])" in line
+    assert "num_layers" not in line
     model = flux.load_diffusion_model(cfg, CPU, torch.float32)
-    assert len(model.transformer_blocks) == 1 and len(model.single_transformer_blocks) == 3
-    same_state(model, flux.load_diffusion_model(FluxConfig(type="flux", path=schnell), CPU, torch.float32))
+    assert list(model.config.axes_dims_rope) == [2, 6, 8] and model.config.num_layers == 2

@@ -215,3 +215,19 @@ def test_comfyui_loads_the_kontext_diffusers_file_at_the_trained_strength(kontex
     applied = bfl_to_diffusers(apply_file(diffusers_to_bfl(original), lora, key_map))
     trained = runs.merge_peft(original, runs.checkpoint_params(run), ALPHA / RANK)
     assert_applies_as_trained(applied, trained, original)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(kontext_runs: dict[int, Path]) -> None:
+    """The 1-process run again from ComfyUI's files only (issue 35): BFL's transformer, the LDM VAE, CLIP and T5 beside
+    a folder of configs: equal losses and LoRA files."""
+    from test_flux_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, model_keys, train_from_files
+
+    root = kontext_runs[1].parent.parent
+    files = comfy_files(root / "model", root / "comfy")
+    config = root / "run1_files.toml"
+    config.write_text((root / "run1.toml").read_text().replace("output_dir = 'out1'", "output_dir = 'out1_files'"))
+    assert_trains_as(train_from_files(root, config, model_keys(files)), kontext_runs[1])
+

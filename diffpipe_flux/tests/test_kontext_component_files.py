@@ -16,8 +16,11 @@ from diffpipe_core.schema import ConfigError, validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_variant_loads_as_itself,
     hub_snapshot,
     quantize_file,
+    variant_file,
+    variant_model,
 )
 from diffpipe_flux.config import FluxKontextConfig
 from diffpipe_flux.kontext import plugin as kontext
@@ -63,3 +66,11 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) ->
         comfy["configs"], comfy, diffusion_model=quantize_file(comfy["diffusion_model"], tmp_path / name, "fp8_scaled")
     )
     assert_kept_quantized(kontext, cfg, config(comfy["configs"], comfy), torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Other block counts and heads than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3}
+    variant = variant_model(kontext, comfy["configs"], **read)
+    file = variant_file(kontext, variant, tmp_path / "kontext.safetensors")
+    assert_variant_loads_as_itself(kontext, config(comfy["configs"], comfy, diffusion_model=file), variant, read)

@@ -9,6 +9,7 @@ stage."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,16 @@ from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
     assert_same_state,
+    assert_trains_as,
+    assert_variant_loads_as_itself,
     comfyui_files,
+    component_state,
+    model_keys,
     quantize_file,
     save,
+    train_from_files,
+    variant_file,
+    variant_model,
 )
 from diffpipe_hunyuan.i2v15 import plugin as i2v
 from diffpipe_hunyuan.original15 import layouts_for_config
@@ -92,8 +100,48 @@ def test_image_to_video_files_over_its_folder(tiny_hunyuan15_i2v: Path, crop_sta
     assert_loads_as_the_folder(i2v, cfg, folder, (*ENCODERS, "image_encoder"))
 
 
+def head(key: str) -> bool:
+    """SigLIP's attention-pooling head (``vision_model.head.*``)."""
+    return re.search(r"(?:^|\.)head\.", key) is not None
+
+
+def test_the_siglip_image_encoder_from_its_comfyui_file(tiny_hunyuan15_i2v: Path, crop_start15: int, tmp_path) -> None:
+    """ComfyUI's ``sigclip_vision_patch14_384.safetensors`` listed in ``text_encoders`` over the i2v folder: the image
+    encoder is read from it (its tensors say which component it is), without the attention-pooling head the pipeline
+    never runs (ComfyUI's file may lack it: zeros), and loads exactly the file's weights."""
+    siglip = {k: v for k, v in component_state(tiny_hunyuan15_i2v, "image_encoder").items() if not head(k)}
+    file = save({k: v + 1 for k, v in siglip.items()}, tmp_path / "sigclip_vision_patch14_384.safetensors")
+    cfg = config(i2v, tiny_hunyuan15_i2v, crop_start15, text_encoders=[file])
+    assert i2v.validate_model_files(cfg) == []
+    assert f"image_encoder: {file}: diffusers, float32" in "\n".join(i2v.model_file_lines(cfg))
+    got = i2v.load_encoders(cfg, CPU).image_encoder.state_dict()
+    assert_same_state({k: v for k, v in got.items() if not head(k)}, {k: v + 1 for k, v in siglip.items()})
+    assert any(head(k) for k in got) and all(not got[k].any() for k in got if head(k))
+
+
 def test_a_quantized_transformer_stays_quantized(comfy: dict, crop_start15: int, tmp_path: Path) -> None:
     file = quantize_file(comfy["diffusion_model"], tmp_path / "hunyuanvideo1.5_fp8_scaled.safetensors", "fp8_scaled")
     cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
     plain = config(t2v, comfy["configs"], crop_start15, **files_of(comfy))
     assert_kept_quantized(t2v, cfg, plain, torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, crop_start15: int, tmp_path: Path) -> None:
+    """Other block counts and heads than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "num_refiner_layers": 2, "num_attention_heads": 3}
+    variant = variant_model(t2v, comfy["configs"], **read)
+    file = variant_file(t2v, variant, tmp_path / "hunyuan15.safetensors")
+    cfg = config(t2v, comfy["configs"], crop_start15, **files_of(comfy, diffusion_model=file))
+    assert_variant_loads_as_itself(t2v, cfg, variant, read)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(hunyuan15_run: Path, tiny_hunyuan15: Path, tmp_path: Path) -> None:
+    """The shared text-to-video run (Tencent's single file over the folder), again from ComfyUI files only: equal
+    losses and LoRA files."""
+    from test_hunyuan15_train import write_project
+
+    config = write_project(tmp_path, "hunyuan-video-1.5", tiny_hunyuan15)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    run = train_from_files(tmp_path, config, model_keys(files), OMP_NUM_THREADS="1")
+    assert_trains_as(run, hunyuan15_run)

@@ -34,9 +34,14 @@ PIPELINES = {
 
 
 def train_project(root: Path, model_type: str, model: Path) -> Path:
+    """:func:`write_project`, trained in 1 process. Returns the run folder."""
+    return runs.train(root, write_project(root, model_type, model), 1, timeout=600, OMP_NUM_THREADS="1")
+
+
+def write_project(root: Path, model_type: str, model: Path) -> Path:
     """A copy of the tiny ``model`` folder (and its single file) of ``model_type``, 4 clips of 5 frames and 4 images
-    at 32x32, and a LoRA run (``run.toml``) in 1 process: text-to-video from Tencent's single file, image-to-video
-    from the folder. Returns the run folder."""
+    at 32x32, and a LoRA run (``run.toml``): text-to-video from Tencent's single file, image-to-video from the
+    folder. Returns the run config."""
     i2v = model_type.endswith("i2v")
     shutil.copytree(model, root / "model")
     shutil.copy(original_path(model), original_path(root / "model"))
@@ -51,7 +56,7 @@ def train_project(root: Path, model_type: str, model: Path) -> Path:
     top = {"max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7, "checkpoint_every_n_steps": STEPS}
     sample = None if i2v else SAMPLE
     (root / "run.toml").write_text(runs.lora_run_toml(table, 1.5e-2, sample, RANK, ALPHA, **top))
-    return runs.train(root, "run.toml", 1, timeout=600, OMP_NUM_THREADS="1")
+    return root / "run.toml"
 
 
 @pytest.fixture(params=list(PIPELINES))

@@ -17,10 +17,13 @@ from safetensors.torch import load_file
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_variant_loads_as_itself,
     comfyui_files,
     component_state,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
 )
 from diffpipe_hunyuan.original import comfyui_layout, layout_for_config
 from diffpipe_hunyuan.plugin import plugin as hunyuan
@@ -87,3 +90,11 @@ def test_a_quantized_transformer_stays_quantized(comfy: dict, crop_start: int, t
     file = quantize_file(comfy["diffusion_model"], tmp_path / "hunyuan_video_fp8_scaled.safetensors", "fp8_scaled")
     cfg = from_files(comfy, crop_start, diffusion_model=file)
     assert_kept_quantized(hunyuan, cfg, from_files(comfy, crop_start), torch.float8_e4m3fn)
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, crop_start: int, tmp_path: Path) -> None:
+    """Other block counts and heads, and no guidance embedder, than the folder's config: read from the file."""
+    read = {"num_layers": 1, "num_single_layers": 3, "num_attention_heads": 3, "guidance_embeds": False}
+    variant = variant_model(hunyuan, comfy["configs"], **read)
+    file = variant_file(hunyuan, variant, tmp_path / "hunyuan.safetensors")
+    assert_variant_loads_as_itself(hunyuan, from_files(comfy, crop_start, diffusion_model=file), variant, read)

@@ -103,10 +103,16 @@ def test_two_pipeline_stages_cache_the_mixed_dataset_and_loss_falls(two_stages: 
     assert frames == {1, 2, 3}, f"latent frame counts in the cache: {frames} (images 1, 5-frame 2, 9-frame 3)"
 
 
+@pytest.fixture(scope="module")
+def one_process(project: Path, two_stages: tuple[Path, str]) -> tuple[Path, str]:
+    """1 process from the single file, from the 2-stage run's cache."""
+    return train(project, 1)
+
+
 def test_one_process_from_the_single_file_repeats_the_two_stage_losses(
-    project: Path, two_stages: tuple[Path, str]
+    one_process: tuple[Path, str], two_stages: tuple[Path, str]
 ) -> None:
-    run, output = train(project, 1)
+    run, output = one_process
     assert "media encoded 0, reused 12" in output, output[-2000:]
     # same data order, noise and weights: the pipeline split and the single-file conversion change nothing
     assert losses(run) == pytest.approx(losses(two_stages[0]), rel=1e-4)
@@ -180,3 +186,20 @@ def test_comfyui_lora_keys_and_fused_weights(two_stages: tuple[Path, str]) -> No
     runs.assert_state_close(got, merged)
     moved = [k for k in merged if k.endswith("attn.to_k.weight") and not torch.allclose(merged[k], base[k])]
     assert len(moved) == 4  # to_k of 2 double + 2 single blocks really moved
+
+
+def test_component_files_train_as_the_single_file(project: Path, one_process: tuple[Path, str]) -> None:
+    """The 1-process run again from ComfyUI's files only (issue 35): the transformer, the VAE in ComfyUI's LDM names
+    and the text encoders beside a folder of configs: equal losses and LoRA files."""
+    from test_hunyuan_component_files import LLAMA_PREFIX
+
+    from diffpipe_core.testing.component_files import assert_trains_as, comfyui_files, model_keys, train_from_files
+    from diffpipe_hunyuan.original import layout_for_config
+    from diffpipe_hunyuan.vae_layouts import ldm_vae_table
+
+    files = comfyui_files(project / "model", project / "comfy", layout_for_config, ldm_vae_table,
+                          {"text_encoder": LLAMA_PREFIX})  # fmt: skip
+    config = project / "run1_files.toml"
+    config.write_text((project / "run1.toml").read_text().replace("output_dir = 'out1'", "output_dir = 'out1_files'"))
+    run = train_from_files(project, config, model_keys(files), OMP_NUM_THREADS="1")
+    assert_trains_as(run, one_process[0])

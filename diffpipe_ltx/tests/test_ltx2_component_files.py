@@ -16,7 +16,18 @@ from safetensors.torch import load_file
 
 from diffpipe_core.quantize import ScaledLinear
 from diffpipe_core.registry import Registry
-from diffpipe_core.testing.component_files import component_state, config_only, hub_snapshot, quantize_file, save
+from diffpipe_core.testing.component_files import (
+    assert_trains_as,
+    assert_variant_loads_as_itself,
+    component_state,
+    config_only,
+    hub_snapshot,
+    quantize_file,
+    save,
+    train_from_files,
+    variant_file,
+    variant_model,
+)
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_ltx.config import LTX2Config
 from diffpipe_ltx.lightricks_vae import ltx2_audio_vae_table, ltx2_vae_table
@@ -143,3 +154,23 @@ def test_configs_from_the_hugging_face_cache(tiny_ltx2: Path, comfy: dict, tmp_p
     snapshot = hub_snapshot(tiny_ltx2, tmp_path / "hub", "Lightricks/LTX-2")
     cfg = LTX2Config(type="ltx-2", max_sequence_length=16, **given(comfy))
     assert cfg.path == snapshot and ltx2.validate_model_files(cfg) == []
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Another block count and width than the folder's config: read from the file's tensors."""
+    read = {"num_layers": 1, "attention_head_dim": 24, "cross_attention_dim": 48}
+    variant = variant_model(ltx2, comfy["configs"], **read)
+    file = variant_file(ltx2, variant, tmp_path / "ltx2.safetensors")
+    assert_variant_loads_as_itself(ltx2, from_files(comfy, diffusion_model=file), variant, read)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(ltx2_run: Path, tmp_path: Path) -> None:
+    """The shared run (the diffusers folder), again from ComfyUI's files only (the checkpoint holding the
+    transformer, VAE and audio VAE, and the Gemma file): equal losses and LoRA files."""
+    from test_ltx2_train import make_project
+
+    config = make_project(tmp_path)
+    comfy = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    keys = {k: [str(p) for p in v] if isinstance(v, list) else str(v) for k, v in given(comfy).items()}
+    assert_trains_as(train_from_files(tmp_path, config, {"path": str(comfy["configs"]), **keys}), ltx2_run)

@@ -16,12 +16,15 @@ from safetensors.torch import load_file
 from diffpipe_core.quantize import ScaledLinear
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing.component_files import (
+    assert_variant_loads_as_itself,
     component_state,
     config_only,
     dequantized_state,
     hub_snapshot,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_ltx.config import LTXConfig
@@ -144,3 +147,12 @@ def test_configs_from_the_hugging_face_cache(tiny_ltx: Path, comfy: dict, tmp_pa
     snapshot = hub_snapshot(tiny_ltx, tmp_path / "hub", "Lightricks/LTX-Video")
     cfg = LTXConfig(type="ltx-video", **given)
     assert cfg.path == snapshot and ltx.validate_model_files(cfg) == []
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Another block count and width (as 13B beside a 2B folder: the same heads, wider) than the folder's config: read
+    from the file's tensors."""
+    read = {"num_layers": 1, "attention_head_dim": 24, "cross_attention_dim": 48}
+    variant = variant_model(ltx, comfy["configs"], **read)
+    file = variant_file(ltx, variant, tmp_path / "ltxv.safetensors")
+    assert_variant_loads_as_itself(ltx, from_files(comfy, diffusion_model=file), variant, read)

@@ -144,3 +144,20 @@ def test_comfyui_file_has_native_keys_and_alpha(runs: dict[str, Path]) -> None:
             comfy[f"diffusion_model.{m}.lora_B.weight"], diffusers_file[f"transformer.{m}.lora_B.weight"]
         )
         assert float(comfy[f"diffusion_model.{m}.alpha"]) == RANK
+
+
+def test_component_files_train_as_the_single_file(runs: dict[str, Path]) -> None:
+    """The 1-process run again from ComfyUI's files only (issue 35): the checkpoint holding the transformer and VAE,
+    and the T5 file, beside a folder of configs: equal losses and LoRA files."""
+    from test_ltx_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, train_from_files
+
+    root = runs["one_proc"].parent.parent
+    comfy = comfy_files(root / "model", root / "comfy")
+    keys = {"path": str(comfy["configs"]), "diffusion_model": str(comfy["checkpoint"]), "vae": str(comfy["checkpoint"])}
+    config = root / "one_files.toml"
+    config.write_text((root / "one.toml").read_text().replace("output_dir = 'one'", "output_dir = 'one_files'"))
+    run = train_from_files(root, config, {**keys, "text_encoders": [str(comfy["t5"])]})
+    assert_trains_as(run, runs["one_proc"])
+

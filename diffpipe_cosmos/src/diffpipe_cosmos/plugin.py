@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import ModelSpec, hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -70,6 +71,11 @@ class Cosmos(DiffusersModel, FlowSampling, VideoToWorld):
     trained: ClassVar[tuple[tuple[int, ...], set[tuple[int, int]]]]  # frames and (height, width) of the releases
     model_class = "CosmosTransformer3DModel"
     lora_target_names = LORA_TARGETS
+    file_config = {  # 2B or 14B, from the file itself (NVIDIA's Predict2 or diffusers' names)
+        "num_layers": blocks("blocks", "transformer_blocks"),
+        "num_attention_heads": Shape(weight_of("x_embedder.proj.1", "patch_embed.proj"), 0, per="attention_head_dim"),
+        "text_embed_dim": Shape(weight_of("blocks.0.cross_attn.k_proj", "transformer_blocks.0.attn2.to_k"), 1),
+    }
 
     def original_layout(self, transformer_config: dict[str, Any]) -> KeyTable:
         from diffpipe_cosmos.nvidia import layout
@@ -210,6 +216,13 @@ class Cosmos1(Cosmos):
     single_file_markers = ("blocks.block0.blocks.0.block.attn.to_q.0.weight",)
     sibling_markers = {"cosmos-predict2": ("Cosmos-Predict2 transformer", ("blocks.0.self_attn.q_proj.weight",))}
     single_file_name = "cosmos1-transformer.safetensors"
+    file_config = {  # 7B or 14B (NVIDIA's 1.0 names: blocks.blockN.blocks.K.block...)
+        **Cosmos.file_config,
+        "num_layers": r"(?:^|\.)(?:blocks\.block|transformer_blocks\.)(\d+)\.",
+        "text_embed_dim": Shape(
+            weight_of("blocks.block0.blocks.1.block.attn.to_k.0", "transformer_blocks.0.attn2.to_k"), 1
+        ),
+    }
 
     @hookimpl
     def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):

@@ -13,9 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_flux.config import ChromaConfig
-from diffpipe_flux.plugin import Flux
+from diffpipe_flux.plugin import FLUX_FILE_CONFIG, Flux
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +51,11 @@ class Chroma(Flux):
     model_class = "ChromaTransformer2DModel"
     encoder_components = ("vae", "text_encoder", "tokenizer")  # T5 only
     single_file_markers = ("distilled_guidance_layer.in_proj.weight", "double_blocks.0.img_attn.qkv.weight")
+    file_config = {
+        **FLUX_FILE_CONFIG,
+        "approximator_layers": blocks("distilled_guidance_layer.layers"),
+        "approximator_hidden_dim": Shape(weight_of("distilled_guidance_layer.in_proj"), 0),
+    }
     single_file_name = "chroma-transformer.safetensors"
     key_tables = "diffpipe_flux.chroma_keys"
 

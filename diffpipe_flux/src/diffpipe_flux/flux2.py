@@ -22,10 +22,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import present
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
 from diffpipe_flux.flux2_keys import vae_layout
-from diffpipe_flux.plugin import ATTENTION_AND_MLP, Flux
+from diffpipe_flux.plugin import ATTENTION_AND_MLP, FLUX_FILE_CONFIG, Flux
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +86,10 @@ class Flux2(Flux):
     model_class = "Flux2Transformer2DModel"
     comfy_takes_diffusers_names = False  # ComfyUI's diffusers-name map is Flux.1's; FLUX.2 LoRAs use native names
     single_file_markers = ("double_stream_modulation_img.lin.weight", "single_blocks.0.linear1.weight")
+    file_config = {
+        **FLUX_FILE_CONFIG,
+        "guidance_embeds": present("guidance_in", "time_guidance_embed.guidance_embedder"),  # dev has it, klein not
+    }
     single_file_name = "flux2-transformer.safetensors"
     key_tables = "diffpipe_flux.flux2_keys"
     pipeline_class: ClassVar[str] = "Flux2Pipeline"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, present, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -35,6 +36,15 @@ COMPONENTS = {
     "tokenizer_2": TOKENIZER,
 }
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default
+IMG_IN = weight_of("img_in", "x_embedder")
+#: a Flux-like file's block counts and widths (BFL's or diffusers' names), for Flux.1, Chroma and FLUX.2
+FLUX_FILE_CONFIG = {
+    "num_layers": blocks("double_blocks", "transformer_blocks"),
+    "num_single_layers": blocks("single_blocks", "single_transformer_blocks"),
+    "num_attention_heads": Shape(IMG_IN, 0, per="attention_head_dim"),
+    "in_channels": Shape(IMG_IN, 1),
+    "joint_attention_dim": Shape(weight_of("txt_in", "context_embedder"), 1),
+}
 
 
 class Flux(DiffusersModel, FlowSampling):
@@ -51,10 +61,9 @@ class Flux(DiffusersModel, FlowSampling):
     encoder_components = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")  # CLIP-L, then T5
     comfy_takes_diffusers_names = True
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight")
-    file_config = {  # dev or schnell, and the block counts, from the file itself (BFL's or diffusers' names)
-        "num_layers": r"(?:^|\.)(?:double_blocks|transformer_blocks)\.(\d+)\.",
-        "num_single_layers": r"(?:^|\.)(?:single_blocks|single_transformer_blocks)\.(\d+)\.",
-        "guidance_embeds": r"(?:^|\.)(?:guidance_in|time_text_embed\.guidance_embedder)\.",
+    file_config = {  # dev or schnell (or Fill's 384 input channels), and the block counts, from the file itself
+        **FLUX_FILE_CONFIG,
+        "guidance_embeds": present("guidance_in", "time_text_embed.guidance_embedder"),
     }
     single_file_name = "flux1-transformer.safetensors"
     key_tables = "diffpipe_flux.bfl"

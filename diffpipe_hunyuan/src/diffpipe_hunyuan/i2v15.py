@@ -41,6 +41,9 @@ class HunyuanVideo15I2V(SampleImageConditioning, HunyuanVideo15):
         ("HunyuanVideo15ImageToVideoPipeline",),
         {**COMPONENTS, "image_encoder": "SiglipVisionModel", "feature_extractor": IMAGE_PROCESSOR},
         file_layouts=FILE_LAYOUTS,
+        # SigLIP's attention-pooling head: the pipeline reads last_hidden_state, and ComfyUI's clip_vision file
+        # (sigclip_vision_patch14_384.safetensors, listed in text_encoders) may lack it
+        file_optional={"image_encoder": ("head.",)},
     )
     pipeline_class = "HunyuanVideo15ImageToVideoPipeline"
     encoder_components = (*TEXT_COMPONENTS, "image_encoder", "feature_extractor")

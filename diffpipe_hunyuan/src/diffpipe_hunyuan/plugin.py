@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, present, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -37,6 +38,11 @@ COMPONENTS = {
     "tokenizer_2": TOKENIZER,
 }
 
+#: (original, diffusers) names shared with HunyuanVideo-1.5's files
+IMG_IN = ("img_in.proj", "x_embedder.proj")
+TXT_IN = ("txt_in.input_embedder", "context_embedder.proj_in")
+REFINER_BLOCKS = ("txt_in.individual_token_refiner.blocks", "context_embedder.token_refiner.refiner_blocks")
+
 
 class HunyuanVideo(DiffusersModel, FlowSampling):
     """HunyuanVideo: a video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of 16
@@ -54,6 +60,16 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
     model_class = "HunyuanVideoTransformer3DModel"
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "hunyuan_video_transformer.safetensors"
+    file_config = {  # block counts, width and flags from the file itself (Tencent's, ComfyUI's or diffusers' names)
+        "num_layers": blocks("double_blocks", "transformer_blocks"),
+        "num_single_layers": blocks("single_blocks", "single_transformer_blocks"),
+        "num_refiner_layers": blocks(*REFINER_BLOCKS),
+        "num_attention_heads": Shape(weight_of(*IMG_IN), 0, per="attention_head_dim"),
+        "in_channels": Shape(weight_of(*IMG_IN), 1),
+        "text_embed_dim": Shape(weight_of(*TXT_IN), 1),
+        "pooled_projection_dim": Shape(weight_of("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"), 1),
+        "guidance_embeds": present("guidance_in", "time_text_embed.guidance_embedder"),
+    }
     key_tables = "diffpipe_hunyuan.original"
 
     def default_lora_targets(self, model_config: HunyuanConfig) -> list[str]:

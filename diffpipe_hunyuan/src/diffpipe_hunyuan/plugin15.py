@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_hunyuan.config import HunyuanVideo15Config
-from diffpipe_hunyuan.plugin import DOUBLE_BLOCK_LINEARS
+from diffpipe_hunyuan.plugin import DOUBLE_BLOCK_LINEARS, IMG_IN, REFINER_BLOCKS, TXT_IN
 from diffpipe_hunyuan.vae_layouts import vae15_table
 
 if TYPE_CHECKING:
@@ -57,6 +58,15 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
     model_class = "HunyuanVideo15Transformer3DModel"
     single_file_markers = ("double_blocks.0.img_attn_q.weight", "byt5_in.fc1.weight")
     single_file_name = "hunyuan_video_1.5_transformer.safetensors"
+    file_config = {  # block counts and widths from the file itself (Tencent's, ComfyUI's or diffusers' names)
+        "num_layers": blocks("double_blocks", "transformer_blocks"),
+        "num_refiner_layers": blocks(*REFINER_BLOCKS),
+        "num_attention_heads": Shape(weight_of(*IMG_IN), 0, per="attention_head_dim"),
+        "in_channels": Shape(weight_of(*IMG_IN), 1),
+        "text_embed_dim": Shape(weight_of(*TXT_IN), 1),
+        "text_embed_2_dim": Shape(weight_of("byt5_in.fc1", "context_embedder_2.linear_1"), 1),
+        "image_embed_dim": Shape(weight_of("vision_in.proj.1", "image_embedder.linear_1"), 1),
+    }
     key_tables = "diffpipe_hunyuan.original15"
     pipeline_class = "HunyuanVideo15Pipeline"
     encoder_components = TEXT_COMPONENTS

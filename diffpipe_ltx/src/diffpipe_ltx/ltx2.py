@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling, SampleImageConditioning
@@ -109,6 +110,17 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
     )
     model_class = "LTX2VideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight", "audio_patchify_proj.weight")
+    file_config = {  # block count and widths from the file itself (Lightricks' or diffusers' names)
+        "num_layers": blocks("transformer_blocks"),
+        "attention_head_dim": Shape(weight_of("patchify_proj", "proj_in"), 0, per="num_attention_heads"),
+        "in_channels": Shape(weight_of("patchify_proj", "proj_in"), 1),
+        "cross_attention_dim": Shape(weight_of("transformer_blocks.0.attn2.to_k"), 1),
+        "audio_attention_head_dim": Shape(
+            weight_of("audio_patchify_proj", "audio_proj_in"), 0, per="audio_num_attention_heads"
+        ),
+        "audio_in_channels": Shape(weight_of("audio_patchify_proj", "audio_proj_in"), 1),
+        "audio_cross_attention_dim": Shape(weight_of("transformer_blocks.0.audio_attn2.to_k"), 1),
+    }
     single_file_name = "ltx2-transformer.safetensors"
     # the video stream's self-attention (attn1), text cross-attention (attn2) and feed-forward of every block; the
     # audio stream's modules (audio_attn1, audio_ff, ...) and the audio-video cross-attentions stay frozen

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -51,6 +52,14 @@ class LTXVideo(DiffusersModel, FlowSampling):
     )
     model_class = "LTXVideoTransformer3DModel"
     single_file_markers = ("patchify_proj.weight",)
+    file_config = {  # 2B or 13B, from the file itself (Lightricks' or diffusers' names; its config metadata too)
+        "num_layers": blocks("transformer_blocks"),
+        # LTX-Video's releases all have 32 heads (2B: 64 wide, 13B: 128): the width gives the head dim
+        "attention_head_dim": Shape(weight_of("patchify_proj", "proj_in"), 0, per="num_attention_heads"),
+        "in_channels": Shape(weight_of("patchify_proj", "proj_in"), 1),
+        "caption_channels": Shape(weight_of("caption_projection.linear_1"), 1),
+        "cross_attention_dim": Shape(weight_of("transformer_blocks.0.attn2.to_k"), 1),
+    }
     single_file_name = "ltxv-transformer.safetensors"
     # attn1 (self) and attn2 (cross) projections and the feed-forward linears of every block; nothing else in the
     # model has modules of these names.

@@ -20,10 +20,13 @@ from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
+    assert_variant_loads_as_itself,
     config_only,
     dequantized_state,
     hub_snapshot,
     quantize_file,
+    variant_file,
+    variant_model,
     write_component_files,
 )
 from diffpipe_qwenimage.config import QwenImageEditConfig
@@ -110,3 +113,12 @@ def test_configs_from_the_hugging_face_cache(tiny_edit_plus: Path, tmp_path: Pat
     cfg = validate(QwenImageEditConfig, {**table, "text_encoders": files["text_encoders"]}, "test")
     assert cfg.path == snapshot and edit.validate_model_files(cfg) == []
     assert "the Hugging Face cache" in edit.model_file_lines(cfg)[0]
+
+
+def test_a_file_of_another_variant_loads_as_itself(tiny_qwen: Path, tmp_path: Path) -> None:
+    """Other block count and heads than the folder's config: read from the file's tensors."""
+    files = comfy_files(tiny_qwen, tmp_path)
+    read = {"num_layers": 3, "num_attention_heads": 3}
+    variant = variant_model(qwen, files["configs"], **read)
+    file = variant_file(qwen, variant, tmp_path / "qwen.safetensors")
+    assert_variant_loads_as_itself(qwen, from_files(qwen, files, diffusion_model=file), variant, read)

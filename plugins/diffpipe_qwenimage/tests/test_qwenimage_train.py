@@ -35,12 +35,17 @@ def qwen_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The one shared training run of ``qwen-image`` through the CLI (1 process): a tiny model, 4 captioned 32x32
     images, LoRA saved as diffusers and ComfyUI files, a true-CFG sample before the first step. Its run folder."""
     root = tmp_path_factory.mktemp("qwen-train")
+    return runs.train(root, write_project(root), 1)
+
+
+def write_project(root: Path) -> Path:
+    """The tiny model, 4 captioned 32x32 images and the 1-process ``run.toml`` of :func:`qwen_run`."""
     write_tiny_qwen(root / "model")
     captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
     write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
     (root / "run.toml").write_text(run_config(STEPS))
-    return runs.train(root, "run.toml", 1)
+    return root / "run.toml"
 
 
 TWO_STAGE_STEPS = 6
@@ -133,3 +138,15 @@ def test_comfyui_lora_has_comfyuis_keys_and_applies_like_the_separate_loras(qwen
     merged = runs.merge_peft(native, params, ALPHA / RANK)
     runs.assert_state_close(got, merged)
     assert sum(not torch.equal(got[k], native[k]) for k in native) == len(modules)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(qwen_run: Path, tmp_path: Path) -> None:
+    """The shared run (the diffusers folder), again from ComfyUI's files only (issue 35): equal losses and LoRA
+    files."""
+    from test_qwenimage_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, model_keys, train_from_files
+
+    files = comfy_files(write_project(tmp_path).parent / "model", tmp_path / "comfy")
+    assert_trains_as(train_from_files(tmp_path, tmp_path / "run.toml", model_keys(files)), qwen_run)

@@ -21,11 +21,14 @@ from diffpipe_core.schema import validate
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
+    assert_variant_loads_as_itself,
     component_state,
     config_only,
     dequantized_state,
     quantize_file,
     save,
+    variant_file,
+    variant_model,
     write_component_files,
 )
 from diffpipe_wan.i2v import wan_i2v
@@ -177,3 +180,19 @@ def test_component_files_train_as_the_folder(wan_run: Path, tmp_path: Path) -> N
         got, want = load_file(str(run / "saved/final" / name)), load_file(str(wan_run / "saved/final" / name))
         assert got.keys() == want.keys()
         assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in got), name
+
+
+@pytest.mark.parametrize(
+    ("fixture", "plugin", "read"),
+    [
+        ("tiny_wan", wan, {"num_layers": 3, "num_attention_heads": 3, "ffn_dim": 24}),  # 1.3B folder, 14B-like file
+        ("tiny_wan_i2v", wan_i2v, {"num_layers": 1, "image_dim": None, "added_kv_proj_dim": None}),  # 2.1 / 2.2 i2v
+    ],
+)
+def test_a_file_of_another_variant_loads_as_itself(request, tmp_path: Path, fixture: str, plugin, read: dict) -> None:
+    """Other block counts, heads and feed-forward width, or an image-to-video file without the CLIP image embedder
+    (Wan 2.2's) beside a Wan 2.1 i2v folder: read from the file's tensors."""
+    files = comfy_files(request.getfixturevalue(fixture), tmp_path)
+    variant = variant_model(plugin, files["configs"], **read)
+    file = variant_file(plugin, variant, tmp_path / "wan.safetensors")
+    assert_variant_loads_as_itself(plugin, from_files(plugin, files, diffusion_model=file), variant, read)

@@ -19,8 +19,11 @@ from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_variant_loads_as_itself,
     comfyui_files,
     quantize_file,
+    variant_file,
+    variant_model,
 )
 from diffpipe_zimage.original import layout_for_config
 from diffpipe_zimage.plugin import plugin as zimage
@@ -84,3 +87,12 @@ def test_component_files_train_as_the_folder(zimage_run: Path, tmp_path: Path) -
         got, want = load_file(str(run / "saved/final" / name)), load_file(str(zimage_run / "saved/final" / name))
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in got), name
+
+
+def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
+    """Other block counts, width and heads than the folder's config: read from the file's tensors (the heads from the
+    width and the per-head norm's size)."""
+    read = {"n_layers": 1, "n_refiner_layers": 1, "dim": 48, "n_heads": 3, "n_kv_heads": 3}
+    variant = variant_model(zimage, comfy["configs"], **read)
+    file = variant_file(zimage, variant, tmp_path / "z_image.safetensors")
+    assert_variant_loads_as_itself(zimage, from_files(comfy, diffusion_model=file), variant, read)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -62,6 +63,12 @@ class QwenImage(DiffusersModel, FlowSampling):
     model_class = "QwenImageTransformer2DModel"
     single_file_markers = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
     single_file_name = "qwen_image_transformer.safetensors"
+    file_config = {  # block count and widths from the file itself
+        "num_layers": blocks("transformer_blocks"),
+        "num_attention_heads": Shape(weight_of("img_in"), 0, per="attention_head_dim"),
+        "in_channels": Shape(weight_of("img_in"), 1),
+        "joint_attention_dim": Shape(weight_of("txt_in"), 1),
+    }
     lora_target_names = LINEARS
     # the last block's text stream feeds nothing: its text queries, text attention output and text MLP
     last_block_unused = ("attn.add_q_proj", "attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
 from diffpipe_core.model_files import read_json
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import IMAGE_PROCESSOR, TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -128,6 +129,17 @@ class Wan(DiffusersModel, FlowSampling):
     model_class = "WanTransformer3DModel"
     single_file_markers = ("head.modulation", "blocks.0.self_attn.q.weight")
     single_file_name = "wan_transformer.safetensors"
+    # 1.3B, 14B or 5B, text- or image-to-video (with or without the CLIP image embedder), in either layout
+    file_config = {
+        "num_layers": blocks("blocks"),
+        "num_attention_heads": Shape(weight_of("patch_embedding"), 0, per="attention_head_dim"),
+        "in_channels": Shape(weight_of("patch_embedding"), 1),
+        "out_channels": Shape(weight_of("head.head", "proj_out"), 0, per="patch_size"),
+        "ffn_dim": Shape(weight_of("blocks.0.ffn.0", "blocks.0.ffn.net.0.proj"), 0),
+        "text_dim": Shape(weight_of("text_embedding.0", "condition_embedder.text_embedder.linear_1"), 1),
+        "image_dim": Shape(weight_of("img_emb.proj.0", "condition_embedder.image_embedder.norm1"), 0, absent=None),
+        "added_kv_proj_dim": Shape(weight_of("blocks.0.cross_attn.k_img", "blocks.0.attn2.add_k_proj"), 1, absent=None),
+    }
     key_tables = "diffpipe_wan.original"  # layout_for_config / lora_layout: the original Wan single-file layout
     # the attention (self, cross, and the image-to-video cross-attention's image keys/values) and feed-forward linears
     # of every block; no other module of the model has these names

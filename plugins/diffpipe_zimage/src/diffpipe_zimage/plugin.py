@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
@@ -32,6 +33,9 @@ COMPONENTS = {
     "tokenizer": TOKENIZER,
 }
 
+X_EMBEDDER = weight_of("x_embedder", "all_x_embedder.2-1")
+HEAD_DIM = Shape(weight_of("layers.0.attention.q_norm", "layers.0.attention.norm_q"), 0)  # a per-head RMS norm
+
 
 class ZImage(DiffusersModel, FlowSampling):
     """Z-Image: a single-stream image DiT on Qwen3 text features; VAE factor 8 x 2x2 patches = multiples of 16
@@ -52,6 +56,14 @@ class ZImage(DiffusersModel, FlowSampling):
     comfy_takes_diffusers_names = True  # ComfyUI's Lumina2/Z-Image key map: diffusers names, fused by ComfyUI
     single_file_markers = ("layers.0.attention.qkv.weight", "x_embedder.weight")
     single_file_name = "z_image_transformer.safetensors"
+    file_config = {  # block counts and widths from the file itself (the original or diffusers' names)
+        "n_layers": blocks("layers"),
+        "n_refiner_layers": blocks("noise_refiner"),
+        "dim": Shape(X_EMBEDDER, 0),
+        "n_heads": Shape(X_EMBEDDER, 0, per=HEAD_DIM),
+        "n_kv_heads": Shape(X_EMBEDDER, 0, per=HEAD_DIM),  # Z-Image's releases have as many key/value heads as heads
+        "cap_feat_dim": Shape(weight_of("cap_embedder.1"), 1),
+    }
     key_tables = "diffpipe_zimage.original"  # its layout_for_config / lora_layout: the original single-file layout
 
     def default_lora_targets(self, model_config: ZImageConfig) -> list[str]:
