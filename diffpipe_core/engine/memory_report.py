@@ -20,6 +20,7 @@ import torch
 
 ENV = "DIFFPIPE_MEMORY_REPORT"
 _phases: list[dict[str, Any]] = []
+_estimate: dict[str, Any] = {}  # the stage plan's estimate of this stage, once a phase has given it
 
 
 def enabled() -> bool:
@@ -105,7 +106,8 @@ def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any 
 def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, optimizer: Any = None,
            engine: Any = None, estimate: Any = None) -> None:
     """Append one phase to this rank's report (no-op unless ``DIFFPIPE_MEMORY_REPORT`` is set); ``estimate`` (the
-    stage plan's :class:`~diffpipe_core.engine.stage_plan.StageEstimate` of this stage) is stored beside it."""
+    stage plan's :class:`~diffpipe_core.engine.stage_plan.StageEstimate` of this stage) is stored beside it and kept
+    for the later phases, which record the anonymous RSS alone."""
     folder = os.environ.get(ENV)
     if not folder:
         return
@@ -116,13 +118,15 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
     if model is not None:
         entry.update(tensor_breakdown(model, optimizer, engine))
     _phases.append(entry)
-    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
     if estimate is not None:
-        report["estimate"] = {
+        _estimate.update({
             key: getattr(estimate, key)
             for key in ("start", "stop", "params", "weight_bytes", "host_bytes", "state_bytes", "activation_bytes",
-                        "transient_bytes", "in_flight", "save_bytes", "peak_bytes")
-        }
+                        "transient_bytes", "in_flight", "save_bytes", "micro_batch_bytes", "peak_bytes")
+        })  # fmt: skip
+    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
+    if _estimate:
+        report["estimate"] = _estimate
     path = Path(folder) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
