@@ -1,22 +1,26 @@
 """Host memory per worker with 1, 2 and 4 pipeline stages, for any installed model: how evenly the stages split.
 
-    python bench/stage_memory.py --model hunyuan-video [--rounds 3] [--layouts 1,2,4] [--threads 1]
+    python bench/stage_memory.py --model hunyuan-video [--rounds 3] [--layouts 1,2,4] [--regimes users,single]
     python bench/stage_memory.py --model flux --smoke        # one round, the tiny model: checks the bench runs
 
 For the model type named by ``--model``, a random-weight model of the size in :data:`SIZES` is written to disk in
-its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with two 64x64
+its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with eight 64x64
 captioned images (or the type's own dataset: edit pairs, 5-frame clips); the dataset is cached once (``diffpipe
-cache``). Then ``diffpipe train`` runs one LoRA step (rank 4, micro-batch 1) with 1, 2 and 4 stages on as many
-processes, the layouts taken in turn and in reverse order in every other round (alternating, as the other benches),
-while every worker's anonymous RSS (``RssAnon`` in /proc, so memory-mapped files don't count) is sampled every 20 ms
-and its peak kept. An idle worker's baseline
-(the same layout on the tiny model of the same type) is subtracted to give the model's memory; per round, the
-largest stage's model memory over the 1-stage run's is its share. Reported: each worker's peak, the share's median
-and spread per layout, and, from the last round, where each stage's memory goes (the workers'
-``DIFFPIPE_MEMORY_REPORT``: anonymous RSS after caching, after building the stage and after the step, and every
-live tensor by what holds it) beside the stage plan's estimate. Targets for HunyuanVideo, Flux (and Wan) at
->= 0.6 B parameters: share <= 0.55 for 2 stages and <= 0.30 for 4; estimated peak within 15% of the measured model
-memory of each stage.
+cache``). Then ``diffpipe train`` trains a LoRA (rank 4, micro-batch 1) with 1, 2 and 4 stages on as many
+processes in each regime of :data:`REGIMES`: ``users`` as users run a pipeline (gradient accumulation 2 x stages,
+so DeepSpeed's 1F1B schedule keeps up to that many micro-batches in flight on the first stage; 3 steps; a
+checkpoint and an adapter save after step 2, and the final ones after step 3) and ``single`` (one step of one
+micro-batch, the bench's regime before issue 46). The layouts are taken in turn and in reverse order in every other
+round (alternating, as the other benches), while every worker's anonymous RSS (``RssAnon`` in /proc, so
+memory-mapped files don't count) is sampled every 20 ms and its peak kept. An idle worker's baseline (the same
+layout and regime on the tiny model of the same type) is subtracted to give the model's memory; per round, the
+largest stage's model memory over the 1-stage run's is its share. Reported per regime: each worker's peak, the
+share's median and spread per layout, each stage's estimate over its measured model memory (median and spread),
+and, from the last round, where each stage's memory goes (the workers' ``DIFFPIPE_MEMORY_REPORT``: anonymous RSS
+after caching, after building the stage, after every step, save and checkpoint, and every live tensor by what holds
+it after the first step) beside the stage plan's estimate. Targets for HunyuanVideo, Flux and Wan at >= 0.6 B
+parameters and >= 24 blocks, in the users' regime: share <= 0.55 for 2 stages and <= 0.30 for 4; every stage's
+estimated peak within 15% of its measured model memory.
 
 Adding a model is one :data:`SIZES` entry: a function writing the model
 at the bench size (or the tiny one) and returning its ``[model]`` keys, and a dataset writer where it needs one.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+def _is_tensor(obj: object) -> bool:
+    try:
+        return torch.is_tensor(obj)
+    except ReferenceError:  # a dead weak proxy
+        return False
+
+
 def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any = None) -> dict[str, Any]:
     """Bytes of every live CPU/GPU tensor of this process, each storage counted once, by what holds it."""
     owners: dict[tuple[str, int], str] = {}
@@ -82,12 +90,10 @@ def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any 
     others: dict[tuple[str, int], torch.Tensor] = {}
     seen: set[tuple[str, int]] = set()
     gc.collect()
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj):
-                continue
-        except ReferenceError:
-            continue
+    with warnings.catch_warnings():  # is_tensor on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if _is_tensor(obj)]
+    for obj in tensors:
         key = _storage_key(obj)
         if key is None or key in seen:
             continue
