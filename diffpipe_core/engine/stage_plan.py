@@ -225,8 +225,9 @@ def _layers(est: StageEstimate) -> str:
 
 def format_plan(plan: StagePlan) -> list[str]:
     """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header, one
-    line per stage (its peak: weights + trainable + the larger of activations and saving), and a warning line when
-    the largest stage is more than 10% above the mean."""
+    line per stage (its peak: weights + trainable + the larger of activations and saving), a warning line when
+    the largest stage is more than 10% above the mean, and a note when the micro-batches it holds at once are why
+    (:func:`in_flight_note`)."""
     n = len(plan.stages)
     lines = [
         f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations}):",
