@@ -1,22 +1,26 @@
 """Host memory per worker with 1, 2 and 4 pipeline stages, for any installed model: how evenly the stages split.
 
-    python bench/stage_memory.py --model hunyuan-video [--rounds 3] [--layouts 1,2,4] [--threads 1]
+    python bench/stage_memory.py --model hunyuan-video [--rounds 3] [--layouts 1,2,4] [--regimes users,single]
     python bench/stage_memory.py --model flux --smoke        # one round, the tiny model: checks the bench runs
 
 For the model type named by ``--model``, a random-weight model of the size in :data:`SIZES` is written to disk in
-its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with two 64x64
+its real format (float32 files, trained in bfloat16, so every loaded weight is anonymous memory), with eight 64x64
 captioned images (or the type's own dataset: edit pairs, 5-frame clips); the dataset is cached once (``diffpipe
-cache``). Then ``diffpipe train`` runs one LoRA step (rank 4, micro-batch 1) with 1, 2 and 4 stages on as many
-processes, the layouts taken in turn and in reverse order in every other round (alternating, as the other benches),
-while every worker's anonymous RSS (``RssAnon`` in /proc, so memory-mapped files don't count) is sampled every 20 ms
-and its peak kept. An idle worker's baseline
-(the same layout on the tiny model of the same type) is subtracted to give the model's memory; per round, the
-largest stage's model memory over the 1-stage run's is its share. Reported: each worker's peak, the share's median
-and spread per layout, and, from the last round, where each stage's memory goes (the workers'
-``DIFFPIPE_MEMORY_REPORT``: anonymous RSS after caching, after building the stage and after the step, and every
-live tensor by what holds it) beside the stage plan's estimate. Targets for HunyuanVideo, Flux (and Wan) at
->= 0.6 B parameters: share <= 0.55 for 2 stages and <= 0.30 for 4; estimated peak within 15% of the measured model
-memory of each stage.
+cache``). Then ``diffpipe train`` trains a LoRA (rank 4, micro-batch 1) with 1, 2 and 4 stages on as many
+processes in each regime of :data:`REGIMES`: ``users`` as users run a pipeline (gradient accumulation 2 x stages,
+so DeepSpeed's 1F1B schedule keeps up to that many micro-batches in flight on the first stage; 3 steps; a
+checkpoint and an adapter save after step 2, and the final ones after step 3) and ``single`` (one step of one
+micro-batch, the bench's regime before issue 46). The layouts are taken in turn and in reverse order in every other
+round (alternating, as the other benches), while every worker's anonymous RSS (``RssAnon`` in /proc, so
+memory-mapped files don't count) is sampled every 20 ms and its peak kept. An idle worker's baseline (the same
+layout and regime on the tiny model of the same type) is subtracted to give the model's memory; per round, the
+largest stage's model memory over the 1-stage run's is its share. Reported per regime: each worker's peak, the
+share's median and spread per layout, each stage's estimate over its measured model memory (median and spread),
+and, from the last round, where each stage's memory goes (the workers' ``DIFFPIPE_MEMORY_REPORT``: anonymous RSS
+after caching, after building the stage, after every step, save and checkpoint, and every live tensor by what holds
+it after the first step) beside the stage plan's estimate. Targets for HunyuanVideo, Flux and Wan at >= 0.6 B
+parameters and >= 24 blocks, in the users' regime: share <= 0.55 for 2 stages and <= 0.30 for 4; every stage's
+estimated peak within 15% of its measured model memory.
 
 Adding a model is one :data:`SIZES` entry: a function writing the model
 at the bench size (or the tiny one) and returning its ``[model]`` keys, and a dataset writer where it needs one.
@@ -183,7 +187,7 @@ def _wan(i2v: bool) -> Callable[[Path, bool], dict]:
     def write(folder: Path, big: bool) -> dict:
         from diffpipe_wan.testing import TinyWanConfig, single_file_path, write_tiny_wan
 
-        size = dict(num_layers=14, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=64)
+        size = dict(num_layers=24, num_attention_heads=8, attention_head_dim=128, ffn_dim=8960, text_dim=64)
         write_tiny_wan(folder, TinyWanConfig(i2v=i2v, clip=i2v, **(size if big else TINY)))
         single_file_path(folder).unlink()  # the original-layout copy: not used here
         return {"text_max_length": 512 if i2v else 16}
@@ -233,20 +237,21 @@ def _sdxl(folder: Path, big: bool) -> dict:
     return {}
 
 
-CAPTIONS = ["a red cat", "a blue dog"]
+#: one micro-batch each; 8 fill the largest gradient accumulation the bench runs (2 x 4 stages)
+CAPTIONS = [f"a {colour} {animal}" for colour in ("red", "blue") for animal in ("cat", "dog", "fox", "owl")]
 
 
 def _edit_pairs(root: Path) -> Path:
-    """Two 64x64 captioned targets, each with a control image of the same stem (``control_path``)."""
-    write_image_dataset(root / "images", 2, size=(64, 64), captions=CAPTIONS)
-    for png in write_image_dataset(root / "control", 2, size=(64, 64), seed=1):
+    """64x64 captioned targets, each with a control image of the same stem (``control_path``)."""
+    write_image_dataset(root / "images", len(CAPTIONS), size=(64, 64), captions=CAPTIONS)
+    for png in write_image_dataset(root / "control", len(CAPTIONS), size=(64, 64), seed=1):
         png.with_suffix(".txt").unlink()  # a control folder holds images only
     return write_dataset_toml(root / "dataset.toml", root / "images", directory_keys={"control_path": root / "control"},
                               resolutions=[64])  # fmt: skip
 
 
 def _clips(write: Callable[[Path], object]) -> Callable[[Path], Path]:
-    """Two captioned 5-frame 64x64 clips, as the plugin's ``write(folder)`` writes them (i2v: first frames too)."""
+    """Captioned 5-frame 64x64 clips, as the plugin's ``write(folder)`` writes them (i2v: first frames too)."""
 
     def dataset(root: Path) -> Path:
         write(root / "clips")
@@ -304,8 +309,8 @@ SIZES: dict[str, Size] = {
     "cosmos": Size(_cosmos("1.0"), "Cosmos-1.0 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2": Size(_cosmos("predict2"), "Cosmos-Predict2 width 1024 (16 x 64), 16 blocks"),
     "cosmos-predict2.5": Size(_cosmos("predict2.5"), "Cosmos-Predict2.5 width 1536 (24 x 64), 16 blocks (0.54 B)"),
-    "wan": Size(_wan(False), "Wan 2.1 1.3B-like width 1536 (12 x 128), FFN 8960, 14 blocks (half of 30)"),
-    "wan-i2v": Size(_wan(True), "Wan 2.1 I2V width 1536 (12 x 128), FFN 8960, 14 blocks (0.74 B), 5-frame clips",
+    "wan": Size(_wan(False), "Wan 2.1 width 1024 (8 x 128), FFN 8960, 24 blocks (0.65 B)"),
+    "wan-i2v": Size(_wan(True), "Wan 2.1 I2V width 1024 (8 x 128), FFN 8960, 24 blocks, 5-frame clips",
                     _clips(_wan_clips)),
     "qwen-image": Size(_qwen("QwenImagePipeline"), "Qwen-Image width 1024 (8 x 128), 16 blocks (0.61 B)"),
     "qwen-image-edit": Size(_qwen("QwenImageEditPipeline"),
@@ -313,12 +318,36 @@ SIZES: dict[str, Size] = {
     "z-image": Size(_zimage, "Z-Image width 1536 (12 x 128), 16 + 2 + 2 refiner blocks (0.60 B)"),
 }
 
+@dataclass(frozen=True)
+class Regime:
+    """How each run trains: gradient accumulation ``gas_per_stage`` x stages (at least 1), ``steps`` optimizer
+    steps, and, with ``every``, a checkpoint and an adapter save after every ``every`` steps inside the run (the
+    final save and checkpoint come after the last step in every regime)."""
+
+    gas_per_stage: int
+    steps: int
+    every: int | None
+    note: str
+
+    def gas(self, stages: int) -> int:
+        return max(1, self.gas_per_stage * stages)
+
+
+REGIMES: dict[str, Regime] = {
+    "users": Regime(2, 3, 2, "as users run it: gradient accumulation 2 x stages, 3 steps, a checkpoint and a save "
+                    "after step 2, the final save and checkpoint after step 3"),
+    "single": Regime(0, 1, None, "one step of one micro-batch, then the final save and checkpoint (the bench's "
+                     "regime before issue 46)"),
+}
+
 RUN = """
 output_dir = "out"
 dataset = "{dataset}"
-max_steps = 1
+max_steps = {steps}
 micro_batch_size_per_gpu = 1
+gradient_accumulation_steps = {gas}
 pipeline_stages = {stages}
+{every}
 [model]
 type = "{model}"
 path = "{path}"
@@ -343,12 +372,14 @@ class Project:
     keys: dict
     dataset: Path
 
-    def config(self, stages: int) -> Path:
+    def config(self, stages: int, regime: str = "single") -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
-        path = self.root / f"run{stages}.toml"
+        path = self.root / f"run-{regime}-{stages}.toml"
         model = SIZES[self.model].model_type or self.model
-        path.write_text(RUN.format(dataset=self.dataset, model=model, path=self.path,
-                                   stages=stages, keys=keys))
+        how = REGIMES[regime]
+        every = f"checkpoint_every_n_steps = {how.every}\nsave_every_n_steps = {how.every}" if how.every else ""
+        path.write_text(RUN.format(dataset=self.dataset, model=model, path=self.path, stages=stages, keys=keys,
+                                   steps=how.steps, gas=how.gas(stages), every=every))
         return path
 
 
@@ -366,10 +397,10 @@ def write_project(root: Path, model: str, big: bool, dataset: Path) -> Project:
 
 
 def write_dataset(root: Path, size: Size) -> Path:
-    """The type's own dataset (:attr:`Size.dataset`) or two 64x64 captioned images; returns its dataset.toml."""
+    """The type's own dataset (:attr:`Size.dataset`) or 64x64 captioned images; returns its dataset.toml."""
     if size.dataset is not None:
         return size.dataset(root)
-    write_image_dataset(root / "images", 2, size=(64, 64), captions=CAPTIONS)
+    write_image_dataset(root / "images", len(CAPTIONS), size=(64, 64), captions=CAPTIONS)
     return write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[64])
 
 
@@ -380,14 +411,15 @@ class Workers:
     reports: list[dict]  # the workers' memory reports, by stage
 
 
-def run_workers(project: Project, stages: int, threads: int, timeout: float = 1800) -> Workers:
-    """One `diffpipe train` of ``stages`` stages on as many processes; each worker's peak anonymous RSS by stage."""
-    config = project.config(stages)
-    reports = project.root / f"reports-{stages}"
+def run_workers(project: Project, stages: int, regime: str, threads: int, timeout: float = 1800) -> Workers:
+    """One `diffpipe train` of ``stages`` stages on as many processes in ``regime``; each worker's peak anonymous
+    RSS by stage."""
+    config = project.config(stages, regime)
+    reports = project.root / f"reports-{regime}-{stages}"
     for old in reports.glob("*.json"):
         old.unlink()
     env = cli_env(**{REPORT_ENV: str(reports), "OMP_NUM_THREADS": str(threads)})
-    log = (project.root / f"train{stages}.log").open("w")
+    log = (project.root / f"train-{regime}-{stages}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "diffpipe_core.cli", "train", "--config", str(config),
                              "--num-procs", str(stages)], cwd=project.root, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -407,7 +439,7 @@ def run_workers(project: Project, stages: int, threads: int, timeout: float = 18
         kill_group(proc)
         log.close()
     if proc.returncode != 0:
-        tail = (project.root / f"train{stages}.log").read_text()[-3000:]
+        tail = (project.root / f"train-{regime}-{stages}.log").read_text()[-3000:]
         sys.exit(f"diffpipe train ({project.model}, {stages} stages) failed:\n{tail}")
     by_rank = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["rank"])
     if len(by_rank) != stages or any(r["pid"] not in peaks for r in by_rank):
@@ -454,17 +486,72 @@ def breakdown(stages: Workers, baseline: int) -> list[str]:
 TARGETS = {2: 0.55, 4: 0.30}
 
 
+def estimate_ratios(workers: Workers, baseline: int) -> list[float]:
+    """Per stage: the plan's estimated peak over the measured model memory (peak less the idle baseline)."""
+    return [r.get("estimate", {}).get("peak_bytes", 0) / max(peak - baseline, 1)
+            for peak, r in zip(workers.peaks, workers.reports)]  # fmt: skip
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def measure(big: Project, tiny: Project, regime: str, layouts: list[int], rounds: int, threads: int) -> None:
+    """Every layout in ``regime`` for ``rounds`` rounds (the order reversed every other round): shares, each
+    stage's estimate over measured, and where the memory goes in the last round."""
+    print(f"regime {regime}: {REGIMES[regime].note}", flush=True)
+    baselines = {n: max(run_workers(tiny, n, regime, threads).peaks) for n in layouts}
+    print("  idle worker baseline (tiny model), largest worker MiB: "
+          + ", ".join(f"{n} stage{'s' if n > 1 else ''} {_mib(b)}" for n, b in baselines.items()), flush=True)
+    shares: dict[int, list[float]] = {n: [] for n in layouts if n > 1}
+    ratios: dict[int, list[list[float]]] = {n: [] for n in layouts}
+    last: dict[int, Workers] = {}
+    for r in range(rounds):
+        order = layouts if r % 2 == 0 else layouts[::-1]
+        got = {n: run_workers(big, n, regime, threads) for n in order}
+        last = got
+        one = got[1].peaks[0] - baselines[1]
+        for n in layouts:
+            ratios[n].append(estimate_ratios(got[n], baselines[n]))
+        parts = [f"1 stage {_mib(got[1].peaks[0])} (est/meas {ratios[1][-1][0]:.2f})"]
+        for n in shares:
+            share = (max(got[n].peaks) - baselines[n]) / one
+            shares[n].append(share)
+            est = " ".join(f"{x:.2f}" for x in ratios[n][-1])
+            parts.append(f"{n} stages [{' '.join(_mib(p) for p in got[n].peaks)}] share {share:.3f} (est/meas {est})")
+        print(f"  round {r + 1} ({'->'.join(map(str, order))}), peak RssAnon per worker MiB: " + "; ".join(parts)
+              + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+    for n, values in shares.items():
+        target = f"; target <= {TARGETS[n]:.2f}" if n in TARGETS else ""
+        print(f"  {n} stages: largest stage's share of the 1-stage model memory: median "
+              f"{_spread(values)} over {len(values)} rounds{target}")
+    for n in layouts:
+        per_stage = [_spread([r[s] for r in ratios[n]]) for s in range(n)]
+        print(f"  {n} stage{'s' if n > 1 else ''}: estimate / measured per stage, median (spread): "
+              + "; ".join(per_stage) + " (target 0.85-1.15)")
+    print("  where the memory goes (last round; MiB; model memory = peak - idle baseline of that layout):")
+    for n in layouts:
+        print(f"   {n} stage{'s' if n > 1 else ''}:")
+        for line in breakdown(last[n], baselines[n]):
+            print("  " + line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, choices=sorted(SIZES))
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all layouts (at least 3)")
     parser.add_argument("--layouts", default="1,2,4", help="stage counts; 1 is always measured")
+    parser.add_argument("--regimes", default="users,single",
+                        help=f"how each run trains, in turn: {', '.join(REGIMES)} (see REGIMES)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (OMP_NUM_THREADS)")
     parser.add_argument("--smoke", action="store_true", help="one round of the tiny model: checks the bench runs")
     parser.add_argument("--keep", type=Path, default=None,
                         help="work in this folder and keep it (a model written there before is reused)")
     args = parser.parse_args()
     layouts = sorted({1, *(int(s) for s in args.layouts.split(","))})
+    regimes = args.regimes.split(",")
+    if unknown := [r for r in regimes if r not in REGIMES]:
+        sys.exit(f"--regimes: unknown {', '.join(unknown)}; valid: {', '.join(REGIMES)}")
     if not args.smoke and args.rounds < 3:
         sys.exit("--rounds: at least 3 rounds are needed for a median and a spread")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -480,33 +567,8 @@ def main() -> None:
         print(f"model: {args.model}, {SIZES[args.model].note if not args.smoke else 'tiny (smoke)'}; written and "
               f"cached in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs, {args.threads} thread(s) per worker", flush=True)
-        baselines = {n: max(run_workers(tiny, n, args.threads).peaks) for n in layouts}
-        print("idle worker baseline (tiny model), largest worker MiB: "
-              + ", ".join(f"{n} stage{'s' if n > 1 else ''} {_mib(b)}" for n, b in baselines.items()), flush=True)
-        shares: dict[int, list[float]] = {n: [] for n in layouts if n > 1}
-        last: dict[int, Workers] = {}
-        for r in range(1 if args.smoke else args.rounds):
-            order = layouts if r % 2 == 0 else layouts[::-1]
-            got = {n: run_workers(big, n, args.threads) for n in order}
-            last = got
-            one = got[1].peaks[0] - baselines[1]
-            parts = [f"1 stage {_mib(got[1].peaks[0])}"]
-            for n in shares:
-                share = (max(got[n].peaks) - baselines[n]) / one
-                shares[n].append(share)
-                parts.append(f"{n} stages [{' '.join(_mib(p) for p in got[n].peaks)}] share {share:.3f}")
-            print(f"round {r + 1} ({'->'.join(map(str, order))}), peak RssAnon per worker MiB: " + "; ".join(parts)
-                  + f" (load {os.getloadavg()[0]:.1f})", flush=True)
-        for n, values in shares.items():
-            target = f"; target <= {TARGETS[n]:.2f}" if n in TARGETS else ""
-            print(f"{n} stages: largest stage's share of the 1-stage model memory: median "
-                  f"{statistics.median(values):.3f} over {len(values)} rounds "
-                  f"(spread {min(values):.3f}-{max(values):.3f}){target}")
-        print("where the memory goes (last round; MiB; model memory = peak - idle baseline of that layout):")
-        for n in layouts:
-            print(f" {n} stage{'s' if n > 1 else ''}:")
-            for line in breakdown(last[n], baselines[n]):
-                print(line)
+        for regime in regimes:
+            measure(big, tiny, regime, layouts, 1 if args.smoke else args.rounds, args.threads)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from diffpipe_core.engine.model_loading import cast_skeleton, load_for_stages, m
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.engine.plan_build import example_inputs, make_plan
 from diffpipe_core.engine.stage_costs import LayerCost, ModelCosts, layer_costs, meta_twin
-from diffpipe_core.engine.stage_plan import format_plan, plan_stages
+from diffpipe_core.engine.stage_plan import format_plan, in_flight_note, plan_stages
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.activations import check_meta_activations
@@ -335,3 +335,28 @@ def test_optimizer_state_bytes_of_the_plugin_optimizers() -> None:
     assert optimizer_state_bytes("adamw_optimi", n, bf16) == 3 * 2 * n  # + the Kahan buffer
     assert optimizer_state_bytes("automagic", n, f32, ndim=2) == 2 * n  # int8 rates and signs; factored moment
     assert optimizer_state_bytes("automagic", n, bf16, ndim=1) == 2 * n + 2 * n + 4 * n
+
+
+def test_the_plan_says_when_micro_batches_in_flight_make_a_stage_the_largest() -> None:
+    """Stage 0 of 2 holds 2 micro-batches (1F1B); the second's activations (its input 4, kept 100, output 4 MiB)
+    alone put it far above the mean: the plan says so in one line, naming what lowers it."""
+    mib = 2**20
+    costs = chain([10 * mib, 10 * mib], [100 * mib, 5 * mib], 4 * mib)
+    run = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=4, pipeline_stages=2, partition_split=[1])
+    plan = plan_stages(costs, run, 2, on_gpu=False, activations="-")
+    first, last = plan.stages
+    assert (first.in_flight, first.micro_batch_bytes, first.queued_bytes) == (2, 108 * mib, 108 * mib)
+    assert (last.in_flight, last.queued_bytes) == (1, 0)
+    note = in_flight_note(plan)
+    assert note == (
+        "  note: stage 0 holds 2 micro-batches' activations at once (DeepSpeed's 1F1B schedule), 108 MiB more than "
+        "one; activation_checkpointing = true (it keeps only each block's input) or more pipeline_stages lower it "
+        '(README: "Memory per stage")'
+    )
+    assert format_plan(plan)[-1] == note
+    one_at_a_time = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=1, pipeline_stages=2,
+                              partition_split=[1])
+    assert in_flight_note(plan_stages(costs, one_at_a_time, 2, on_gpu=False, activations="-")) is None
+    # the second micro-batch's 13 MiB are below 10% of the mean peak (about 230 MiB): no note
+    heavy = chain([400 * mib, 10 * mib], [5 * mib, 5 * mib], 4 * mib)
+    assert in_flight_note(plan_stages(heavy, run, 2, on_gpu=False, activations="-")) is None

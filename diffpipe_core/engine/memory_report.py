@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 ENV = "DIFFPIPE_MEMORY_REPORT"
 _phases: list[dict[str, Any]] = []
+_estimate: dict[str, Any] = {}  # the stage plan's estimate of this stage, once a phase has given it
 
 
 def enabled() -> bool:
@@ -48,6 +50,13 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int] | None:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
+
+
+def _is_tensor(obj: object) -> bool:
+    try:
+        return torch.is_tensor(obj)
+    except ReferenceError:  # a dead weak proxy
+        return False
 
 
 def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any = None) -> dict[str, Any]:
@@ -81,12 +90,10 @@ def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any 
     others: dict[tuple[str, int], torch.Tensor] = {}
     seen: set[tuple[str, int]] = set()
     gc.collect()
-    for obj in gc.get_objects():
-        try:
-            if not torch.is_tensor(obj):
-                continue
-        except ReferenceError:
-            continue
+    with warnings.catch_warnings():  # is_tensor on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if _is_tensor(obj)]
+    for obj in tensors:
         key = _storage_key(obj)
         if key is None or key in seen:
             continue
@@ -105,7 +112,8 @@ def tensor_breakdown(model: torch.nn.Module, optimizer: Any = None, engine: Any 
 def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, optimizer: Any = None,
            engine: Any = None, estimate: Any = None) -> None:
     """Append one phase to this rank's report (no-op unless ``DIFFPIPE_MEMORY_REPORT`` is set); ``estimate`` (the
-    stage plan's :class:`~diffpipe_core.engine.stage_plan.StageEstimate` of this stage) is stored beside it."""
+    stage plan's :class:`~diffpipe_core.engine.stage_plan.StageEstimate` of this stage) is stored beside it and kept
+    for the later phases, which record the anonymous RSS alone."""
     folder = os.environ.get(ENV)
     if not folder:
         return
@@ -116,13 +124,15 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
     if model is not None:
         entry.update(tensor_breakdown(model, optimizer, engine))
     _phases.append(entry)
-    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
     if estimate is not None:
-        report["estimate"] = {
+        _estimate.update({
             key: getattr(estimate, key)
             for key in ("start", "stop", "params", "weight_bytes", "host_bytes", "state_bytes", "activation_bytes",
-                        "transient_bytes", "in_flight", "save_bytes", "peak_bytes")
-        }
+                        "transient_bytes", "in_flight", "save_bytes", "micro_batch_bytes", "peak_bytes")
+        })  # fmt: skip
+    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
+    if _estimate:
+        report["estimate"] = _estimate
     path = Path(folder) / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -45,6 +45,12 @@ class StageEstimate:
     transient_bytes: int
     in_flight: int
     save_bytes: int = 0  # what saving and checkpointing hold at once, after the step
+    micro_batch_bytes: int = 0  # one micro-batch's kept activations with its input and output (x in_flight)
+
+    @property
+    def queued_bytes(self) -> int:
+        """The activations of the micro-batches in flight beyond the first (what 1F1B adds on early stages)."""
+        return (self.in_flight - 1) * self.micro_batch_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -151,6 +157,7 @@ class Estimator:
             transient_bytes=self.transient[i][j],
             in_flight=flight,
             save_bytes=self.save_bytes(stage, i, j),
+            micro_batch_bytes=self.union[i][j],
         )
 
     def peak(self, stage: int, i: int, j: int) -> int:
@@ -218,8 +225,9 @@ def _layers(est: StageEstimate) -> str:
 
 def format_plan(plan: StagePlan) -> list[str]:
     """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header, one
-    line per stage (its peak: weights + trainable + the larger of activations and saving), and a warning line when
-    the largest stage is more than 10% above the mean."""
+    line per stage (its peak: weights + trainable + the larger of activations and saving), a warning line when
+    the largest stage is more than 10% above the mean, and a note when the micro-batches it holds at once are why
+    (:func:`in_flight_note`)."""
     n = len(plan.stages)
     lines = [
         f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations}):",
@@ -233,10 +241,25 @@ def format_plan(plan: StagePlan) -> list[str]:
             f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.save_bytes):>10}{_mib(s.peak_bytes):>13}  "
             f"{_layers(s)}{host}"
         )
-    warning = imbalance_warning(plan)
-    if warning:
-        lines.append(warning)
+    lines.extend(line for line in (imbalance_warning(plan), in_flight_note(plan)) if line)
     return lines
+
+
+def in_flight_note(plan: StagePlan) -> str | None:
+    """One line when the largest stage stands out because it holds several micro-batches' activations at once
+    (DeepSpeed's 1F1B schedule: stage s holds min(stages - s, gradient_accumulation_steps)): those beyond the first
+    alone put it more than 10% above the mean. No split can remove them; the line names what does."""
+    if len(plan.stages) < 2:
+        return None
+    big = max(plan.stages, key=lambda s: s.peak_bytes)
+    mean = sum(s.peak_bytes for s in plan.stages) / len(plan.stages)
+    if big.in_flight < 2 or big.queued_bytes <= (IMBALANCE - 1) * mean:
+        return None
+    return (
+        f"  note: stage {big.stage} holds {big.in_flight} micro-batches' activations at once (DeepSpeed's 1F1B "
+        f"schedule), {_mib(big.queued_bytes)} more than one; activation_checkpointing = true (it keeps only each "
+        "block's input) or more pipeline_stages lower it (README: \"Memory per stage\")"
+    )
 
 
 def imbalance_warning(plan: StagePlan) -> str | None:

@@ -30,6 +30,7 @@ from diffpipe_core.engine import memory_report, stopping
 from diffpipe_core.engine.cfg_training import replay, uncond_pass
 from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
+from diffpipe_core.engine.host_memory import release_freed
 from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
@@ -81,6 +82,7 @@ class Trainer:
         memory_report.record("cached", self.stage_id)
         self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps, dataset)
         self.engine, self.model = self.stage.engine, self.stage.model
+        release_freed()  # what loading and building freed
         self._memory_report("built")
 
     def _memory_report(self, phase: str) -> None:
@@ -93,10 +95,15 @@ class Trainer:
         write_checkpoint(
             self.run_dir, self.cfg, self.layout, self.stage, self.sampler, step, micro_index, self.total_steps
         )
+        release_freed()  # the serialised optimizer state
+        memory_report.record(f"checkpoint {step}", self.stage_id)
 
     def _save(self, name: str) -> Path:
         with evaluation_weights(self.stage.optimizer):
-            return save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
+            saved = save_trained(self.run_dir, name, self.cfg, self.plugin, self.layout, self.stage)
+        release_freed()  # the gathered and converted adapter
+        memory_report.record(f"saved {name}", self.stage_id)
+        return saved
 
     @contextlib.contextmanager
     def _sampling_weights(self) -> Iterator[None]:
@@ -203,8 +210,11 @@ class Trainer:
                 self.stage.loss.uncond = None
             dt = time.perf_counter() - t0
             step += 1
+            release_freed()  # the step's activations and scratch
             if step == first_step + 1:
                 self._memory_report("step 1")
+            else:
+                memory_report.record(f"step {step}", self.stage_id)
             grad_norm = guard.grad_norm
             if guard.nonfinite or not math.isfinite(loss):
                 consecutive_bad += 1
