@@ -173,7 +173,9 @@ def export_adapter(
     implementation the core writes diffusers/peft keys (``<prefix>.<key>``) and no ``.alpha`` tensors: the
     diffusers file carries alpha (and the rest of the LoRA config) in its safetensors metadata,
     ``lora_adapter_metadata``, as diffusers' ``save_lora_weights`` writes it. Formats ComfyUI reads (kohya,
-    ``comfyui``) carry a scalar ``<module>.alpha`` tensor per module instead.
+    ``comfyui``) carry a scalar ``<module>.alpha`` tensor per module instead. The core hands over the adapter with
+    the trained strength folded in (``lora_B`` times alpha / rank) and ``alpha`` equal to ``rank``, so every file
+    loads at the trained strength in a tool that reads no alpha.
     Called for LoRA only; a LoKr or LoHa is laid out by the core from :func:`adapter_key_names`.
     """
 

@@ -146,7 +146,10 @@ def test_the_diffusers_lora_carries_alpha_in_its_metadata_as_documented(tmp_path
     write_adapter(tmp_path, state, registry.model("reference"), lora_config(4, 8, 0.0, ["to_q"]), [], torch.float32)
     with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if k.endswith(".alpha")]
-        assert json.loads(f.metadata()["lora_adapter_metadata"])["transformer.lora_alpha"] == 8
+        # trained with alpha 8 at rank 4: the strength 2 is in lora_B, the file says alpha = rank
+        assert json.loads(f.metadata()["lora_adapter_metadata"])["transformer.lora_alpha"] == 4
+        assert f.metadata()["diffpipe.trained_alpha"] == "8"
+        assert torch.equal(f.get_tensor("transformer.blocks.0.attn.to_q.lora_B.weight"), torch.full((8, 4), 2.0))
 
 
 # ------------------------------------------------------------------------- 4. plain tensor attributes
