@@ -167,12 +167,12 @@ def test_kohya_lora_reproduces_the_trained_unet_in_diffusers(
 def test_diffusers_lora_reproduces_the_trained_unet_in_diffusers(
     two_stages: Path, tiny_sdxl: tuple[Path, Path], trained_outputs: torch.Tensor
 ) -> None:
-    """The PEFT-format tensors; passed as a dict diffusers infers rank (and alpha = rank), so the strength
-    alpha / rank = 2 is set through set_adapters."""
+    """The PEFT-format tensors passed as a dict, without metadata: diffusers infers rank and alpha = rank, and the
+    trained strength alpha / rank = 2 is already in the tensors (nothing to set)."""
     state, cfg = read_adapter(two_stages / "saved" / "final")
+    assert cfg["lora_alpha"] == cfg["r"]
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl[0], local_files_only=True)
     pipe.load_lora_weights(state, adapter_name="trained")
-    pipe.set_adapters(["trained"], adapter_weights=[cfg["lora_alpha"] / cfg["r"]])
     _assert_close(_run(pipe.unet.eval()), trained_outputs, "diffusers")
 
 

@@ -30,13 +30,13 @@ def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_trains_on_two_stages_from_the_single_file_and_the_lora_reproduces(two_stage_run: Path) -> None:
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
-    from test_zimage_train import RANK, stacked, transformer_inputs
+    from test_zimage_train import ALPHA, RANK, stacked, transformer_inputs
 
     runs.assert_trained_in_stages(two_stage_run, STEPS, 2)
     model_dir, saved = two_stage_run.parent.parent / "model", two_stage_run / "saved" / "final"
     _, cfg = read_adapter(saved)
     fresh = ZImageTransformer2DModel.from_pretrained(str(model_dir / "transformer"))
-    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, cfg["lora_alpha"], cfg["target_modules"])
+    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, ALPHA, cfg["target_modules"])
     pipe = ZImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
     untrained = runs.outputs(stacked(pipe.transformer), transformer_inputs())
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
