@@ -114,3 +114,19 @@ def test_a_file_of_another_variant_loads_as_itself(comfy: dict, tmp_path: Path) 
     variant = variant_model(predict2, comfy["configs"], **read)
     file = variant_file(predict2, variant, tmp_path / "cosmos.safetensors")
     assert_variant_loads_as_itself(predict2, from_files(comfy, diffusion_model=file), variant, read)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(predict2_run: Path, tmp_path: Path) -> None:
+    """The shared Cosmos-Predict2 run (2 stages in 2 processes from NVIDIA's transformer file and the folder), again
+    from ComfyUI's files only (the transformer file, the Wan VAE file, the T5 file) beside a config-only folder:
+    equal losses and LoRA files."""
+    from test_cosmos_train import SAMPLE_TABLE, make_project
+
+    from diffpipe_core.testing.component_files import assert_trains_as, train_from_files
+
+    config = make_project(tmp_path, "cosmos-predict2", 2, True, SAMPLE_TABLE)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    keys = {"path": str(files["configs"]), "diffusion_model": str(files["diffusion_model"]), "vae": str(files["vae"])}
+    keys["text_encoders"] = [{"path": str(files["text_encoders"][0]), "type": "cosmos"}]
+    assert_trains_as(train_from_files(tmp_path, config, keys, procs=2), predict2_run)

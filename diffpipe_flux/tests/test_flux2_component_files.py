@@ -156,24 +156,29 @@ def test_configs_from_the_hugging_face_cache(variant: tuple, tmp_path: Path, mon
 
 
 @pytest.mark.slow
-def test_klein_component_files_train_as_the_folder(klein_run: Path, tmp_path: Path) -> None:
-    """The shared [klein] run (its BFL transformer file, the folder's VAE and Qwen3), again with the VAE and the text
-    encoder from ComfyUI's files beside a config-only folder: equal losses and equal LoRA files."""
+@pytest.mark.parametrize(("name", "stages", "shared"), [("flux2-klein", 1, "klein_run"), ("flux2", 2, "flux2_run")])
+def test_component_files_train_as_the_folder(
+    name: str, stages: int, shared: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The shared run of each entry point ([klein]: 1 process; [dev]: 2 stages in 2 processes; each from its BFL
+    transformer file, the folder's VAE and text encoder), again with the VAE and the text encoder from ComfyUI's files
+    beside a config-only folder: equal losses and equal LoRA files."""
     from test_flux2_train import make_project
 
-    config = make_project(tmp_path, "flux2-klein")
-    files = comfy_files(tmp_path / "model", tmp_path / "comfy", "flux2-klein")
+    expected = request.getfixturevalue(shared)
+    config = make_project(tmp_path, name, stages)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy", name)
     keys = {"path": str(files["configs"]), "vae": str(files["vae"])}
     keys["text_encoders"] = [{"path": str(files["text_encoder"]), "type": "flux2"}]
     given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
     text, found = re.subn(r"^path = ['\"]model['\"]\n", given, config.read_text(), flags=re.M)
     assert found == 1
     config.write_text(text)
-    run = runs.train(tmp_path, config, procs=1, timeout=400)
-    assert runs.losses(run) == pytest.approx(runs.losses(klein_run), rel=1e-6, abs=1e-7)
-    for name in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
-        got, want = load_file(str(run / "saved/final" / name)), load_file(str(klein_run / "saved/final" / name))
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
+    run = runs.train(tmp_path, config, procs=stages, timeout=400)
+    assert runs.losses(run) == pytest.approx(runs.losses(expected), rel=1e-6, abs=1e-7)
+    for file in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
+        got, want = load_file(str(run / "saved/final" / file)), load_file(str(expected / "saved/final" / file))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), file
 
 
 def test_a_file_of_another_variant_loads_as_itself(variant: tuple, tmp_path: Path) -> None:

@@ -139,3 +139,15 @@ def test_comfyui_lora_is_loaded_whole_by_comfyuis_key_map(qwen21_run: Path) -> N
     runs.assert_state_close({k.removeprefix("diffusion_model."): v for k, v in got.items()}, merged, atol=1e-5)
     blocks = 2  # each block's gate_layer and proj LoRAs patch one fused gate_up
     assert sum(not torch.equal(got[f"diffusion_model.{k}"], native[k]) for k in native) == len(modules) - blocks
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(qwen21_run: Path) -> None:
+    """The shared run again from ComfyUI's files only (the transformer under ``model.diffusion_model.``, the VAE and
+    Qwen3-VL files) beside a config-only folder (issue 35): equal losses and LoRA files."""
+    from diffpipe_core.testing.component_files import assert_trains_as, comfyui_files, model_keys, train_from_files
+
+    root = qwen21_run.parent.parent
+    files = comfyui_files(root / "model", root / "comfy")
+    (root / "run_files.toml").write_text(run_config(STEPS, output_dir="out_files"))
+    assert_trains_as(train_from_files(root, root / "run_files.toml", model_keys(files)), qwen21_run)
