@@ -145,3 +145,18 @@ def test_component_files_train_as_the_folder(hunyuan15_run: Path, tiny_hunyuan15
     files = comfy_files(tmp_path / "model", tmp_path / "comfy")
     run = train_from_files(tmp_path, config, model_keys(files), OMP_NUM_THREADS="1")
     assert_trains_as(run, hunyuan15_run)
+
+
+@pytest.mark.slow
+def test_i2v_component_files_train_as_the_folder(hunyuan15_i2v_run: Path, tiny_hunyuan15_i2v: Path, tmp_path) -> None:
+    """The shared image-to-video run (the diffusers folder), again from ComfyUI files only, the SigLIP image encoder
+    as ComfyUI's ``sigclip_vision_patch14_384`` file (without the pooling head) in ``text_encoders``: equal losses and
+    LoRA files."""
+    from test_hunyuan15_train import write_project
+
+    config = write_project(tmp_path, "hunyuan-video-1.5-i2v", tiny_hunyuan15_i2v)
+    files = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    siglip = {k: v for k, v in component_state(tmp_path / "model", "image_encoder").items() if not head(k)}
+    files["text_encoders"].append(save(siglip, tmp_path / "comfy" / "sigclip_vision_patch14_384.safetensors"))
+    run = train_from_files(tmp_path, config, model_keys(files), OMP_NUM_THREADS="1")
+    assert_trains_as(run, hunyuan15_i2v_run)

@@ -95,3 +95,18 @@ def test_comfyui_loads_the_edit_diffusers_file_at_the_trained_strength(edit_runs
     from test_qwenimage_train import comfyui_applies_the_diffusers_file
 
     comfyui_applies_the_diffusers_file(edit_runs[2], ALPHA, RANK)
+
+
+@pytest.mark.slow
+def test_component_files_train_as_the_folder(edit_runs: dict[int, Path]) -> None:
+    """The 1-process edit run again from ComfyUI's files only (the transformer, the VAE and the Qwen2.5-VL file with
+    its vision tower) beside a config-only folder (issue 35): equal losses and LoRA files."""
+    from test_qwenimage_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, model_keys, train_from_files
+
+    root = edit_runs[1].parent.parent
+    files = comfy_files(root / "model", root / "comfy")
+    config = root / "run1_files.toml"
+    config.write_text((root / "run1.toml").read_text())
+    assert_trains_as(train_from_files(root, config, model_keys(files)), edit_runs[1])

@@ -99,3 +99,20 @@ def test_a14b_low_expert_fine_tunes_only_transformer_2_with_two_stages(a14b_run:
     from_high = max(float((trained[k] - high[k]).abs().max()) for k in high)
     # 6 AdamW steps at lr 1e-4 move a weight by at most ~6e-4; the two experts' random weights differ by ~0.1
     assert 0 < moved < 2e-3 < from_high, (moved, from_high)
+
+
+@pytest.mark.slow
+def test_i2v_component_files_train_as_the_folder(i2v_run: Path) -> None:
+    """The 2-stage ``wan-i2v`` run again from ComfyUI's files only (the transformer, the Wan VAE, umt5 and
+    ``clip_vision_h`` in ``text_encoders``) beside a config-only folder (issue 35): equal losses and LoRA files."""
+    from test_wan_component_files import comfy_files
+
+    from diffpipe_core.testing.component_files import assert_trains_as, train_from_files
+
+    root = i2v_run.parent.parent
+    files = comfy_files(root / "model", root / "comfy")
+    keys = {"path": str(files["configs"]), "diffusion_model": str(files["diffusion_model"]), "vae": str(files["vae"])}
+    keys["text_encoders"] = [str(p) for p in files["text_encoders"]]
+    config = root / "run_files.toml"
+    config.write_text((root / "run.toml").read_text())
+    assert_trains_as(train_from_files(root, config, keys, procs=2, OMP_NUM_THREADS="1"), i2v_run)
