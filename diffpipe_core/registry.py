@@ -58,6 +58,8 @@ DISTRIBUTIONS = {
     "wan-i2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",
     "qwen-image-edit": "diffpipe-qwenimage",
+    "qwen-image-2.1": "diffpipe-qwenimage",
+    "qwen-image-2.1-turbo": "diffpipe-qwenimage",
     "z-image": "diffpipe-zimage",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for

@@ -195,7 +195,8 @@ def test_text_encoder_learning_rates_need_train_text_encoders(tiny_sdxl, tmp_pat
     project = make_project(tmp_path, tiny_sdxl, 1, 1, single_file=False, lora=True, tables=GROUP_LR)
     with pytest.raises(ConfigError) as err:
         load_config(project, get_registry())
-    refused = [f"model 'sdxl' has no parameter group '{name}'; its groups: 'unet'" for name in LRS if name != "unet"]
+    refused = [f"model 'sdxl' has no parameter group '{name}'; its groups: 'unet' (or write a parameter name pattern "
+               'with * such as "*.attn*")' for name in LRS if name != "unet"]
     assert [p.split("optimizer.group_lr: ")[-1] for p in err.value.problems] == refused
     trained = sdxl.parameter_groups(te_config(tiny_sdxl[0]))
     assert trained == {"unet": [], "text_encoder_1": [r"text_encoder\."], "text_encoder_2": [r"text_encoder_2\."]}
