@@ -59,6 +59,7 @@ DISTRIBUTIONS = {
     "qwen-image": "diffpipe-qwenimage",
     "qwen-image-edit": "diffpipe-qwenimage",
     "z-image": "diffpipe-zimage",
+    "sd3": "diffpipe-sd3",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

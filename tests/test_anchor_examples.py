@@ -154,6 +154,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_ltx.testing import single_file_path as ltx_file
     from diffpipe_ltx.testing import write_tiny_ltx
     from diffpipe_qwenimage.testing import comfy_path, write_tiny_qwen
+    from diffpipe_sd3.testing import original_path as sd3_file
+    from diffpipe_sd3.testing import write_tiny_sd3
     from diffpipe_sdxl.testing import write_single_file, write_tiny_sdxl
     from diffpipe_wan.testing import single_file_path as wan_file
     from diffpipe_wan.testing import write_tiny_wan
@@ -176,6 +178,7 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "qwen-image": (qwen, comfy_path(qwen)),
         # diffpipe reads an edit model's diffusers folder (diffusion-pipe also takes Qwen-Image's with the edit file)
         "qwen-image-edit": (qwen_edit, comfy_path(qwen_edit)),
+        "sd3": (write_tiny_sd3(root / "sd3"), sd3_file(root / "sd3")),
     }
 
 
