@@ -26,6 +26,7 @@ MODEL_TYPES = {
     "qwen_image": "qwen-image",
     "z_image": "z-image",
     "sd3": "sd3",
+    "auraflow": "auraflow",
     "hunyuan_video_15": "hunyuan-video-1.5",
     "flux2": "flux2",
     "ltx2": "ltx-2",
@@ -38,7 +39,6 @@ PLANNED = {
     "anima": "diffpipe-cosmos",  # a Cosmos-Predict2 transformer with an LLM adapter; diffusion-pipe trains both alike
     "omnigen2": "diffpipe-omnigen2",
     "hunyuan_image": "diffpipe-hunyuan",
-    "auraflow": "diffpipe-auraflow",
     "ernie_image": "diffpipe-ernie",
     "ideogram4": "diffpipe-ideogram",
     "krea2": "diffpipe-krea",

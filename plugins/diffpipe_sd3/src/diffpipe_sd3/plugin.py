@@ -146,11 +146,8 @@ class SD3(DiffusersModel, FlowSampling):
 
         from diffpipe_core.sampling.schedules import stepped_schedule
 
-        vae = self.folder.config(model_config.path, "vae")
-        factor = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
-        channels = int(self.model_folder_config(model_config).get("in_channels", 16))
-        shape = (1, channels, request.height // factor, request.width // factor)
-        return torch.randn(shape, generator=generator), stepped_schedule(model_config.path, request.steps)
+        noise = torch.randn(self.latent_shape(request, model_config), generator=generator)
+        return noise, stepped_schedule(model_config.path, request.steps)
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
