@@ -168,3 +168,15 @@ def test_full_model_exports_load_back(tiny_sd3: Path, tmp_path: Path) -> None:
     for key, value in state.items():
         assert torch.equal(from_single.state_dict()[key], value), key
         assert torch.equal(from_folder[key], value), key
+
+
+def test_the_block_count_is_read_from_the_file(tiny_sd3: Path, tmp_path: Path) -> None:
+    """A file of 3 joint blocks beside the 2-block folder (SD3.5 Large's 38 beside a Medium folder's 24) builds and
+    loads as itself, and validate says where the count came from."""
+    from diffpipe_sd3.testing import write_tiny_sd3
+
+    deeper = write_tiny_sd3(tmp_path / "three", TinySD3Config(num_layers=3, dual_attention_layers=(0,)))
+    cfg = tiny_config(tiny_sd3, diffusion_model=original_path(deeper))
+    model = sd3.load_diffusion_model(cfg, CPU, torch.float32)
+    assert len(model.transformer_blocks) == 3 and model.transformer_blocks[2].context_pre_only
+    assert "num_layers = 3 from the file (the config says 2)" in sd3.model_file_lines(cfg)[0]
