@@ -61,6 +61,8 @@ DISTRIBUTIONS = {
     "qwen-image-2.1": "diffpipe-qwenimage",
     "qwen-image-2.1-turbo": "diffpipe-qwenimage",
     "z-image": "diffpipe-zimage",
+    "sd3": "diffpipe-sd3",
+    "auraflow": "diffpipe-auraflow",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

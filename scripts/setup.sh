@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install diffpipe-core (with its wandb extra), the model plugins (reference, flux, sdxl,
-# hunyuan, ltx, cosmos), the optimizers plugin (prodigy, schedule-free, torch-optimi, pytorch-optimizer) and the dev tools.
+# hunyuan, ltx, cosmos, and those under plugins/), the optimizers plugin (prodigy, schedule-free, torch-optimi,
+# pytorch-optimizer) and the dev tools.
 # torch is pinned here, not in the packages: CI and these CPU machines use the 2.13.0 CPU build;
 # on a GPU machine keep your own CUDA torch (set DIFFPIPE_TORCH to the spec you want, or "skip").
 # pip's and the build backends' own output goes to $VENV/setup.log (shown on failure; DIFFPIPE_VERBOSE=1 shows it).
@@ -33,5 +34,6 @@ fi
 pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels.txt \
   -e ".[dev,wandb]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
   -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers -e plugins/diffpipe_wan \
-  -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage
+  -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage \
+  -e plugins/diffpipe_sd3 -e plugins/diffpipe_auraflow
 echo "diffpipe: environment ready in $VENV"

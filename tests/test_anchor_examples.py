@@ -146,6 +146,8 @@ def test_every_anchor_model_type_has_a_diffpipe_name_or_a_planned_distribution()
 
 def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     """Tiny models standing in for the snippets' files: model -> (diffusers folder, single transformer file)."""
+    from diffpipe_auraflow.testing import original_path as auraflow_file
+    from diffpipe_auraflow.testing import write_tiny_auraflow
     from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
     from diffpipe_cosmos.testing import original_path as cosmos_file
     from diffpipe_flux.testing import bfl_path, write_tiny_chroma, write_tiny_flux
@@ -154,6 +156,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_ltx.testing import single_file_path as ltx_file
     from diffpipe_ltx.testing import write_tiny_ltx
     from diffpipe_qwenimage.testing import comfy_path, write_tiny_qwen
+    from diffpipe_sd3.testing import original_path as sd3_file
+    from diffpipe_sd3.testing import write_tiny_sd3
     from diffpipe_sdxl.testing import write_single_file, write_tiny_sdxl
     from diffpipe_wan.testing import single_file_path as wan_file
     from diffpipe_wan.testing import write_tiny_wan
@@ -176,6 +180,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "qwen-image": (qwen, comfy_path(qwen)),
         # diffpipe reads an edit model's diffusers folder (diffusion-pipe also takes Qwen-Image's with the edit file)
         "qwen-image-edit": (qwen_edit, comfy_path(qwen_edit)),
+        "sd3": (write_tiny_sd3(root / "sd3"), sd3_file(root / "sd3")),
+        "auraflow": (write_tiny_auraflow(root / "auraflow"), auraflow_file(root / "auraflow")),
     }
 
 
@@ -253,6 +259,15 @@ def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
                         tmp_path / "dataset.toml")
     assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-i2v"
     assert "config.json says model_type = 'i2v'" in imported.files["run.toml"]
+
+
+def test_max_sequence_length_becomes_text_max_length(tmp_path: Path) -> None:
+    """Issue 38: diffusion-pipe's AuraFlow example sets ``max_sequence_length = 768`` (Pony V7): diffpipe's
+    ``text_max_length``, not a key left behind."""
+    body = next(body for heading, body in SNIPPETS if heading.strip() == "AuraFlow")
+    imported = _convert(tmp_path, _in_main_example(body), EXAMPLES / "dataset.toml")
+    run = tomllib.loads(imported.files["run.toml"])
+    assert run["model"]["type"] == "auraflow" and run["model"]["text_max_length"] == 768
 
 
 def test_model_files_land_on_diffpipes_component_keys(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """What an outside author hit writing a Stable Diffusion 3.5 plugin from the guide, the template and the kit
 (issue 36), each fixed and checked here.
 
-The kit's sample comparison runs on ``tests/fixtures/diffpipe-auraflow``: the template rendered for
-``AuraFlowPipeline`` (a model the repository does not ship) with only its declarations filled in and its layers
-written for diffusers' ``AuraFlowTransformer2DModel``; its own tests (the rendered ones) pass the kit.
+The kit's sample comparison runs on ``tests/fixtures/diffpipe-acme-auraflow``: the template rendered (as an outside
+author would name it, ``acme-auraflow``) for ``AuraFlowPipeline`` with only its declarations filled in and its layers
+written for diffusers' ``AuraFlowTransformer2DModel``; its own tests (the rendered ones) pass the kit. (diffpipe's own
+AuraFlow plugin, ``plugins/diffpipe_auraflow``, grew from it.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from diffpipe_core.scaffold import render_plugin
 from diffpipe_core.testing.conformance import check_model_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "diffpipe-auraflow"
+FIXTURE = ROOT / "tests" / "fixtures" / "diffpipe-acme-auraflow"
 GUIDE = (ROOT / "plugins" / "README.md").read_text()
 CAPTIONS = ["a red cat", "a blue dog"]
 
@@ -29,8 +30,8 @@ def auraflow(tmp_path_factory: pytest.TempPathFactory):
     """The rendered AuraFlow plugin (imported from the fixture's ``src``) and its tiny model folder."""
     sys.path.insert(0, str(FIXTURE / "src"))
     try:
-        from diffpipe_auraflow.plugin import plugin
-        from diffpipe_auraflow.testing import write_tiny_model
+        from diffpipe_acme_auraflow.plugin import plugin
+        from diffpipe_acme_auraflow.testing import write_tiny_model
 
         yield plugin, write_tiny_model(tmp_path_factory.mktemp("auraflow") / "model")
     finally:
@@ -39,7 +40,7 @@ def auraflow(tmp_path_factory: pytest.TempPathFactory):
 
 def _kit(plugin, folder: Path) -> None:
     pixels = torch.rand(2, 3, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    check_model_plugin(plugin, "auraflow", {"type": "auraflow", "path": str(folder)}, pixels, CAPTIONS)
+    check_model_plugin(plugin, "acme-auraflow", {"type": "acme-auraflow", "path": str(folder)}, pixels, CAPTIONS)
 
 
 # ------------------------------------------------------------ 1. a wrong sampling schedule passes the kit
@@ -101,8 +102,8 @@ def test_the_fixture_is_the_template_with_declarations_filled_in(tmp_path: Path)
     """Against a fresh rendering: every hook body of plugin.py is the template's (only the declarations above the
     hooks differ), config.py is unchanged, model.py is gone (a diffusers class is named), and the plugin with its
     schema is at most 150 lines."""
-    fresh = render_plugin("auraflow", tmp_path) / "src" / "diffpipe_auraflow"
-    ours = FIXTURE / "src" / "diffpipe_auraflow"
+    fresh = render_plugin("acme-auraflow", tmp_path) / "src" / "diffpipe_acme_auraflow"
+    ours = FIXTURE / "src" / "diffpipe_acme_auraflow"
     hooks = "    # ------------------------------------------------------------------------------------------ caching"
     for name in ("plugin.py",):
         theirs_text, ours_text = (fresh / name).read_text(), (ours / name).read_text()

@@ -340,6 +340,7 @@ MODEL_RULES: dict[str, Rule] = {
     ),
     "checkpoint_path": lambda key, value, ctx: _checkpoint_path(key, value, ctx),
     "debiased_estimation_loss": _rename("model", "debiased_estimation"),
+    "max_sequence_length": _rename("model", "text_max_length", "the text encoder's tokens per caption"),
     "ckpt_path": _path_needed,
     "vae_path": lambda key, value, ctx: _component_file("vae", key, value, ctx),
     "vae": lambda key, value, ctx: _component_file("vae", key, value, ctx),

@@ -25,6 +25,8 @@ MODEL_TYPES = {
     "cosmos_predict2": "cosmos-predict2",
     "qwen_image": "qwen-image",
     "z_image": "z-image",
+    "sd3": "sd3",
+    "auraflow": "auraflow",
     "hunyuan_video_15": "hunyuan-video-1.5",
     "flux2": "flux2",
     "ltx2": "ltx-2",
@@ -34,11 +36,9 @@ MODEL_TYPES = {
 PLANNED = {
     "lumina_2": "diffpipe-lumina",
     "hidream": "diffpipe-hidream",
-    "sd3": "diffpipe-sd3",
     "anima": "diffpipe-cosmos",  # a Cosmos-Predict2 transformer with an LLM adapter; diffusion-pipe trains both alike
     "omnigen2": "diffpipe-omnigen2",
     "hunyuan_image": "diffpipe-hunyuan",
-    "auraflow": "diffpipe-auraflow",
     "ernie_image": "diffpipe-ernie",
     "ideogram4": "diffpipe-ideogram",
     "krea2": "diffpipe-krea",

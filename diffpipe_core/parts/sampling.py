@@ -25,6 +25,17 @@ class VAEDecoding:
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return latents.float() / vae.config.scaling_factor + shift
 
+    def latent_shape(self, request: SampleRequest, model_config: ModelConfigBase) -> tuple[int, int, int, int]:
+        """``(1, C, H/f, W/f)``: an image sample's latents as the image pipelines' ``prepare_latents`` make them, ``C``
+        the diffusion model's ``in_channels`` (the VAE's ``latent_channels`` where its config has none), ``f`` the VAE's
+        factor ``2 ** (levels - 1)`` from its ``block_out_channels``."""
+        folder = self.model_folder(model_config)  # type: ignore[attr-defined]
+        vae = self.folder.config(folder, "vae")  # type: ignore[attr-defined]
+        factor = 2 ** (len(vae.get("block_out_channels", [0] * 4)) - 1)
+        config = self.model_folder_config(model_config)  # type: ignore[attr-defined]
+        channels = int(config.get("in_channels", vae.get("latent_channels", 4)))
+        return 1, channels, request.height // factor, request.width // factor
+
     @hookimpl
     def load_decoder(self, model_config: ModelConfigBase, device: torch.device) -> Any:
         """The VAE alone (``encoder_dtype``; from ``[model] vae`` when given), frozen, on ``device``."""

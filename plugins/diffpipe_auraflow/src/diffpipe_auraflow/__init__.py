@@ -1,0 +1,1 @@
+"""diffpipe-auraflow: the AuraFlow model plugin for diffpipe (entry point ``auraflow``)."""
