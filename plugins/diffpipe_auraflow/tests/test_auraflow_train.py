@@ -81,7 +81,7 @@ def test_comfyui_lora_keys_and_weights(auraflow_run: Path) -> None:
     stems = set(comfy.group_by_stem(file))
     assert stems <= set(key_map) and len(stems) == len(modules)
     assert {"diffusion_model.double_layers.0.attn.w1o", "diffusion_model.single_layers.1.mlp.c_proj"} <= stems
-    assert all(float(file[f"{s}.alpha"]) == ALPHA for s in stems)
+    assert all(float(file[f"{s}.alpha"]) == RANK for s in stems)
     applied = comfy.apply_file({f"diffusion_model.{k}": v for k, v in native.items()}, file, key_map)
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     got = layout_for_keys(base).to_model({k.removeprefix("diffusion_model."): v for k, v in applied.items()})

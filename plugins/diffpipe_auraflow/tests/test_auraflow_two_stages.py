@@ -30,12 +30,12 @@ def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_trains_on_two_stages_from_the_single_file_and_the_lora_reproduces(two_stage_run: Path) -> None:
     from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
-    from test_auraflow_train import RANK, transformer_inputs
+    from test_auraflow_train import ALPHA, RANK, transformer_inputs
 
     runs.assert_trained_in_stages(two_stage_run, STEPS, 2)
     model_dir, saved = two_stage_run.parent.parent / "model", two_stage_run / "saved" / "final"
     _, cfg = read_adapter(saved)
     fresh = AuraFlowTransformer2DModel.from_pretrained(str(model_dir / "transformer"))
-    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, cfg["lora_alpha"], cfg["target_modules"])
+    reference = runs.with_trained_lora(fresh, two_stage_run, RANK, ALPHA, cfg["target_modules"])
     pipe = AuraFlowPipeline.from_pretrained(str(model_dir), local_files_only=True)
     runs.assert_lora_reproduces(pipe, saved / "adapter_model.safetensors", reference, transformer_inputs())

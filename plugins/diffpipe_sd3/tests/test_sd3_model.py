@@ -179,4 +179,4 @@ def test_the_block_count_is_read_from_the_file(tiny_sd3: Path, tmp_path: Path) -
     cfg = tiny_config(tiny_sd3, diffusion_model=original_path(deeper))
     model = sd3.load_diffusion_model(cfg, CPU, torch.float32)
     assert len(model.transformer_blocks) == 3 and model.transformer_blocks[2].context_pre_only
-    assert "num_layers = 3 from the file (the config says 2)" in sd3.model_file_lines(cfg)[0]
+    assert "num_layers = 3 from the file's tensors (the config says 2)" in sd3.model_file_lines(cfg)[0]

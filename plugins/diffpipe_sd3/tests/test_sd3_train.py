@@ -80,8 +80,8 @@ def test_comfyui_lora_keys_and_fused_weights(sd3_run: Path) -> None:
     blocks = ("0.x_block.attn.qkv", "0.x_block.attn2.qkv", "1.context_block.attn.qkv", "0.context_block.mlp.fc2",
               "1.x_block.mlp.fc1")
     assert {f"diffusion_model.joint_blocks.{b}" for b in blocks} <= stems
-    assert float(file["diffusion_model.joint_blocks.0.x_block.attn.qkv.alpha"]) == 3 * ALPHA
-    assert float(file["diffusion_model.joint_blocks.1.context_block.attn.qkv.alpha"]) == 2 * ALPHA  # no last-block q
+    assert float(file["diffusion_model.joint_blocks.0.x_block.attn.qkv.alpha"]) == 3 * RANK
+    assert float(file["diffusion_model.joint_blocks.1.context_block.attn.qkv.alpha"]) == 2 * RANK  # no last-block q
     assert file["diffusion_model.joint_blocks.0.x_block.attn.qkv.lora_B.weight"].shape == (96, 3 * RANK)
 
     applied = comfy.apply_file({f"diffusion_model.{k}": v for k, v in native.items()}, file, key_map)

@@ -50,6 +50,10 @@ class {{class_name}}(DiffusersModel, FlowSampling):
         contract={{contract}},  # the plugin contract this is written against (diffpipe_core.CONTRACT_VERSION)
     )
     folder = DiffusersFolder("{{name}}", PIPELINES, COMPONENTS)
+    # Component files ([model] diffusion_model, vae, text_encoders) in diffusers' names load with no declaration. Files
+    # in an original layout: DiffusersFolder(..., file_layouts={"vae": my_vae_table}) and key_tables = "my.module";
+    # a file of another size than the folder's builds as itself with (diffpipe_core.parts.file_variant.blocks):
+    # file_config = {"num_layers": blocks("transformer_blocks")}
     model_class = COMPONENTS["transformer"]
     lora_target_names = (  # the joint blocks' attention and MLP linears (exact names or dotted suffixes)
         *("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"),  # image side
