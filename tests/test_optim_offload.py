@@ -28,7 +28,7 @@ def optimizer_for(kind: str, net: torch.nn.Module, offload: bool) -> torch.optim
 def train(net: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
     for i in steps:
         g = torch.Generator().manual_seed(i)
-        x = torch.randn(4, 8, generator=g).to(next(net.parameters()).dtype)
+        x = torch.randn(4, 8, generator=g).to(next(net.parameters()))  # the net's dtype and device
         optimizer.zero_grad()
         net(x).float().square().mean().backward()
         optimizer.step()
@@ -80,7 +80,11 @@ def test_each_underlying_step_sees_one_parameter_and_the_groups_are_restored() -
     assert net[2].bias not in optimizer.state
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the state's device is checked there")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a GPU (on the CPU, state and weights share host memory; the tests above compare offloaded and plain "
+    "steps there); not yet among bench/gpu_proof.sh's tests",
+)
 def test_on_a_gpu_the_state_stays_in_host_memory_between_steps() -> None:
     net = model().cuda()
     optimizer = optimizer_for("adamw", net, True)
