@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from diffpipe_core.engine.checkpoint_check import checkpoint_problems, step_of
 from diffpipe_core.engine.run_dir import LATEST
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import kill_group, run_diffpipe, start_diffpipe
@@ -70,7 +71,9 @@ def test_a_second_writer_is_refused_and_a_killed_ones_lock_is_stale(tmp_path: Pa
                                                  f"(pid {first.pid} "), second.stderr
     assert "Traceback" not in second.output
     assert (run / ".writer.lock").is_file()
-    steps = int((run / "checkpoints" / LATEST).read_text().strip()[5:])
+    # what --resume latest picks: the newest whole checkpoint, which the kill may have left before `latest` named it
+    whole = [p for p in (run / "checkpoints").glob("step-*") if step_of(p) is not None and not checkpoint_problems(p)]
+    steps = max(step_of(p) for p in whole)
     project(tmp_path, max_steps=steps + 1)
     third = run_diffpipe(["train", "--config", str(config), "--resume", "latest"], cwd=tmp_path, timeout=300)
     assert third.returncode == 0, third.output[-3000:]
