@@ -29,9 +29,10 @@ if [ "$TORCH_SPEC" != "skip" ]; then
 fi
 # compat editable mode puts each plugin's src/ on sys.path, so the distribution folders of the same name
 # (diffpipe_flux/ holding src/diffpipe_flux/) never shadow the packages when run from the repo root
-# bench/proof_wheels.txt pins the versions CI tests (and the GPU proof carries): a library's new release reaches CI
+# bench/proof_wheels.txt pins the versions CI tests (and the GPU proof carries), scripts/docs_tools.txt the manual's
+# build tools: a library's new release reaches CI
 # only when that file says so, never by surprise
-pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels.txt \
+pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels.txt -c scripts/docs_tools.txt \
   -e ".[dev,wandb]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
   -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers -e plugins/diffpipe_wan \
   -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage \

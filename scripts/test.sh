@@ -12,6 +12,17 @@ bash scripts/setup.sh
 VENV=${DIFFPIPE_VENV:-.venv}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 "$VENV/bin/ruff" check .
+# the manual (docs/, mkdocs.yml): generated pages fresh, no broken link, no page left out of the navigation; built into
+# a temporary folder, quiet unless it fails
+"$VENV/bin/python" -m diffpipe_core.manual --check
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+if ! NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --quiet --site-dir "$SITE" >"$SITE.log" 2>&1; then
+    cat "$SITE.log" >&2; rm -f "$SITE.log"
+    echo "scripts/test.sh: mkdocs build --strict failed (above)" >&2
+    exit 1
+fi
+rm -f "$SITE.log"
 # two xdist workers (the CI machine has 2 cores), one thread each: more threads than cores make OpenMP spin-wait
 # (conftest.py keeps the tests that share a session fixture on one worker)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

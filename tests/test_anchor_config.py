@@ -373,16 +373,18 @@ def test_the_valid_keys_are_listed_once_per_table(project: Path) -> None:
     assert problems[1].endswith("(valid keys listed above)") and "Did you mean 'warmup_steps'?" in problems[1]
 
 
-def test_the_readme_table_names_every_anchor_key_the_importer_knows() -> None:
+def test_the_manual_table_names_every_anchor_key_the_importer_knows() -> None:
+    """docs/diffusion-pipe.md's key table is generated from RULES (python -m diffpipe_core.manual; test_manual.py
+    keeps it fresh): every key has its row."""
     import re
 
     from diffpipe_core.anchor.keys import RULES
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Coming from diffusion-pipe", 1)[1].split("\n## ", 1)[0]
-    quoted = " ".join(re.findall(r"`([^`]*)`", section))
-    missing = [f"{s}.{k}" for s, rules in RULES.items() for k in rules if not re.search(rf"\b{k}\b", quoted)]
-    assert not missing, f"README's diffusion-pipe table lacks {missing}"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "diffusion-pipe.md").read_text()
+    section = page.split("<!-- generated: anchor-keys", 1)[1].split("<!-- end generated: anchor-keys -->", 1)[0]
+    rows = set(re.findall(r"^\| `([^`]*)` \(", section, re.M))
+    missing = [f"{s}.{k}" for s, rules in RULES.items() for k in rules if k not in rows]
+    assert not missing, f"the manual's diffusion-pipe table lacks {missing}"
 
 
 def _imported_run(tmp_path: Path, model: str) -> dict:

@@ -351,7 +351,7 @@ def test_the_plan_says_when_micro_batches_in_flight_make_a_stage_the_largest() -
     assert note == (
         "  note: stage 0 holds 2 micro-batches' activations at once (DeepSpeed's 1F1B schedule), 108 MiB more than "
         "one; activation_checkpointing = true (it keeps only each block's input) or more pipeline_stages lower it "
-        '(README: "Memory per stage")'
+        '(the manual: docs/training.md, "Memory per stage")'
     )
     assert format_plan(plan)[-1] == note
     one_at_a_time = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=1, pipeline_stages=2,

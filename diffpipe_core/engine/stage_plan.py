@@ -258,7 +258,7 @@ def in_flight_note(plan: StagePlan) -> str | None:
     return (
         f"  note: stage {big.stage} holds {big.in_flight} micro-batches' activations at once (DeepSpeed's 1F1B "
         f"schedule), {_mib(big.queued_bytes)} more than one; activation_checkpointing = true (it keeps only each "
-        "block's input) or more pipeline_stages lower it (README: \"Memory per stage\")"
+        "block's input) or more pipeline_stages lower it (the manual: docs/training.md, \"Memory per stage\")"
     )
 
 

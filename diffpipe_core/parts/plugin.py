@@ -105,6 +105,9 @@ class DiffusersModel:
             layers, from the same noise (None: the model has no diffusers pipeline, nothing to compare with).
         sample_pipeline_settings: ``{pipeline call argument: [model] key}`` for the settings the pipeline takes as
             call arguments (``{"max_sequence_length": "text_max_length"}``).
+        tiny_writer: ``"module:function"`` of the function writing the model's tiny random-weight folder in its real
+            layout (``function(folder) -> folder``), for tests, examples and bug reports:
+            ``python -m diffpipe_core.testing.tiny_models TYPE DIR`` runs it (None: the model has none).
 
     and override :meth:`original_layout` when the model has an original single-file layout,
     :meth:`default_lora_targets` when the default targets depend on the config otherwise, :meth:`build_skeleton`
@@ -127,6 +130,7 @@ class DiffusersModel:
     encoder_components: ClassVar[tuple[str, ...]] = ("vae", "text_encoder", "tokenizer")
     sample_pipeline: ClassVar[str | None] = None
     sample_pipeline_settings: ClassVar[dict[str, str]] = {}
+    tiny_writer: ClassVar[str | None] = None
     #: The module holding the original single-file key tables: its ``layout_for_config(transformer_config)`` and
     #: ``lora_layout(state_dict)`` are :meth:`original_layout` and :meth:`lora_layout` (imported when first used).
     key_tables: ClassVar[str | None] = None

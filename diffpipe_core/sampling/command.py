@@ -29,7 +29,8 @@ import click
     type=click.Path(path_type=Path),
     default=Path("samples"),
     show_default=True,
-    help="A folder, or for one prompt a .png (.mp4 for video models) file.",
+    help="A folder (it gets NN-<prompt>.png, or .mp4 for video models, per prompt, contact-sheet.png, "
+    "latents.safetensors and prompts.json), or for one prompt a .png (.mp4) file.",
 )
 @click.option("--steps", type=int, default=None, help="Denoising steps (default: [sample] steps, else 20).")
 @click.option("--seed", type=int, default=None, help="Noise seed (default: [sample] seed, else 0).")
@@ -49,6 +50,15 @@ def sample(
     Settings not given here (resolution, guidance, cfg, negative prompt, frames) come from the config's
     [sample] table (its every_n_* keys are not needed); the size defaults to the dataset's first resolution and
     frame bucket. Needs only the model, the adapter and prompts: no dataset media, no cache.
+
+    \b
+    A folder --out gets, as a training sampling point's samples/step-N/ does:
+      NN-<prompt>.png        one per prompt (video models: NN-<prompt>.mp4)
+      contact-sheet.png      every sample in a grid, the prompt under each
+      latents.safetensors    sample_NN: prompt NN's final latents, before decoding
+      prompts.json           which file shows which prompt; size, steps, cfg, seed
+    Prompt NN's noise comes from torch.Generator().manual_seed(seed * 1_000_003 + NN): the manual's
+    samples page gives the diffusers call that reproduces a sample.
     """
     from diffpipe_core.cli_common import fail, load_checked
     from diffpipe_core.engine.fast_exit import exit_now

@@ -208,6 +208,7 @@ def latent_stats(vae: Any) -> tuple[Any, Any]:
 
 class Cosmos1(Cosmos):
     """Cosmos-1.0 Diffusion text-to-world: EDM training and sampling (``EDMEulerScheduler``)."""
+    tiny_writer = "diffpipe_cosmos.testing:write_tiny_cosmos1"  # python -m diffpipe_core.testing.tiny_models
 
     variant, default_fps = "1.0", 30.0
     trained = ((121,), SIZES_720P)
@@ -283,6 +284,7 @@ class Predict2(Cosmos):
     latent is ``(1 - t) x_sigma - t F``. With ``x_t = (1 - t) x_0 + t noise`` that is ``x_t - t F``: a velocity
     model (``F = noise - x_0``), and NVIDIA's EDM weight times ``|D - x_0|^2`` is ``(t^2 + (1 - t)^2) |F - (noise -
     x_0)|^2`` (``nvidia_weighting``)."""
+    tiny_writer = "diffpipe_cosmos.testing:write_tiny_predict2"  # python -m diffpipe_core.testing.tiny_models
 
     variant, default_fps = "predict2", 16.0
     trained = ((1, 93), SIZES_720P | {(1024, 1024), (768, 1360), (1360, 768)})

@@ -161,6 +161,16 @@ def write_tiny_cosmos(folder: Path, cfg: TinyCosmosConfig | None = None, origina
     return folder
 
 
+def write_tiny_cosmos1(folder: Path) -> Path:
+    """The tiny Cosmos 1.0 text-to-world folder (``cosmos``)."""
+    return write_tiny_cosmos(folder, TinyCosmosConfig(variant="1.0"))
+
+
+def write_tiny_predict2(folder: Path) -> Path:
+    """The tiny Cosmos-Predict2 text-to-image folder (``cosmos-predict2``)."""
+    return write_tiny_cosmos(folder, TinyCosmosConfig(variant="predict2"))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_cosmos.testing FOLDER [--variant 1.0|predict2] [--video2world]``: write a tiny Cosmos
     (folder + ``FOLDER.original.safetensors``)."""

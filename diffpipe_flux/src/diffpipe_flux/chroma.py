@@ -34,6 +34,7 @@ COMPONENTS = {
 
 class Chroma(Flux):
     """Chroma: Flux's image geometry (multiples of 16 pixels) on a T5-only, modulation-approximator transformer."""
+    tiny_writer = "diffpipe_flux.testing:write_tiny_chroma"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         Flux.spec,

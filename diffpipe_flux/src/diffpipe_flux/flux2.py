@@ -63,6 +63,7 @@ def components(text_encoder: str) -> dict[str, str]:
 
 class Flux2(Flux):
     """FLUX.2 [dev]: a guidance-distilled image model on Mistral3 text features; sizes in multiples of 16 pixels."""
+    tiny_writer = "diffpipe_flux.testing:write_tiny_flux2"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         Flux.spec,
@@ -228,6 +229,7 @@ class Flux2(Flux):
 
 class Flux2Klein(Flux2):
     """FLUX.2 [klein]: FLUX.2 on Qwen3 text features (chat template, stacked hidden layers), no guidance input."""
+    tiny_writer = "diffpipe_flux.testing:write_tiny_klein"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         Flux2.spec,

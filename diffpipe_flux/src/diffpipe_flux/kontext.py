@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 class FluxKontext(Flux):
     """Flux Kontext: a Flux transformer conditioned on a control image appended along the token sequence."""
+    tiny_writer = "diffpipe_flux.testing:write_tiny_flux"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         Flux.spec,

@@ -49,6 +49,7 @@ FLUX_FILE_CONFIG = {
 
 class Flux(DiffusersModel, FlowSampling):
     """Flux.1: an image model; VAE factor 8 x 2x2 packing = sizes in multiples of 16 pixels."""
+    tiny_writer = "diffpipe_flux.testing:write_tiny_flux"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "flux", FluxConfig, "Flux.1 dev/schnell (diffusers folder or BFL single-file transformer)",

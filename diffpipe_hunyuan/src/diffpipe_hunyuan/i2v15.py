@@ -33,6 +33,7 @@ DESCRIPTION = "HunyuanVideo-1.5 image-to-video (diffusers folder or Tencent's si
 class HunyuanVideo15I2V(SampleImageConditioning, HunyuanVideo15):
     """HunyuanVideo-1.5 image-to-video: clips conditioned on their first frame, images as unconditioned 1-frame
     videos."""
+    tiny_writer = "diffpipe_hunyuan.testing15:write_tiny_hunyuan15_i2v"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(HunyuanVideo15.spec, name="hunyuan-video-1.5-i2v", config_schema=HunyuanVideo15I2VConfig,
                    description=DESCRIPTION, first_frame="optional")

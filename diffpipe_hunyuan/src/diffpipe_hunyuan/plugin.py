@@ -47,6 +47,7 @@ REFINER_BLOCKS = ("txt_in.individual_token_refiner.blocks", "context_embedder.to
 class HunyuanVideo(DiffusersModel, FlowSampling):
     """HunyuanVideo: a video model (images train as 1-frame videos); VAE 8x spatial x 2x2 patches = multiples of 16
     pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
+    tiny_writer = "diffpipe_hunyuan.testing:write_tiny_hunyuan"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "hunyuan-video", HunyuanConfig,

@@ -47,6 +47,7 @@ TEXT_COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokeni
 class HunyuanVideo15(DiffusersModel, FlowSampling):
     """HunyuanVideo-1.5: a video model (images train as 1-frame videos); VAE 16x spatial, patch 1 = multiples of 16
     pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
+    tiny_writer = "diffpipe_hunyuan.testing15:write_tiny_hunyuan15"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "hunyuan-video-1.5", HunyuanVideo15Config,

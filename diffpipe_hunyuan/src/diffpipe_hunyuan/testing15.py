@@ -165,6 +165,11 @@ def write_tiny_hunyuan15(folder: Path, cfg: TinyHunyuan15Config | None = None, i
     return folder
 
 
+def write_tiny_hunyuan15_i2v(folder: Path) -> Path:
+    """The tiny HunyuanVideo-1.5 image-to-video folder (``hunyuan-video-1.5-i2v``)."""
+    return write_tiny_hunyuan15(folder, i2v=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_hunyuan.testing15 FOLDER [--i2v]``: write a tiny HunyuanVideo-1.5 (the folder and
     ``FOLDER.original.safetensors``)."""

@@ -97,6 +97,7 @@ class LTX2Folder(DiffusersFolder):
 class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
     """LTX-2: video (and images as one-frame videos) with first-frame conditioning; VAE 32x spatial, 8x temporal:
     frames 8k + 1 at 24 fps."""
+    tiny_writer = "diffpipe_ltx.ltx2_testing:write_tiny_ltx2"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "ltx-2", LTX2Config, "LTX-2 video branch (diffusers folder or original Lightricks single-file transformer)",

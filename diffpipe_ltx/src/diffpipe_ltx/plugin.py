@@ -41,6 +41,7 @@ SIZES = (
 
 class LTXVideo(DiffusersModel, FlowSampling):
     """LTX-Video: a video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
+    tiny_writer = "diffpipe_ltx.testing:write_tiny_ltx"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "ltx-video", LTXConfig, "LTX-Video (diffusers folder or original Lightricks single-file transformer)",

@@ -44,6 +44,7 @@ ENCODER_SETTINGS = ("path", "config_path", "vae_path", "vae_dtype", "text_encode
 
 class SDXL(DiffusersModel, DDPMSampling):
     """SDXL: images, VAE factor 8, sizes rounded to multiples of 64 (SDXL's bucket grid)."""
+    tiny_writer = "diffpipe_sdxl.testing:write_tiny_sdxl"  # python -m diffpipe_core.testing.tiny_models
 
     spec = ModelSpec(
         "sdxl", "image", SDXLConfig, spatial_multiple=64, encoder_settings=(*ENCODER_SETTINGS, "train_text_encoders"),

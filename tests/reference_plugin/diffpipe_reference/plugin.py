@@ -32,6 +32,9 @@ class ReferenceConfig(ModelConfigBase):
     shift: float = Field(1.0, gt=0, description="Time shift applied after sampling.")
 
 
+#: python -m diffpipe_core.testing.tiny_models reference DIR
+tiny_writer = "diffpipe_reference.model:write_tiny_model"
+
 SPEC = ModelSpec(
     name="reference",
     modality="image",

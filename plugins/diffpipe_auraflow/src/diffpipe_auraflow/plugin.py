@@ -32,6 +32,7 @@ COMPONENTS = {
 class AuraFlow(DiffusersModel, FlowSampling):
     """AuraFlow: joint (MMDiT) then single DiT blocks on UMT5 text features with register tokens; VAE factor 8 x 2x2
     patches = multiples of 16 pixels."""
+    tiny_writer = "diffpipe_auraflow.testing:write_tiny_auraflow"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "auraflow", AuraFlowConfig, "AuraFlow v0.1-v0.3, Pony V7 (diffusers folder or original single file)",

@@ -33,6 +33,7 @@ ONE_IMAGE = "QwenImageEditPipeline"
 
 class QwenImageEdit(QwenImage):
     """Qwen-Image-Edit: every target has reference (control) images, decoded at their own aspect ratio."""
+    tiny_writer = "diffpipe_qwenimage.testing:write_tiny_qwen_edit"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         QwenImage.spec,

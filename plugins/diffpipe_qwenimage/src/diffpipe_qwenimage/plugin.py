@@ -46,6 +46,7 @@ SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image
 class QwenImage(DiffusersModel, FlowSampling):
     """Qwen-Image: an MMDiT over 2x2-packed latents of a VAE with 8x compression (sizes in multiples of 16 pixels),
     conditioned on Qwen2.5-VL's last hidden state of the chat-templated caption."""
+    tiny_writer = "diffpipe_qwenimage.testing:write_tiny_qwen"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "qwen-image", QwenImageConfig,

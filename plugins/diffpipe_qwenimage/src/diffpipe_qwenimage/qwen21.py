@@ -44,6 +44,7 @@ SCHEDULER = {"use_dynamic_shifting": False, "base_image_seq_len": 256, "max_imag
 class QwenImage21(DiffusersModel, FlowSampling):
     """Qwen-Image 2.1: one sequence of Qwen3-VL text features and the target's latent pixels (sizes in multiples of 32
     pixels: a 16x VAE whose 2x2 latent groups fill the text encoder's image slots)."""
+    tiny_writer = "diffpipe_qwenimage.testing21:write_tiny_qwen21"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "qwen-image-2.1", QwenImage21Config,
@@ -242,6 +243,7 @@ def flat(latents: torch.Tensor) -> torch.Tensor:
 class QwenImage21Turbo(QwenImage21):
     """Qwen-Image 2.1 Turbo: the few-step checkpoint, sampled without guidance on its own ``sample_sigmas``
     (``QwenImage21TurboModularPipeline``). Trained like the base model; see the README for what to expect."""
+    tiny_writer = "diffpipe_qwenimage.testing21:write_tiny_qwen21_turbo"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         QwenImage21.spec,

@@ -165,6 +165,11 @@ def load_pipeline(folder: Path) -> Any:
                                                     **extra)
 
 
+def write_tiny_qwen_edit(folder: Path) -> Path:
+    """The tiny Qwen-Image-Edit folder (``qwen-image-edit``: ``QwenImageEditPipeline``)."""
+    return write_tiny_qwen(folder, "QwenImageEditPipeline")
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_qwenimage.testing FOLDER [--pipeline NAME]``: write a tiny Qwen-Image folder (and
     ``FOLDER-comfy.safetensors``, its transformer in ComfyUI's layout) for a demo."""

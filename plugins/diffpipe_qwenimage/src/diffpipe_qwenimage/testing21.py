@@ -109,6 +109,11 @@ def write_tiny_qwen21(folder: Path, cfg: TinyQwen21Config | None = None, turbo: 
     return as_turbo(folder, folder) if turbo else folder
 
 
+def write_tiny_qwen21_turbo(folder: Path) -> Path:
+    """The tiny Qwen-Image 2.1 Turbo folder (``qwen-image-2.1-turbo``: ``sample_sigmas`` in ``model_index.json``)."""
+    return write_tiny_qwen21(folder, turbo=True)
+
+
 def as_turbo(folder: Path, out: Path) -> Path:
     """Tiny Qwen-Image 2.1 folder ``folder`` as a Turbo folder at ``out`` (``folder`` itself, or a copy of it):
     :data:`TURBO_SIGMAS` as ``sample_sigmas`` in its ``model_index.json``."""

@@ -42,6 +42,7 @@ BLOCK_LINEARS = (
 class SD3(DiffusersModel, FlowSampling):
     """SD3 / SD3.5: an MMDiT on CLIP-L + CLIP-G + T5 text features and a pooled CLIP vector; VAE factor 8 x 2x2
     patches = multiples of 16 pixels."""
+    tiny_writer = "diffpipe_sd3.testing:write_tiny_sd3"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "sd3", SD3Config,

@@ -30,6 +30,7 @@ TEXT_TOKENS = 512  # diffusers' WanAttnProcessor takes the last 512 context toke
 
 class WanI2V(Wan):
     """Wan image-to-video: clips only, each conditioned on its first frame."""
+    tiny_writer = "diffpipe_wan.testing:write_tiny_wan_i2v"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
         Wan.spec,

@@ -112,6 +112,7 @@ def expert_problem(model_config: WanConfig, ratio: float | None) -> str | None:
 class Wan(DiffusersModel, FlowSampling):
     """Wan text-to-video: a video model (images train as 1-frame videos); VAE 8x spatial (16x for Wan 2.2 TI2V's)
     x 2x2 patches; 4x temporal, so frame counts are 4k + 1; clips resampled to 16 fps."""
+    tiny_writer = "diffpipe_wan.testing:write_tiny_wan"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "wan", WanConfig,

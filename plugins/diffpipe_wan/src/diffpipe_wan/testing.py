@@ -158,6 +158,11 @@ def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int
     return write_clip_dataset(folder, frames, captions, size, fps=16, drifting=True)
 
 
+def write_tiny_wan_i2v(folder: Path) -> Path:
+    """The tiny Wan 2.1 image-to-video folder (``wan-i2v``: ``WanImageToVideoPipeline`` with its CLIP image encoder)."""
+    return write_tiny_wan(folder, TinyWanConfig(i2v=True, clip=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_wan.testing FOLDER [--i2v] [--clips DIR]``: write a tiny Wan (folder +
     ``FOLDER.wan.safetensors``) and, with ``--clips``, four short captioned mp4 clips for a demo dataset."""

@@ -40,6 +40,7 @@ HEAD_DIM = Shape(weight_of("layers.0.attention.q_norm", "layers.0.attention.norm
 class ZImage(DiffusersModel, FlowSampling):
     """Z-Image: a single-stream image DiT on Qwen3 text features; VAE factor 8 x 2x2 patches = multiples of 16
     pixels."""
+    tiny_writer = "diffpipe_zimage.testing:write_tiny_zimage"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
         "z-image", ZImageConfig, "Z-Image / Z-Image Turbo (diffusers folder or original single-file transformer)",
