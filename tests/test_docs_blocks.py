@@ -97,6 +97,12 @@ def toml_problems(body: str) -> list[str]:
     from diffpipe_core.data.dataset_config import DatasetConfig, DirectoryConfig
 
     data = tomllib.loads(body)
+    if "project" in data:  # a plugin's pyproject.toml: its entry points are installed model types
+        from diffpipe_core.registry import get_registry
+
+        names = {info.name for info in get_registry().models() if info.ok}
+        points = data["project"].get("entry-points", {}).get("diffpipe.models", {})
+        return [f"entry point {name} is not an installed model" for name in points if name not in names]
     if "directory" in data or "resolutions" in data or set(data) <= set(DirectoryConfig.model_fields) - {"path"}:
         if set(data) <= set(DirectoryConfig.model_fields) | {"directory"} and "directory" not in data:
             return unknown_keys(data, DirectoryConfig, "[[directory]].")
@@ -158,8 +164,7 @@ def test_the_pages_have_blocks_to_check() -> None:
     assert len(found) > 40 and any(lang == "toml" for _, lang, _, _ in found)
 
 
-@pytest.mark.parametrize("where,lang,body,mark", checked_blocks(), ids=lambda x: x if isinstance(x, str) and
-                         re.match(r"^[\w/.-]+\.md:\d+$", x) else "")  # fmt: skip
+@pytest.mark.parametrize("where,lang,body,mark", checked_blocks(), ids=[b[0] for b in checked_blocks()])
 def test_every_command_and_toml_block_is_checked_or_marked(where: str, lang: str, body: str, mark: str | None) -> None:
     if mark is not None:
         if mark.startswith("not run:"):

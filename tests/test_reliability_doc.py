@@ -1,4 +1,5 @@
-"""The manual's reliability table (issue 37; docs/resume.md since issue 48): at least 40 fault classes, each naming a test that exists."""
+"""The manual's reliability table (issue 37; docs/resume.md since issue 48): at least 40 fault classes, each naming
+a test that exists."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ SYSTEM_PROMPT = "You are a helpful assistant who will provide prompts to an imag
 class Predict25(Predict2):
     """Cosmos-Predict2.5 (module docstring): Predict2's latents, layers, loss and LoRA layout; its own text
     encoder, inputs and sampler."""
-    tiny_writer = "diffpipe_cosmos.testing_predict25:write_tiny_predict25"  # python -m diffpipe_core.testing.tiny_models
+    tiny_writer = "diffpipe_cosmos.testing_predict25:write_tiny_predict25"  # python -m ...testing.tiny_models
 
     variant: ClassVar[Any] = "predict2.5"
     default_fps = 16.0
