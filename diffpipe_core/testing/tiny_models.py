@@ -1,6 +1,6 @@
 """Write any installed model type's tiny random-weight model, in its real on-disk layout, from the command line.
 
-    python -m diffpipe_core.testing.tiny_models MODEL_TYPE DIR   # e.g. flux /tmp/flux-tiny
+    python -m diffpipe_core.testing.tiny_models MODEL_TYPE DIR   # e.g. flux flux-tiny
     python -m diffpipe_core.testing.tiny_models --list           # the model types and their writers
 
 For examples, tries of a config and bug reports without downloading weights. A model plugin declares its writer as

@@ -64,7 +64,8 @@ class {{class_name}}(DiffusersModel, FlowSampling):
     last_block_unused = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
     sample_pipeline = SAMPLE_PIPELINE
     sample_pipeline_settings = {"max_sequence_length": "text_max_length"}  # its call arguments from [model] keys
-    tiny_writer = "{{package}}.testing:write_tiny_model"  # python -m diffpipe_core.testing.tiny_models TYPE DIR
+    # python -m diffpipe_core.testing.tiny_models {{name}} DIR writes the tiny model with:
+    tiny_writer = "{{package}}.testing:write_tiny_model"
 
     # ------------------------------------------------------------------------------------------ caching
     # load_encoders (DiffusersModel's): the VAE, text_encoder and tokenizer; encoders.config is the [model] table
