@@ -257,10 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stale: {path.relative_to(args.repo)} (run: python -m diffpipe_core.manual)")
         return 1 if found else 0
     (args.repo / "docs" / "models").mkdir(parents=True, exist_ok=True)
-    for path in (repo_path for repo_path in (args.repo / "docs" / "models").glob("*.md")):
-        if path not in generated(args.repo):
+    want = generated(args.repo)
+    for path in (args.repo / "docs" / "models").glob("*.md"):
+        if path not in want:  # its README is gone
             path.unlink()
-    for path, text in generated(args.repo).items():
+            print(f"removed {path.relative_to(args.repo)}")
+    for path, text in want.items():
         if not path.is_file() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(args.repo)}")
