@@ -172,6 +172,10 @@ def test_every_command_and_toml_block_is_checked_or_marked(where: str, lang: str
             return
         test = re.search(r"runs in (tests/[\w/]+\.py)", mark)
         assert test and (REPO / test.group(1)).is_file(), f"{where}: {mark!r} names no test that exists"
+        page = where.rsplit(":", 1)[0]
+        assert page in (REPO / test.group(1)).read_text() or Path(page).name in (REPO / test.group(1)).read_text(), (
+            f"{where}: {test.group(1)} does not read {page}"
+        )
         return
     if lang == "toml":
         problems = toml_problems(body)
