@@ -134,25 +134,81 @@ def installed_types() -> list[str]:
     return [info.name for info in get_registry().models() if info.ok]
 
 
+def documented_latents() -> dict[str, str]:
+    """``{model type: the layout of its sample_NN}`` from the samples page's table (``-i2v`` / ``-turbo`` after a
+    name extend it; ``as `x``` takes ``x``'s)."""
+    page = (REPO / "docs" / "samples.md").read_text()
+    table = page.split("| `sample_NN` in `latents.safetensors` |", 1)[1].split("\n\n", 1)[0]
+    out: dict[str, str] = {}
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        names: list[str] = []
+        for name in re.findall(r"`([\w.-]+)`", cells[0]):
+            names.append(names[-1] + name if name.startswith("-") else name)
+        layout = cells[-1]
+        alias = re.match(r"as `([\w.-]+)`", layout)
+        for name in names:
+            out[name] = out[alias.group(1)] if alias else layout
+    return out
+
+
+def layout_dims(layout: str) -> tuple[int, int | None]:
+    """The number of dimensions of a layout ``(1, C, (F−1)/4+1, H/8, W/8)``, and its width factor when it names one."""
+    inner, depth, commas = layout[layout.index("(") + 1 :], 0, 0
+    for i, ch in enumerate(inner):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            if depth == 0:
+                inner = inner[:i]
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            commas += 1
+    factor = re.search(r"W/(\d+)$", inner.strip())
+    return commas + 1, int(factor.group(1)) if factor else None
+
+
 def test_the_command_line_writes_every_installed_types_tiny_model_its_plugin_validates(tmp_path: Path) -> None:
     """``python -m diffpipe_core.testing.tiny_models TYPE DIR`` (its ``main``, in-process: the imports are shared)
     writes, for every installed model type, a folder the plugin's own ``validate_model_files`` accepts (about half a
-    second a type once the libraries are imported)."""
+    second a type once the libraries are imported); and the noise its sampling starts from (the layout of
+    ``latents.safetensors``) has the rank and width factor the samples page says."""
+    from PIL import Image
+
     from diffpipe_core.registry import get_registry
+    from diffpipe_core.sampling.loop import noise_generator
     from diffpipe_core.testing.tiny_models import main
+    from diffpipe_core.types import SampleRequest
 
     types = installed_types()
     assert len(types) >= 24, types
+    documented = documented_latents()
     registry = get_registry()
+    image = tmp_path / "first-frame.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(image)
     for model_type in types:
         folder = tmp_path / model_type
         assert main([model_type, str(folder)]) == 0, model_type
         plugin = registry.model(model_type)
-        config = plugin.spec.config_schema.model_validate({"type": model_type, "path": folder})
+        table = {"type": model_type, "path": folder}
+        if "sample_image" in plugin.spec.config_schema.model_fields:
+            table["sample_image"] = image
+        config = plugin.spec.config_schema.model_validate(table)
         assert plugin.has("validate_model_files"), model_type
         results = plugin.call("validate_model_files", model_config=config)  # one list per implementation
         problems = [p for found in results for p in (found if isinstance(found, list) else [found])]
         assert problems == [], (model_type, problems)
+        if model_type == "reference":
+            continue
+        frames = 9 if plugin.spec.modality == "video" else 1
+        request = SampleRequest(width=64, height=64, steps=2, frames=frames)
+        latents, _ = plugin.require("denoise_init", request=request, model_config=config,
+                                    generator=noise_generator(0, 0))  # fmt: skip
+        dims, factor = layout_dims(documented[model_type])
+        assert latents.dim() == dims, (model_type, tuple(latents.shape), documented[model_type])
+        if factor is not None:
+            assert latents.shape[-1] == 64 // factor, (model_type, tuple(latents.shape), documented[model_type])
 
 
 def test_an_unknown_model_type_is_named_with_the_installed_ones(capsys: pytest.CaptureFixture) -> None:
@@ -162,3 +218,11 @@ def test_an_unknown_model_type_is_named_with_the_installed_ones(capsys: pytest.C
     err = capsys.readouterr().err
     assert "unknown model 'fluxx'" in err and "Did you mean 'flux'?" in err
     assert not Path("/tmp/never-written").exists()
+
+
+def test_the_latents_table_is_read_as_written() -> None:
+    assert layout_dims("(1, C, (F−1)/4+1, H/8, W/8)") == (5, 8)
+    assert layout_dims("(1, N): the video latents (1, C, (F−1)/8+1, H/32, W/32) packed") == (2, None)
+    documented = documented_latents()
+    assert documented["flux2-klein"] == documented["flux2"] and "hunyuan-video-1.5-i2v" in documented
+    assert set(installed_types()) - set(documented) == {"reference"}
