@@ -26,7 +26,7 @@ from diffpipe_krea.plugin import plugin
 from diffpipe_krea.testing import SELECT_LAYERS, TinyKrea2Config, write_tiny_krea2
 
 MODEL = TinyKrea2Config(num_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=64,
-                        axes_dims_rope=(16, 24, 24), text_dim=64)
+                        axes_dims_rope=(16, 24, 24), latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 64, 256
 MODEL_TABLE = bench.model_table("krea2", text_max_length=TEXT_LEN)
 

@@ -2,7 +2,7 @@
 trains with the loss falling and samples before its first step, saving the golden LoRA; a short 2-stage run in 2
 processes from its cache draws the same losses; the saved diffusers LoRA loads through
 ``Krea2Pipeline.load_lora_weights`` and reproduces the trained transformer; the ComfyUI file is loaded whole by
-ComfyUI's Krea 2 key map and applies like the trained LoRA; the same run from ComfyUI's files trains alike."""
+ComfyUI's Krea 2 key map and applies like the trained LoRA."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from diffpipe_krea.testing import comfy_path, load_pipeline, write_tiny_krea2
 
 pytestmark = pytest.mark.slow
 
-RANK, ALPHA, STEPS, TWO_STAGE_STEPS = 4, 8.0, 16, 5
+RANK, ALPHA, STEPS, TWO_STAGE_STEPS = 4, 8.0, 20, 5
 SAMPLE = {"prompts": ["a red cat"], "negative_prompt": "blurry", "cfg": 3.0, "steps": 2, "before_first_step": True}
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -28,7 +28,7 @@ GOLDEN = Path(__file__).parent / "golden"
 def run_config(steps: int, stages: int = 1, sample: dict | None = SAMPLE, **top: object) -> str:
     model = {"type": "krea2", "text_max_length": 16, "timestep_sample_method": "uniform"}
     top = {"max_steps": steps, "pipeline_stages": stages, "checkpoint_every_n_steps": steps, "seed": 3, **top}
-    return runs.lora_run_toml(model, 2e-2, sample, RANK, ALPHA, **top)
+    return runs.lora_run_toml(model, 5e-2, sample, RANK, ALPHA, **top)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_trains_on_two_stages_as_on_one(krea2_two_stages: Path, krea2_run: Path)
 
 
 def test_the_loss_falls_a_sample_is_written_and_the_lora_is_golden(krea2_run: Path) -> None:
-    runs.assert_loss_falls(krea2_run, STEPS, 4)
+    runs.assert_loss_falls(krea2_run, STEPS, 5)
     names = sorted(p.name for p in (krea2_run / "samples" / "step-0000000").iterdir())
     assert "00-a-red-cat.png" in names, names
     assert_matches(krea2_run / "saved" / "final", GOLDEN / "krea2.json")
@@ -132,16 +132,3 @@ def test_comfyui_lora_is_loaded_whole_by_comfyuis_key_map(krea2_run: Path) -> No
     runs.assert_state_close(got, runs.merge_peft(weights, params, ALPHA / RANK), atol=1e-5)
     modules = {k.split(".lora_A.")[0] for k in params if ".lora_A." in k}
     assert sum(not torch.equal(got[k], weights[k]) for k in weights) == len(modules)
-
-
-def test_component_files_train_as_the_folder(krea2_run: Path) -> None:
-    """The shared run again from ComfyUI's files only (the transformer in Krea's layout, the VAE in the Wan VAE's,
-    Qwen3-VL) beside a config-only folder (issue 35): equal losses and LoRA files."""
-    from diffpipe_core.parts.wan_vae import wan_vae_table
-    from diffpipe_core.testing.component_files import assert_trains_as, comfyui_files, model_keys, train_from_files
-    from diffpipe_krea.original import layout_for_config
-
-    root = krea2_run.parent.parent
-    files = comfyui_files(root / "model", root / "comfy", layout_for_config, wan_vae_table)
-    (root / "run_files.toml").write_text(run_config(STEPS, output_dir="out_files"))
-    assert_trains_as(train_from_files(root, root / "run_files.toml", model_keys(files)), krea2_run)
