@@ -132,3 +132,27 @@ def test_comfyui_lora_is_loaded_whole_by_comfyuis_key_map(krea2_run: Path) -> No
     runs.assert_state_close(got, runs.merge_peft(weights, params, ALPHA / RANK), atol=1e-5)
     modules = {k.split(".lora_A.")[0] for k in params if ".lora_A." in k}
     assert sum(not torch.equal(got[k], weights[k]) for k in weights) == len(modules)
+
+
+def test_the_comfyui_lora_merges_as_a_training_adapter(krea2_run: Path) -> None:
+    """``[model] merge_adapters`` (how Turbo trains over a de-distilling adapter) places a LoRA in Krea's ComfyUI
+    names through this plugin's key table: merged at weight 1 it gives the trained weights."""
+    from types import SimpleNamespace
+
+    from diffusers import Krea2Transformer2DModel
+
+    from diffpipe_core.merge_adapters import merge_into, native_targets
+    from diffpipe_core.schema import validate
+    from diffpipe_core.testing.sampling import registered
+    from diffpipe_krea.config import Krea2Config
+    from diffpipe_krea.plugin import plugin
+
+    model_dir = krea2_run.parent.parent / "model"
+    cfg = validate(Krea2Config, {"type": "krea2", "path": model_dir, "dtype": "float32"}, "test")
+    model = Krea2Transformer2DModel.from_pretrained(str(model_dir / "transformer"))
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    entry = SimpleNamespace(path=krea2_run / "saved" / "final" / "adapter_model.comfyui.safetensors", weight=1.0)
+    params = runs.checkpoint_params(krea2_run)
+    added = merge_into(model, [entry], "transformer", native_targets(registered(plugin, "krea2"), cfg))
+    assert added == len({k.split(".lora_A.")[0] for k in params if ".lora_A." in k})
+    runs.assert_state_close(model.state_dict(), runs.merge_peft(base, params, ALPHA / RANK), atol=1e-5)
