@@ -66,7 +66,14 @@ def test_component_files_load_exactly_the_folders_weights(tiny_krea2: Path, tmp_
 def test_a_quantized_transformer_stays_quantized(tiny_krea2: Path, tmp_path: Path, form: str, storage) -> None:
     files = krea_files(tiny_krea2, tmp_path)
     quantized = quantize_file(files["diffusion_model"], tmp_path / f"krea2_raw_{form}.safetensors", form)
-    assert_kept_quantized(plugin, from_files(files, diffusion_model=quantized), from_files(files), storage)
+    model = assert_kept_quantized(plugin, from_files(files, diffusion_model=quantized), from_files(files), storage)
+    g = torch.Generator().manual_seed(0)  # the layers run on it: the compute dtype is not the stored weights'
+    out = torch.randn(1, 4, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 3, 12, 32, generator=g)
+    out = (*out, torch.ones(1, 3, dtype=torch.bool), torch.tensor([2, 2]))
+    with torch.no_grad():
+        for layer in plugin.split_into_layers(model, None):
+            out = layer(out)
+    assert out[0].shape == (1, 4, 16) and out[0].isfinite().all()
 
 
 def test_configs_from_the_hugging_face_cache(tiny_krea2_turbo: Path, tmp_path: Path, monkeypatch) -> None:
