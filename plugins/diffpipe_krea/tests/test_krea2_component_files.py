@@ -18,9 +18,12 @@ from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
+    assert_variant_loads_as_itself,
     comfyui_files,
     hub_snapshot,
     quantize_file,
+    variant_file,
+    variant_model,
 )
 from diffpipe_krea.config import Krea2Config, Krea2TurboConfig
 from diffpipe_krea.original import layout_for_config
@@ -86,3 +89,13 @@ def test_configs_from_the_hugging_face_cache(tiny_krea2_turbo: Path, tmp_path: P
              "text_encoders": [{"path": files["text_encoders"][0], "type": "krea2"}]}
     cfg = validate(Krea2TurboConfig, table, "test")
     assert cfg.path == snapshot and plugin.validate_model_files(cfg) == []
+
+
+def test_a_file_of_another_depth_is_read_as_such(tiny_krea2: Path, tmp_path: Path) -> None:
+    """A Krea 2 file with more blocks than the folder's config says (another size of the model) is sized from its
+    own tensors (``file_config``), named so by ``validate``, and loads as itself."""
+    files = krea_files(tiny_krea2, tmp_path)
+    read = {"num_layers": 3}
+    variant = variant_model(plugin, files["configs"], **read)
+    file = variant_file(plugin, variant, tmp_path / "krea2_deeper.safetensors")
+    assert_variant_loads_as_itself(plugin, from_files(files, diffusion_model=file), variant, read)
