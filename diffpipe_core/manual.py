@@ -205,7 +205,16 @@ def dataset_keys() -> str:
     return section.replace("\n### ", "\n#### ").strip("\n") + "\n"
 
 
-REGIONS = {"docs/diffusion-pipe.md": {"anchor-keys": anchor_table}, "docs/datasets.md": {"dataset-keys": dataset_keys}}
+def anchor_planned() -> str:
+    """The diffusion-pipe model types diffpipe has no model for yet, with the distribution that will have it."""
+    from diffpipe_core.anchor.models import PLANNED
+
+    rows = ["| diffusion-pipe `type` | will be in |", "|---|---|"]
+    rows += [f"| `{anchor}` | `{distribution}` |" for anchor, distribution in sorted(PLANNED.items())]
+    return "\n".join(rows) + "\n"
+
+
+REGIONS = {"docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned}, "docs/datasets.md": {"dataset-keys": dataset_keys}}
 
 
 def fill_regions(text: str, makers: dict[str, Any]) -> str:

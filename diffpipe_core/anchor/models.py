@@ -30,6 +30,7 @@ MODEL_TYPES = {
     "hunyuan_video_15": "hunyuan-video-1.5",
     "flux2": "flux2",
     "ltx2": "ltx-2",
+    "krea2": "krea2",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
@@ -41,7 +42,6 @@ PLANNED = {
     "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",
     "ideogram4": "diffpipe-ideogram",
-    "krea2": "diffpipe-krea",
     "minimax_h3": "diffpipe-minimax",
 }
 

@@ -60,7 +60,8 @@ class Module:
             None when ComfyUI has no name a LoRA on this module could use.
         form: how the original stores the module's tensors when not as the model does: ``"conv1x1"`` (a linear's
             weight as a 1x1 convolution's, LDM VAEs' attention), ``"conv1x1x1"`` (as a 1x1x1 3-D convolution's, video
-            LDM VAEs' attention) or ``"transposed"`` (OpenCLIP's ``text_projection``).
+            LDM VAEs' attention), ``"transposed"`` (OpenCLIP's ``text_projection``) or ``"flat6"`` (a ``(6, D)``
+            table stored as one ``6 * D`` vector: Krea 2's per-block modulation).
             ``original`` may be ``""`` for a parameter at the top of the original layout.
     """
 
@@ -108,12 +109,21 @@ def _transpose(t: torch.Tensor) -> torch.Tensor:
     return t.T.contiguous()
 
 
+def _from_flat6(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(6, -1) if t.dim() == 1 else t
+
+
+def _to_flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1)
+
+
 #: ``Module.form`` -> (original tensor -> model tensor, model tensor -> original tensor)
 FORMS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]] = {
     "": (None, None),
     "conv1x1": (_from_conv1x1, _to_conv1x1),
     "conv1x1x1": (_from_conv1x1, _to_conv1x1x1),
     "transposed": (_transpose, _transpose),
+    "flat6": (_from_flat6, _to_flat),
 }
 
 

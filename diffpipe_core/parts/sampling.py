@@ -57,6 +57,29 @@ class VAEDecoding:
             return decoder.decode(latents.to(param.device, param.dtype)).sample.float().clamp(-1, 1)
 
 
+class FrameVAEDecoding(VAEDecoding):
+    """Mixin for an image model on a video VAE normalised per channel (Qwen-Image's ``AutoencoderKLQwenImage``, used
+    by Qwen-Image and Krea 2): latents are cached as ``(z - latents_mean) / latents_std`` of the image as one frame
+    (:func:`~diffpipe_core.parts.latents.normalize`), and decoded as the pipelines decode them."""
+
+    def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
+        """``latents / (1 / latents_std) + latents_mean``, one frame: ``(B, C, 1, h, w)``, as the pipelines decode."""
+        from diffpipe_core.parts.latents import per_channel
+
+        z = latents.float().unsqueeze(2)
+        return z / (1.0 / per_channel(vae.config.latents_std, z)) + per_channel(vae.config.latents_mean, z)
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`denormalize`, the VAE's decoder, its one frame; float RGB in [-1, 1]."""
+        import torch
+
+        with torch.no_grad():
+            z = self.denormalize(latents, decoder)
+            param = next(decoder.parameters())
+            return decoder.decode(z.to(param.device, param.dtype)).sample[:, :, 0].float().clamp(-1, 1)
+
+
 class FlowSampling(VAEDecoding):
     """Mixin for a :class:`~diffpipe_core.parts.plugin.DiffusersModel` whose sampler is the flow-matching Euler step,
     or the folder's own scheduler's step when ``denoise_init`` returned its

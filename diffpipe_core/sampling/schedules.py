@@ -34,11 +34,14 @@ def flow_euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigmas: torch
     return latents.float() + dt.to(latents.device) * velocity.float().to(latents.device)
 
 
-def scheduler_flow_sigmas(model_path: Path, base_sigmas: Any, image_seq_len: int | None = None) -> torch.Tensor:
+def scheduler_flow_sigmas(
+    model_path: Path, base_sigmas: Any, image_seq_len: int | None = None, mu: float | None = None
+) -> torch.Tensor:
     """The sigmas (a final 0 appended) that the model folder's own ``FlowMatchEulerDiscreteScheduler``
     (``scheduler/scheduler_config.json``) makes of ``base_sigmas``, exactly as its pipeline's ``retrieve_timesteps``
     does: its fixed or resolution-dependent shift (``mu`` from ``image_seq_len`` and the config's constants, as the
-    pipelines' ``calculate_shift``) and ``shift_terminal`` stretching. Float32."""
+    pipelines' ``calculate_shift``; or the given ``mu``, as a distilled checkpoint's pipeline fixes it) and
+    ``shift_terminal`` stretching. Float32."""
     import json
 
     import numpy as np
@@ -46,8 +49,7 @@ def scheduler_flow_sigmas(model_path: Path, base_sigmas: Any, image_seq_len: int
 
     file = Path(model_path) / "scheduler" / "scheduler_config.json"
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(json.loads(file.read_text()) if file.is_file() else {})
-    mu = None
-    if scheduler.config.use_dynamic_shifting:
+    if mu is None and scheduler.config.use_dynamic_shifting:
         c = scheduler.config
         slope = (c.get("max_shift", 1.15) - c.get("base_shift", 0.5)) / (
             c.get("max_image_seq_len", 4096) - c.get("base_image_seq_len", 256)

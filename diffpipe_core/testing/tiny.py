@@ -320,11 +320,12 @@ def qwen25_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def qwen3_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
+def qwen3_vl(tokenizer: Any, dim: int = 32, layers: int = 2, head: bool = True) -> Any:
     """A ``Qwen3VLForConditionalGeneration`` of ``layers`` text layers (4 heads of 8, 2 KV heads, interleaved
     multimodal RoPE ``[1, 1, 2]``) and a 1-block vision tower at 16-pixel patches, for :func:`qwen3_vl_processor`'s
-    tokenizer (its vision tokens): the text encoder of Qwen-Image 2.1 (and of the Qwen3-VL-conditioned models)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    tokenizer (its vision tokens): the text encoder of Qwen-Image 2.1 (and of the Qwen3-VL-conditioned models).
+    ``head=False``: the bare ``Qwen3VLModel`` (no language-model head), Krea 2's text encoder."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
 
     tokens = {"image": "image_pad", "video": "video_pad", "vision_start": "vision_start", "vision_end": "vision_end"}
     ids = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(f"<|{token}|>") for role, token in tokens.items()}
@@ -334,7 +335,8 @@ def qwen3_vl(tokenizer: Any, dim: int = 32, layers: int = 2) -> Any:
                 pad_token_id=tokenizer.pad_token_id, rope_parameters=rope)
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=dim, patch_size=16,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
-    return Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+    cls = Qwen3VLForConditionalGeneration if head else Qwen3VLModel
+    return cls(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
 
 
 def qwen3_vl_processor(texts: Sequence[str] = ()) -> Any:

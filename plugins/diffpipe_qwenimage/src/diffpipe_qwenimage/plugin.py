@@ -14,7 +14,7 @@ from diffpipe_core import hookimpl
 from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
-from diffpipe_core.parts.sampling import FlowSampling
+from diffpipe_core.parts.sampling import FlowSampling, FrameVAEDecoding
 from diffpipe_core.parts.targets import JOINT_ATTENTION
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_qwenimage.config import QwenImageConfig
@@ -43,7 +43,7 @@ SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image
              "max_shift": 0.9, "shift": 1.0, "time_shift_type": "exponential"}
 
 
-class QwenImage(DiffusersModel, FlowSampling):
+class QwenImage(DiffusersModel, FrameVAEDecoding, FlowSampling):
     """Qwen-Image: an MMDiT over 2x2-packed latents of a VAE with 8x compression (sizes in multiples of 16 pixels),
     conditioned on Qwen2.5-VL's last hidden state of the chat-templated caption."""
     tiny_writer = "diffpipe_qwenimage.testing:write_tiny_qwen"  # python -m diffpipe_core.testing.tiny_models
@@ -198,23 +198,6 @@ class QwenImage(DiffusersModel, FlowSampling):
         from diffpipe_core.parts.latents import unpack_2x2
 
         return unpack_2x2(prediction, latents.shape[-2], latents.shape[-1])
-
-    def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
-        """``latents / (1 / latents_std) + latents_mean``, one frame: ``(B, C, 1, h, w)``, as the pipeline decodes."""
-        from diffpipe_core.parts.latents import per_channel
-
-        z = latents.float().unsqueeze(2)
-        return z / (1.0 / per_channel(vae.config.latents_std, z)) + per_channel(vae.config.latents_mean, z)
-
-    @hookimpl
-    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
-        """:meth:`denormalize`, the VAE's decoder, its one frame; float RGB in [-1, 1]."""
-        import torch
-
-        with torch.no_grad():
-            z = self.denormalize(latents, decoder)
-            param = next(decoder.parameters())
-            return decoder.decode(z.to(param.device, param.dtype)).sample[:, :, 0].float().clamp(-1, 1)
 
 
 def comfy_layout(model: str) -> KeyTable:
