@@ -104,6 +104,11 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
             continue
         if i == 0 and training:
             problems.extend(micro_batch_problems(cfg.run, scan, dp, str(cfg.path)))
+            if primary():
+                from diffpipe_core.data.report import regularization_lines
+
+                for line in regularization_lines(scan, dataset):
+                    click.echo(f"diffpipe: {line.strip()}")
         if primary():
             for note in resolution_notes(dataset, plugin.spec) + frame_notes(dataset, plugin.spec):
                 click.echo(f"diffpipe: {note}")
