@@ -162,7 +162,7 @@ def training_batch(batches: MicroBatches, roles: list[MicroRoles]) -> Callable[[
     """What :func:`~diffpipe_core.engine.cfg_training.replay` makes for the step's ``k``-th micro-batch: with class
     prompts, the micro-batch on its captions followed by the same samples (same noise and timesteps) on their class
     prompts, one micro-batch of twice the samples; otherwise the micro-batch as it is."""
-    order = iter(roles)
+    order = iter(list(roles))  # the loss function pops from the list itself
 
     def make(indices: list[int], m: int) -> Any:
         role = next(order)
