@@ -263,3 +263,43 @@ def test_dop_loss_adds_the_class_prompts_term_to_the_captions_loss() -> None:
     with pytest.raises(ValueError, match="cannot share a micro-batch"):
         concat_batches((torch.zeros(2, 7),), (torch.zeros(2, 9),), 2)
     assert concat_batches((torch.zeros(2, 3), torch.ones(5)), (torch.zeros(2, 3), torch.ones(5)), 2)[1].shape == (5,)
+
+
+# ------------------------------------------------------------------------------------------ reports and importer
+
+
+def test_diffpipe_data_lists_regularisation_folders_weights_and_dop(tmp_path: Path) -> None:
+    from diffpipe_core.data.report import format_report
+    from diffpipe_core.data.scan import scan_dataset
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.testing.media import write_image_dataset
+
+    toml = _dataset_toml(tmp_path, 'regularization = true\nregularization_target = "base"\nloss_weight = 0.5\n'
+                                   "num_repeats = 2\n")
+    write_image_dataset(tmp_path / "train", 3, captions=["ohwx a", "ohwx b", "c"])
+    write_image_dataset(tmp_path / "reg", 2, seed=3)
+    toml.write_text('trigger_word = "ohwx"\ndiff_output_preservation = true\nresolutions = [64]\n' + toml.read_text())
+    cfg = load_dataset_config(toml)
+    scan = scan_dataset(cfg, get_registry().model("reference").spec)
+    report = format_report(scan, 1, 1, cfg)
+    assert "directory[1] (" in report and "4 samples per epoch, regularisation, toward the base model's own" in report
+    assert "loss_weight 0.5" in report and "training (not regularisation) samples per epoch: 3" in report
+    assert "replace 'ohwx' by 'person' (2 of 3 training items' captions hold it), multiplier 1" in report
+    assert "Regularisation" not in format_report(scan, 1, 1)  # without the config: as before
+
+
+@pytest.mark.parametrize(
+    ("anchor", "carried"),
+    [({"gradient_accumulation_steps": 1}, True), ({"gradient_accumulation_steps": 4}, False),
+     ({"adapter": {"type": "lora"}}, False)],
+)
+def test_the_importer_maps_gradient_release(anchor: dict, carried: bool) -> None:
+    from diffpipe_core.anchor.keys import OPTIMIZER_RULES, Context
+
+    (change,) = OPTIMIZER_RULES["gradient_release"]("gradient_release", True, Context(anchor=anchor))
+    assert change.carried == carried
+    if carried:
+        assert (change.section, change.key, change.value) == ("optimizer", "gradient_release", True)
+        RunConfig(model={"type": "reference"}, optimizer={"gradient_release": change.value})
+    else:
+        assert change.why
