@@ -303,3 +303,23 @@ def test_the_importer_maps_gradient_release(anchor: dict, carried: bool) -> None
         RunConfig(model={"type": "reference"}, optimizer={"gradient_release": change.value})
     else:
         assert change.why
+
+
+def test_gradient_release_with_an_offloaded_state_keeps_the_state_in_host_memory() -> None:
+    from diffpipe_core.optim.offload import offload_state
+
+    plain, released = _net(), _net()
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    opt_rel = offload_state(torch.optim.AdamW(released.parameters(), lr=1e-2))
+    release = GradientRelease(opt_rel, list(released.parameters()), 0.0)
+    x, y = torch.randn(5, 8), torch.randn(5, 4)
+    for _ in range(2):
+        opt_plain.zero_grad()
+        ((plain(x) - y) ** 2).mean().backward()
+        opt_plain.step()
+        release.start_step()
+        ((released(x) - y) ** 2).mean().backward()
+        assert release.stepped == 6
+    for a, b in zip(plain.parameters(), released.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+        assert all(t.device.type == "cpu" for t in opt_rel.state[b].values() if torch.is_tensor(t))
