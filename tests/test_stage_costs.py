@@ -461,3 +461,27 @@ def test_the_plan_keeps_the_extra_passes_outputs_on_the_last_stage(project: Path
     full_costs = layer_costs(full_cfg, plugin, model, layers).layers
     for s in full.stages:
         assert s.host_state_bytes == sum(c.trainable_bytes for c in full_costs[s.start:s.stop]) > 0
+
+
+def test_the_plan_doubles_the_micro_batches_under_dop(project: Path) -> None:
+    """diff_output_preservation trains each micro-batch's class prompts in the same micro-batch (twice the samples)
+    and keeps the class prompts' base outputs on the last stage."""
+    import numpy as np
+
+    from diffpipe_core.data.cache import SampleRoles
+
+    extra = "partition_split = [4]\ngradient_accumulation_steps = 3"
+    cfg, plugin = configured(project, extra=extra)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    plain = _plan(cfg, plugin, dataset)
+    n = len(dataset.entries)
+    dataset.roles = SampleRoles(np.ones(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), 1.0)
+    dop = _plan(cfg, plugin, dataset)
+    model, layers = _meta_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, model, layers, example_inputs(dataset, plugin, cfg)[0])
+    last_output = sum(costs.layers[-1].tensors.outputs.values())
+    first, last = dop.stages
+    assert first.activation_bytes == 2 * plain.stages[0].activation_bytes
+    assert first.transient_bytes == 2 * plain.stages[0].transient_bytes
+    assert last.activation_bytes == 2 * plain.stages[1].activation_bytes + 3 * last_output
+    assert (first.state_bytes, first.weight_bytes) == (plain.stages[0].state_bytes, plain.stages[0].weight_bytes)

@@ -155,8 +155,8 @@ class Estimator:
     def estimate(self, stage: int, i: int, j: int) -> StageEstimate:
         host = self.swapped_bytes(i, j) if self.on_gpu else 0
         buffers = (self.inputs[i] if stage > 0 else 0) + (self.outputs[j - 1] if stage < self.stages - 1 else 0)
-        if j == len(self.costs):  # the last stage holds the extra passes' outputs of every micro-batch of the step
-            buffers += self.extra_passes * self.gas * self.outputs[j - 1]
+        # the last stage holds the extra passes' outputs (one micro-batch's samples each) for the step's micro-batches
+        kept = self.extra_passes * self.gas * self.outputs[j - 1] if j == len(self.costs) else 0
         flight = self.in_flight(stage)
         host_state = self._sum("host_state_bytes", i, j) + (self._sum("trainable_bytes", i, j) if self.base_copy else 0)
         released = max((c.largest_grad_bytes for c in self.costs[i:j]), default=0)
@@ -169,7 +169,7 @@ class Estimator:
             weight_bytes=self._sum("weight_bytes", i, j) - host,
             host_bytes=host,
             state_bytes=self._sum("state_bytes", i, j),
-            activation_bytes=self.batch_factor * (flight * self.union[i][j] + buffers),
+            activation_bytes=self.batch_factor * (flight * self.union[i][j] + buffers) + kept,
             transient_bytes=self.batch_factor * self.transient[i][j] + released,
             in_flight=flight,
             save_bytes=self.save_bytes(stage, i, j),
