@@ -323,3 +323,20 @@ def test_gradient_release_with_an_offloaded_state_keeps_the_state_in_host_memory
     for a, b in zip(plain.parameters(), released.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
         assert all(t.device.type == "cpu" for t in opt_rel.state[b].values() if torch.is_tensor(t))
+
+
+def test_combinations_that_cannot_run_are_refused_before_work() -> None:
+    from types import SimpleNamespace as NS
+
+    from diffpipe_core.cli_common import training_method_problems
+
+    def cfg(guidance=None, release=False):
+        return NS(model=NS(cfg=guidance), run=NS(optimizer=NS(gradient_release=release)), path="run.toml")
+
+    dop, plain = NS(diff_output_preservation=True, source="d.toml"), NS(diff_output_preservation=False, source="d")
+    assert training_method_problems(cfg(3.0), plain, 1) == [] and training_method_problems(cfg(), dop, 1) == []
+    (problem,) = training_method_problems(cfg(3.0), dop, 1)
+    assert "diff_output_preservation cannot be combined with [model] cfg" in problem
+    assert training_method_problems(cfg(release=True), plain, 1) == []
+    (problem,) = training_method_problems(cfg(release=True), plain, 2)
+    assert problem.startswith("run.toml: optimizer.gradient_release: 2 data-parallel replicas")
