@@ -14,6 +14,12 @@ A stage's estimated peak (bytes on its device) is
       copies and the tensors) and converts it to the save dtype once per format, while the other stages hold
       their pickled share; a full fine-tune's save converts the stage's weights to the save dtype
 
+or, when larger, the weights plus what ``[model] merge_adapters`` holds while the stage loads (``load_bytes``). The
+last stage also keeps the outputs of the passes without gradient (``[model] cfg``, a regularisation folder toward
+the base, ``diff_output_preservation``) for the step's micro-batches; ``diff_output_preservation`` doubles each
+micro-batch's activations. Trained state kept in host memory (an offloaded optimizer state, ``[ema] device = "cpu"``,
+a full fine-tune's initial weights for a base pass) is ``host_state_bytes``, outside the peak.
+
 ``partition_method = "memory"`` chooses the contiguous split that minimises the largest estimated peak (every stage
 keeping at least one trainable layer when possible), then, among those, the most even one.
 """
