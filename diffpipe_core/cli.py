@@ -248,14 +248,15 @@ def data(config_path: Path, model: str | None, num_procs: int | None, dump_dir: 
     if not isinstance(sizes, int) or run.image_micro_batch_size_per_gpu is not None:
         sizes = lambda bucket: run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames)  # noqa: E731
     try:
-        scan = scan_dataset(load_dataset_config(cfg.run.dataset), spec)
+        dataset_cfg = load_dataset_config(cfg.run.dataset)
+        scan = scan_dataset(dataset_cfg, spec)
     except DatasetError as exc:  # empty: the report still lists every file left out, and why
         if exc.result is not None and exc.result.skipped:
             click.echo(format_report(exc.result, sizes, n // cfg.run.pipeline_stages))
         fail([f"{cfg.run.dataset}: {exc.summary}"])
     except Exception as exc:
         fail([f"{cfg.run.dataset}: {exc}"])
-    click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages))
+    click.echo(format_report(scan, sizes, n // cfg.run.pipeline_stages, dataset_cfg))
     _echo_plan(cfg)
     if dump_dir is not None:
         _dump(scan, spec, dump_dir)

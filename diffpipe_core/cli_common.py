@@ -104,6 +104,12 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
             continue
         if i == 0 and training:
             problems.extend(micro_batch_problems(cfg.run, scan, dp, str(cfg.path)))
+            problems.extend(training_method_problems(cfg, dataset, dp))
+            if primary():
+                from diffpipe_core.data.report import regularization_lines
+
+                for line in regularization_lines(scan, dataset):
+                    click.echo(f"diffpipe: {line.strip()}")
         if primary():
             for note in resolution_notes(dataset, plugin.spec) + frame_notes(dataset, plugin.spec):
                 click.echo(f"diffpipe: {note}")
@@ -112,4 +118,18 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
         problems.extend(optimizer_problems(cfg))
         problems.extend(adapter_format_problems(cfg, plugin))
         problems.extend(trained_name_problems(cfg, plugin))
+    return problems
+
+
+def training_method_problems(cfg, dataset, dp: int | None) -> list[str]:
+    """Combinations of issue 42's methods that cannot run, found before any work: diff_output_preservation with
+    ``[model] cfg``, gradient release with several data-parallel replicas per stage."""
+    problems = []
+    if getattr(dataset, "diff_output_preservation", False) and getattr(cfg.model, "cfg", None) is not None:
+        problems.append(f"{dataset.source}: diff_output_preservation cannot be combined with [model] cfg in "
+                        f"{cfg.path}: the unconditional pass covers the captions, not the class prompts")
+    if cfg.run.optimizer.gradient_release and dp is not None and dp > 1:
+        problems.append(f"{cfg.path}: optimizer.gradient_release: {dp} data-parallel replicas per stage; a released "
+                        "parameter is stepped before the replicas' gradients could be averaged, so it needs as many "
+                        "processes as pipeline_stages")
     return problems

@@ -148,10 +148,25 @@ class OptimizerConfig(Strict):
         "every step. Optimizers: 'adamw', 'adamw8bit', 'adamw8bit_kahan', 'sgd', 'automagic', 'muon'.",
     )
 
+    gradient_release: bool = Field(
+        False,
+        description="Full fine-tunes: step each parameter as soon as its gradient is complete in the backward pass "
+        "(a post-accumulate-grad hook) and free that gradient, so no stage ever holds the full gradient buffer. Needs "
+        "gradient_accumulation_steps = 1 and one data-parallel replica per stage; gradient_clipping then clips each "
+        "parameter's gradient by its own norm (the global norm is not known before the first update). Optimizers: as "
+        "for offload, with which it combines. See docs/training-methods.md.",
+    )
+
     @model_validator(mode="after")
     def _offloadable(self) -> OptimizerConfig:
         from diffpipe_core.optimizer_names import OFFLOADABLE_OPTIMIZERS
 
+        if self.gradient_release and self.type not in OFFLOADABLE_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.gradient_release: {self.type!r} updates its parameters together (or is not known to update "
+                f"each from its own state alone), so it cannot step one parameter as its gradient is ready; gradient "
+                f"release works with {', '.join(repr(n) for n in OFFLOADABLE_OPTIMIZERS)}"
+            )
         if self.offload and self.type not in OFFLOADABLE_OPTIMIZERS:
             raise ValueError(
                 f"optimizer.offload: {self.type!r} updates its parameters together (or is not known to update each "
@@ -386,6 +401,24 @@ class RunConfig(Strict):
         chosen = [k for k in LOSS_KEYS if getattr(self, k) is not None]
         if len(chosen) > 1:
             raise ValueError(f"{' and '.join(chosen)} are each a loss; set one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_gradient_release(self) -> RunConfig:
+        if not self.optimizer.gradient_release:
+            return self
+        if self.adapter is not None:
+            raise ValueError(
+                "optimizer.gradient_release: only for full fine-tunes (leave [adapter] out); an adapter's gradients "
+                "are a small fraction of the model, there is no gradient buffer worth releasing"
+            )
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"optimizer.gradient_release: needs gradient_accumulation_steps = 1 (it is "
+                f"{self.gradient_accumulation_steps}): each parameter is stepped as soon as one micro-batch's backward "
+                "completes its gradient, so there is no gradient to accumulate into; use a larger "
+                "micro_batch_size_per_gpu instead, or turn gradient release off"
+            )
         return self
 
     @model_validator(mode="after")

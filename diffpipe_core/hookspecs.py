@@ -146,6 +146,10 @@ def compute_loss(outputs: Tensors, targets: Tensors, context: TrainingContext) -
     :func:`diffpipe_core.diffusion.training_loss`, which applies the run's loss. Declaring ``context`` is optional
     (pluggy passes only the arguments an implementation names), but a model whose ``compute_loss`` does not take it
     cannot use those keys: ``diffpipe validate`` refuses them for it.
+
+    With per-folder loss weights, regularisation folders or Differential Output Preservation (the dataset's keys) the
+    core calls it on a slice of the micro-batch: every tensor of ``outputs`` and ``targets`` whose first dimension is
+    the micro-batch's size is sliced, the others passed as they are; keep per-sample tensors batch-first.
     """
 
 

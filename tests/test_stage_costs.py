@@ -360,3 +360,128 @@ def test_the_plan_says_when_micro_batches_in_flight_make_a_stage_the_largest() -
     # the second micro-batch's 13 MiB are below 10% of the mean peak (about 230 MiB): no note
     heavy = chain([400 * mib, 10 * mib], [5 * mib, 5 * mib], 4 * mib)
     assert in_flight_note(plan_stages(heavy, run, 2, on_gpu=False, activations="-")) is None
+
+
+# ------------------------------------------------------------------------------------------ issue 42, round two
+def _full(project: Path, extra: str = "", model: str = ""):
+    text = RUN.format(stages=2, extra=extra, model=model).replace("[adapter]\nrank = 4\n", "")
+    (project / "full.toml").write_text(text)
+    return load_config(project / "full.toml", get_registry()), get_registry().model("reference")
+
+
+def _plan(cfg, plugin, dataset=None):
+    model, layers = _meta_stage(cfg, plugin)
+    return make_plan(cfg, plugin, model, layers, dataset, on_gpu=True)
+
+
+def test_the_plan_counts_an_ema_on_the_stage_and_one_in_host_memory(project: Path) -> None:
+    cfg, plugin = configured(project, extra="partition_split = [4]")
+    plain = _plan(cfg, plugin)
+    for device in ("stage", "cpu"):
+        ema_cfg, _ = configured(project, extra="partition_split = [4]", model=f"[ema]\ndevice = '{device}'")
+        ema = _plan(ema_cfg, plugin)
+        for a, b in zip(plain.stages, ema.stages, strict=True):
+            lora = sum(c.trainable_bytes for c in layer_costs(cfg, plugin, *_meta_stage(cfg, plugin)).layers[
+                a.start:a.stop])
+            assert lora > 0
+            on_stage = device == "stage"
+            assert b.state_bytes - a.state_bytes == (lora if on_stage else 0)
+            assert b.host_state_bytes - a.host_state_bytes == (0 if on_stage else lora)
+    assert "host state" in "\n".join(format_plan(ema))
+
+
+def test_the_plan_moves_an_offloaded_optimizer_state_to_host_memory(project: Path) -> None:
+    cfg, plugin = _full(project, extra="partition_split = [4]")
+    plain = _plan(cfg, plugin)
+    off_cfg, _ = _full(project, extra="partition_split = [4]", model="[optimizer]\noffload = true")
+    off = _plan(off_cfg, plugin)
+    costs = layer_costs(cfg, plugin, *_meta_stage(cfg, plugin)).layers
+    for a, b in zip(plain.stages, off.stages, strict=True):
+        moments = sum(c.optimizer_bytes for c in costs[a.start:a.stop])
+        assert moments == 2 * sum(c.trainable_bytes for c in costs[a.start:a.stop])  # AdamW, bf16 weights
+        assert a.state_bytes - b.state_bytes == moments and b.host_state_bytes == moments
+
+
+def test_the_plan_holds_no_gradient_buffer_under_gradient_release(project: Path) -> None:
+    cfg, plugin = _full(project, extra="partition_split = [4]\ngradient_accumulation_steps = 1")
+    plain = _plan(cfg, plugin)
+    rel_cfg, _ = _full(project, extra="partition_split = [4]\ngradient_accumulation_steps = 1",
+                       model="[optimizer]\ngradient_release = true")
+    released = _plan(rel_cfg, plugin)
+    model, layers = _meta_stage(cfg, plugin)
+    for a, b, (start, stop) in zip(plain.stages, released.stages, [(0, 4), (4, 8)], strict=True):
+        grads = [p for layer in layers[start:stop] for p in layer.parameters() if p.is_floating_point()]
+        total = sum(p.numel() * p.element_size() for p in {id(p): p for p in grads}.values())
+        largest = max(p.numel() * p.element_size() for p in grads)
+        assert a.state_bytes - b.state_bytes == total  # the gradient buffer is gone...
+        assert b.transient_bytes - a.transient_bytes == largest  # ...but for the one gradient stepped at a time
+
+
+def test_the_plan_counts_merging_adapters_at_load(project: Path) -> None:
+    (project / "extra.safetensors").write_bytes(b"")
+    cfg, plugin = configured(project, extra="partition_split = [4]")
+    plain = _plan(cfg, plugin)
+    merge_cfg, _ = configured(project, extra="partition_split = [4]",
+                              model='merge_adapters = [{ path = "extra.safetensors" }]')
+    merged = _plan(merge_cfg, plugin)
+    model, layers = _meta_stage(cfg, plugin)
+    for a, b, (start, stop) in zip(plain.stages, merged.stages, [(0, 4), (4, 8)], strict=True):
+        weights = [p for layer in layers[start:stop] for p in layer.parameters() if p.dim() >= 2]
+        biggest = max(weights, key=lambda p: p.numel())
+        # the weight in float32, the delta, their sum, and the result in the weight's dtype (bf16)
+        assert a.load_bytes == 0 and b.load_bytes == biggest.numel() * (3 * 4 + 2)
+        assert b.peak_bytes == max(a.peak_bytes, b.weight_bytes + b.load_bytes)
+        assert (b.state_bytes, b.activation_bytes) == (a.state_bytes, a.activation_bytes)
+
+
+def test_the_plan_keeps_the_extra_passes_outputs_on_the_last_stage(project: Path) -> None:
+    import numpy as np
+
+    from diffpipe_core.data.cache import SampleRoles
+
+    extra = "partition_split = [4]\ngradient_accumulation_steps = 3"
+    cfg, plugin = configured(project, extra=extra)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    plain = _plan(cfg, plugin, dataset)
+    cfg_cfg, _ = configured(project, extra=extra, model="cfg = 3.0")
+    with_cfg = _plan(cfg_cfg, plugin, dataset)
+    model, layers = _meta_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, model, layers, example_inputs(dataset, plugin, cfg)[0])
+    last_output = sum(costs.layers[-1].tensors.outputs.values())
+    assert last_output > 0
+    assert with_cfg.stages[0].activation_bytes == plain.stages[0].activation_bytes
+    assert with_cfg.stages[1].activation_bytes - plain.stages[1].activation_bytes == 3 * last_output
+    # a regularisation folder toward the base adds its pass; a full fine-tune also keeps its initial weights on the host
+    dataset.roles = SampleRoles(np.ones(len(dataset.entries)), np.ones(len(dataset.entries), dtype=bool))
+    both = _plan(cfg_cfg, plugin, dataset)
+    assert both.stages[1].activation_bytes - plain.stages[1].activation_bytes == 2 * 3 * last_output
+    assert all(s.host_state_bytes == 0 for s in both.stages)  # a LoRA's base is the adapter disabled
+    full_cfg, _ = _full(project, extra=extra)
+    full = _plan(full_cfg, plugin, dataset)
+    full_costs = layer_costs(full_cfg, plugin, model, layers).layers
+    for s in full.stages:
+        assert s.host_state_bytes == sum(c.trainable_bytes for c in full_costs[s.start:s.stop]) > 0
+
+
+def test_the_plan_doubles_the_micro_batches_under_dop(project: Path) -> None:
+    """diff_output_preservation trains each micro-batch's class prompts in the same micro-batch (twice the samples)
+    and keeps the class prompts' base outputs on the last stage."""
+    import numpy as np
+
+    from diffpipe_core.data.cache import SampleRoles
+
+    extra = "partition_split = [4]\ngradient_accumulation_steps = 3"
+    cfg, plugin = configured(project, extra=extra)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    plain = _plan(cfg, plugin, dataset)
+    n = len(dataset.entries)
+    dataset.roles = SampleRoles(np.ones(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), 1.0)
+    dop = _plan(cfg, plugin, dataset)
+    model, layers = _meta_stage(cfg, plugin)
+    costs = layer_costs(cfg, plugin, model, layers, example_inputs(dataset, plugin, cfg)[0])
+    last_output = sum(costs.layers[-1].tensors.outputs.values())
+    first, last = dop.stages
+    assert first.activation_bytes == 2 * plain.stages[0].activation_bytes
+    assert first.transient_bytes == 2 * plain.stages[0].transient_bytes
+    assert last.activation_bytes == 2 * plain.stages[1].activation_bytes + 3 * last_output
+    assert (first.state_bytes, first.weight_bytes) == (plain.stages[0].state_bytes, plain.stages[0].weight_bytes)

@@ -451,6 +451,20 @@ def _optimizer_type(key: str, value: Any, ctx: Context) -> list[Change]:
     return [Change("optimizer", key, name, why, needs_input=True)]
 
 
+def _gradient_release(key: str, value: Any, ctx: Context) -> list[Change]:
+    """diffusion-pipe's ``gradient_release`` is diffpipe's: a full fine-tune at gradient_accumulation_steps 1."""
+    if not value:
+        return [Change(None, why="off, as diffpipe's default")]
+    if "adapter" in ctx.anchor:
+        return [Change(None, why="diffpipe releases gradients of full fine-tunes only; an adapter's are small")]
+    gas = ctx.anchor.get("gradient_accumulation_steps", 1)
+    if gas != 1:
+        return [Change(None, why=f"needs gradient_accumulation_steps = 1 (this config has {gas}), as in "
+                                 "diffusion-pipe")]
+    return [Change("optimizer", key, True, "full fine-tunes at gradient_accumulation_steps = 1; gradient_clipping "
+                                           "clips each parameter by its own norm")]
+
+
 def _registered_optimizers() -> set[str] | None:
     try:
         from diffpipe_core.optim import available_optimizers
@@ -467,7 +481,7 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "betas": _same("optimizer"),
     "weight_decay": _same("optimizer"),
     "eps": _same("optimizer"),
-    "gradient_release": _none("diffpipe steps the optimizer after the whole backward pass"),
+    "gradient_release": _gradient_release,
     "stabilize": _none("diffpipe's adamw8bit_kahan has no stabilize option"),
 }
 

@@ -63,7 +63,7 @@ from diffpipe_core.types import control_key as control_batch_key
 
 log = logging.getLogger("diffpipe.data")
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: rows carry their [[directory]] (regularisation folders and loss weights)
 DEFAULT_SHARD_BATCHES = 16
 
 
@@ -83,11 +83,47 @@ class CacheEntry:
     caption_keys: tuple[str, ...]
     control_keys: tuple[str, ...] = ()
     controls: tuple[Bucket, ...] = ()
+    directory: int = 0  # index of its [[directory]] (its loss weight and regularisation target)
+    class_keys: tuple[str, ...] = ()  # diff_output_preservation: its class prompts' caption keys, one per variant
 
     @property
     def group(self) -> tuple[Bucket, tuple[Bucket, ...]]:
         """What samples of one micro-batch share: the bucket and the control images' sizes."""
         return self.bucket, self.controls
+
+
+@dataclass(frozen=True)
+class SampleRoles:
+    """Per cache entry: its ``[[directory]]``'s ``loss_weight`` and whether it trains toward the base model's own
+    prediction (``regularization_target = "base"``). ``weighted``/``any_base``: whether any entry needs the trainer's
+    per-sample loss at all (else every loss is the plugin's, as before)."""
+
+    weight: np.ndarray
+    base: np.ndarray
+    dop: np.ndarray | None = None  # diff_output_preservation: entries with class prompts
+    dop_multiplier: float = 1.0
+
+    @property
+    def weighted(self) -> bool:
+        return bool((self.weight != 1.0).any()) or self.any_dop
+
+    @property
+    def any_dop(self) -> bool:
+        return self.dop is not None and bool(self.dop.any())
+
+    @property
+    def any_base(self) -> bool:
+        return bool(self.base.any())
+
+    @classmethod
+    def of(cls, entries: list[CacheEntry], directories: Any, dop_multiplier: float = 1.0) -> SampleRoles:
+        dirs = list(directories or ())
+        weight = np.array([dirs[e.directory].loss_weight if e.directory < len(dirs) else 1.0 for e in entries],
+                          dtype=np.float64)
+        base = np.array([dirs[e.directory].trains_toward_base if e.directory < len(dirs) else False
+                         for e in entries], dtype=bool)
+        dop = np.array([bool(e.class_keys) for e in entries], dtype=bool)
+        return cls(weight, base, dop, float(dop_multiplier))
 
 
 def caption_variants(item: MediaItem) -> tuple[str, ...]:
@@ -110,20 +146,23 @@ class CachedDataset:
     """
 
     def __init__(self, entries: list[CacheEntry], fp_dir: Path, uncond_fraction: float,
-                 empty_caption_key: str | None, summary: dict[str, Any] | None = None) -> None:
+                 empty_caption_key: str | None, summary: dict[str, Any] | None = None, directories: Any = (),
+                 dop_multiplier: float = 1.0) -> None:
         self.entries = entries
+        self.roles = SampleRoles.of(entries, directories, dop_multiplier)
         self.uncond_fraction = float(uncond_fraction)
         self.summary: dict[str, Any] = summary or {}
         self._media_shards = list_shards(fp_dir / "media")
         self._caption_shards = list_shards(fp_dir / "captions")
         media_loc = _locate(self._media_shards, {e.media_key for e in entries})
         caption_loc = _locate(self._caption_shards,
-                              {k for e in entries for k in e.caption_keys} | ({empty_caption_key} - {None}))
+                              {k for e in entries for k in (*e.caption_keys, *e.class_keys)}
+                              | ({empty_caption_key} - {None}))
         with_controls = [e for e in entries if e.control_keys]
         self._control_shards = list_shards(fp_dir / "controls") if with_controls else []
         control_loc = _locate(self._control_shards, {k for e in with_controls for k in e.control_keys})
         missing = [e.id for e in entries if e.media_key not in media_loc
-                   or any(k not in caption_loc for k in e.caption_keys)
+                   or any(k not in caption_loc for k in (*e.caption_keys, *e.class_keys))
                    or any(k not in control_loc for k in e.control_keys)]
         if missing:
             raise CacheError(
@@ -145,6 +184,7 @@ class CachedDataset:
                              "control images' tensors are named; a plugin must name them differently")
         self._media = np.array([media_loc[e.media_key] for e in entries], dtype=np.int64).reshape(-1, 2)
         self._captions = [tuple(caption_loc[k] for k in e.caption_keys) for e in entries]
+        self._class_captions = [tuple(caption_loc[k] for k in e.class_keys) for e in entries]
         self._controls = [tuple(control_loc[k] for k in e.control_keys) for e in entries]
         self._empty = caption_loc.get(empty_caption_key) if empty_caption_key is not None else None
         repeats = np.array([e.repeats for e in entries], dtype=np.int64)
@@ -163,12 +203,24 @@ class CachedDataset:
     def bucket_of(self, index: int) -> Bucket:
         return self.entries[int(self._item_of[index])].bucket
 
+    def sample_roles(self, indices: list[int]) -> tuple[list[float], list[bool]]:
+        """The samples' loss weights and whether each trains toward the base model's prediction
+        (:class:`SampleRoles`)."""
+        items = [int(self._item_of[i]) for i in indices]
+        return [float(self.roles.weight[i]) for i in items], [bool(self.roles.base[i]) for i in items]
+
+    def sample_dop(self, indices: list[int]) -> list[bool]:
+        """Whether each sample has a class prompt (``diff_output_preservation``)."""
+        dop = self.roles.dop
+        return [bool(dop[int(self._item_of[i])]) if dop is not None else False for i in indices]
+
     def sample_ids(self, indices: list[int]) -> list[str]:
         """The items' ids (file path, ``#clip`` for video clips), for error messages."""
         return [self.entries[int(self._item_of[i])].id for i in indices]
 
     def collate(
-        self, indices: list[int], generator: torch.Generator | None = None, uncond: bool = False
+        self, indices: list[int], generator: torch.Generator | None = None, uncond: bool = False,
+        class_prompt: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Stacked tensors of the given samples: every media and caption key the plugin returned, and the tensors
         of the ``k``-th control image as ``control_<k>_<key>`` (:func:`diffpipe_core.types.control_key`).
@@ -176,7 +228,9 @@ class CachedDataset:
         Random choices (caption dropout with probability ``uncond_fraction``, and which cached caption
         variant) come from ``generator``, two uniform draws per sample whatever the data, so equal
         generators give equal batches. ``uncond``: every caption is the empty prompt (``[model] cfg``'s
-        unconditional pass), the draws made all the same.
+        unconditional pass), the draws made all the same. ``class_prompt``: each item's class prompt
+        (``diff_output_preservation``; the same variant as its caption would be; items without one keep their caption),
+        never dropped.
         """
         if not indices:
             raise ValueError("collate: empty list of indices")
@@ -196,7 +250,10 @@ class CachedDataset:
         media = [tuple(self._media[i]) for i in items]
         captions = []
         for j, i in enumerate(items):
-            if drop[j]:
+            if class_prompt and self._class_captions[i]:
+                options = self._class_captions[i]
+                captions.append(options[min(int(pick[j] * len(options)), len(options) - 1)])
+            elif drop[j] and not class_prompt:
                 captions.append(self._empty)
             else:
                 options = self._captions[i]
@@ -320,12 +377,16 @@ def prepare_cache(
 
     if trust_cache and not regenerate and not prune:
         index = _read_index(index_path, fingerprint)
-        if index is not None:
+        if index is not None and index["plan_inputs"] != dop_inputs(cfg):
+            log.warning("trust_cache: the cache index was made with other diff_output_preservation settings; "
+                        "checking every file instead")
+        elif index is not None:
             entries = index["entries"]
             summary = _summary(entries, 0, 0, len({e.media_key for e in entries}),
                                len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
             try:
-                dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
+                dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary, cfg.directory,
+                                        cfg.diff_output_preservation_multiplier)
             except CacheError as exc:
                 log.warning("trust_cache: %s; checking every file instead", exc)
             else:
@@ -357,9 +418,11 @@ def prepare_cache(
     scan = scan_dataset(cfg, spec, strict=strict, progress=show, report_skipped=report_skipped and rank == 0)
     if rank == 0:
         barrier()
-    plan = plan_digest(scan, fingerprint, strict, empty_key)
+    dop = [dop_inputs(cfg)] if cfg.diff_output_preservation else []  # off: the plan of a cache made before DOP
+    plan = plan_digest(scan, fingerprint, strict, empty_key, *dop)
     fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
-                                                             empty_key, start)
+                                                             empty_key, start, cfg.directory,
+                                                             cfg.diff_output_preservation_multiplier)
     if fresh is not None:  # nothing changed since the index was written (the same on every rank)
         for _ in range(4):  # as many barriers as the caching path below, so that ranks stay in step regardless
             barrier()
@@ -381,9 +444,15 @@ def prepare_cache(
         variants = caption_variants(item)
         keys = tuple(caption_key(t, fingerprint, seen) for t in variants)
         texts.update(zip(keys, variants))
+        class_keys: tuple[str, ...] = ()
+        if cfg.diff_output_preservation and not cfg.directory[item.directory].regularization:
+            class_texts = [cfg.class_prompt(t) for t in variants]
+            class_keys = tuple(caption_key(t, fingerprint, seen) for t in class_texts)
+            texts.update(zip(class_keys, class_texts))
+            seen_by_caption.update(dict.fromkeys(class_keys, seen) if seen else {})
         seen_by_caption.update(dict.fromkeys(keys, seen) if seen else {})
         entries.append(CacheEntry(item.id, item.bucket, item.repeats, key, keys, controls,
-                                  tuple(c.bucket for c in item.controls)))
+                                  tuple(c.bucket for c in item.controls), item.directory, class_keys))
     if empty_key is not None:
         texts[empty_key] = ""
 
@@ -439,7 +508,7 @@ def prepare_cache(
                 tqdm.write(line, file=sys.stderr)
             else:
                 log.info(line)
-        _write_index(index_path, fingerprint, entries, skipped, plan)
+        _write_index(index_path, fingerprint, entries, skipped, plan, dop_inputs(cfg))
         end_encoding_turn(fp_dir)
     barrier()
     if not entries:
@@ -454,7 +523,8 @@ def prepare_cache(
         1 for k in first_control if k in failed and k not in todo_controls)
     summary["decode_failures"] = len(new_failures)
     summary["pruned"], summary["prune"] = pruned, prune
-    dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary)
+    dataset = CachedDataset(entries, fp_dir, cfg.uncond_fraction, empty_key, summary, cfg.directory,
+                                        cfg.diff_output_preservation_multiplier)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     _report(summary, show)
     return dataset
@@ -474,7 +544,8 @@ def open_cached(dataset_toml: Path, plugin: Any, model_config: ModelConfigBase) 
         return None
     empty_key = caption_key("", fingerprint) if needs_empty_prompt(cfg, model_config) else None
     try:
-        return CachedDataset(index["entries"], root / fingerprint[:16], cfg.uncond_fraction, empty_key)
+        return CachedDataset(index["entries"], root / fingerprint[:16], cfg.uncond_fraction, empty_key,
+                             directories=cfg.directory, dop_multiplier=cfg.diff_output_preservation_multiplier)
     except CacheError:
         return None
 
@@ -598,13 +669,22 @@ def _read_failures(folder: Path) -> dict[str, str]:
     return out
 
 
+def dop_inputs(cfg: Any) -> list[Any] | None:
+    """What of the dataset TOML the class prompts of ``diff_output_preservation`` depend on (None when it is off):
+    part of the cache plan, and recorded in the index for ``trust_cache``."""
+    if not cfg.diff_output_preservation:
+        return None
+    return [cfg.trigger_word, cfg.diff_output_preservation_class, [d.regularization for d in cfg.directory]]
+
+
 def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]],
-                 plan: str | None = None) -> None:
+                 plan: str | None = None, dop: list[Any] | None = None) -> None:
     rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
             + ([list(e.control_keys), [[c.width, c.height] for c in e.controls]] if e.control_keys else [])
+            + ([{"directory": e.directory, "class": list(e.class_keys)}] if e.directory or e.class_keys else [])
             for e in entries]
     _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
-                              "skipped": [list(s) for s in skipped]})
+                              "skipped": [list(s) for s in skipped], "dop": dop})
 
 
 def gone_since_index(path: Path, fingerprint: str, entries: list[CacheEntry], anchor: Path) -> list[str]:
@@ -631,19 +711,25 @@ def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
         return None
     entries = [CacheEntry(i, Bucket(w, h, f), r, m, tuple(c), *_controls(rest)) for i, w, h, f, r, m, c, *rest
                in data["entries"]]
-    return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]], "plan": data.get("plan")}
+    return {"entries": entries, "skipped": [tuple(s) for s in data["skipped"]], "plan": data.get("plan"),
+            "plan_inputs": data.get("dop")}
 
 
-def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...]]:
-    """An index row's control keys and sizes (rows of items without control images have none)."""
+def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...], int, tuple[str, ...]]:
+    """An index row's control keys and sizes (rows of items without control images have none), its
+    ``[[directory]]`` and its class prompts' keys (a trailing ``{"directory": n, "class": [...]}``, absent for 0 and
+    none)."""
+    extra = rest.pop() if rest and isinstance(rest[-1], dict) else {}
+    directory, class_keys = extra.get("directory", 0), tuple(extra.get("class", ()))
     if not rest:
-        return (), ()
+        return (), (), directory, class_keys
     keys, sizes = rest
-    return tuple(keys), tuple(Bucket(w, h) for w, h in sizes)
+    return tuple(keys), tuple(Bucket(w, h) for w, h in sizes), directory, class_keys
 
 
 def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,
-                   empty_key: str | None, start: float) -> CachedDataset | None:
+                   empty_key: str | None, start: float, directories: Any = (),
+                   dop_multiplier: float = 1.0) -> CachedDataset | None:
     """The cache as its index lists it, if the index was written for this very plan (same scan, same
     encoders: :mod:`diffpipe_core.data.cache_fresh`) and every entry is in the shards; else None."""
     try:
@@ -659,7 +745,8 @@ def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, 
                        len({k for e in entries for k in e.caption_keys}), index["skipped"], start)
     try:
         with gc_paused():
-            dataset = CachedDataset(entries, fp_dir, uncond_fraction, empty_key, summary)
+            dataset = CachedDataset(entries, fp_dir, uncond_fraction, empty_key, summary, directories,
+                                     dop_multiplier)
     except CacheError as exc:  # shards deleted by hand: cache what is missing
         log.warning("%s; encoding what is missing", exc)
         return None

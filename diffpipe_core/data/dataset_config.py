@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from diffpipe_core.anchor.keys import dataset_hint
 from diffpipe_core.schema import ConfigError, read_toml, validate
@@ -208,6 +208,41 @@ class DirectoryConfig(_Overridable):
         "on control images (diffpipe models).",
     )
 
+    regularization: bool = Field(
+        False,
+        description="A regularisation (prior) folder: its items keep the model near what it did before training "
+        "instead of teaching it their content. What they train toward is regularization_target; how much they count "
+        "is loss_weight. See docs/training-methods.md.",
+    )
+    regularization_target: Literal["captions", "base"] | None = Field(
+        None,
+        description="With regularization = true: 'captions' (default) trains the items toward their captions' "
+        "ordinary target, as kohya's and diffusion-pipe users' regularisation sets do, at no extra cost; 'base' "
+        "trains them toward the frozen base model's own prediction for the same noisy latent and caption (the "
+        "adapter disabled, or the initial weights of a full fine-tune): one extra forward without gradient per "
+        "micro-batch holding such items.",
+    )
+    loss_weight: float = Field(
+        1.0,
+        gt=0,
+        description="Weight of this folder's items in the loss (kohya's prior_loss_weight for a regularisation "
+        "folder): a micro-batch's loss is the mean over its samples of weight x the sample's loss.",
+    )
+
+    @model_validator(mode="after")
+    def _check_regularization(self) -> DirectoryConfig:
+        if self.regularization_target is not None and not self.regularization:
+            raise ValueError(
+                f"regularization_target = {self.regularization_target!r} is set on a folder without regularization = "
+                "true; add regularization = true or leave regularization_target out"
+            )
+        return self
+
+    @property
+    def trains_toward_base(self) -> bool:
+        """Whether this folder's items train toward the frozen base model's prediction."""
+        return self.regularization and self.regularization_target == "base"
+
     @field_validator("control_path")
     @classmethod
     def _check_control_path(cls, value: Path | list[Path] | None) -> Path | list[Path] | None:
@@ -295,6 +330,39 @@ class DatasetConfig(_Overridable):
         None,
         description="Where cached latents and text embeddings go. Default: 'cache' beside the dataset TOML.",
     )
+    trigger_word: str | None = Field(
+        None,
+        description="The word the adapter learns (ai-toolkit's trigger_word): with diff_output_preservation, every "
+        "occurrence of it in a caption is replaced by diff_output_preservation_class to make the item's class prompt.",
+    )
+    diff_output_preservation: bool = Field(
+        False,
+        description="ai-toolkit's Differential Output Preservation: for each item of the training (not regularisation) "
+        "folders the base model's prediction for its class prompt (the caption with trigger_word replaced by "
+        "diff_output_preservation_class; same noisy latent and timestep) is the target of a second prediction of the "
+        "trained model on the class prompt, added to the loss times diff_output_preservation_multiplier. The class "
+        "prompts' embeddings are cached with the dataset. Needs trigger_word. See docs/training-methods.md.",
+    )
+    diff_output_preservation_multiplier: float = Field(
+        1.0, gt=0, description="Weight of the Differential Output Preservation loss (ai-toolkit's key)."
+    )
+    diff_output_preservation_class: str = Field(
+        "person",
+        description="The class word that replaces trigger_word in the class prompts (ai-toolkit's key and default).",
+    )
+
+    @model_validator(mode="after")
+    def _check_dop(self) -> DatasetConfig:
+        if self.diff_output_preservation and not (self.trigger_word or "").strip():
+            raise ValueError("diff_output_preservation needs trigger_word (the word in the captions that "
+                             "diff_output_preservation_class replaces in the class prompts)")
+        return self
+
+    def class_prompt(self, caption: str) -> str:
+        """The caption's class prompt: every ``trigger_word`` replaced by ``diff_output_preservation_class``."""
+        if not self.trigger_word:
+            return caption
+        return caption.replace(self.trigger_word, self.diff_output_preservation_class)
     directory: list[DirectoryConfig] = Field(
         description="The media folders ([[directory]] entries); at least one.", min_length=1
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from typing import Any
 
 from diffpipe_core.data.items import Bucket, ScanResult
 from diffpipe_core.data.scan import reason_category
@@ -31,6 +32,44 @@ def group_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], in
     return dict(sorted(counts.items()))
 
 
+def regularization_lines(scan: ScanResult, dataset: Any) -> list[str]:
+    """One line per ``[[directory]]`` that is a regularisation folder or has a ``loss_weight`` other than 1: its items
+    per epoch (repeats counted), what they train toward and their weight; empty when there is none. ``dataset``: the
+    :class:`~diffpipe_core.data.dataset_config.DatasetConfig` ``scan`` was made from."""
+    dirs = list(getattr(dataset, "directory", None) or ())
+    shown = [i for i, d in enumerate(dirs) if d.regularization or d.loss_weight != 1.0]
+    dop = bool(getattr(dataset, "diff_output_preservation", False))
+    if not shown and not dop:
+        return []
+    per_dir: dict[int, int] = defaultdict(int)
+    for item in scan.items:
+        per_dir[item.directory] += item.repeats
+    lines = ["Regularisation and loss weights:"]
+    for i in shown:
+        d = dirs[i]
+        if d.regularization:
+            target = d.regularization_target or "captions"
+            what = ("regularisation, toward the base model's own prediction (one extra forward without gradient per "
+                    "micro-batch holding such items)" if target == "base" else
+                    "regularisation, toward their captions' ordinary target")
+        else:
+            what = "training items"
+        lines.append(f"  directory[{i}] ({d.path}): {_n(per_dir.get(i, 0), 'sample')} per epoch, {what}, "
+                     f"loss_weight {d.loss_weight:g}")
+    regular = sum(n for i, n in per_dir.items() if i >= len(dirs) or not dirs[i].regularization)
+    lines.append(f"  training (not regularisation) samples per epoch: {regular}")
+    if dop:
+        with_trigger = sum(1 for item in scan.items if not dirs[item.directory].regularization
+                           and dataset.trigger_word in item.caption)
+        training = sum(1 for item in scan.items if not dirs[item.directory].regularization)
+        lines.append(f"  diff_output_preservation: class prompts replace {dataset.trigger_word!r} by "
+                     f"{dataset.diff_output_preservation_class!r} ({with_trigger} of {training} training items' "
+                     f"captions hold it), multiplier {dataset.diff_output_preservation_multiplier:g}; each "
+                     "micro-batch also trains its class prompts (twice the samples) after one more forward without "
+                     "gradient")
+    return lines
+
+
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -43,12 +82,14 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 
 def format_report(
-    scan: ScanResult, micro_batch_size: int | Callable[[Bucket], int], dp_world_size: int
+    scan: ScanResult, micro_batch_size: int | Callable[[Bucket], int], dp_world_size: int, dataset: Any = None
 ) -> str:
     """A plain-text report: one row per bucket (size, frames, the control images' sizes of an edit dataset, samples
     per epoch including repeats, its micro-batch size, micro-batches per epoch on each data-parallel rank, and the
     remainder that cannot fill a global micro-batch of ``micro_batch_size * dp_world_size``), then every skipped
-    file and a summary. ``micro_batch_size`` is one size or a function of the bucket (per-resolution sizes)."""
+    file and a summary. ``micro_batch_size`` is one size or a function of the bucket (per-resolution sizes). With
+    ``dataset`` (its config) the regularisation folders and loss weights are listed too
+    (:func:`regularization_lines`)."""
     size_of = micro_batch_size if callable(micro_batch_size) else (lambda bucket: micro_batch_size)
     per_bucket = callable(micro_batch_size)
     groups = group_counts(scan)
@@ -81,6 +122,7 @@ def format_report(
         )
     if empty:
         lines.append("buckets too small for even one micro-batch: " + ", ".join(empty))
+    lines += regularization_lines(scan, dataset)
     paired = sum(1 for item in scan.items if item.controls)
     if paired:
         lines.append(f"Edit pairs: {_n(paired, 'item')} with control images, {_n(len(scan.items) - paired, 'item')} "

@@ -13,7 +13,7 @@ forward per micro-batch and no backward.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -33,17 +33,40 @@ def fold_uncond(outputs: Any, uncond: Any, cfg: float) -> Any:
     return type(outputs)(folded) if isinstance(outputs, tuple) else folded
 
 
-def uncond_pass(engine: Any, batches: MicroBatches, count: int) -> tuple[list[tuple[list[int], int]], Any]:
-    """Draw the step's ``count`` micro-batches and run them with the empty prompt through the pipeline, forward only:
-    ``(drawn, outputs)``, ``drawn`` for :func:`replay` and ``outputs`` the last stage's per micro-batch (None
-    elsewhere)."""
-    drawn = [batches.draw() for _ in range(count)]
-    empty = (batches.make(indices, m, uncond=True) for indices, m in drawn)
-    return drawn, forward_outputs(engine, empty, count)
+Drawn = list[tuple[list[int], int]]  # a step's micro-batches: (sample indices, micro-batch number) each
 
 
-def replay(batches: MicroBatches, drawn: list[tuple[list[int], int]]) -> Iterator[Any]:
-    """The micro-batches :func:`uncond_pass` drew, with their captions, for the training pass."""
+def draw(batches: MicroBatches, count: int) -> Drawn:
+    """Draw the step's ``count`` micro-batches ahead of the training pass, for the passes without gradient that
+    run them first (this one, and the regularisation base pass of :mod:`diffpipe_core.engine.regularization`) and
+    for :func:`replay`."""
+    return [batches.draw() for _ in range(count)]
+
+
+def pass_without_gradient(
+    engine: Any, batches: MicroBatches, drawn: Drawn, uncond: bool = False, class_prompt: bool = False
+) -> Any:
+    """Run the ``drawn`` micro-batches (with the empty prompt if ``uncond``, the class prompts if ``class_prompt``)
+    through the pipeline, forward only and without gradient: the last stage's outputs per micro-batch (None
+    elsewhere). The same noise and timesteps as their training pass (:meth:`MicroBatches.make` is seeded by the
+    micro-batch's number)."""
+    made = (batches.make(indices, m, uncond=uncond, class_prompt=class_prompt) for indices, m in drawn)
+    return forward_outputs(engine, made, len(drawn))
+
+
+def uncond_pass(engine: Any, batches: MicroBatches, count: int, drawn: Drawn | None = None) -> tuple[Drawn, Any]:
+    """Draw the step's ``count`` micro-batches (unless ``drawn`` already) and run them with the empty prompt through
+    the pipeline, forward only: ``(drawn, outputs)``, ``drawn`` for :func:`replay` and ``outputs`` the last stage's per
+    micro-batch (None elsewhere)."""
+    drawn = draw(batches, count) if drawn is None else drawn
+    return drawn, pass_without_gradient(engine, batches, drawn, uncond=True)
+
+
+def replay(
+    batches: MicroBatches, drawn: Drawn, make: Callable[[list[int], int], Any] | None = None
+) -> Iterator[Any]:
+    """The micro-batches :func:`uncond_pass` drew, with their captions, for the training pass (made by ``make``
+    when given: :func:`diffpipe_core.engine.regularization.training_batch`)."""
     for indices, m in drawn:
         batches.step_ids.extend(batches.dataset.sample_ids(indices))
-        yield batches.make(indices, m)
+        yield (make or batches.make)(indices, m)

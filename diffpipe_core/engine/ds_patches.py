@@ -280,6 +280,30 @@ def guard_op_builds(timeout: float | None = None, notice_after: float = 5.0) -> 
 
     OpBuilder.jit_load = jit_load
     _guarded = True
+def single_backward(engine: PipelineEngine) -> None:
+    """With ``[optimizer] gradient_release``: a stage that is not the last runs one backward over all its float
+    outputs instead of DeepSpeed's one per output (patch 7's ``retain_graph`` loop), so each parameter's gradient
+    is completed, and its post-accumulate-grad hook fires, once per micro-batch. Applies to this engine only."""
+
+    def backward(self: PipelineEngine, buffer_id: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        if self.is_last_stage() or not isinstance(outputs, tuple) or self.is_pipe_partitioned:
+            return PipelineEngine._exec_backward_pass(self, buffer_id)
+        out_tensors = [t for t in outputs if t.is_floating_point()]
+        grads = list(self.grad_layer)
+        assert len(out_tensors) == len(grads), (len(out_tensors), len(grads))
+        self._running_engine_backward = True
+        try:
+            torch.autograd.backward(out_tensors, grad_tensors=grads)
+        finally:
+            self._running_engine_backward = False
+        self.pipe_buffers["output_tensors"][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+        return None
+
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.BackwardPass: backward}
+
+
 def keep_compiled_backward_buffers() -> None:
     """Let compiled layers' backward run under DeepSpeed's per-output ``retain_graph=True`` backward (patch 7).
     Process-wide torch setting; called before the blocks are compiled."""

@@ -73,10 +73,16 @@ class EmaWeights:
         finally:
             self._swap()
 
-    @torch.no_grad()
     def _swap(self) -> None:
-        for name, p in self.trainable.items():
-            avg = self.average[name]
-            held = p.detach().to(avg.device, copy=True)
-            p.copy_(avg)
-            avg.copy_(held)
+        swap_(self.trainable, self.average)
+
+
+@torch.no_grad()
+def swap_(trainable: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> None:
+    """Exchange the values of the model's tensors ``trainable`` and ``other`` (same names; ``other`` may live in host
+    memory), one tensor's copy at a time."""
+    for name, p in trainable.items():
+        held_in = other[name]
+        held = p.detach().to(held_in.device, copy=True)
+        p.copy_(held_in)
+        held_in.copy_(held)

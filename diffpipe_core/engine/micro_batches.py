@@ -77,14 +77,21 @@ class MicroBatches:
         self.micro_index += 1
         return indices, self.micro_index - 1
 
-    def make(self, indices: list[int], micro_index: int, uncond: bool = False) -> tuple[tuple[Any, ...], ...]:
+    def make(
+        self, indices: list[int], micro_index: int, uncond: bool = False, class_prompt: bool = False
+    ) -> tuple[tuple[Any, ...], ...]:
         """Micro-batch ``micro_index`` of ``indices``: collated and prepared with its own seeded generator, so the
-        same call gives the same noise and timesteps. ``uncond``: every caption is the empty prompt."""
+        same call gives the same noise and timesteps. ``uncond``: every caption is the empty prompt;
+        ``class_prompt``: each item's class prompt (``diff_output_preservation``)."""
         # seeded by the micro-batch's global number, so its noise is the same on any layout (0: the seed of
         # data-parallel rank 0 before global numbers, so one-rank runs draw what they drew)
         generator = torch.Generator().manual_seed(
             mix_seed(self.seed, global_micro_batch(micro_index, self.dp, self.dp_rank), 0)
         )
-        batch = self.dataset.collate(indices, generator, uncond=True) if uncond else self.dataset.collate(
-            indices, generator)
+        if uncond:
+            batch = self.dataset.collate(indices, generator, uncond=True)
+        elif class_prompt:
+            batch = self.dataset.collate(indices, generator, class_prompt=True)
+        else:
+            batch = self.dataset.collate(indices, generator)
         return self.plugin.require("prepare_inputs", batch=batch, context=self.context, generator=generator)

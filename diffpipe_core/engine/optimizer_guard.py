@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from diffpipe_core.engine.grad_norm import clip_grads_, global_grad_norm
+from diffpipe_core.optim.gradient_release import GradientRelease
 
 
 class OptimizerGuard:
@@ -26,9 +27,14 @@ class OptimizerGuard:
         self.grad_norm: float | None = None
         self.nonfinite = False
         self.first_step_check: Callable[[], None] | None = None  # called once, before the first step
+        self.release: GradientRelease | None = None  # [optimizer] gradient_release: the hooks stepped already
         original = optimizer.step
 
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if self.release is not None:  # every parameter was stepped as its gradient was ready
+                self.grad_norm = global_grad_norm([self.release.step_norm()], self.dp, self.device)
+                self.nonfinite = self.release.nonfinite or not math.isfinite(self.grad_norm)
+                return original(*args, **kwargs)  # no gradient is left: only the LR schedule's bookkeeping
             if self.first_step_check is not None:
                 check, self.first_step_check = self.first_step_check, None
                 check()
@@ -45,3 +51,5 @@ class OptimizerGuard:
 
     def start_step(self) -> None:
         self.nonfinite = False
+        if self.release is not None:
+            self.release.start_step()

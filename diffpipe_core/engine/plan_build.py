@@ -66,7 +66,12 @@ def make_plan(
     if costs.failed:
         label += f"; layers from {costs.failed.split(':')[0]} on borrow a like layer's figures (meta forward failed)"
     gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label)
+    roles = getattr(dataset, "roles", None)
+    toward_base = roles is not None and roles.any_base and not forward_only
+    dop = roles is not None and getattr(roles, "any_dop", False) and not forward_only
+    passes = int(getattr(cfg.model, "cfg", None) is not None and not forward_only) + int(toward_base) + int(dop)
+    return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
+                       (toward_base or dop) and cfg.run.adapter is None, 2 if dop else 1)
 
 
 def plan_for_config(cfg: ResolvedConfig, plugin: ModelPlugin) -> StagePlan:

@@ -29,6 +29,7 @@ from diffpipe_core.engine.ds_patches import (
     keep_compiled_backward_buffers,
     lean_step,
     name_gradless_boundary_tensors,
+    single_backward,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
@@ -37,10 +38,12 @@ from diffpipe_core.engine.layer_rng import LayerSeeds, seed_stage_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan
+from diffpipe_core.engine.regularization import FrozenBase, needs_base
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.merge_adapters import merge_into, native_targets
 from diffpipe_core.optim import build_optimizer, forced_lr, parameter_groups, run_lr_lambda
+from diffpipe_core.optim.gradient_release import GradientRelease
 from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.quiet import library_prints
@@ -78,12 +81,21 @@ class LossFunction:
     def __init__(self, plugin: ModelPlugin, context: TrainingContext) -> None:
         self.plugin, self.context = plugin, context
         self.uncond: list[Any] | None = None  # [model] cfg: this step's unconditional outputs, one per micro-batch
+        self.roles: list[Any] | None = None  # regularisation, loss weights: this step's MicroRoles per micro-batch
 
     def __call__(self, outputs: Any, targets: Any) -> Any:
+        raw = outputs
         if self.uncond:
             from diffpipe_core.engine.cfg_training import fold_uncond
 
             outputs = fold_uncond(outputs, self.uncond.pop(0), self.context.model_config.cfg)
+        if self.roles:
+            from diffpipe_core.engine.regularization import weighted_loss
+
+            return weighted_loss(self.roles.pop(0), outputs, raw, targets, self._plugin_loss, self.context)
+        return self._plugin_loss(outputs, targets)
+
+    def _plugin_loss(self, outputs: Any, targets: Any) -> Any:
         return self.plugin.require("compute_loss", outputs=outputs, targets=targets, context=self.context)
 
 
@@ -104,6 +116,7 @@ class Stage:
     plan: StagePlan | None = None
     seeds: LayerSeeds | None = None  # the layers' random streams (:mod:`diffpipe_core.engine.layer_rng`)
     ema: EmaWeights | None = None  # [ema]: the average of ``trainable``
+    base: FrozenBase | None = None  # regularization_target = "base": how this stage computes the base model
 
 
 @dataclass
@@ -219,8 +232,19 @@ def build_stage(
     optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
     if run.optimizer.offload:
         offload_state(optimizer)  # before the LR schedule wraps its step
+    release = None
+    if run.optimizer.gradient_release:
+        if layout.dp > 1:
+            raise ValueError(
+                f"optimizer.gradient_release: this run has {layout.dp} data-parallel replicas per stage "
+                f"({layout.world} processes, {layout.stages} stage(s)); a released parameter is stepped before the "
+                "replicas' gradients could be averaged, so gradient release needs as many processes as "
+                "pipeline_stages"
+            )
+        release = GradientRelease(optimizer, list(trainable.values()), run.gradient_clipping)
     scheduler = LambdaLR(optimizer, run_lr_lambda(run, total_steps))
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
+    guard.release = release
     if lora is not None:
         guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)
     ds_config = {
@@ -239,13 +263,16 @@ def build_stage(
     )
     skip_single_replica_allreduce(engine)
     lean_step(engine)
+    if release is not None:
+        single_backward(engine)
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
     ema = EmaWeights(run.ema, trainable) if run.ema is not None else None
+    base = FrozenBase(model, trainable, lora is not None) if needs_base(dataset) else None
     return Stage(
         model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
-        built.plan, built.seeds, ema,
+        built.plan, built.seeds, ema, base,
     )
 
 

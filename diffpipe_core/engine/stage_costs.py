@@ -6,7 +6,10 @@ Per layer, from a meta twin of the model (same modules, weights on meta, so noth
   size when ``[model] quantize`` is set; the part block swap would move to host memory is kept apart;
 - the trainable tensors (the adapter's own: LoRA, LoKr or LoHa, in ``[adapter] dtype``; or every float weight of a
   full fine-tune) with their gradients and optimizer state, and their ``[ema]`` copy when it lives on the stage's
-  device (``device = "cpu"`` keeps it in host memory, outside the plan);
+  device (``device = "cpu"`` keeps it in host memory: ``host_state_bytes``, as an offloaded optimizer state is);
+  with ``[optimizer] gradient_release`` no gradient buffer (``largest_grad_bytes``: the one gradient held at a time);
+- with ``[model] merge_adapters``, what merging holds on the device at load, for the layer's largest weight
+  (``merge_bytes``: that weight in float32, the delta, their sum, and the result in the weight's dtype);
 - what the layer keeps for backward for one micro-batch of the largest bucket, measured by a meta forward of the
   twin with the run's adapter (:mod:`diffpipe_core.engine.activations`), when first-layer inputs are given.
 """
@@ -44,6 +47,9 @@ class LayerCost:
     tensors: LayerTensors  # what its forward keeps for backward, takes in and sends on (empty when not measured)
     trainable_bytes: int = 0  # the trainable tensors' own bytes (what a save gathers and converts)
     optimizer_bytes: int = 0  # their optimizer state alone (what a checkpoint serialises in memory)
+    host_state_bytes: int = 0  # trained state kept in host memory: offloaded optimizer state, an [ema] on the cpu
+    largest_grad_bytes: int = 0  # gradient release: the largest single gradient (the one held while it steps)
+    merge_bytes: int = 0  # merge_adapters: the device memory merging into the layer's largest weight takes at load
 
 
 @dataclass
@@ -142,7 +148,7 @@ def layer_costs(
         if mode is not None and block:
             chosen, _ = quantizable_linears(twin, layer)
             quantized = {id(m.weight): quantized_weight_bytes(mode, m.out_features, m.in_features) for m in chosen}
-        weight = swappable = trainable = state = trainable_bytes = optimizer = 0
+        weight = swappable = trainable = state = trainable_bytes = optimizer = host_state = largest_grad = merge = 0
         for t in [*layer.parameters(), *layer.buffers()]:
             if id(t) in seen:
                 continue
@@ -155,18 +161,27 @@ def layer_costs(
                 optimizer += kept
                 # + gradient; an offloaded state is in host memory (the device holds one tensor's while it steps)
                 state += 2 * _bytes(t) + (0 if run.optimizer.offload else kept)
+                host_state += kept if run.optimizer.offload else 0
+                if run.optimizer.gradient_release:  # no gradient buffer: one gradient at a time (a transient)
+                    state -= _bytes(t)
+                    largest_grad = max(largest_grad, _bytes(t))
                 if run.ema is not None and run.ema.device == "stage":  # [ema]: one more copy beside the weights
                     state += _bytes(t)
+                elif run.ema is not None:  # device = "cpu": in host memory
+                    host_state += _bytes(t)
                 if run.adapter is None:  # a full fine-tune's weights are weights; LoRA's count with the states
                     weight, state = weight + _bytes(t), state - _bytes(t)
-            else:
+            base_weight = run.adapter is None or not t.requires_grad  # not the trained adapter's own tensor
+            if getattr(cfg.model, "merge_adapters", None) and base_weight and t.is_floating_point() and t.dim() >= 2:
+                merge = max(merge, t.numel() * (3 * 4 + t.element_size()))
+            if not t.requires_grad:
                 weight += size
                 if block and id(t) not in quantized and t.is_floating_point() and isinstance(t, nn.Parameter):
                     swappable += size
         tensors = measurement.layers[i] if measurement is not None else LayerTensors(measured=False)
         costs.append(
             LayerCost(type(layer).__name__, counts[i], weight, swappable, block, trainable, state, tensors,
-                      trainable_bytes, optimizer)
+                      trainable_bytes, optimizer, host_state, largest_grad, merge)
         )  # fmt: skip
     return ModelCosts(costs, measurement is not None, measurement.failed if measurement else None)
 

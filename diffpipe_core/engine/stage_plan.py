@@ -14,6 +14,12 @@ A stage's estimated peak (bytes on its device) is
       copies and the tensors) and converts it to the save dtype once per format, while the other stages hold
       their pickled share; a full fine-tune's save converts the stage's weights to the save dtype
 
+or, when larger, the weights plus what ``[model] merge_adapters`` holds while the stage loads (``load_bytes``). The
+last stage also keeps the outputs of the passes without gradient (``[model] cfg``, a regularisation folder toward
+the base, ``diff_output_preservation``) for the step's micro-batches; ``diff_output_preservation`` doubles each
+micro-batch's activations. Trained state kept in host memory (an offloaded optimizer state, ``[ema] device = "cpu"``,
+a full fine-tune's initial weights for a base pass) is ``host_state_bytes``, outside the peak.
+
 ``partition_method = "memory"`` chooses the contiguous split that minimises the largest estimated peak (every stage
 keeping at least one trainable layer when possible), then, among those, the most even one.
 """
@@ -46,6 +52,8 @@ class StageEstimate:
     in_flight: int
     save_bytes: int = 0  # what saving and checkpointing hold at once, after the step
     micro_batch_bytes: int = 0  # one micro-batch's kept activations with its input and output (x in_flight)
+    host_state_bytes: int = 0  # trained state in host memory: offloaded optimizer state, [ema] on the cpu, base copy
+    load_bytes: int = 0  # merge_adapters: what merging holds beside the weights while the stage loads
 
     @property
     def queued_bytes(self) -> int:
@@ -54,7 +62,9 @@ class StageEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        return self.weight_bytes + self.state_bytes + max(self.activation_bytes + self.transient_bytes, self.save_bytes)
+        training = self.weight_bytes + self.state_bytes + max(self.activation_bytes + self.transient_bytes,
+                                                              self.save_bytes)
+        return max(training, self.weight_bytes + self.load_bytes)
 
 
 @dataclass
@@ -76,8 +86,15 @@ class Estimator:
     """Stage estimates for every interval of layers, from per-layer costs (intervals' activation unions are
     tabulated once: O(layers^2))."""
 
-    def __init__(self, costs: ModelCosts, run: RunConfig, stages: int, on_gpu: bool) -> None:
+    def __init__(
+        self, costs: ModelCosts, run: RunConfig, stages: int, on_gpu: bool, extra_passes: int = 0,
+        base_copy: bool = False, batch_factor: int = 1,
+    ) -> None:
         self.costs, self.stages, self.gas = costs.layers, stages, run.gradient_accumulation_steps
+        # outputs of the passes without gradient ([model] cfg's unconditional one, the regularisation base pass) the
+        # last stage keeps for the step's micro-batches until their loss; a full fine-tune's base copy (host memory)
+        self.extra_passes, self.base_copy = extra_passes, base_copy
+        self.batch_factor = batch_factor  # diff_output_preservation: each micro-batch trains twice its samples
         n = len(self.costs)
         ckpt, offload = bool(run.activation_checkpointing), run.activation_checkpointing == "offload"
         names_blocks = any(c.block for c in self.costs)
@@ -104,7 +121,8 @@ class Estimator:
                 self.transient[i][j + 1] = top
         self.prefix = {
             attr: _prefix([getattr(c, attr) for c in self.costs])
-            for attr in ("params", "weight_bytes", "state_bytes", "trainable", "trainable_bytes", "optimizer_bytes")
+            for attr in ("params", "weight_bytes", "state_bytes", "trainable", "trainable_bytes", "optimizer_bytes",
+                         "host_state_bytes")
         }
         self.adapter = run.adapter is not None
         self.save_item = DTYPES[run.save_dtype].itemsize
@@ -143,7 +161,11 @@ class Estimator:
     def estimate(self, stage: int, i: int, j: int) -> StageEstimate:
         host = self.swapped_bytes(i, j) if self.on_gpu else 0
         buffers = (self.inputs[i] if stage > 0 else 0) + (self.outputs[j - 1] if stage < self.stages - 1 else 0)
+        # the last stage holds the extra passes' outputs (one micro-batch's samples each) for the step's micro-batches
+        kept = self.extra_passes * self.gas * self.outputs[j - 1] if j == len(self.costs) else 0
         flight = self.in_flight(stage)
+        host_state = self._sum("host_state_bytes", i, j) + (self._sum("trainable_bytes", i, j) if self.base_copy else 0)
+        released = max((c.largest_grad_bytes for c in self.costs[i:j]), default=0)
         return StageEstimate(
             stage=stage,
             start=i,
@@ -153,11 +175,13 @@ class Estimator:
             weight_bytes=self._sum("weight_bytes", i, j) - host,
             host_bytes=host,
             state_bytes=self._sum("state_bytes", i, j),
-            activation_bytes=flight * self.union[i][j] + buffers,
-            transient_bytes=self.transient[i][j],
+            activation_bytes=self.batch_factor * (flight * self.union[i][j] + buffers) + kept,
+            transient_bytes=self.batch_factor * self.transient[i][j] + released,
             in_flight=flight,
             save_bytes=self.save_bytes(stage, i, j),
-            micro_batch_bytes=self.union[i][j],
+            micro_batch_bytes=self.batch_factor * self.union[i][j],
+            host_state_bytes=host_state,
+            load_bytes=max((c.merge_bytes for c in self.costs[i:j]), default=0),
         )
 
     def peak(self, stage: int, i: int, j: int) -> int:
@@ -180,10 +204,17 @@ def plan_stages(
     stages: int,
     on_gpu: bool,
     activations: str,
+    extra_passes: int = 0,
+    base_copy: bool = False,
+    batch_factor: int = 1,
 ) -> StagePlan:
-    """Stage boundaries by ``run.partition_split`` or ``run.partition_method``, and each stage's estimate."""
+    """Stage boundaries by ``run.partition_split`` or ``run.partition_method``, and each stage's estimate.
+    ``extra_passes``: passes without gradient whose outputs the last stage keeps per micro-batch (``[model] cfg``,
+    a regularisation folder trained toward the base); ``base_copy``: a full fine-tune keeps its initial weights in
+    host memory for that base pass; ``batch_factor``: 2 when every micro-batch also trains its samples' class prompts
+    (``diff_output_preservation``)."""
     n = len(costs.layers)
-    estimator = Estimator(costs, run, stages, on_gpu)
+    estimator = Estimator(costs, run, stages, on_gpu, extra_passes, base_copy, batch_factor)
     method = "explicit" if run.partition_split is not None else run.partition_method
     if run.partition_split is not None:
         if run.partition_split and run.partition_split[-1] >= n:
@@ -236,6 +267,7 @@ def format_plan(plan: StagePlan) -> list[str]:
     ]
     for s in plan.stages:
         host = f", +{_mib(s.host_bytes)} host" if s.host_bytes else ""
+        host += f", +{_mib(s.host_state_bytes)} host state" if s.host_state_bytes else ""
         lines.append(
             f"  {s.stage:<6}{_count(s.params):>10}{_mib(s.weight_bytes):>12}{_mib(s.state_bytes):>12}"
             f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.save_bytes):>10}{_mib(s.peak_bytes):>13}  "

@@ -27,13 +27,14 @@ from tqdm import tqdm
 
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine import memory_report, stopping
-from diffpipe_core.engine.cfg_training import replay, uncond_pass
+from diffpipe_core.engine.cfg_training import draw, replay, uncond_pass
 from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
 from diffpipe_core.engine.host_memory import release_freed
 from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
+from diffpipe_core.engine.regularization import base_pass, dop_pass, needs_roles, step_roles, training_batch
 from diffpipe_core.engine.run_dir import CHECKPOINTS, truncate_metrics
 from diffpipe_core.engine.run_state import carried_micro_index, restore_checkpoint, save_trained, write_checkpoint
 from diffpipe_core.engine.stage_build import Layout, build_stage
@@ -82,6 +83,10 @@ class Trainer:
         memory_report.record("cached", self.stage_id)
         self.stage = build_stage(cfg, plugin, self.layout, device, self.total_steps, dataset)
         self.engine, self.model = self.stage.engine, self.stage.model
+        self.weighted = needs_roles(dataset)  # regularisation folders, loss weights, class prompts: per-sample losses
+        if self.weighted and dataset.roles.any_dop and cfg.model.cfg is not None:
+            raise ValueError("diff_output_preservation and [model] cfg cannot be combined: the unconditional pass "
+                             "covers the captions' samples, not the class prompts' second half of each micro-batch")
         release_freed()  # what loading and building freed
         self._memory_report("built")
 
@@ -201,13 +206,23 @@ class Trainer:
             lr = step_lrs[0]
             t0 = time.perf_counter()
             data: Any = batches
-            if self.cfg.model.cfg is not None:  # CFG-augmented training: the empty prompt's outputs first
-                drawn, uncond = uncond_pass(self.engine, batches, run.gradient_accumulation_steps)
-                self.stage.loss.uncond, data = (list(uncond) if uncond is not None else None), replay(batches, drawn)
+            if self.cfg.model.cfg is not None or self.weighted:  # the step's micro-batches are drawn ahead
+                drawn = draw(batches, run.gradient_accumulation_steps)
+                if self.cfg.model.cfg is not None:  # CFG-augmented training: the empty prompt's outputs first
+                    _, uncond = uncond_pass(self.engine, batches, len(drawn), drawn)
+                    self.stage.loss.uncond = list(uncond) if uncond is not None else None
+                make = None
+                if self.weighted:  # regularisation, loss weights, class prompts: the base model's outputs first
+                    roles = step_roles(self.dataset, drawn)
+                    if self.stage.base is not None:
+                        base_pass(self.engine, batches, drawn, roles, self.stage.base)
+                        dop_pass(self.engine, batches, drawn, roles, self.stage.base)
+                    self.stage.loss.roles, make = roles, training_batch(batches, roles)
+                data = replay(batches, drawn, make)
             try:
                 loss = float(self.engine.train_batch(data_iter=data))
             finally:
-                self.stage.loss.uncond = None
+                self.stage.loss.uncond = self.stage.loss.roles = None
             dt = time.perf_counter() - t0
             step += 1
             release_freed()  # the step's activations and scratch
