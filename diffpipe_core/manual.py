@@ -214,7 +214,10 @@ def anchor_planned() -> str:
     return "\n".join(rows) + "\n"
 
 
-REGIONS = {"docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned}, "docs/datasets.md": {"dataset-keys": dataset_keys}}
+REGIONS = {
+    "docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned},
+    "docs/datasets.md": {"dataset-keys": dataset_keys},
+}
 
 
 def fill_regions(text: str, makers: dict[str, Any]) -> str:

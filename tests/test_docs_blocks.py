@@ -103,7 +103,13 @@ def toml_problems(body: str) -> list[str]:
         names = {info.name for info in get_registry().models() if info.ok}
         points = data["project"].get("entry-points", {}).get("diffpipe.models", {})
         return [f"entry point {name} is not an installed model" for name in points if name not in names]
-    if "directory" in data or "resolutions" in data or set(data) <= set(DirectoryConfig.model_fields) - {"path"}:
+    dataset_only = set(data) <= set(DatasetConfig.model_fields) - set(RunConfig.model_fields)
+    if (
+        "directory" in data
+        or "resolutions" in data
+        or dataset_only
+        or set(data) <= set(DirectoryConfig.model_fields) - {"path"}
+    ):
         if set(data) <= set(DirectoryConfig.model_fields) | {"directory"} and "directory" not in data:
             return unknown_keys(data, DirectoryConfig, "[[directory]].")
         return unknown_keys(data, DatasetConfig, "")
