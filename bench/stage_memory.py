@@ -352,7 +352,7 @@ pipeline_stages = {stages}
 [model]
 type = "{model}"
 path = "{path}"
-dtype = "bfloat16"
+dtype = "{dtype}"
 {keys}
 [adapter]
 rank = 4
@@ -373,6 +373,7 @@ class Project:
     keys: dict
     dataset: Path
     extra: str = ""  # more top-level keys (a GPU-fit fragment's savers: tests/test_gpu_fit.py)
+    dtype: str = "bfloat16"  # [model] dtype
 
     def config(self, stages: int, regime: str = "single") -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
@@ -381,7 +382,8 @@ class Project:
         how = REGIMES[regime]
         every = f"checkpoint_every_n_steps = {how.every}\nsave_every_n_steps = {how.every}" if how.every else ""
         path.write_text(RUN.format(dataset=self.dataset, model=model, path=self.path, stages=stages, keys=keys,
-                                   steps=how.steps, gas=how.gas(stages), every=every, extra=self.extra))
+                                   steps=how.steps, gas=how.gas(stages), every=every, extra=self.extra,
+                                   dtype=self.dtype))
         return path
 
 

@@ -103,7 +103,7 @@ class Fit:
 
     @property
     def peak(self) -> int:
-        return max(s.peak_bytes for s in self.plan.stages)
+        return _peak(self.plan)
 
     @property
     def shortfall(self) -> int:
@@ -174,15 +174,32 @@ def candidates(cfg: ResolvedConfig, plugin: ModelPlugin, gpus: int, layers: int,
 
 
 def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
+    """The stage plan of ``choice``; with a quantized base, each stage's ``load_bytes``: a stage loads its layers at
+    full precision and quantizes them afterwards (engine/stage_build.py), so until then it holds its resident
+    (not swapped) layers' full-precision weights."""
     run = source.cfg.run.model_copy(update={
         "pipeline_stages": choice.stages, "activation_checkpointing": choice.checkpointing,
         "blocks_to_swap": choice.swap, "partition_method": "memory", "partition_split": None,
     })  # fmt: skip
-    return plan_stages(source.costs(choice.quantize), run, choice.stages, on_gpu, source.activations)
+    plan = plan_stages(source.costs(choice.quantize), run, choice.stages, on_gpu, source.activations)
+    full = source.costs(None).layers if choice.quantize else None
+    for est in plan.stages:
+        load = 0
+        if full is not None:
+            blocks = [k for k in range(est.start, est.stop) if full[k].block]
+            swapped = set(blocks[len(blocks) - min(choice.swap, len(blocks)):]) if on_gpu and choice.swap else set()
+            load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
+        est.load_bytes = load  # type: ignore[attr-defined]
+    return plan
+
+
+def stage_peak(est: Any) -> int:
+    """A stage's estimated peak, its quantized base's full-precision load included (:func:`_plan`)."""
+    return max(est.peak_bytes, getattr(est, "load_bytes", 0))
 
 
 def _peak(plan: StagePlan) -> int:
-    return max(s.peak_bytes for s in plan.stages)
+    return max(stage_peak(s) for s in plan.stages)
 
 
 def _fewest_swapped(source: FitSource, choice: Choice, budget: int, on_gpu: bool) -> tuple[Choice, StagePlan]:
@@ -271,13 +288,15 @@ def fragment(fit: Fit) -> str:
 def format_fit(fit: Fit) -> list[str]:
     """What ``diffpipe validate --plan --gpu-memory`` prints: the verdict, the peak per GPU, and the fragment (or the
     shortfall)."""
-    peaks = " / ".join(gib(s.peak_bytes) for s in fit.plan.stages)
+    peaks = " / ".join(gib(stage_peak(s)) for s in fit.plan.stages)
     gpus = f"{fit.gpus} GPU{'s' if fit.gpus > 1 else ''} of {gib(fit.budget)}"
     lines = [f"GPU fit ({gpus}; estimates from the stage plan; activations: {fit.activations}):"]
+    if fit.choice.quantize and any(stage_peak(s) > s.peak_bytes for s in fit.plan.stages):
+        lines.append("  (a quantized base is loaded at full precision, then quantized: its load is the peak)")
     if fit.base is not None:
         lines.append(f"  as configured, on 1 stage: estimated peak {gib(_peak(fit.base))}")
     if not fit.fits:
-        big = max(fit.plan.stages, key=lambda s: s.peak_bytes)
+        big = max(fit.plan.stages, key=stage_peak)
         lines.append(
             f"  does not fit: the smallest plan ({fit.choice.describe()}) needs {gib(fit.peak)} on stage {big.stage}, "
             f"{gib(fit.shortfall)} more than {gib(fit.budget)} (shortfall {fit.shortfall / GiB:.2f} GB); "
