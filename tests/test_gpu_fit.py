@@ -257,7 +257,7 @@ def test_chosen_savers_fit_when_measured(model: str, tmp_path: Path) -> None:
     prepare_cache(dataset, plugin, tiny_cfg.model, progress=False)
     idle = max(bench.run_workers(tiny, fit.choice.stages, "single", 1, timeout=300).peaks)
     workers = bench.run_workers(project, fit.choice.stages, "single", 1, timeout=300)
-    for stage, (peak, report) in enumerate(zip(workers.peaks, workers.reports)):
+    for stage, peak in enumerate(workers.peaks):
         measured = peak - idle
         estimate = fit.plan.stages[stage].peak_bytes
         print(f"{model} stage {stage}: measured {measured / 2**20:.0f} MiB (idle worker {idle / 2**20:.0f}), "
