@@ -269,3 +269,29 @@ def test_chosen_savers_fit_when_measured(model: str, tmp_path: Path) -> None:
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_fit_table_of_a_declared_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fit_table_markdown builds the model from the plugin's declared size (here Flux's, shrunk to test size), at the
+    given resolutions, each cell the planner's own answer for that budget."""
+    from diffpipe_core.engine.fit_table import fit_table_markdown, usual_resolutions
+
+    plugin = get_registry().model("flux")
+    size = {**plugin.info.module.plan_size}
+    size["transformer"] = {**size["transformer"], "num_layers": 1, "num_single_layers": 2, "num_attention_heads": 2,
+                           "joint_attention_dim": 64, "pooled_projection_dim": 32}  # fmt: skip
+    size["text"] = {"t5_embeds": (16, 64), "clip_pooled": (32,)}
+    monkeypatch.setattr(type(plugin.info.module), "plan_size", size)
+    assert usual_resolutions(plugin) == [(512, 512, 1), (1024, 1024, 1)]  # the core's default for image models
+    table = fit_table_markdown("flux", resolutions=[(64, 64, 1), (256, 256, 1)], budgets_gb=(0.001, 0.03, 1))
+    lines = table.splitlines()
+    assert lines[0].startswith("Estimates (the stage plan's, not yet measured on a GPU): flux at ")
+    assert lines[2:4] == ["| resolution | 0.001 GB | 0.03 GB | 1 GB |", "|---|---|---|---|"]
+    small = [c.strip() for c in lines[4].split("|")[1:-1]]
+    large = [c.strip() for c in lines[5].split("|")[1:-1]]
+    assert small[0] == "64x64" and large[0] == "256x256"
+    assert small[1].startswith("does not fit: needs ") and small[1].endswith(" short)")  # the shortfall
+    assert small[2].startswith("1 stage, no savers: ") and small[3] == small[2]
+    # 4 x the tokens: more activations, so 0.03 GB takes savers there (and more memory without them)
+    assert not large[2].startswith(("1 stage, no savers", "does not fit")), large
+    assert large[3].startswith("1 stage, no savers: ") and large[3] != small[3]

@@ -60,8 +60,9 @@ def write_plan_folder(plugin: Any, folder: Path) -> dict[str, Any]:
         if component == "text":
             continue
         (folder / component).mkdir(parents=True, exist_ok=True)
-        (folder / component / "config.json").write_text(json.dumps(config))
-        kind = folder_spec.components.get(component, "")
+        name = "scheduler_config.json" if component == "scheduler" else "config.json"
+        (folder / component / name).write_text(json.dumps(config))
+        kind = config.get("_class_name") or folder_spec.components.get(component, "")
         index[component] = ["diffusers", kind if isinstance(kind, str) else kind[0]]
     (folder / "model_index.json").write_text(json.dumps(index))
     return dict(size.get("text", {}))
@@ -75,18 +76,22 @@ def _inputs(plugin: Any, model_config: Any, text_shapes: dict[str, Sequence[int]
     request = SampleRequest(width=size[0], height=size[1], frames=size[2], steps=2)
     generator = torch.Generator().manual_seed(0)
     latents, schedule = plugin.require("denoise_init", request=request, model_config=model_config, generator=generator)
-    text = {k: torch.zeros((1, *shape), dtype=torch.bfloat16) for k, shape in text_shapes.items()}
+    text = {k: torch.ones((1, *shape), dtype=torch.bfloat16) for k, shape in text_shapes.items()}  # masks: all kept
     inputs = plugin.require("denoise_inputs", latents=latents, schedule=schedule, index=0, text=text,
                             request=request, model_config=model_config)  # fmt: skip
     return tuple(inputs)
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
+
 def _cell(fit: Any) -> str:
-    from diffpipe_core.engine.gpu_fit import GiB
+    from diffpipe_core.engine.gpu_fit import gib
 
     if not fit.fits:
-        return f"does not fit: needs {fit.peak / GiB:.1f} GB ({fit.shortfall / GiB:.1f} GB short)"
-    return f"{fit.choice.describe()}: {fit.peak / GiB:.1f} GB"
+        return f"does not fit: needs {gib(fit.peak)} ({gib(fit.shortfall)} short)"
+    return f"{fit.choice.describe()}: {gib(fit.peak)}"
 
 
 def fit_table_markdown(
@@ -110,7 +115,7 @@ def fit_table_markdown(
         folder = Path(tmp) / "model"
         text = write_plan_folder(plugin, folder)
         model_config = plugin.spec.config_schema.model_validate({"type": model_type, "path": str(folder)})
-        run = RunConfig.model_validate(RUN)
+        run = RunConfig.model_validate({**RUN, "model": {"type": model_type, "path": str(folder)}})
         cfg = ResolvedConfig(Path(tmp) / "run.toml", run, model_config, {})
         source = None
         for size in resolutions or usual_resolutions(plugin):
@@ -122,7 +127,7 @@ def fit_table_markdown(
     params = sum(p.numel() for p in source.model.parameters()) if source is not None else 0
     head = "| resolution | " + " | ".join(f"{gb:g} GB" for gb in budgets_gb) + " |"
     note = (
-        f"Estimates (the stage plan's, not yet measured on a GPU): {model_type} at {params / 1e9:.1f} B parameters, "
+        f"Estimates (the stage plan's, not yet measured on a GPU): {model_type} at {_count(params)} parameters, "
         "a rank-32 LoRA at micro-batch 1 on one GPU; each cell gives the cheapest savers that fit "
         "(`diffpipe validate --plan --gpu-memory`) and the estimated peak."
     )

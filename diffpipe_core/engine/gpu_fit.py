@@ -135,12 +135,13 @@ class FitSource:
         elif dataset is not None:
             self.inputs, self.activations = example_inputs(dataset, plugin, cfg)
         self._costs: dict[str | None, ModelCosts] = {}
+        self.plans: dict[tuple[Choice, bool], StagePlan] = {}  # by choice and device, for several budgets
 
     def with_inputs(self, inputs: Any) -> FitSource:
         """The same model with other first-layer inputs (another resolution): its costs are measured anew."""
         other = FitSource.__new__(FitSource)
         other.__dict__.update(self.__dict__)
-        other.inputs, other._costs, other.activations = inputs, {}, "given inputs"
+        other.inputs, other._costs, other.plans, other.activations = inputs, {}, {}, "given inputs"
         return other
 
     @property
@@ -177,6 +178,9 @@ def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
     """The stage plan of ``choice``; with a quantized base, each stage's ``load_bytes``: a stage loads its layers at
     full precision and quantizes them afterwards (engine/stage_build.py), so until then it holds its resident
     (not swapped) layers' full-precision weights."""
+    key = (choice, on_gpu)
+    if key in source.plans:
+        return source.plans[key]
     run = source.cfg.run.model_copy(update={
         "pipeline_stages": choice.stages, "activation_checkpointing": choice.checkpointing,
         "blocks_to_swap": choice.swap, "partition_method": "memory", "partition_split": None,
@@ -190,6 +194,7 @@ def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
             swapped = set(blocks[len(blocks) - min(choice.swap, len(blocks)):]) if on_gpu and choice.swap else set()
             load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
         est.load_bytes = load  # type: ignore[attr-defined]
+    source.plans[key] = plan
     return plan
 
 
