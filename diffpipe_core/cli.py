@@ -148,6 +148,16 @@ def _fit_options(gpu_memory: str | None, gpus: str | None) -> tuple[int | None, 
     return budget, count
 
 
+@main.command("plan-table")
+@click.argument("model_type")
+def plan_table(model_type: str) -> None:
+    """Print MODEL_TYPE's GPU-fit table (Markdown, estimates): the savers `validate --plan --gpu-memory` picks for 24,
+    48 and 80 GB at the model's usual resolutions, for the released size its plugin declares (plan_size)."""
+    from diffpipe_core.engine.fit_table import fit_table_markdown
+
+    click.echo(fit_table_markdown(model_type), nl=False)
+
+
 def _echo_plan(cfg) -> None:
     from diffpipe_core.engine.plan_build import plan_report
 

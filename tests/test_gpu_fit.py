@@ -295,3 +295,9 @@ def test_fit_table_of_a_declared_size(monkeypatch: pytest.MonkeyPatch) -> None:
     # 4 x the tokens: more activations, so 0.03 GB takes savers there (and more memory without them)
     assert not large[2].startswith(("1 stage, no savers", "does not fit")), large
     assert large[3].startswith("1 stage, no savers: ") and large[3] != small[3]
+
+
+def test_plan_table_command_names_a_model_without_a_declared_size() -> None:
+    result = CliRunner().invoke(main, ["plan-table", "reference"])
+    assert result.exit_code == 1
+    assert "model 'reference' declares no plan_size (its real size), so there is no table" in result.output
