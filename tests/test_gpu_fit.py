@@ -301,3 +301,16 @@ def test_plan_table_command_names_a_model_without_a_declared_size() -> None:
     result = CliRunner().invoke(main, ["plan-table", "reference"])
     assert result.exit_code == 1
     assert "model 'reference' declares no plan_size (its real size), so there is no table" in result.output
+
+
+def test_without_a_cache_the_fit_says_activations_are_not_counted(tmp_path: Path) -> None:
+    write_tiny_model(tmp_path / "model")
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64))
+    write_dataset_toml(tmp_path / "dataset.toml", tmp_path / "images", resolutions=[64])
+    (tmp_path / "run.toml").write_text(run_toml(MODEL, {"type": "adamw", "lr": 1e-4}, {"rank": 4}))
+    result = CliRunner().invoke(main, ["validate", "--config", str(tmp_path / "run.toml"), "--gpu-memory", "24GB"])
+    assert result.exit_code == 0, result.output
+    assert "activations: not estimated: the dataset is not cached yet (diffpipe cache); the fit counts none" in (
+        result.output
+    )
+    assert "  fits: 1 stage, no savers" in result.output
