@@ -24,8 +24,11 @@ and picks the **cheapest** that fits. Cheapest means least estimated step time f
 3. ties: fewer stages, then no checkpointing before checkpointing before offload, then fewer swapped blocks.
 
 The estimates count what each stage holds (weights, trainable state, activations of the micro-batches in flight at
-the run's largest bucket, the checkpoint's and save's transients), not the CUDA context or allocator slack: leave a
-margin. Activations need the cached dataset (``diffpipe cache``); without it the plan says so and counts none.
+the run's largest bucket, the checkpoint's and save's transients) and, with a quantized base, the stage's load at full
+precision (it is quantized after loading); not the CUDA context or allocator slack: leave a margin. Activations need
+the cached dataset (``diffpipe cache``); without it the plan says so and counts none. ``on_gpu=False`` plans a CPU
+run (tests/test_gpu_fit.py measures one): there block swap and offload save nothing and are not offered, and
+``int8``/``nf4`` (bitsandbytes' CUDA kernels) are still offered but only ``float8`` is measured.
 """
 
 from __future__ import annotations
