@@ -27,8 +27,8 @@ The estimates count what each stage holds (weights, trainable state, activations
 the run's largest bucket, the checkpoint's and save's transients) and, with a quantized base, the stage's load at full
 precision (it is quantized after loading); not the CUDA context or allocator slack: leave a margin. Activations need
 the cached dataset (``diffpipe cache``); without it the plan says so and counts none. ``on_gpu=False`` plans a CPU
-run (tests/test_gpu_fit.py measures one): there block swap and offload save nothing and are not offered, and
-``int8``/``nf4`` (bitsandbytes' CUDA kernels) are still offered but only ``float8`` is measured.
+run (tests/test_gpu_fit.py measures one): there block swap and offload save nothing and are not offered, nor are
+``int8`` and ``nf4`` (bitsandbytes' CUDA kernels).
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ def candidates(cfg: ResolvedConfig, plugin: ModelPlugin, gpus: int, layers: int,
     if cfg.run.adapter is not None and plugin.spec.block_layers:  # a full fine-tune of a quantized base is refused
         start = QUANTIZE_ORDER.index(current) if current in QUANTIZE_ORDER else len(QUANTIZE_ORDER)
         quantize += [q for q in QUANTIZE_ORDER[start + 1 :] if q != "nf4" or cfg.run.adapter.type == "lora"]
+        if not on_gpu:  # bitsandbytes' int8 and nf4 need CUDA
+            quantize = [q for q in quantize if q in (current, "float8")]
     checkpointing = [c for c in CHECKPOINTING if on_gpu or c != "offload"]
     return [Choice(s, c, 0, q) for q in quantize for s in stages for c in checkpointing]
 
