@@ -271,9 +271,10 @@ def test_chosen_savers_fit_when_measured(model: str, tmp_path: Path) -> None:
               f"estimated {estimate / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB, plain estimate "
               f"{plain / 2**20:.0f} MiB ({fit.choice.describe()})")
         over.append(measured - budget)
-        # a plan without savers measures >= 1.4x the budget here, so 15% (issue 46's tolerance) still fails it
+        # without savers Wan measured 375 MiB and Flux 456 (1.36x and 1.42x the budget): 15% (issue 46's tolerance)
+        # still fails a plan that saved nothing
         assert measured <= budget * 1.15, (model, stage, measured, budget)
-    if max(over) > 0:  # known: a checkpointed stage measures 1.5-1.7x its estimate at this size (README)
+    if max(over) > 0:  # known: an activation-heavy stage measures up to 1.7x its estimate at this size (README)
         assert fit.choice.checkpointing, (model, over)  # 2 stages without savers are within their estimate
         pytest.xfail(f"{model}: {max(over) / 2**20:.0f} MiB over the budget; the checkpointed estimate is short")
 
