@@ -348,10 +348,11 @@ micro_batch_size_per_gpu = 1
 gradient_accumulation_steps = {gas}
 pipeline_stages = {stages}
 {every}
+{extra}
 [model]
 type = "{model}"
 path = "{path}"
-dtype = "bfloat16"
+dtype = "{dtype}"
 {keys}
 [adapter]
 rank = 4
@@ -371,6 +372,8 @@ class Project:
     path: Path
     keys: dict
     dataset: Path
+    extra: str = ""  # more top-level keys (a GPU-fit fragment's savers: tests/test_gpu_fit.py)
+    dtype: str = "bfloat16"  # [model] dtype
 
     def config(self, stages: int, regime: str = "single") -> Path:
         keys = "\n".join(f"{k} = {_toml_value(v)}" for k, v in self.keys.items())
@@ -379,7 +382,8 @@ class Project:
         how = REGIMES[regime]
         every = f"checkpoint_every_n_steps = {how.every}\nsave_every_n_steps = {how.every}" if how.every else ""
         path.write_text(RUN.format(dataset=self.dataset, model=model, path=self.path, stages=stages, keys=keys,
-                                   steps=how.steps, gas=how.gas(stages), every=every))
+                                   steps=how.steps, gas=how.gas(stages), every=every, extra=self.extra,
+                                   dtype=self.dtype))
         return path
 
 

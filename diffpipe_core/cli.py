@@ -81,9 +81,25 @@ def models() -> None:
 @MODEL
 @click.option("--num-procs", type=int, default=None, help="Also check pipeline_stages against this many processes.")
 @click.option("--plan", "show_plan", is_flag=True, help="Print the stage plan for a single stage too.")
-def validate(config_path: Path, model: str | None, num_procs: int | None, show_plan: bool) -> None:
+@click.option(
+    "--gpu-memory",
+    default=None,
+    help="With --plan: the memory of each GPU (24GB, 80GiB, 24000MB; GB = GiB): print the cheapest pipeline stages, "
+    "activation checkpointing, block swap and quantization whose estimated peak fits each GPU, as a run.toml "
+    "fragment, or what does not fit and by how much (exit 1).",
+)
+@click.option("--gpus", type=str, default=None, help="With --gpu-memory: how many GPUs (default 1).")
+def validate(
+    config_path: Path,
+    model: str | None,
+    num_procs: int | None,
+    show_plan: bool,
+    gpu_memory: str | None,
+    gpus: str | None,
+) -> None:
     """Check the run config and its dataset config without reading any weights; with several pipeline stages (or
-    --plan), print the stage plan (the model built on the meta device)."""
+    --plan), print the stage plan (the model built on the meta device); with --gpu-memory, fit it to a GPU."""
+    budget, count = _fit_options(gpu_memory, gpus)
     cfg = load_checked(config_path, model, num_procs, check_work=True)
     click.echo(f"{cfg.path}: ok (model {cfg.model_name}, dataset {cfg.run.dataset})")
     describe = getattr(get_registry().model(cfg.model_name).info.module, "model_file_lines", None)
@@ -96,8 +112,50 @@ def validate(config_path: Path, model: str | None, num_procs: int | None, show_p
             f"pipeline_stages = {stages}: train with a multiple of {stages} processes ({fits}, ...); "
             "each group of pipeline stages is one data-parallel replica"
         )
-    if cfg.run.pipeline_stages > 1 or show_plan:
+    if cfg.run.pipeline_stages > 1 or show_plan or budget is not None:
         _echo_plan(cfg)
+    if budget is not None:
+        from diffpipe_core.engine.gpu_fit import fit_config, format_fit
+
+        fit = fit_config(cfg, get_registry().model(cfg.model_name), budget, count)
+        click.echo("\n".join(format_fit(fit)))
+        if not fit.fits:
+            sys.exit(1)
+
+
+def _fit_options(gpu_memory: str | None, gpus: str | None) -> tuple[int | None, int]:
+    """``--gpu-memory`` in bytes and ``--gpus``, checked before any work (a bad value names the option and the valid
+    forms)."""
+    from diffpipe_core.engine.gpu_fit import parse_memory
+
+    problems = []
+    count = 1
+    if gpus is not None:
+        if gpu_memory is None:
+            problems.append("--gpus: only with --gpu-memory (the GPUs to fit the run on)")
+        elif not gpus.strip().isdigit() or int(gpus) < 1:
+            problems.append(f"--gpus: {gpus!r} is not a number of GPUs; valid: a whole number >= 1, e.g. --gpus 4")
+        else:
+            count = int(gpus)
+    budget = None
+    if gpu_memory is not None:
+        try:
+            budget = parse_memory(gpu_memory)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        fail(problems)
+    return budget, count
+
+
+@main.command("plan-table")
+@click.argument("model_type")
+def plan_table(model_type: str) -> None:
+    """Print MODEL_TYPE's GPU-fit table (Markdown, estimates): the savers `validate --plan --gpu-memory` picks for 24,
+    48 and 80 GB at the model's usual resolutions, for the released size its plugin declares (plan_size)."""
+    from diffpipe_core.engine.fit_table import fit_table_markdown
+
+    click.echo(fit_table_markdown(model_type), nl=False)
 
 
 def _echo_plan(cfg) -> None:

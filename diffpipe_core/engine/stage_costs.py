@@ -25,7 +25,7 @@ from torch import nn
 from diffpipe_core.adapter_kinds import from_adapter_table, is_adapter_param
 from diffpipe_core.adapters import apply_adapter, excluding
 from diffpipe_core.config import ResolvedConfig
-from diffpipe_core.engine.activations import LayerTensors, measure_layers
+from diffpipe_core.engine.activations import LayerTensors, Measurement, measure_layers
 from diffpipe_core.engine.partition import layer_param_counts
 from diffpipe_core.quantize import quantizable_linears, quantized_weight_bytes
 from diffpipe_core.registry import ModelPlugin
@@ -57,6 +57,7 @@ class ModelCosts:
     layers: list[LayerCost]
     measured: bool  # activations were measured (first-layer inputs were given)
     failed: str | None = None  # the layer whose meta forward failed (later layers borrow numbers)
+    measurement: Measurement | None = None  # the activations' measurement these costs were made from
 
 
 def weights_only_costs(layers: list[nn.Module]) -> ModelCosts:
@@ -120,9 +121,12 @@ def layer_costs(
     model: nn.Module,
     layers: list[nn.Module],
     inputs: tuple[torch.Tensor, ...] | None = None,
+    measurement: Measurement | None = None,
 ) -> ModelCosts:
     """The cost of each of ``layers`` (of ``model``, on any device; it is not changed) under this run's settings.
-    ``inputs``: the first layer's inputs for one micro-batch of the largest bucket; without them no activations."""
+    ``inputs``: the first layer's inputs for one micro-batch of the largest bucket; without them no activations.
+    ``measurement``: activations already measured for these layers under the same adapter (reused, not measured
+    again: what changes between the GPU-fit planner's candidates is the weights' storage, not the forward)."""
     run = cfg.run
     counts = layer_param_counts(layers)  # the base model's, as partition_method = "parameters" counts them
     twin, twin_layers = meta_twin(model, layers)
@@ -139,7 +143,8 @@ def layer_costs(
     twin.train()
     block_names = set(plugin.spec.block_layers)
     mode = getattr(cfg.model, "quantize", None)
-    measurement = measure_layers(twin_layers, inputs) if inputs is not None else None
+    if measurement is None and inputs is not None:
+        measurement = measure_layers(twin_layers, inputs)
     seen: set[int] = set()
     costs = []
     for i, layer in enumerate(twin_layers):
@@ -183,5 +188,5 @@ def layer_costs(
             LayerCost(type(layer).__name__, counts[i], weight, swappable, block, trainable, state, tensors,
                       trainable_bytes, optimizer, host_state, largest_grad, merge)
         )  # fmt: skip
-    return ModelCosts(costs, measurement is not None, measurement.failed if measurement else None)
+    return ModelCosts(costs, measurement is not None, measurement.failed if measurement else None, measurement)
 

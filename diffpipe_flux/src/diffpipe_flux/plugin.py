@@ -68,6 +68,14 @@ class Flux(DiffusersModel, FlowSampling):
     }
     single_file_name = "flux1-transformer.safetensors"
     key_tables = "diffpipe_flux.bfl"
+    #: the released size (FLUX.1 [dev], 11.9 B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table)
+    plan_size = {
+        "transformer": {"in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+                        "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
+                        "guidance_embeds": True, "axes_dims_rope": [16, 56, 56]},
+        "vae": {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"t5_embeds": (512, 4096), "clip_pooled": (768,)},
+    }  # fmt: skip
 
     def default_lora_targets(self, model_config: FluxConfig) -> list[str]:
         """Attention and MLP linears of the double and single blocks. A single block's output linear is named

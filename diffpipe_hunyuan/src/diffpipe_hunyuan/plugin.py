@@ -59,6 +59,16 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
         "hunyuan-video", ("HunyuanVideoPipeline",), COMPONENTS, file_layouts={"vae": ldm_vae_table}
     )
     model_class = "HunyuanVideoTransformer3DModel"
+    #: the released size (HunyuanVideo, 12.8 B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table)
+    plan_size = {
+        "transformer": {"in_channels": 16, "out_channels": 16, "num_attention_heads": 24, "attention_head_dim": 128,
+                        "num_layers": 20, "num_single_layers": 40, "num_refiner_layers": 2, "mlp_ratio": 4.0,
+                        "patch_size": 2, "patch_size_t": 1, "qk_norm": "rms_norm", "guidance_embeds": True,
+                        "text_embed_dim": 4096, "pooled_projection_dim": 768, "rope_theta": 256.0,
+                        "rope_axes_dim": [16, 56, 56]},
+        "vae": {"latent_channels": 16, "spatial_compression_ratio": 8, "temporal_compression_ratio": 4},
+        "text": {"text_embeds": (256, 4096), "text_mask": (256,), "clip_pooled": (768,)},
+    }  # fmt: skip
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "hunyuan_video_transformer.safetensors"
     file_config = {  # block counts, width and flags from the file itself (Tencent's, ComfyUI's or diffusers' names)

@@ -128,6 +128,16 @@ class Wan(DiffusersModel, FlowSampling):
         file_layouts=FILE_LAYOUTS,
     )
     model_class = "WanTransformer3DModel"
+    #: the released size (Wan 2.1 T2V 14B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table)
+    plan_size = {
+        "transformer": {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+                        "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
+                        "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6},
+        "vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4},
+        "scheduler": {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
+                      "use_flow_sigmas": True, "flow_shift": 5.0, "num_train_timesteps": 1000},
+        "text": {"text_embeds": (512, 4096)},
+    }  # fmt: skip
     single_file_markers = ("head.modulation", "blocks.0.self_attn.q.weight")
     single_file_name = "wan_transformer.safetensors"
     # 1.3B, 14B or 5B, text- or image-to-video (with or without the CLIP image embedder), in either layout
