@@ -180,9 +180,10 @@ def candidates(cfg: ResolvedConfig, plugin: ModelPlugin, gpus: int, layers: int,
 
 
 def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
-    """The stage plan of ``choice``; with a quantized base, each stage's ``load_bytes``: a stage loads its layers at
-    full precision and quantizes them afterwards (engine/stage_build.py), so until then it holds its resident
-    (not swapped) layers' full-precision weights."""
+    """The stage plan of ``choice``; with a quantized base, each stage's ``load_bytes`` (what loading holds beside
+    the stage's weights) grows by its full-precision load: a stage loads its layers at full precision and quantizes
+    them afterwards (engine/stage_build.py, after ``merge_adapters``), so until then it holds its resident (not
+    swapped) layers' full-precision weights."""
     key = (choice, on_gpu)
     if key in source.plans:
         return source.plans[key]
@@ -192,20 +193,18 @@ def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
     })  # fmt: skip
     plan = plan_stages(source.costs(choice.quantize), run, choice.stages, on_gpu, source.activations)
     full = source.costs(None).layers if choice.quantize else None
-    for est in plan.stages:
-        load = 0
-        if full is not None:
-            blocks = [k for k in range(est.start, est.stop) if full[k].block]
-            swapped = set(blocks[len(blocks) - min(choice.swap, len(blocks)):]) if on_gpu and choice.swap else set()
-            load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
-        est.load_bytes = load  # type: ignore[attr-defined]
+    for est in plan.stages if full is not None else []:
+        blocks = [k for k in range(est.start, est.stop) if full[k].block]
+        swapped = set(blocks[len(blocks) - min(choice.swap, len(blocks)):]) if on_gpu and choice.swap else set()
+        load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
+        est.load_bytes += max(0, load - est.weight_bytes)
     source.plans[key] = plan
     return plan
 
 
 def stage_peak(est: Any) -> int:
     """A stage's estimated peak, its quantized base's full-precision load included (:func:`_plan`)."""
-    return max(est.peak_bytes, getattr(est, "load_bytes", 0))
+    return est.peak_bytes
 
 
 def _peak(plan: StagePlan) -> int:
