@@ -63,6 +63,7 @@ DISTRIBUTIONS = {
     "z-image": "diffpipe-zimage",
     "sd3": "diffpipe-sd3",
     "auraflow": "diffpipe-auraflow",
+    "lumina2": "diffpipe-lumina",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""
