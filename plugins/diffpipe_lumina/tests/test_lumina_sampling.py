@@ -1,8 +1,8 @@
 """Lumina 2 samples: the plugin's denoising hooks under the core's loop equal ``Lumina2Pipeline`` called with the
 prompt and negative prompt strings (the system prompt before the prompt only, as the pipeline encodes them), the same
-tiny model, noise and steps and the folder's scheduler: without guidance, with guidance and the pipeline's default
-renormalisation, and with guidance truncated after half the steps without renormalisation; the decoded image
-included."""
+tiny model, noise and steps and the folder's scheduler: without guidance, and with guidance truncated after half the
+steps without renormalisation (the conformance kit compares guidance with the pipeline's default renormalisation);
+the decoded image included."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from diffpipe_core.types import SampleRequest
 from diffpipe_lumina.plugin import plugin as lumina
 from diffpipe_lumina.testing import tiny_config
 
-PROMPT, NEGATIVE, STEPS, SEED, SIZE = "a red cat on a tree", "blurry", 4, 5, 32
+PROMPT, NEGATIVE, STEPS, SEED, SIZE = "a red cat on a tree", "blurry", 3, 5, 32
 
 
 @pytest.mark.parametrize(
     ("cfg_scale", "keys"),
-    [(1.0, {}), (3.0, {}), (3.0, {"cfg_trunc_ratio": 0.5, "cfg_normalization": False})],
-    ids=["no-guidance", "guidance-renormalised", "guidance-truncated"],
+    [(1.0, {}), (3.0, {"cfg_trunc_ratio": 0.5, "cfg_normalization": False})],
+    ids=["no-guidance", "guidance-truncated"],
 )
 def test_lumina2_sample_equals_the_pipeline(tiny_lumina2: Path, cfg_scale: float, keys: dict) -> None:
     from diffusers import Lumina2Pipeline
