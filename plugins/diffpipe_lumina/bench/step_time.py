@@ -1,6 +1,7 @@
 """Framework overhead on Lumina 2: diffpipe's step time / a plain PyTorch loop's, same transformer, batch and LoRA.
 
-    python plugins/diffpipe_lumina/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--pairs 3] [--smoke]
+    python plugins/diffpipe_lumina/bench/step_time.py [--steps 20] [--warmup 4] [--batch 1] [--pairs 3] [--threads 1]
+                                                      [--smoke]
 
 A tiny-but-not-trivial Lumina 2 (width 256 = 4 heads x 64, 2 key/value heads, 2 + 2 refiner and 6 main blocks,
 16-channel latents; 256x256 images = 256 image tokens; 64 Gemma tokens) is written to disk in the diffusers layout.
@@ -59,7 +60,7 @@ def plain_times(model_dir: Path, args) -> list[float]:
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser())
+    args = bench.overhead_args(bench.bench_parser(threads=True))
     write = lambda model_dir: write_tiny_lumina2(model_dir, MODEL)  # noqa: E731
     pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.pairs)
     tokens = (SIZE // 16) ** 2

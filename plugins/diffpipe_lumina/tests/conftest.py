@@ -11,14 +11,14 @@ from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noq
 
 
 @pytest.fixture(scope="session")
-def lumina_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def lumina_run(tmp_path_factory: pytest.TempPathFactory, tiny_lumina2: Path) -> Path:
     """The one shared Lumina 2 training run (``test_lumina_train.make_project``: 1 process, the diffusers folder, 4
     captioned 32x32 images); serves every run assertion. Returns its run folder."""
     from test_lumina_train import make_project
 
     from diffpipe_core.testing import runs
 
-    root = make_project(tmp_path_factory.mktemp("lumina-train"))
+    root = make_project(tmp_path_factory.mktemp("lumina-train"), tiny_lumina2)
     return runs.train(root, "run.toml", 1, OMP_NUM_THREADS="1")
 
 

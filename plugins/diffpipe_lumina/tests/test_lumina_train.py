@@ -7,6 +7,7 @@ separate LoRAs."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,15 @@ def run_config(model: dict = MODEL, **top: object) -> str:
     return lora_project.run_config(model, 3e-2, STEPS, RANK, ALPHA, **top)
 
 
-def make_project(root: Path) -> Path:
-    """The tiny model, 4 captioned 32x32 images and ``run.toml`` in ``root``."""
-    return lora_project.make_project(root, write_tiny_lumina2, run_config())
+def make_project(root: Path, tiny: Path | None = None) -> Path:
+    """The tiny model (a copy of the session's ``tiny`` folder and its single file, when given), 4 captioned 32x32
+    images and ``run.toml`` in ``root``."""
+
+    def copy(folder: Path) -> None:
+        shutil.copytree(tiny, folder)
+        shutil.copy2(original_path(tiny), original_path(folder))
+
+    return lora_project.make_project(root, write_tiny_lumina2 if tiny is None else copy, run_config())
 
 
 def transformer_inputs(seed: int = 0) -> dict:
