@@ -12,6 +12,7 @@ to the native weights like the separate LoRAs::
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,17 @@ def make_project(root: Path, write_model: Callable[[Path], Any], run_toml: str, 
     write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[size], enable_ar_bucket=False)
     (root / "run.toml").write_text(run_toml)
     return root
+
+
+def copy_of(folder: Path, single_file: Callable[[Path], Path]) -> Callable[[Path], None]:
+    """A ``write_model`` for :func:`make_project` that copies the session's tiny model instead of writing another:
+    ``folder`` and its original-layout file ``single_file(folder)`` (beside the copy, where ``single_file`` puts it)."""
+
+    def copy(target: Path) -> None:
+        shutil.copytree(folder, target)
+        shutil.copy2(single_file(folder), single_file(target))
+
+    return copy
 
 
 def two_stage_run(root: Path, make: Callable[[Path], Path], run_toml: str) -> Path:

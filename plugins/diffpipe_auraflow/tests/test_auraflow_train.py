@@ -25,9 +25,11 @@ def run_config(model: dict = MODEL, **top: object) -> str:
     return lora_project.run_config(model, 3e-2, STEPS, RANK, ALPHA, **top)
 
 
-def make_project(root: Path) -> Path:
-    """The tiny model, 4 captioned 32x32 images and ``run.toml`` in ``root``."""
-    return lora_project.make_project(root, write_tiny_auraflow, run_config())
+def make_project(root: Path, tiny: Path | None = None) -> Path:
+    """The tiny model (a copy of the session's ``tiny`` folder and its single file, when given), 4 captioned 32x32
+    images and ``run.toml`` in ``root``."""
+    write = write_tiny_auraflow if tiny is None else lora_project.copy_of(tiny, original_path)
+    return lora_project.make_project(root, write, run_config())
 
 
 def transformer_inputs(seed: int = 0) -> dict:

@@ -7,7 +7,6 @@ separate LoRAs."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,8 @@ def run_config(model: dict = MODEL, **top: object) -> str:
 def make_project(root: Path, tiny: Path | None = None) -> Path:
     """The tiny model (a copy of the session's ``tiny`` folder and its single file, when given), 4 captioned 32x32
     images and ``run.toml`` in ``root``."""
-
-    def copy(folder: Path) -> None:
-        shutil.copytree(tiny, folder)
-        shutil.copy2(original_path(tiny), original_path(folder))
-
-    return lora_project.make_project(root, write_tiny_lumina2 if tiny is None else copy, run_config())
+    write = write_tiny_lumina2 if tiny is None else lora_project.copy_of(tiny, original_path)
+    return lora_project.make_project(root, write, run_config())
 
 
 def transformer_inputs(seed: int = 0) -> dict:

@@ -5,6 +5,7 @@ trained transformer."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,13 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def two_stage_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def two_stage_run(tmp_path_factory: pytest.TempPathFactory, tiny_sd3: Path) -> Path:
     from test_sd3_train import MODEL, make_project, run_config
 
     model = {**MODEL, "diffusion_model": original_path(Path("model")).name}
     toml = run_config(model, pipeline_stages=2, max_steps=STEPS, micro_batch_size_per_gpu=2)
-    return lora_project.two_stage_run(tmp_path_factory.mktemp("sd3-two-stages"), make_project, toml)
+    make = partial(make_project, tiny=tiny_sd3)
+    return lora_project.two_stage_run(tmp_path_factory.mktemp("sd3-two-stages"), make, toml)
 
 
 def test_trains_on_two_stages_from_the_single_file_and_the_lora_reproduces(two_stage_run: Path) -> None:
