@@ -188,6 +188,10 @@ class EncodeBatch:
         control_pixels: in a caption batch of a model with ``ModelSpec.control_in_captions``: per caption the
             tuple of its item's control images, each ``(3, H, W)`` in [-1, 1] at its control size (an empty tuple
             for a caption without control images, such as the empty prompt of caption dropout). None otherwise.
+        negative_prompt: True for a caption batch holding a sample's negative prompt alone (``[sample]
+            negative_prompt``, encoded on its own for sampling with classifier-free guidance), for a model whose
+            pipeline encodes its negative prompt differently from its prompts (Lumina 2 leaves out its system
+            prompt); False for training captions and sample prompts.
     """
 
     pixels: torch.Tensor | None = None
@@ -198,6 +202,7 @@ class EncodeBatch:
     control_index: int | None = None
     first_frames: torch.Tensor | None = None
     control_pixels: list[tuple[torch.Tensor, ...]] | None = None
+    negative_prompt: bool = False
 
 
 def control_key(index: int, name: str) -> str:

@@ -155,6 +155,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_hunyuan.testing import write_tiny_hunyuan
     from diffpipe_ltx.testing import single_file_path as ltx_file
     from diffpipe_ltx.testing import write_tiny_ltx
+    from diffpipe_lumina.testing import original_path as lumina_file
+    from diffpipe_lumina.testing import write_tiny_lumina2
     from diffpipe_qwenimage.testing import comfy_path, write_tiny_qwen
     from diffpipe_sd3.testing import original_path as sd3_file
     from diffpipe_sd3.testing import write_tiny_sd3
@@ -182,6 +184,7 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "qwen-image-edit": (qwen_edit, comfy_path(qwen_edit)),
         "sd3": (write_tiny_sd3(root / "sd3"), sd3_file(root / "sd3")),
         "auraflow": (write_tiny_auraflow(root / "auraflow"), auraflow_file(root / "auraflow")),
+        "lumina2": (write_tiny_lumina2(root / "lumina2"), lumina_file(root / "lumina2")),
     }
 
 

@@ -27,6 +27,7 @@ MODEL_TYPES = {
     "z_image": "z-image",
     "sd3": "sd3",
     "auraflow": "auraflow",
+    "lumina_2": "lumina2",
     "hunyuan_video_15": "hunyuan-video-1.5",
     "flux2": "flux2",
     "ltx2": "ltx-2",
@@ -35,7 +36,6 @@ MODEL_TYPES = {
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
-    "lumina_2": "diffpipe-lumina",
     "hidream": "diffpipe-hidream",
     "anima": "diffpipe-cosmos",  # a Cosmos-Predict2 transformer with an LLM adapter; diffusion-pipe trains both alike
     "omnigen2": "diffpipe-omnigen2",

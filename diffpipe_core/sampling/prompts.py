@@ -69,15 +69,25 @@ def _texts(
     if pixels is not None and plugin.spec.control_in_captions:  # the text encoder sees each prompt's images
         texts = []
         for prompt, images in zip(prompts, pixels, strict=True):
-            captions = [prompt] + ([negative] if negative is not None else [])
-            batch = EncodeBatch(captions=captions, control_pixels=[tuple(images)] * len(captions))
-            rows = _rows(_encode(plugin, encoders, batch), len(captions))
-            texts.append(PromptText(cond=rows[0], uncond=rows[1] if negative is not None else None))
+            batch = EncodeBatch(captions=[prompt], control_pixels=[tuple(images)])
+            (cond,) = _rows(_encode(plugin, encoders, batch), 1)
+            texts.append(PromptText(cond=cond, uncond=_negative(plugin, encoders, negative, tuple(images))))
         return texts
-    captions = prompts + ([negative] if negative is not None else [])
-    rows = _rows(_encode(plugin, encoders, EncodeBatch(captions=captions)), len(captions))
-    uncond = rows[-1] if negative is not None else None
-    return [PromptText(cond=row, uncond=uncond) for row in rows[: len(prompts)]]
+    rows = _rows(_encode(plugin, encoders, EncodeBatch(captions=prompts)), len(prompts))
+    uncond = _negative(plugin, encoders, negative)
+    return [PromptText(cond=row, uncond=uncond) for row in rows]
+
+
+def _negative(
+    plugin: ModelPlugin, encoders: object, negative: str | None, images: tuple[torch.Tensor, ...] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """The negative prompt's text tensors, encoded on its own (``EncodeBatch.negative_prompt``, as pipelines encode
+    it), with the prompt's control ``images`` for a model whose text encoder sees them; None without one."""
+    if negative is None:
+        return None
+    controls = [images] if images is not None else None
+    batch = EncodeBatch(captions=[negative], control_pixels=controls, negative_prompt=True)
+    return _rows(_encode(plugin, encoders, batch), 1)[0]
 
 
 def _encode(plugin: ModelPlugin, encoders: object, batch: EncodeBatch) -> dict[str, torch.Tensor]:

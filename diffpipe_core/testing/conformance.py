@@ -182,8 +182,11 @@ def _check_sample_equals_pipeline(
     if "encoder_dtype" in type(cfg).model_fields:
         cfg = cfg.model_copy(update={"encoder_dtype": "float32"})
     encoders = plugin.require("load_encoders", model_config=cfg, device=torch.device("cpu"))
-    text = plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions[:2]))
-    prompt = PromptText(cond={k: v[:1] for k, v in text.items()}, uncond={k: v[1:2] for k, v in text.items()})
+    # as the core's sampling encodes them (sampling/prompts.py): the negative prompt in a batch of its own, marked
+    cond = plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions[:1]))
+    negative = EncodeBatch(captions=captions[1:2], negative_prompt=True)
+    uncond = plugin.require("encode_batch", encoders=encoders, batch=negative)
+    prompt = PromptText(cond={k: v[:1] for k, v in cond.items()}, uncond={k: v[:1] for k, v in uncond.items()})
     noise, ours_schedule = plugin.require(
         "denoise_init", request=request, model_config=cfg, generator=noise_generator(seed, 0)
     )

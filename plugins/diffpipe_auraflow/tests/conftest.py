@@ -11,14 +11,14 @@ from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noq
 
 
 @pytest.fixture(scope="session")
-def auraflow_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def auraflow_run(tmp_path_factory: pytest.TempPathFactory, tiny_auraflow: Path) -> Path:
     """The one shared AuraFlow training run (``test_auraflow_train.make_project``: 1 process, the diffusers folder, 4
     captioned 32x32 images); serves every run assertion. Returns its run folder."""
     from test_auraflow_train import make_project
 
     from diffpipe_core.testing import runs
 
-    root = make_project(tmp_path_factory.mktemp("auraflow-train"))
+    root = make_project(tmp_path_factory.mktemp("auraflow-train"), tiny_auraflow)
     return runs.train(root, "run.toml", 1, OMP_NUM_THREADS="1")
 
 

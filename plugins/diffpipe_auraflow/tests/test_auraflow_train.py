@@ -12,8 +12,7 @@ from safetensors.torch import load_file
 
 from diffpipe_auraflow.original import layout_for_keys
 from diffpipe_auraflow.testing import original_path, write_tiny_auraflow
-from diffpipe_core.testing import comfy, runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_core.testing import lora_project, runs
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +22,14 @@ MODEL = {"type": "auraflow", "text_max_length": 16, "shift": 1.0}
 
 def run_config(model: dict = MODEL, **top: object) -> str:
     """The project's run config: 1 process, micro-batches of 4, ``STEPS`` steps; ``top`` changes the top-level keys."""
-    top = {"micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "pipeline_stages": 1, "seed": 7, **top}
-    top = {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, **top}
-    return runs.lora_run_toml(model, 3e-2, None, RANK, ALPHA, **top)
+    return lora_project.run_config(model, 3e-2, STEPS, RANK, ALPHA, **top)
 
 
-def make_project(root: Path) -> Path:
-    """The tiny model, 4 captioned 32x32 images and ``run.toml`` in ``root``."""
-    write_tiny_auraflow(root / "model")
-    captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
-    write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
-    (root / "run.toml").write_text(run_config())
-    return root
+def make_project(root: Path, tiny: Path | None = None) -> Path:
+    """The tiny model (a copy of the session's ``tiny`` folder and its single file, when given), 4 captioned 32x32
+    images and ``run.toml`` in ``root``."""
+    write = write_tiny_auraflow if tiny is None else lora_project.copy_of(tiny, original_path)
+    return lora_project.make_project(root, write, run_config())
 
 
 def transformer_inputs(seed: int = 0) -> dict:
@@ -73,16 +67,10 @@ def test_diffusers_lora_loads_in_auraflow_pipeline_and_reproduces(auraflow_run: 
 
 def test_comfyui_lora_keys_and_weights(auraflow_run: Path) -> None:
     model_dir = auraflow_run.parent.parent / "model"
-    file = load_file(str(auraflow_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
-    native = load_file(str(original_path(model_dir)))
-    key_map = comfy.generic_key_map(native)  # ComfyUI's model_lora_keys_unet on its AuraFlow MMDiT (these names)
+    native = load_file(str(original_path(model_dir)))  # ComfyUI's AuraFlow MMDiT uses these names
+    to_model = layout_for_keys(native).to_model
+    file, stems = lora_project.assert_comfyui_file_applies(auraflow_run, native, to_model, RANK, ALPHA)
     params = runs.checkpoint_params(auraflow_run)
-    modules = {k.split(".lora_A.")[0] for k in params if ".lora_A." in k}
-    stems = set(comfy.group_by_stem(file))
-    assert stems <= set(key_map) and len(stems) == len(modules)
+    assert len(stems) == len({k.split(".lora_A.")[0] for k in params if ".lora_A." in k})  # nothing fused
     assert {"diffusion_model.double_layers.0.attn.w1o", "diffusion_model.single_layers.1.mlp.c_proj"} <= stems
     assert all(float(file[f"{s}.alpha"]) == RANK for s in stems)
-    applied = comfy.apply_file({f"diffusion_model.{k}": v for k, v in native.items()}, file, key_map)
-    base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
-    got = layout_for_keys(base).to_model({k.removeprefix("diffusion_model."): v for k, v in applied.items()})
-    runs.assert_state_close(got, runs.merge_peft(base, params, ALPHA / RANK), atol=1e-5)

@@ -11,14 +11,14 @@ from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noq
 
 
 @pytest.fixture(scope="session")
-def sd3_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def sd3_run(tmp_path_factory: pytest.TempPathFactory, tiny_sd3: Path) -> Path:
     """The one shared SD3 training run (``test_sd3_train.make_project``: 1 process, the diffusers folder, 4
     captioned 32x32 images); serves every run assertion. Returns its run folder."""
     from test_sd3_train import make_project
 
     from diffpipe_core.testing import runs
 
-    root = make_project(tmp_path_factory.mktemp("sd3-train"))
+    root = make_project(tmp_path_factory.mktemp("sd3-train"), tiny_sd3)
     return runs.train(root, "run.toml", 1, OMP_NUM_THREADS="1")
 
 

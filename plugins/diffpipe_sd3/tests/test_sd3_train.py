@@ -5,13 +5,13 @@ accepts, with alpha, and applies to Stability-layout weights like the separate L
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from diffpipe_core.testing import comfy, runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+from diffpipe_core.testing import lora_project, runs
 from diffpipe_sd3.original import layout_for_config
 from diffpipe_sd3.testing import PREFIX, original_path, write_tiny_sd3
 
@@ -23,19 +23,14 @@ MODEL = {"type": "sd3", "text_max_length": 16, "shift": 1.0}
 
 def run_config(model: dict = MODEL, **top: object) -> str:
     """The project's run config: 1 process, micro-batches of 4, ``STEPS`` steps; ``top`` changes the top-level keys."""
-    top = {"micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "pipeline_stages": 1, "seed": 7, **top}
-    top = {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, **top}
-    return runs.lora_run_toml(model, 1e-2, None, RANK, ALPHA, **top)
+    return lora_project.run_config(model, 1e-2, STEPS, RANK, ALPHA, **top)
 
 
-def make_project(root: Path) -> Path:
-    """The tiny model, 4 captioned 32x32 images and ``run.toml`` in ``root``."""
-    write_tiny_sd3(root / "model")
-    captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
-    write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
-    (root / "run.toml").write_text(run_config())
-    return root
+def make_project(root: Path, tiny: Path | None = None) -> Path:
+    """The tiny model (a copy of the session's ``tiny`` folder and its single file, when given), 4 captioned 32x32
+    images and ``run.toml`` in ``root``."""
+    write = write_tiny_sd3 if tiny is None else lora_project.copy_of(tiny, original_path)
+    return lora_project.make_project(root, write, run_config())
 
 
 def transformer_inputs(seed: int = 0) -> dict:
@@ -72,22 +67,13 @@ def test_diffusers_lora_loads_in_sd3_pipeline_and_reproduces(sd3_run: Path) -> N
 
 def test_comfyui_lora_keys_and_fused_weights(sd3_run: Path) -> None:
     model_dir = sd3_run.parent.parent / "model"
-    file = load_file(str(sd3_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
     native = {k.removeprefix(PREFIX): v for k, v in load_file(str(original_path(model_dir))).items()}
-    key_map = comfy.generic_key_map(native)  # ComfyUI's model_lora_keys_unet on its MMDiT (Stability's names)
-    stems = set(comfy.group_by_stem(file))
-    assert stems <= set(key_map)
+    table = layout_for_config(json.loads((model_dir / "transformer" / "config.json").read_text()))
+    # ComfyUI's model_lora_keys_unet on its MMDiT (Stability's names)
+    file, stems = lora_project.assert_comfyui_file_applies(sd3_run, native, table.to_model, RANK, ALPHA)
     blocks = ("0.x_block.attn.qkv", "0.x_block.attn2.qkv", "1.context_block.attn.qkv", "0.context_block.mlp.fc2",
               "1.x_block.mlp.fc1")
     assert {f"diffusion_model.joint_blocks.{b}" for b in blocks} <= stems
     assert float(file["diffusion_model.joint_blocks.0.x_block.attn.qkv.alpha"]) == 3 * RANK
     assert float(file["diffusion_model.joint_blocks.1.context_block.attn.qkv.alpha"]) == 2 * RANK  # no last-block q
     assert file["diffusion_model.joint_blocks.0.x_block.attn.qkv.lora_B.weight"].shape == (96, 3 * RANK)
-
-    applied = comfy.apply_file({f"diffusion_model.{k}": v for k, v in native.items()}, file, key_map)
-    import json
-
-    config = json.loads((model_dir / "transformer" / "config.json").read_text())
-    got = layout_for_config(config).to_model(applied)
-    base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
-    runs.assert_state_close(got, runs.merge_peft(base, runs.checkpoint_params(sd3_run), ALPHA / RANK), atol=1e-5)
