@@ -32,6 +32,7 @@ IMAGE = ("torch", "transformers", "safetensors", "pluggy", "click")
 SOURCE = ("diffpipe_core", "diffpipe_flux", "diffpipe_reference", "conftest", "sitecustomize")
 """Top-level modules that travel as the working tree's source."""
 OPTIONAL = {
+    "colorama": "torch's inductor colours its messages with it when installed (mkdocs-material installs it here)",
     "dill": "torch checks whether it is installed",
     "google": "a check for protobuf (importlib.util.find_spec('google.protobuf') imports the namespace package)",
 }
