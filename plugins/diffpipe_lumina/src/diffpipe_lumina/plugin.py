@@ -50,7 +50,8 @@ class Lumina2(DiffusersModel, FlowSampling):
         title="Lumina 2",
     )
     model_class = "Lumina2Transformer2DModel"
-    single_file_markers = ("layers.0.attention.qkv.weight", "cap_embedder.1.weight")
+    # adaLN_modulation.1: a SiLU before the linear (Z-Image, of the same family, has adaLN_modulation.0)
+    single_file_markers = ("layers.0.attention.qkv.weight", "layers.0.adaLN_modulation.1.weight")
     single_file_name = "lumina2_transformer.safetensors"
     key_tables = "diffpipe_lumina.original"  # the original layout: single files, exports, the ComfyUI LoRA
     file_config = {  # block counts and widths from the file itself (the original or diffusers' names)

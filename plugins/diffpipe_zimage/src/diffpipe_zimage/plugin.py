@@ -55,7 +55,8 @@ class ZImage(DiffusersModel, FlowSampling):
     )
     model_class = "ZImageTransformer2DModel"
     comfy_takes_diffusers_names = True  # ComfyUI's Lumina2/Z-Image key map: diffusers names, fused by ComfyUI
-    single_file_markers = ("layers.0.attention.qkv.weight", "x_embedder.weight")
+    # adaLN_modulation.0: no SiLU before the linear (Lumina 2, of the same family, has adaLN_modulation.1)
+    single_file_markers = ("layers.0.attention.qkv.weight", "layers.0.adaLN_modulation.0.weight")
     single_file_name = "z_image_transformer.safetensors"
     file_config = {  # block counts and widths from the file itself (the original or diffusers' names)
         "n_layers": blocks("layers"),
