@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the whole test suite (CPU, about 12 minutes on 2 cores).
+# Set up .venv if needed, then run the whole test suite (CPU, about 14 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the test command compares goldens, it never rewrites them (diffpipe_core/testing/golden.py)
