@@ -62,6 +62,18 @@ def latent_mask(masks: torch.Tensor, latent_hw: tuple[int, ...], video: bool = F
     return mask.unsqueeze(2) if video else mask
 
 
+def frame_vae_latents(vae: Any, pixels: torch.Tensor, masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Images through a video VAE normalised per channel (Qwen-Image's ``AutoencoderKLQwenImage``, used by
+    Qwen-Image and Krea 2), each image one frame: ``latents`` ``(B, C, h, w)`` = ``(z - latents_mean) /
+    latents_std`` as the pipelines normalise them, and ``mask`` on the latent grid when ``masks`` are given; on the
+    CPU, for the cache."""
+    z = vae_mode(vae, pixels, video=True)
+    out = {"latents": normalize(z, vae.config.latents_mean, vae.config.latents_std)[:, :, 0].cpu()}
+    if masks is not None:
+        out["mask"] = latent_mask(masks, out["latents"].shape)
+    return out
+
+
 def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
     """``(B, C, H, W)`` -> ``(B, H/2 * W/2, 4C)``: 2x2 latent patches as tokens, row by row, in the layout of
     ``FluxPipeline._pack_latents`` and ``QwenImagePipeline._pack_latents``."""

@@ -148,15 +148,11 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         transformer's output is the same), bfloat16 when the encoder runs in it."""
         import torch
 
-        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.latents import frame_vae_latents
 
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
-            z = vae_mode(encoders.vae, batch.pixels, video=True)
-            config = encoders.vae.config
-            out["latents"] = normalize(z, config.latents_mean, config.latents_std)[:, :, 0].cpu()
-            if batch.masks is not None:
-                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+            out.update(frame_vae_latents(encoders.vae, batch.pixels, batch.masks))
         if batch.captions is not None:
             with torch.no_grad():
                 embeds, mask = encoders.text.encode_prompt(

@@ -99,15 +99,11 @@ class QwenImage(DiffusersModel, FrameVAEDecoding, FlowSampling):
         edit pipelines normalise their image latents; ``mask`` on the latent grid when given. Captions:
         ``text_embeds`` (B, text_max_length, d) and ``text_mask`` (B, text_max_length), the pipeline's
         ``encode_prompt`` padded to the fixed length (the padding masked)."""
-        from diffpipe_core.parts.latents import latent_mask, normalize, vae_mode
+        from diffpipe_core.parts.latents import frame_vae_latents
 
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
-            z = vae_mode(encoders.vae, batch.pixels, video=True)
-            config = encoders.vae.config
-            out["latents"] = normalize(z, config.latents_mean, config.latents_std)[:, :, 0].cpu()
-            if batch.masks is not None:
-                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+            out.update(frame_vae_latents(encoders.vae, batch.pixels, batch.masks))
         if batch.captions is not None:
             embeds, mask = self.encode_text(encoders, batch)
             out.update(text_embeds=embeds.cpu(), text_mask=mask.long().cpu())
