@@ -16,8 +16,8 @@ from diffpipe_cosmos.nvidia import READ_PREFIXES, TRAINING_ONLY, layout
 
 ADAPTER = "llm_adapter"
 #: the linears of an LLM adapter block (its LoRA targets when the adapter trains)
-ADAPTER_LINEARS = tuple(f"{a}.{p}" for a in ("self_attn", "cross_attn") for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-ADAPTER_LINEARS += ("mlp.0", "mlp.2")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_LINEARS = (*(f"{a}.{p}" for a in ("self_attn", "cross_attn") for p in ATTENTION), "mlp.0", "mlp.2")
 
 
 def transformer_table(num_layers: int) -> KeyTable:
@@ -27,7 +27,8 @@ def transformer_table(num_layers: int) -> KeyTable:
 
 
 def adapter_table() -> KeyTable:
-    """The LLM adapter's part of the file (``net.llm_adapter.*``): the text conditioner's own names under that prefix."""
+    """The LLM adapter's part of the file (``net.llm_adapter.*``): the text conditioner's own names under that
+    prefix."""
     prefixes = tuple(f"{p}{ADAPTER}." for p in (*READ_PREFIXES, ""))
     return KeyTable((), "Anima (ComfyUI)", "Anima LLM adapter", prefixes, f"net.{ADAPTER}.", passthrough=True)
 
