@@ -136,6 +136,7 @@ def test_llm_adapter_lr_is_its_group_lr_and_zero_freezes_it(tiny_anima: Path) ->
     named = plugin.parameter_groups(config(tiny_anima))
     run = RunConfig(model={"type": "anima"})
     wrapped = registered(plugin, "anima")
+    assert plugin.group_lr_defaults(config(tiny_anima)) == {"llm_adapter": 0.0}
     default = with_model_group_lr(run, wrapped, config(tiny_anima))
     assert default.optimizer.group_lr == {"llm_adapter": 0.0}
     trained = with_model_group_lr(run, wrapped, config(tiny_anima, llm_adapter_lr=1e-5))
