@@ -1,7 +1,7 @@
 """Anima from the files ComfyUI users keep (issue 35): the transformer and LLM adapter in one file in ComfyUI's layout
 (``anima-base.safetensors``: ``net.`` keys, ``net.llm_adapter.``), Qwen-Image's VAE in the Wan VAE layout, Qwen3 under
 ``model.``, beside a folder of only configs and tokenizers, loading exactly as the folder; ComfyUI's fp8 scaled and
-int8 transformers kept quantized (the adapter in full precision); full fine-tunes export as diffusers folders and as
+int8 transformers kept quantized (the adapter read dequantized); full fine-tunes export as diffusers folders and as
 the single file, both loading back."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_core.quantize import ScaledLinear
@@ -20,8 +20,9 @@ from diffpipe_core.testing import runs
 from diffpipe_core.testing.component_files import (
     assert_loads_as_the_folder,
     comfyui_files,
+    dequantized_state,
     quantizable_linears,
-    quantize_state,
+    quantize_file,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_cosmos.anima import anima as plugin
@@ -60,11 +61,8 @@ def test_component_files_load_exactly_the_folders_weights(tiny_anima: Path, tmp_
 @pytest.mark.parametrize(("form", "storage"), [("fp8_scaled", torch.float8_e4m3fn), ("int8", torch.int8)])
 def test_a_quantized_transformer_stays_quantized(tiny_anima: Path, tmp_path: Path, form: str, storage) -> None:
     files = anima_files(tiny_anima, tmp_path)
-    state = load_file(str(files["diffusion_model"]))
-    adapter = {k: v for k, v in state.items() if k.startswith("net.llm_adapter.")}
-    quantized = tmp_path / f"anima_{form}.safetensors"
-    save_file({**quantize_state({k: v for k, v in state.items() if k not in adapter}, form), **adapter},
-              str(quantized))
+    quantized = quantize_file(files["diffusion_model"], tmp_path / f"anima_{form}.safetensors", form)
+    assert load_file(str(quantized))["net.llm_adapter.blocks.0.self_attn.q_proj.weight"].dtype == storage
     cfg = from_files(files, diffusion_model=quantized)
     assert plugin.validate_model_files(cfg) == []
     model = plugin.load_diffusion_model(cfg, CPU, torch.bfloat16)
@@ -73,8 +71,13 @@ def test_a_quantized_transformer_stays_quantized(tiny_anima: Path, tmp_path: Pat
     expected = {n for n in quantizable_linears(plain) if not n.startswith("text_conditioner.")}
     assert kept and set(kept) == expected and all(m.weight.dtype == storage for m in kept.values())
     assert f"{len(kept)} linears kept quantized" in plugin.model_file_lines(cfg)[0]
+    # the adapter is read dequantized: the quantized file's values, in full precision
+    stored = {k.removeprefix("net.llm_adapter."): v for k, v in dequantized_state(quantized).items()
+              if k.startswith("net.llm_adapter.")}
     adapter_state = model.text_conditioner.state_dict()
-    assert all(torch.equal(v, plain.text_conditioner.state_dict()[k]) for k, v in adapter_state.items())
+    assert adapter_state.keys() == stored.keys()
+    assert all(torch.equal(v, stored[k].to(v.dtype)) for k, v in adapter_state.items())
+    assert not any(isinstance(m, ScaledLinear) for m in model.text_conditioner.modules())
     registry = Registry()
     assert registry.register_model("anima", plugin).ok
     assert_stages_read_their_own(registry.model("anima"), cfg)

@@ -19,6 +19,7 @@ This module imports no torch, diffusers or transformers; each hook imports what 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,63 @@ class Anima(DiffusersModel, FrameVAEDecoding, FlowSampling):
         from diffpipe_cosmos.anima_files import adapter_table
 
         return adapter_table() if component == ADAPTER else None
+
+    def adapter_key_map(self, model_config: AnimaConfig) -> Callable[[str], Any]:
+        """The key map of the adapter's tensors in the single file (names under ``text_conditioner.``): a linear
+        quantized in an fp8 scaled or int8 file is dequantized (the adapter runs, and may train, in full precision),
+        its scales and markers skipped."""
+        import torch
+
+        from diffpipe_core.component_files import read_component_file
+        from diffpipe_core.quantized_files import dequantizing, is_scale_key, is_side_key
+        from diffpipe_cosmos.anima_files import adapter_table
+
+        single = Path(self.single_file(model_config))  # type: ignore[arg-type]
+        file = read_component_file(single, "diffusion_model")
+        base = adapter_table().key_map(list(file.tensors), ADAPTER)
+        quantized = {q.weight: q for q in file.quantized.values()}
+
+        def mapped(key: str) -> Any:
+            if is_side_key(key) or is_scale_key(key):
+                return None
+            name = base(key)
+            layer = quantized.get(key)
+            return [(name, dequantizing(single, layer, torch.float32))] if name and layer else name
+
+        return mapped
+
+    @hookimpl
+    def diffusion_model_weights(self, model_config: AnimaConfig) -> list[tuple[Path, Callable[[str], Any]]]:
+        """The folder's weight files, or the single file through the transformer's table and
+        :meth:`adapter_key_map`."""
+        found = super().diffusion_model_weights(model_config)
+        single = self.single_file(model_config)
+        return found if single is None else [*found[:-1], (Path(single), self.adapter_key_map(model_config))]
+
+    def load_component(self, model_config: AnimaConfig, component: str, dtype: torch.dtype, device: Any) -> Any:
+        """The adapter from the single file through :meth:`adapter_key_map` (other components, or the folder's
+        adapter, as the base class loads them). Missing or unexpected tensors raise, naming the file."""
+        import torch
+        from safetensors import safe_open
+
+        single = self.single_file(model_config)
+        if component != ADAPTER or single is None or torch.device(device).type == "meta":
+            return super().load_component(model_config, component, dtype, device)
+        model = self.folder.skeleton(self.model_folder(model_config), ADAPTER, dtype)
+        target, key_map, state = model.state_dict(), self.adapter_key_map(model_config), {}
+        with safe_open(str(single), framework="pt") as f:
+            for key in f.keys():
+                made = key_map(key)
+                for name, fn in [(made, None)] if isinstance(made, str) else made or []:
+                    value = f.get_tensor(key)
+                    state[name[len(ADAPTER) + 1 :]] = fn(value) if fn else value
+        missing, unexpected = sorted(set(target) - set(state)), sorted(set(state) - set(target))
+        if missing or unexpected:
+            raise KeyError(f"{single}: the LLM adapter's tensors (net.llm_adapter.*) do not fit "
+                           f"{self.model_folder(model_config) / ADAPTER / 'config.json'}: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+        model.load_state_dict({k: v.to(target[k].dtype) for k, v in state.items()}, assign=True)
+        return model.to(device).eval().requires_grad_(False)
 
     def default_lora_targets(self, model_config: AnimaConfig) -> list[str]:
         """The transformer blocks' attention and MLP linears (Predict2's); with ``llm_adapter_lr`` above 0 also every
