@@ -29,8 +29,10 @@ class AnimaEmbedLayer(nn.Module):
     def forward(self, inputs: Tensors) -> Tensors:
         x, t, qwen, qwen_mask, t5_ids, t5_mask = inputs
         dtype = self.text_conditioner.out_proj.weight.dtype
+        # no gradient to the cached text (the pipeline engine makes the first stage's float inputs require one):
+        # a frozen adapter then builds no graph at all, a trained one only its own
         text = self.text_conditioner(
-            source_hidden_states=qwen.to(dtype),
+            source_hidden_states=qwen.detach().to(dtype),
             target_input_ids=t5_ids.long(),
             target_attention_mask=t5_mask,
             source_attention_mask=qwen_mask,
