@@ -86,6 +86,13 @@ def test_diffusers_lora_loads_in_the_modular_pipeline_and_reproduces(anima_run: 
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
     got = full_forward(pipe.transformer, pipe.text_conditioner)
     runs.assert_reproduces(got, full_forward(reference, reference.text_conditioner), untrained)
+    # the transformer's own loader takes the file's transformer part (documented for a transformer-only LoRA)
+    from diffusers import CosmosTransformer3DModel
+
+    transformer = CosmosTransformer3DModel.from_pretrained(str(model_dir / "transformer"))
+    transformer.load_lora_adapter(str(saved / "adapter_model.safetensors"), prefix="transformer")
+    torch.testing.assert_close(full_forward(transformer, reference.text_conditioner),
+                               full_forward(reference, reference.text_conditioner), atol=1e-5, rtol=1e-5)
 
 
 def test_comfyui_lora_is_loaded_whole_by_comfyuis_key_map(anima_run: Path) -> None:
