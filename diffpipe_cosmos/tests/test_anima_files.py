@@ -103,3 +103,16 @@ def test_full_model_exports_load_back(tiny_anima: Path, tmp_path: Path) -> None:
     from_folder.update({f"text_conditioner.{k}": v for k, v in adapter.items()})
     for key, value in state.items():
         assert torch.equal(from_single[key], value) and torch.equal(from_folder[key], value), key
+
+
+def test_configs_from_the_hugging_face_cache(tiny_anima: Path, tmp_path: Path, monkeypatch) -> None:
+    """Without ``path``, the cache's snapshot of the diffusers repository (configs and tokenizers only) serves."""
+    from diffpipe_core.testing.component_files import hub_snapshot
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    files = anima_files(tiny_anima, tmp_path / "comfy")
+    snapshot = hub_snapshot(tiny_anima, tmp_path / "hub", "circlestone-labs/Anima-Base-v1.0-Diffusers")
+    table = {"type": "anima", "diffusion_model": files["diffusion_model"], "vae": files["vae"],
+             "text_encoders": [{"path": files["text_encoders"][0], "type": "qwen3_06b"}]}
+    cfg = validate(AnimaConfig, table, "test")
+    assert cfg.path == snapshot and plugin.validate_model_files(cfg) == []
