@@ -86,6 +86,19 @@ class Flux3(Flux2):
         blocks += [f"single_transformer_blocks.{i}" for i in range(single)]
         return [f"{b}.{name}" for b in blocks for name in BLOCK_LINEARS]
 
+    @hookimpl
+    def export_adapter(self, state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str) -> Any:
+        """``diffusers``: peft keys under ``transformer.``; ``comfyui``: BFL's module names under ``diffusion_model.``
+        with the strength folded into ``lora_B`` and no ``.alpha`` tensors, the non-diffusers format diffusers'
+        ``Flux3LoraLoaderMixin`` reads (ComfyUI has no FLUX.3 model yet; its loaders take a missing alpha as the
+        rank, so the file applies at the trained strength there too)."""
+        out = super().export_adapter(state_dict, alpha, rank, format)
+        if format != "comfyui" or out is None:
+            return out
+        scale = float(alpha) / rank
+        return {k: v * scale if scale != 1 and k.endswith(".lora_B.weight") else v
+                for k, v in out.items() if not k.endswith(".alpha")}
+
     def flow_map(self, model_config: Any) -> bool:
         """Whether the transformer is a flow map (the step-distilled checkpoint: ``flow_map`` in its config)."""
         return bool(self.model_folder_config(model_config).get("flow_map", False))
