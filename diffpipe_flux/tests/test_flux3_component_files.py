@@ -1,6 +1,6 @@
 """FLUX.3 from component files: the transformer in BFL's layout under ``model.diffusion_model.``
-(``flux-3-image-klein-base.safetensors``) or in diffusers' names (ComfyUI has no FLUX.3 model yet), FLUX.2's VAE in BFL's
-layout, Qwen3-VL in transformers' names, beside a folder of only configs and the processor, loading exactly as the
+(``flux-3-image-klein-base.safetensors``) or in diffusers' names (ComfyUI has no FLUX.3 model yet), FLUX.2's VAE in
+BFL's layout, Qwen3-VL in transformers' names, beside a folder of only configs and the processor, loading exactly as the
 folder; fp8 scaled and int8 transformers kept quantized, their layers running; configs from the Hugging Face cache's
 snapshot of the published repository."""
 

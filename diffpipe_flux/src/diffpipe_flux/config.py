@@ -72,8 +72,8 @@ class Flux2Config(Flux2KleinConfig):
 class Flux3Config(DiffusersModelConfig, FlowMatchingConfig):
     """``[model]`` keys of FLUX.3 (``flux-3-image-klein-base``). ``path`` is a diffusers FLUX.3 folder (the modular
     pipeline's components: ``transformer``, ``vae``, ``text_encoder`` (Qwen3-VL), ``tokenizer`` (its processor),
-    ``scheduler``); ``diffusion_model`` a single-file transformer in BFL's names (``flux-3-image-klein-base.safetensors``)
-    or diffusers' names, fp8 scaled and int8 files kept quantized."""
+    ``scheduler``); ``diffusion_model`` a single-file transformer in BFL's names
+    (``flux-3-image-klein-base.safetensors``) or diffusers' names (fp8 scaled and int8 files kept quantized)."""
 
     hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/flux-3-image-klein-base",)
 

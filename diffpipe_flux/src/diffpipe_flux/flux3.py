@@ -113,7 +113,9 @@ class Flux3(Flux2):
 
     def training_shift(self, model_config: Any) -> float:
         """The shift of the training times: with ``scheduler_shift`` the scheduler's constant shift, else ``shift``."""
-        return float(self.scheduler_config(model_config)["shift"]) if model_config.scheduler_shift else model_config.shift
+        if not model_config.scheduler_shift:
+            return model_config.shift
+        return float(self.scheduler_config(model_config)["shift"])
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl

@@ -2,11 +2,12 @@
 ``convert_flux3_transformer_checkpoint_to_diffusers`` reads them) as a table of diffusers modules.
 
 Every module is a rename: ``emb_in.<mode>`` / ``txt_in`` are the input projections (``x_embedders.<mode>`` /
-``context_embedder``), ``time_in`` (``ref_time_in`` of a flow map) the timestep MLPs, ``{early,single}_stream_modulations
-.<mode>.lin`` the per-mode modulations (``.linear``), ``content_mode_blocks.<mode>.N`` / ``txt_mode_blocks.N`` the
-per-mode blocks and ``single_blocks.N`` the joint blocks, whose ``q_proj``, ``k_proj``, ``v_proj``, ``attn_out``,
-``mlp_in``, ``mlp_out`` and ``norm.query_norm`` / ``norm.key_norm`` (``scale``) are diffusers' ``attn.to_q`` ...
-``ff.linear_out`` and ``attn.norm_q`` / ``attn.norm_k``; the final adaLN's halves are swapped (BFL's shift, scale).
+``context_embedder``), ``time_in`` (``ref_time_in`` of a flow map) the timestep MLPs, the per-mode modulations
+``early_stream_modulations.<mode>.lin`` / ``single_stream_modulations.<mode>.lin`` (``.linear``),
+``content_mode_blocks.<mode>.N`` / ``txt_mode_blocks.N`` the per-mode blocks and ``single_blocks.N`` the joint
+blocks, whose ``q_proj``, ``k_proj``, ``v_proj``, ``attn_out``, ``mlp_in``, ``mlp_out`` and ``norm.query_norm`` /
+``norm.key_norm`` (``scale``) are diffusers' ``attn.to_q`` ... ``ff.linear_out`` and ``attn.norm_q`` / ``attn.norm_k``;
+the final adaLN's halves are swapped (BFL's shift, scale).
 The training-only ``repa_projectors.*`` are dropped on read. A test checks the table against diffusers' conversion.
 ComfyUI has no FLUX.3 model yet; a LoRA's ComfyUI-layout export uses these names under ``diffusion_model.``, which
 diffusers' ``Flux3LoraLoaderMixin`` reads as FLUX.3's non-diffusers format.

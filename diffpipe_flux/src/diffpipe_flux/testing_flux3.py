@@ -96,7 +96,7 @@ def write_tiny_flux3(folder: Path, cfg: TinyFlux3Config | None = None, distilled
     cfg = cfg or TinyFlux3Config(flow_map=distilled)
     folder = Path(folder)
     built = tiny.build_components(parts(cfg))
-    proc = built.pop("tokenizer")  # it does not save itself without torchvision: its image processor, tokenizer, template
+    proc = built.pop("tokenizer")  # it does not save itself without torchvision: saved below, part by part
     tiny.write_folder(pipeline_class(cfg.flow_map), {k: tiny.Part(lambda v=v: v) for k, v in built.items()}, folder)
     save_processor(proc, folder / "tokenizer")
     index = json.loads((folder / "model_index.json").read_text())
