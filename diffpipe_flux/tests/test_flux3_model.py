@@ -119,3 +119,19 @@ def test_the_training_shift_is_the_pipelines(tiny_flux3: Path) -> None:
 
     assert flux3.training_shift(config(tiny_flux3)) == pytest.approx(Flux3SetTimestepsStep().shift)
     assert flux3.training_shift(config(tiny_flux3, scheduler_shift=False, shift=3.0)) == 3.0
+
+
+def test_a_text_encoder_that_does_not_fit_is_named(tiny_flux3: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_flux3, other)
+    file = other / "text_encoder" / "config.json"
+    te = json.loads(file.read_text())
+    for key, value, said in (("hidden_size", 64, "joint_attention_dim is 256"),
+                             ("num_hidden_layers", 28, "needs at least 32 layers")):
+        changed = {**te, "text_config": {**te["text_config"], key: value}}
+        file.write_text(json.dumps(changed))
+        [problem] = flux3.validate_model_files(config(other))
+        assert f"{file}: text_config.{key} is {value}" in problem and said in problem, problem

@@ -99,6 +99,19 @@ class Flux3(Flux2):
         return {k: v * scale if scale != 1 and k.endswith(".lora_B.weight") else v
                 for k, v in out.items() if not k.endswith(".alpha")}
 
+    @hookimpl
+    def validate_model_files(self, model_config: Any) -> list[str]:
+        """The files (the shared checks), then that the text encoder fits the transformer: it has the layers the
+        pipeline's text block taps, whose stacked width is the transformer's ``joint_attention_dim``."""
+        problems = super().validate_model_files(model_config)
+        if problems:
+            return problems
+        from diffpipe_flux.flux3_text import text_fit_problem
+
+        folder = self.model_folder(model_config)
+        return text_fit_problem(self.folder.config(folder, "text_encoder"), self.model_folder_config(model_config),
+                                folder / "text_encoder" / "config.json")
+
     def flow_map(self, model_config: Any) -> bool:
         """Whether the transformer is a flow map (the step-distilled checkpoint: ``flow_map`` in its config)."""
         return bool(self.model_folder_config(model_config).get("flow_map", False))
@@ -122,14 +135,13 @@ class Flux3(Flux2):
     def load_encoders(self, model_config: Flux3Config, device: torch.device) -> Any:
         """The VAE, Qwen3-VL and its processor (the folder's ``tokenizer``), and the modular pipeline's text block
         (its pad multiple and tapped layers)."""
-        from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
-
         from diffpipe_core.parts.encoders import load_components
         from diffpipe_core.parts.vl_processors import ImageOnlyQwen3VLProcessor, load_processor
+        from diffpipe_flux.flux3_text import text_step
 
         enc = load_components(self.folder, model_config, device, "vae", "text_encoder")
         enc.processor = load_processor(self.model_folder(model_config) / "tokenizer", ImageOnlyQwen3VLProcessor)
-        enc.text_step = Flux3TextEncoderStep()
+        enc.text_step = text_step()
         return enc
 
     @hookimpl
@@ -141,26 +153,12 @@ class Flux3(Flux2):
         return super().encode_batch(encoders, batch)
 
     def encode_captions(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Each caption through ``Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds`` (one prompt per call, as the
-        pipeline encodes it) at ``max_sequence_length = text_max_length``, placed at the front of a fixed-length
-        row."""
-        import torch
+        """Each caption through the text block (:func:`diffpipe_flux.flux3_text.encode_captions`) at
+        ``max_sequence_length = text_max_length``."""
+        from diffpipe_flux.flux3_text import encode_captions
 
-        step, length = encoders.text_step, encoders.config.text_max_length
-        layers = next(p.default for p in step.inputs if p.name == "text_encoder_out_layers")
-        rows = []
-        with torch.no_grad():
-            for caption in captions:
-                rows.append(step._get_qwen3_vl_prompt_embeds(
-                    encoders.text_encoder, encoders.processor, caption, device=encoders.device,
-                    max_sequence_length=length, pad_multiple=step.pad_multiple, hidden_states_layers=layers,
-                )[0].cpu())
-        dtype = torch.bfloat16 if rows[0].dtype == torch.bfloat16 else torch.float32
-        embeds = torch.zeros(len(rows), length, rows[0].shape[-1], dtype=dtype)
-        valid = torch.zeros(len(rows), length, dtype=torch.long)
-        for i, row in enumerate(rows):
-            embeds[i, : len(row)], valid[i, : len(row)] = row, 1
-        return {"text_embeds": embeds, "text_valid": valid}
+        return encode_captions(encoders.text_step, encoders.text_encoder, encoders.processor, list(captions),
+                               encoders.config.text_max_length, encoders.device)
 
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
