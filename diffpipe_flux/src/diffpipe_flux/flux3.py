@@ -74,6 +74,7 @@ class Flux3(Flux2):
     key_tables = "diffpipe_flux.flux3_keys"
     comfy_takes_diffusers_names = False  # no ComfyUI FLUX.3 yet: its layout is BFL's names, as diffusers reads them
     plan_size = None  # no GPU-fit table yet
+    pipeline_class: ClassVar[str] = "Flux3ModularPipeline"  # (FLUX.2's text pipeline is not used: the text block is)
     #: the step-distilled entry point
     distilled: ClassVar[bool] = False
 
