@@ -20,7 +20,7 @@ from diffpipe_flux.testing_flux3 import modular_pipeline, write_tiny_flux3
 
 pytestmark = pytest.mark.slow
 
-RANK, ALPHA, STEPS, DISTILLED_STEPS = 4, 8.0, 16, 4
+RANK, ALPHA, STEPS, DISTILLED_STEPS = 4, 8.0, 10, 3
 SAMPLE = {"prompts": ["a red cat"], "negative_prompt": "blurry", "cfg": 3.0, "steps": 2, "before_first_step": True}
 GOLDEN = Path(__file__).parent / "golden"
 #: the last caption is longer than one text window of 80 tokens: its window is text_max_length's 100
@@ -54,7 +54,7 @@ def distilled_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_loss_falls_a_sample_is_written_and_the_lora_is_golden(flux3_run: Path) -> None:
-    runs.assert_loss_falls(flux3_run, STEPS, 4)
+    runs.assert_loss_falls(flux3_run, STEPS, 3)
     names = sorted(p.name for p in (flux3_run / "samples" / "step-0000000").iterdir())
     assert "00-a-red-cat.png" in names, names
     assert_matches(flux3_run / "saved" / "final", GOLDEN / "flux3.json")
