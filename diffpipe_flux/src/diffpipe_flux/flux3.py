@@ -75,8 +75,6 @@ class Flux3(Flux2):
     comfy_takes_diffusers_names = False  # no ComfyUI FLUX.3 yet: its layout is BFL's names, as diffusers reads them
     plan_size = None  # no GPU-fit table yet
     pipeline_class: ClassVar[str] = "Flux3ModularPipeline"  # (FLUX.2's text pipeline is not used: the text block is)
-    #: the step-distilled entry point
-    distilled: ClassVar[bool] = False
 
     def default_lora_targets(self, model_config: Any) -> list[str]:
         """Every block's linears that text-to-image training runs: the text and image mode blocks and the joint
@@ -219,6 +217,7 @@ class Flux3(Flux2):
         """The first layer's inputs at ``schedule[index]`` (the scheduler's timestep / 1000, as the pipeline hands it
         on); a flow map's target time is the next step's (0 after the last)."""
         b = latents.shape[0]
+        # the pipeline hands the transformer its scheduler's timestep (sigma * 1000, float32) divided by 1000
         t = (schedule[index].float() * 1000 / 1000).expand(b)
         target = (schedule[index + 1].float() * 1000 / 1000).expand(b)
         return self.first_inputs(latents, t, text, self.flow_map(model_config), target)
@@ -234,7 +233,6 @@ class Flux3Distilled(Flux3):
         description="FLUX.3 step-distilled (a flow map: few steps, no guidance; diffusers folder or single file)",
     )
     folder = replace(Flux3.folder, model_name="flux3-distilled", single_file_example="flux-3-image-klein.safetensors")
-    distilled = True
 
 
 flux3 = Flux3()
