@@ -45,6 +45,8 @@ DISTRIBUTIONS = {
     "chroma": "diffpipe-flux",
     "flux2": "diffpipe-flux",
     "flux2-klein": "diffpipe-flux",
+    "flux3": "diffpipe-flux",
+    "flux3-distilled": "diffpipe-flux",
     "sdxl": "diffpipe-sdxl",
     "hunyuan-video": "diffpipe-hunyuan",
     "hunyuan-video-1.5": "diffpipe-hunyuan",

@@ -147,3 +147,10 @@ def encode_chunks(
         first = getattr(out, pooled).float()[(counts.cumsum(0) - counts).to(states.device)]
     mask = chunk_mask.to(device).repeat_interleave(chunk, dim=1)
     return TextOutput(full.reshape(n, k * chunk, -1), mask, first)
+
+
+def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached text ``(B, L, ...)`` and its ``(B, L)`` mask (each row's valid tokens first) cut to the longest row's
+    valid tokens (at least one): the rest of every row is padding the cache added. The mask as bool."""
+    n = max(1, int(mask.sum(dim=1).max()))
+    return embeds[:, :n], mask[:, :n].bool()

@@ -1,6 +1,6 @@
-"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma, FLUX.2 [dev] and [klein]
-written to disk per session (diffusers folder + original single file); the shared Flux 2-stage run and the shared
-Chroma, FLUX.2 and Klein runs."""
+"""Shared fixtures: HF libraries offline (the core's ``hf_offline``); one tiny Flux, Chroma, FLUX.2 [dev] and [klein],
+FLUX.3 and its step-distilled flow map written to disk per session (diffusers folder + original single file); the
+shared Flux 2-stage run and the shared Chroma, FLUX.2 and Klein runs."""
 
 from __future__ import annotations
 
@@ -79,4 +79,14 @@ tiny_flux2 = tiny_model_fixture(
     "tiny_flux2",
     "diffpipe_flux.testing:write_tiny_flux2",
     "A tiny FLUX.2 [dev] folder; its BFL / ComfyUI single file is ``diffpipe_flux.testing.bfl_path(folder)``.",
+)
+tiny_flux3 = tiny_model_fixture(
+    "tiny_flux3",
+    "diffpipe_flux.testing_flux3:write_tiny_flux3",
+    "A tiny FLUX.3 folder; its BFL single file is ``diffpipe_flux.testing_flux3.bfl_path(folder)``.",
+)
+tiny_flux3_distilled = tiny_model_fixture(
+    "tiny_flux3_distilled",
+    "diffpipe_flux.testing_flux3:write_tiny_flux3_distilled",
+    "A tiny step-distilled FLUX.3 folder (a flow-map transformer); its BFL single file beside it.",
 )

@@ -67,3 +67,35 @@ class Flux2Config(Flux2KleinConfig):
     hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/FLUX.2-dev",)
 
     guidance: float = Field(1.0, ge=0, description="Guidance value fed to the guidance-distilled transformer.")
+
+
+class Flux3Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of FLUX.3 (``flux-3-image-klein-base``). ``path`` is a diffusers FLUX.3 folder (the modular
+    pipeline's components: ``transformer``, ``vae``, ``text_encoder`` (Qwen3-VL), ``tokenizer`` (its processor),
+    ``scheduler``); ``diffusion_model`` a single-file transformer in BFL's names
+    (``flux-3-image-klein-base.safetensors``) or diffusers' names (fp8 scaled and int8 files kept quantized)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/flux-3-image-klein-base",)
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        le=8192,
+        description="The modular pipeline's max_sequence_length: Qwen3-VL tokens of a chat-templated caption kept "
+        "(longer captions are truncated). Each caption's text window is its token count rounded up to a multiple of "
+        "80 (capped here), as the pipeline pads it; the transformer attends to that padding, so the window is cached "
+        "with it and a micro-batch of mixed windows masks each caption's extra keys.",
+    )
+    scheduler_shift: bool = Field(
+        True,
+        description="Shift the training times by the pipeline scheduler's constant shift (FLUX.3's 6.93, or the "
+        "folder's scheduler config), as the pipeline shifts its sigmas; false: the shift key.",
+    )
+
+
+class Flux3DistilledConfig(Flux3Config):
+    """``[model]`` keys of the step-distilled FLUX.3 (``flux-3-image-klein``, a flow map: 16 steps, no guidance).
+    Trained at its flow map's diagonal (the step's target time = its time); ``cfg`` (CFG-augmented training) keeps
+    the guidance it was distilled with."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("black-forest-labs/flux-3-image-klein",)

@@ -180,6 +180,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
 
         from diffpipe_core.parts.flow import flow_sample, with_mask
         from diffpipe_core.parts.latents import pack_2x2
+        from diffpipe_core.parts.text import trimmed
 
         cfg: Krea2Config = context.model_config  # type: ignore[assignment]
         b, c, h, w = batch["latents"].shape
@@ -212,6 +213,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         import torch
 
         from diffpipe_core.parts.latents import pack_2x2
+        from diffpipe_core.parts.text import trimmed
 
         b, _, h, w = latents.shape
         # the pipeline hands the transformer its scheduler's timestep (sigma * 1000, float32) divided by 1000
@@ -235,12 +237,6 @@ def compacted(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
         n = int(mask[row].sum())
         out[row, :n], kept[row, :n] = embeds[row][mask[row]], True
     return out, kept
-
-
-def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached text cut to the longest caption among ``mask``'s rows (the rest is masked padding anyway)."""
-    n = max(1, int(mask.sum(dim=1).max()))
-    return embeds[:, :n], mask[:, :n].bool()
 
 
 class Krea2Turbo(Krea2):

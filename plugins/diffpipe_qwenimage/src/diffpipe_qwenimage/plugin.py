@@ -204,9 +204,12 @@ def comfy_layout(model: str) -> KeyTable:
 
 
 def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached text cut to the longest caption among ``mask``'s rows (the rest is masked padding anyway)."""
-    n = max(1, int(mask.sum(dim=1).max()))
-    return embeds[:, :n].float(), mask[:, :n].bool()
+    """The cached text cut to the longest caption among ``mask``'s rows (the core's
+    :func:`~diffpipe_core.parts.text.trimmed`), in float32."""
+    from diffpipe_core.parts.text import trimmed as cut
+
+    embeds, mask = cut(embeds, mask)
+    return embeds.float(), mask
 
 
 @functools.lru_cache(maxsize=16)
