@@ -214,7 +214,18 @@ def anchor_planned() -> str:
     return "\n".join(rows) + "\n"
 
 
+def model_table(repo: Path = REPO) -> str:
+    """The README's table of model plugins, its links pointing at the manual's pages (one table, kept in the
+    README)."""
+    readme = repo / "README.md"
+    lines = readme.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| model | distribution |"))
+    stop = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return rewrite_links("\n".join(lines[start:stop]) + "\n", readme, "index.md", repo)
+
+
 REGIONS = {
+    "docs/index.md": {"model-table": model_table},
     "docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned},
     "docs/datasets.md": {"dataset-keys": dataset_keys},
 }

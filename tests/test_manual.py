@@ -78,6 +78,24 @@ def test_the_readme_is_a_short_front_page_linking_every_model_page() -> None:
         assert words in readme, words
 
 
+def test_the_front_page_shows_the_readmes_model_table_with_manual_links(tmp_path: Path) -> None:
+    """One model table (the README's); the manual's front page is generated from it, so a row added to the README
+    makes docs/index.md stale until it is regenerated."""
+    table = manual.model_table(REPO)
+    readme_rows = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(table.splitlines()) == len(readme_rows) + 3  # header, rule, the README's rows, the optimizers row
+    assert "(docs/models/" not in table and "[Flux](models/flux.md)" in table
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text((REPO / "docs" / "index.md").read_text())
+    new_row = "| `new-model` | `diffpipe-new` | new |"
+    readme = (REPO / "README.md").read_text().replace("| `sdxl` |", f"{new_row}\n| `sdxl` |")
+    (tmp_path / "README.md").write_text(readme)
+    makers = {"model-table": lambda: manual.model_table(tmp_path)}
+    page = manual.fill_regions((tmp_path / "docs" / "index.md").read_text(), makers)
+    assert new_row in page
+    assert page != (REPO / "docs" / "index.md").read_text()
+
+
 def test_the_dataset_page_lists_every_dataset_key() -> None:
     from diffpipe_core.data.dataset_config import DatasetConfig, DirectoryConfig
 
