@@ -444,6 +444,27 @@ def hunyuan_video_vae(latent_channels: int = 4, channels: tuple[int, ...] = (8, 
     )
 
 
+def flux2_vae(latent_channels: int = 4, channels: tuple[int, ...] = (8, 8)) -> Any:
+    """An ``AutoencoderKLFlux2`` (factor ``2 ** (len(channels) - 1)``, FLUX.2's and Ideogram 4's VAE) whose batch-norm
+    statistics are random, so the normalisation counts."""
+    from diffusers import AutoencoderKLFlux2
+
+    n = len(channels)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+        block_out_channels=channels,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(channels),
+        sample_size=64,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
+
+
 def flow_scheduler(**config: Any) -> Any:
     """A ``FlowMatchEulerDiscreteScheduler`` with ``config``."""
     from diffusers import FlowMatchEulerDiscreteScheduler

@@ -37,7 +37,8 @@ from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
 from diffpipe_flux.flux2 import MISTRAL_VISION
 from diffpipe_flux.flux2 import flux2 as dev_plugin
 from diffpipe_flux.flux2 import klein as klein_plugin
-from diffpipe_flux.flux2_keys import layout_for_config, vae_layout
+from diffpipe_core.parts.flux2_vae import vae_layout
+from diffpipe_flux.flux2_keys import layout_for_config
 
 CPU = torch.device("cpu")
 #: entry point -> (plugin, config class, tiny folder fixture, ComfyUI's file names for the text encoder and transformer)

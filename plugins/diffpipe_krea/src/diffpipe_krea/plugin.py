@@ -17,6 +17,7 @@ from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling, FrameVAEDecoding
+from diffpipe_core.parts.text import compacted, trimmed
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_krea.config import Krea2Config, Krea2TurboConfig
 
@@ -223,24 +224,6 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         from diffpipe_core.parts.latents import unpack_2x2
 
         return unpack_2x2(prediction, latents.shape[-2], latents.shape[-1])
-
-
-def compacted(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's valid tokens (``mask``) moved to the front in order, the rest zeros (mask False): the pipeline's
-    ``[caption | padding | closing turn]`` as ``[caption, closing turn | padding]``."""
-    import torch
-
-    out, kept = torch.zeros_like(embeds), torch.zeros_like(mask)
-    for row in range(mask.shape[0]):
-        n = int(mask[row].sum())
-        out[row, :n], kept[row, :n] = embeds[row][mask[row]], True
-    return out, kept
-
-
-def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cached text cut to the longest caption among ``mask``'s rows (the rest is masked padding anyway)."""
-    n = max(1, int(mask.sum(dim=1).max()))
-    return embeds[:, :n], mask[:, :n].bool()
 
 
 class Krea2Turbo(Krea2):
