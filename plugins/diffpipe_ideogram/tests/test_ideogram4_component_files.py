@@ -2,7 +2,8 @@
 original layout under ``model.diffusion_model.`` (``ideogram4_fp8_scaled.safetensors``), FLUX.2's VAE in BFL's layout
 (``flux2-vae.safetensors``), Qwen3-VL's language model under ``model.`` (the vision tower left out), beside a folder of
 only configs and the tokenizer, loading exactly as the folder; ComfyUI's fp8 scaled and int8 transformers kept
-quantized, the layers running on them; configs from the Hugging Face cache's snapshot of the published repository."""
+quantized, the layers running on them; configs from the Hugging Face cache's snapshot of the published repository,
+with a text encoder file that lacks the vision tower."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from diffpipe_ideogram.original import layout_for_config
 from diffpipe_ideogram.plugin import plugin
 
 
-def ideogram_files(folder: Path, out: Path) -> dict:
-    """``folder`` as ComfyUI's Ideogram 4 files under ``out`` (configs at ``out/configs``), the text encoder file
-    without the vision tower."""
+def ideogram_files(folder: Path, out: Path, vision: bool = True) -> dict:
+    """``folder`` as ComfyUI's Ideogram 4 files under ``out`` (configs at ``out/configs``); ``vision=False``: the text
+    encoder file without the vision tower."""
     files = comfyui_files(folder, out, layout_for_config, vae_layout, {"text_encoder": "model."})
-    [te] = files["text_encoders"]
-    save_file({k: v for k, v in load_file(str(te)).items() if ".visual." not in k}, str(te))
+    if not vision:
+        [te] = files["text_encoders"]
+        save_file({k: v for k, v in load_file(str(te)).items() if ".visual." not in k}, str(te))
     return files
 
 
@@ -75,9 +77,14 @@ def test_configs_from_the_hugging_face_cache(tiny_ideogram4: Path, tmp_path: Pat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match=r"no snapshot of ideogram-ai/ideogram-v4"):
         cached_snapshot(Ideogram4Config.hub_repos, "ideogram4")
-    files = ideogram_files(tiny_ideogram4, tmp_path / "comfy")
+    files = ideogram_files(tiny_ideogram4, tmp_path / "comfy", vision=False)
     snapshot = hub_snapshot(tiny_ideogram4, tmp_path / "hub", "ideogram-ai/ideogram-v4")
     table = {"type": "ideogram4", "diffusion_model": files["diffusion_model"], "vae": files["vae"],
-             "text_encoders": [{"path": files["text_encoders"][0], "type": "ideogram4"}]}
+             "text_encoders": [{"path": files["text_encoders"][0], "type": "ideogram4"}], "encoder_dtype": "float32"}
     cfg = validate(Ideogram4Config, table, "test")
     assert cfg.path == snapshot and plugin.validate_model_files(cfg) == []
+    # a Qwen3-VL file of the language model alone (the vision tower is never run for text) loads it the same
+    got = plugin.load_encoders(cfg, torch.device("cpu")).text_encoder.state_dict()
+    want = load_file(str(tiny_ideogram4 / "text_encoder" / "model.safetensors"))
+    language = [k for k in want if k.startswith("language_model.")]
+    assert language and all(torch.equal(got[k].float(), want[k].float()) for k in language)

@@ -2,7 +2,8 @@
 tiny model, noise and prompt at guidance 1 (the pipeline encoding its prompt itself, left padding and all; its
 resolution-aware logit-normal schedule), the decoded image included, and equal the modular pipeline's
 (``Ideogram4AutoBlocks``, its text-encoding block included); a sample's noise is the pipeline's own draw for the seed;
-CFG, which the pipeline runs on its second transformer, is refused by name."""
+``cfg > 1`` is plain CFG through the trained transformer, with a warning that it is not the pipeline's guidance (which
+runs its second transformer)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from diffpipe_core.schema import validate
 from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
 from diffpipe_core.types import SampleRequest
 from diffpipe_ideogram.config import Ideogram4Config
-from diffpipe_ideogram.plugin import plugin, tokens, untokens, unpatchify
+from diffpipe_ideogram.plugin import plugin, tokens, unpatchify, untokens
 from diffpipe_ideogram.testing import load_pipeline
 
 PROMPT, STEPS, SEED, SIZE, LENGTH = "a red cat on a house", 3, 5, 64, 32
@@ -63,7 +64,11 @@ def test_sample_equals_the_pipeline_and_the_modular_pipeline(tiny_ideogram4: Pat
     torch.testing.assert_close(pixels / 2 + 0.5, image, rtol=1e-4, atol=1e-5)
 
 
-def test_guidance_is_refused_by_name(tiny_ideogram4: Path) -> None:
-    with pytest.raises(ValueError, match=r"cfg = 1: its guidance runs the folder's unconditional_transformer"):
-        plugin.combine_guidance(uncond=torch.zeros(1), cond=torch.zeros(1), scale=3.0, schedule=torch.zeros(2),
-                                index=0, model_config=config(tiny_ideogram4))
+def test_guidance_is_plain_cfg_and_said(tiny_ideogram4: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cond, uncond = torch.tensor([2.0]), torch.tensor([1.0])
+    plugin.__dict__.pop("_warned_cfg", None)  # said once per process: the kit's CFG sample may have said it
+    with caplog.at_level("WARNING", logger="diffpipe.ideogram"):
+        got = plugin.combine_guidance(uncond=uncond, cond=cond, scale=3.0, schedule=torch.zeros(2), index=0,
+                                      model_config=config(tiny_ideogram4))
+    assert got.tolist() == [4.0]
+    assert "not Ideogram4Pipeline's guidance, which runs the folder's unconditional_transformer" in caplog.text

@@ -56,7 +56,8 @@ def test_captions_equal_encode_prompt(tiny_ideogram4: Path) -> None:
 
 def test_a_caption_over_the_length_is_refused_by_name(tiny_ideogram4: Path) -> None:
     enc = plugin.load_encoders(cfg_of(tiny_ideogram4, text_max_length=12), CPU)
-    with pytest.raises(ValueError, match=r"caption 'a red cat on the house' is \d+ Qwen3-VL tokens .* text_max_length = 12"):
+    refused = r"caption 'a red cat on the house' is \d+ Qwen3-VL tokens .* text_max_length = 12"
+    with pytest.raises(ValueError, match=refused):
         plugin.encode_batch(enc, EncodeBatch(captions=CAPTIONS))
 
 

@@ -49,7 +49,8 @@ class EmbedLayer(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.input_proj, self.llm_cond_norm, self.llm_cond_proj = model.input_proj, model.llm_cond_norm, model.llm_cond_proj
+        self.input_proj, self.llm_cond_norm = model.input_proj, model.llm_cond_norm
+        self.llm_cond_proj = model.llm_cond_proj
         self.t_embedding, self.adaln_proj = model.t_embedding, model.adaln_proj
         self.embed_image_indicator, self.rotary_emb = model.embed_image_indicator, model.rotary_emb
 

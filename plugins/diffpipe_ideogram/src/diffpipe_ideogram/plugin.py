@@ -17,7 +17,6 @@ from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
-from diffpipe_core.parts.text import compacted, trimmed
 from diffpipe_ideogram.config import Ideogram4Config
 
 if TYPE_CHECKING:
@@ -122,6 +121,8 @@ class Ideogram4(DiffusersModel, FlowSampling):
         it."""
         import torch
 
+        from diffpipe_core.parts.text import compacted
+
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
             from diffpipe_core.parts.latents import latent_mask, vae_mode
@@ -188,6 +189,7 @@ class Ideogram4(DiffusersModel, FlowSampling):
         import torch
 
         from diffpipe_core.parts.flow import flow_sample, with_mask
+        from diffpipe_core.parts.text import trimmed
 
         cfg: Ideogram4Config = context.model_config  # type: ignore[assignment]
         b, c, h, w = batch["latents"].shape
@@ -221,6 +223,8 @@ class Ideogram4(DiffusersModel, FlowSampling):
         """The first layer's ``(x_t, sigma, text, text_mask, grid)`` at ``schedule[index]``."""
         import torch
 
+        from diffpipe_core.parts.text import trimmed
+
         b, _, h, w = latents.shape
         # the pipeline's scheduler timestep (sigma * 1000, float32) divided by 1000
         sigma = (schedule[index].float() * 1000 / 1000).expand(b)
@@ -232,12 +236,17 @@ class Ideogram4(DiffusersModel, FlowSampling):
 
     @hookimpl
     def combine_guidance(self, uncond, cond, scale, schedule, index, model_config):
-        """Refused: Ideogram 4 guides with its second, unconditional transformer (``Ideogram4Pipeline``'s asymmetric
-        CFG), which diffpipe's samples do not run; sample with ``cfg = 1``."""
-        raise ValueError(
-            "Ideogram 4 samples take cfg = 1: its guidance runs the folder's unconditional_transformer, which "
-            "diffpipe's samples do not load (set [sample] cfg = 1)"
-        )
+        """``uncond + scale * (cond - uncond)`` with the negative prompt through the trained transformer: plain CFG, not
+        ``Ideogram4Pipeline``'s asymmetric guidance (its second, unconditional transformer, which diffpipe's samples do
+        not load); said once per process. ``cfg = 1`` is the pipeline's output at guidance 1."""
+        if not self.__dict__.get("_warned_cfg"):
+            self._warned_cfg = True
+            log.warning(
+                "Ideogram 4 samples with cfg = %s run the negative prompt through the trained transformer (plain CFG), "
+                "not Ideogram4Pipeline's guidance, which runs the folder's unconditional_transformer; cfg = 1 samples "
+                "equal the pipeline's at guidance 1", scale
+            )
+        return uncond + scale * (cond - uncond)
 
 
 plugin = Ideogram4()

@@ -45,7 +45,7 @@ def tiny_transformer(cfg: TinyIdeogram4Config, seed: int | None = None) -> Any:
     torch.manual_seed(cfg.seed if seed is None else seed)
     model = Ideogram4Transformer2DModel(
         in_channels=cfg.latent_channels * 4, num_layers=cfg.num_layers, attention_head_dim=cfg.attention_head_dim,
-        num_attention_heads=cfg.num_attention_heads, intermediate_size=48, adaln_dim=24,
+        num_attention_heads=cfg.num_attention_heads, intermediate_size=48, adaln_dim=32,
         llm_features_dim=TAPS * cfg.text_dim, rope_theta=10_000, mrope_section=tuple(cfg.mrope_section),
     )
     with torch.no_grad():

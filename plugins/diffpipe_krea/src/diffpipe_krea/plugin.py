@@ -17,7 +17,6 @@ from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling, FrameVAEDecoding
-from diffpipe_core.parts.text import compacted, trimmed
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_krea.config import Krea2Config, Krea2TurboConfig
 
@@ -150,6 +149,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         import torch
 
         from diffpipe_core.parts.latents import frame_vae_latents
+        from diffpipe_core.parts.text import compacted
 
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
@@ -181,6 +181,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
 
         from diffpipe_core.parts.flow import flow_sample, with_mask
         from diffpipe_core.parts.latents import pack_2x2
+        from diffpipe_core.parts.text import trimmed
 
         cfg: Krea2Config = context.model_config  # type: ignore[assignment]
         b, c, h, w = batch["latents"].shape
@@ -213,6 +214,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         import torch
 
         from diffpipe_core.parts.latents import pack_2x2
+        from diffpipe_core.parts.text import trimmed
 
         b, _, h, w = latents.shape
         # the pipeline hands the transformer its scheduler's timestep (sigma * 1000, float32) divided by 1000
