@@ -21,7 +21,7 @@ from diffpipe_ideogram.testing import comfy_path, load_pipeline, write_tiny_ideo
 
 pytestmark = pytest.mark.slow
 
-RANK, ALPHA, STEPS, TWO_STAGE_STEPS = 4, 8.0, 20, 5
+RANK, ALPHA, STEPS, TWO_STAGE_STEPS = 4, 8.0, 12, 4
 SAMPLE = {"prompts": ["a red cat"], "cfg": 1.0, "steps": 2, "before_first_step": True}
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -47,7 +47,7 @@ def ideogram4_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ideogram4_two_stages(ideogram4_run: Path) -> Path:
-    """The same project on 2 pipeline stages in 2 processes, 5 steps from the 1-process run's cache, no samples."""
+    """The same project on 2 pipeline stages in 2 processes, 4 steps from the 1-process run's cache, no samples."""
     root = ideogram4_run.parent.parent
     (root / "run2.toml").write_text(run_config(TWO_STAGE_STEPS, 2, None, partition_split=[2]))
     return runs.train(root, "run2.toml", 2)
@@ -60,7 +60,7 @@ def test_trains_on_two_stages_as_on_one(ideogram4_two_stages: Path, ideogram4_ru
 
 
 def test_the_loss_falls_a_sample_is_written_and_the_lora_is_golden(ideogram4_run: Path) -> None:
-    runs.assert_loss_falls(ideogram4_run, STEPS, 5)
+    runs.assert_loss_falls(ideogram4_run, STEPS, 4)
     names = sorted(p.name for p in (ideogram4_run / "samples" / "step-0000000").iterdir())
     assert "00-a-red-cat.png" in names, names
     assert_matches(ideogram4_run / "saved" / "final", GOLDEN / "ideogram4.json")
