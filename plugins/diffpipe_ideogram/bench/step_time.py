@@ -33,7 +33,7 @@ MODEL_TABLE = bench.model_table("ideogram4", text_max_length=TEXT_LEN)
 def diffpipe_times(root: Path, args) -> list[float]:
     """Train with `diffpipe train` in ``root`` (which holds ``model/``) on 4 long-captioned SIZE x SIZE images (each
     caption fills the text length); step times from metrics.jsonl."""
-    words = " ".join(["a red cat on a house"] * 9)
+    words = " ".join(["a red cat on a house"] * 7)  # 63 tokens with the chat template
     captions = [f"{words} {i}" for i in range(4)]
     write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
