@@ -1,5 +1,6 @@
 """Ideogram 4 full fine-tunes: the shards a run saves export as a diffusers ``transformer`` folder and as one file in
-Ideogram's original layout (fused ``attention.qkv``), and both load back to the fine-tuned weights."""
+Ideogram's original layout (fused ``attention.qkv``), and both load back to the fine-tuned weights; LoKr keys in the
+ComfyUI format are Ideogram's names, and a LoKr on q, k or v (one fused weight in ComfyUI) is refused for it by name."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def test_full_model_exports_load_back(tiny_ideogram4: Path, tmp_path: Path) -> N
     from_folder = Ideogram4Transformer2DModel.from_pretrained(str(saved / "diffusers")).state_dict()
     for key, value in state.items():
         assert torch.equal(from_single[key], value) and torch.equal(from_folder[key], value), key
+
+
+def test_lokr_names_in_comfyui_are_ideograms_and_a_fused_qkv_is_refused() -> None:
+    import pytest
+
+    stems = plugin.adapter_key_names(modules=["layers.0.feed_forward.w1", "layers.1.attention.to_out.0"],
+                                     format="comfyui")
+    assert stems == {"layers.0.feed_forward.w1": "diffusion_model.layers.0.feed_forward.w1",
+                     "layers.1.attention.to_out.0": "diffusion_model.layers.1.attention.o"}
+    with pytest.raises(ValueError, match=r"no ComfyUI counterpart of their own .*layers\.0\.attention\.to_q"):
+        plugin.adapter_key_names(modules=["layers.0.attention.to_q"], format="comfyui")
