@@ -68,8 +68,26 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_GROUPS_ENV] = str(folder / "groups.json")  # the workers inherit it
 
 
-@pytest.hookimpl(trylast=True)
+_PROOF_DRY_RUN = "tests/test_gpu_proof.py::test_cpu_dry_run_writes_the_keys_the_gpu_run_writes"
+_PROOF_TESTS = "tests/test_cuda_proof.py::"
+
+
+def run_by_the_proof_dry_run(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The CPU twins of ``tests/test_cuda_proof.py`` when the GPU proof's CPU dry run is collected too: the dry run
+    runs every one of them (``bench/gpu_proof.sh`` step 2, the same tests in the same checkout) and fails naming them
+    unless all pass, so one run of the suite runs them once, not twice. Their ``cuda`` cases stay (they skip
+    without a GPU, and are named so)."""
+    if not any(item.nodeid == _PROOF_DRY_RUN for item in items):
+        return []
+    return [i for i in items if i.nodeid.startswith(_PROOF_TESTS) and i.get_closest_marker("cuda") is None]
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected theirs: a dry run left out leaves the twins in
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    twins = run_by_the_proof_dry_run(items)
+    if twins:
+        config.hook.pytest_deselected(items=twins)
+        items[:] = [item for item in items if item not in twins]
     target = os.environ.get(_GROUPS_ENV)
     if not target or "PYTEST_XDIST_WORKER" not in os.environ:
         return

@@ -558,7 +558,19 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     assert run is not None and model_cfg is not None
+    run = with_model_group_lr(run, registry.model(model_cfg.type), model_cfg)
     return ResolvedConfig(path=path, run=run, model=model_cfg, raw=raw)
+
+
+def with_model_group_lr(run: RunConfig, plugin: Any, model_cfg: ModelConfigBase) -> RunConfig:
+    """``run`` with the learning rates the model's ``[model]`` table sets for its parameter groups (the plugin's
+    ``group_lr_defaults``: Anima's ``llm_adapter_lr``) under ``[optimizer] group_lr``, which wins for a group both
+    name."""
+    defaults = plugin.call("group_lr_defaults", model_config=model_cfg) or {}
+    if not defaults:
+        return run
+    group_lr = {**defaults, **run.optimizer.group_lr}
+    return run.model_copy(update={"optimizer": run.optimizer.model_copy(update={"group_lr": group_lr})})
 
 
 def _training_paths(run: RunConfig, source: str) -> list[str]:

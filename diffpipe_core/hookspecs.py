@@ -225,6 +225,14 @@ def parameter_groups(model_config: ModelConfigBase) -> dict[str, list[str]]:
 
 
 @hookspec(firstresult=True)
+def group_lr_defaults(model_config: ModelConfigBase) -> dict[str, float]:
+    """*model, optional* Learning rates of named parameter groups (:func:`parameter_groups`) that the ``[model]``
+    table sets, e.g. Anima's ``llm_adapter_lr`` for its ``llm_adapter`` group (0 freezes it). They join
+    ``[optimizer] group_lr`` when the config is read; a rate ``group_lr`` gives for the same group wins. Default
+    none."""
+
+
+@hookspec(firstresult=True)
 def adapter_key_prefix() -> str:
     """*model, optional* The prefix of the diffusion model in its diffusers pipeline
     (``"transformer"`` or ``"unet"``); used for the default diffusers-format LoRA. Default

@@ -96,27 +96,37 @@ def pickle_only_problems(folder: Path, what: str) -> list[str]:
     ]
 
 
+def pipeline_index(folder: Path) -> Path:
+    """The file naming a diffusers folder's pipeline and components: ``model_index.json``, or for a modular
+    pipeline's folder (``ModularPipeline.save_pretrained``: Anima's) ``modular_model_index.json`` when it has no
+    ``model_index.json``."""
+    modular = Path(folder) / "modular_model_index.json"
+    plain = Path(folder) / "model_index.json"
+    return modular if modular.is_file() and not plain.is_file() else plain
+
+
 def check_diffusers_folder(
     folder: Path,
     pipelines: tuple[str, ...],
     components: Mapping[str, tuple[str, ...]],
     model_name: str,
 ) -> list[str]:
-    """A diffusers pipeline folder: ``model_index.json`` names one of ``pipelines`` and every component
-    folder exists with an expected class (``components``: folder name -> accepted class names, or
+    """A diffusers pipeline folder: ``model_index.json`` (:func:`pipeline_index`) names one of ``pipelines`` and every
+    component folder exists with an expected class (``components``: folder name -> accepted class names, or
     ``("tokenizer",)`` / ``("image_processor",)``). A wrong ``model_index.json`` is reported alone: the rest would
     only repeat it."""
     if not folder.is_dir():
         what = "a file" if folder.exists() else "not found"
         return [f"{folder}: {what}; expected a diffusers {model_name} folder with model_index.json"]
-    index, problem = read_json(folder / "model_index.json")
+    index_file = pipeline_index(folder)
+    index, problem = read_json(index_file)
     if index is None:
         return [f"{problem}; expected a diffusers {model_name} folder ({_names(pipelines)})"]
     found = index.get("_class_name")
     if found not in pipelines:
         parts = ", ".join(k for k, v in index.items() if not k.startswith("_") and isinstance(v, list))
         return [
-            f"{folder / 'model_index.json'}: the pipeline is {found!r} (components: {parts or 'none'}); "
+            f"{index_file}: the pipeline is {found!r} (components: {parts or 'none'}); "
             f"model {model_name!r} expects {pipelines[0]!r}"
             + (f" or a variant ({', '.join(pipelines[1:])})" if len(pipelines) > 1 else "")
         ]

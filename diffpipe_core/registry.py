@@ -54,6 +54,7 @@ DISTRIBUTIONS = {
     "cosmos": "diffpipe-cosmos",
     "cosmos-predict2": "diffpipe-cosmos",
     "cosmos-predict2.5": "diffpipe-cosmos",
+    "anima": "diffpipe-cosmos",
     "wan": "diffpipe-wan",
     "wan-i2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",

@@ -150,6 +150,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_auraflow.testing import write_tiny_auraflow
     from diffpipe_cosmos.testing import TinyCosmosConfig, write_tiny_cosmos
     from diffpipe_cosmos.testing import original_path as cosmos_file
+    from diffpipe_cosmos.testing_anima import comfy_path as anima_file
+    from diffpipe_cosmos.testing_anima import write_tiny_anima
     from diffpipe_flux.testing import bfl_path, write_tiny_chroma, write_tiny_flux
     from diffpipe_hunyuan.testing import original_path as hunyuan_file
     from diffpipe_hunyuan.testing import write_tiny_hunyuan
@@ -178,6 +180,7 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "hunyuan-video": (write_tiny_hunyuan(root / "hunyuan"), hunyuan_file(root / "hunyuan")),
         "cosmos": (write_tiny_cosmos(root / "cosmos", TinyCosmosConfig(variant="1.0")), cosmos_file(root / "cosmos")),
         "cosmos-predict2": (write_tiny_cosmos(root / "predict2"), cosmos_file(root / "predict2")),
+        "anima": (write_tiny_anima(root / "anima"), anima_file(root / "anima")),
         "wan": (write_tiny_wan(root / "wan"), wan_file(root / "wan")),
         "qwen-image": (qwen, comfy_path(qwen)),
         # diffpipe reads an edit model's diffusers folder (diffusion-pipe also takes Qwen-Image's with the edit file)

@@ -70,3 +70,25 @@ def test_the_last_line_names_the_skipped_tests(tmp_path: Path) -> None:
         lines = result.stdout.strip().splitlines()
         assert lines[-1] == "skipped (1): test_some.py::test_cannot_here (cannot mount a tmpfs here)", lines[-3:]
         assert "1 passed, 1 skipped, 1 xfailed" in lines[-2]
+
+
+def test_the_proof_twins_run_once_when_the_proof_dry_run_runs_them() -> None:
+    """The CPU twins of test_cuda_proof.py are left to the GPU proof's dry run when it is collected (it runs them and
+    fails unless all pass); without it, or with only the cuda cases, nothing is left out."""
+    import pytest
+
+    chosen = _load(ROOT / "conftest.py", "suite_conftest").run_by_the_proof_dry_run
+
+    class Item:
+        def __init__(self, nodeid: str, cuda: bool = False) -> None:
+            self.nodeid, self.cuda = nodeid, cuda
+
+        def get_closest_marker(self, name: str) -> object:
+            return pytest.mark.cuda if name == "cuda" and self.cuda else None
+
+    dry = Item("tests/test_gpu_proof.py::test_cpu_dry_run_writes_the_keys_the_gpu_run_writes")
+    twin = Item("tests/test_cuda_proof.py::test_kahan[cpu]")
+    cuda = Item("tests/test_cuda_proof.py::test_kahan[cuda]", cuda=True)
+    other = Item("tests/test_train.py::test_a")
+    assert chosen([twin, cuda, dry, other]) == [twin]
+    assert chosen([twin, cuda, other]) == []

@@ -314,20 +314,22 @@ def on_train_end(run_dir, summary):
 """
 
 
-def test_resume_on_another_layout_repeats_the_run(tmp_path: Path) -> None:
-    """Issue 37.2: a run of 2 stages in 2 processes (LoRA dropout 0.1, gradient accumulation 2) resumed from its step-9
-    checkpoint on 1 stage in 1 process, and on 1 stage with 2 data-parallel ranks (accumulation 1: the same global
-    batch), repeats the 2-stage losses: the optimizer and LR-schedule state are re-split by parameter name, the data
-    position goes on in the epoch's global order, and the noise and dropout masks of each micro-batch come from its
-    global number (the losses drifted by ~1e-3 with a fresh optimizer, and by more with the ranks' own RNG streams)."""
-    config = make_project(tmp_path, stages=2, max_steps=12, ckpt=3)
-    assert "dropout = 0.1" in config.read_text()
-    train(tmp_path, config, "--num-procs", "2")
-    two_stages = run_dirs(tmp_path)[0]
+def test_resume_on_another_layout_repeats_the_run(two_stages: Path, tmp_path: Path) -> None:
+    """Issue 37.2: a run of 2 stages in 2 processes (LoRA dropout 0.1, gradient accumulation 2; the shared
+    ``two_stages`` run) resumed from its step-9 checkpoint on 1 stage in 1 process, and on 1 stage with 2 data-parallel
+    ranks (accumulation 1: the same global batch), repeats the 2-stage losses: the optimizer and LR-schedule state are
+    re-split by parameter name, the data position goes on in the epoch's global order, and the noise and dropout masks
+    of each micro-batch come from its global number (the losses drifted by ~1e-3 with a fresh optimizer, and by more
+    with the ranks' own RNG streams)."""
+    assert "dropout = 0.1" in make_project(tmp_path, stages=2, max_steps=12, ckpt=3).read_text()
+    old_root = two_stages.parent.parent
+    assert (old_root / "run.toml").read_text() == (tmp_path / "run.toml").read_text()  # the run resumed here
     expected = losses(two_stages)
     for name, procs, accumulation in (("one_stage", 1, 2), ("data_parallel", 2, 1)):
         run = tmp_path / name
         shutil.copytree(two_stages, run)
+        resolved = run / "resolved_config.json"
+        resolved.write_text(resolved.read_text().replace(str(old_root), str(tmp_path)))  # as if trained here
         shutil.rmtree(run / "checkpoints" / "step-0000012")
         (run / "checkpoints" / "latest").write_text("step-0000009")
         other = make_project(tmp_path, stages=1, max_steps=12, ckpt=3, name=f"{name}.toml")

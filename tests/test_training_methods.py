@@ -226,6 +226,34 @@ def test_name_pattern_learning_rates_reach_their_parameter_groups() -> None:
     assert unmatched_lr_patterns({"*.attn.*": 1.0, "*.ff.*": 1.0, "mlp": 1.0}, trainable) == ["*.ff.*"]
 
 
+def test_a_group_at_learning_rate_zero_is_frozen() -> None:
+    """``group_lr`` 0 freezes its group for real (no gradient, no optimizer state, out of the clipping norm); the other
+    groups and a run without a zero rate keep every parameter trainable."""
+    from diffpipe_core.optim import freeze_zero_lr_groups
+
+    named = get_registry().model("reference").call("parameter_groups", model_config=None)
+    model = tiny()
+    assert freeze_zero_lr_groups(model, OptimizerConfig(group_lr={"mlp": 1e-4}), named) == []
+    frozen = freeze_zero_lr_groups(model, OptimizerConfig(group_lr={"*.fc2.*": 0.0}), named)
+    assert frozen and all(".fc2." in n for n in frozen) and len(frozen) == sum(".fc2." in n for n, _ in
+                                                                              model.named_parameters())
+    assert all(p.requires_grad == (".fc2." not in n) for n, p in model.named_parameters())
+
+
+def test_a_modular_pipeline_folder_is_a_diffusers_folder(tmp_path: Path) -> None:
+    """``modular_model_index.json`` (``ModularPipeline.save_pretrained``) names the pipeline where the folder has no
+    ``model_index.json``; ``model_index.json`` wins where both are there."""
+    from diffpipe_core.model_files import check_diffusers_folder, pipeline_index
+
+    (tmp_path / "modular_model_index.json").write_text(json.dumps({"_class_name": "AnimaModularPipeline"}))
+    assert pipeline_index(tmp_path).name == "modular_model_index.json"
+    assert check_diffusers_folder(tmp_path, ("AnimaModularPipeline",), {}, "anima") == []
+    [problem] = check_diffusers_folder(tmp_path, ("FluxPipeline",), {}, "flux")
+    assert "modular_model_index.json: the pipeline is 'AnimaModularPipeline'" in problem
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert check_diffusers_folder(tmp_path, ("FluxPipeline",), {}, "flux") == []
+
+
 # ------------------------------------------------------------------------------------------ bad values
 @pytest.mark.parametrize(
     ("snippet", "message"),

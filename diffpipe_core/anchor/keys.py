@@ -352,7 +352,8 @@ MODEL_RULES: dict[str, Rule] = {
     "text_encoder_1_lr": lambda key, value, ctx: _group_lr("text_encoder_1", value, ctx),
     "text_encoder_2_lr": lambda key, value, ctx: _group_lr("text_encoder_2", value, ctx),
     **{key: lambda key, value, ctx: _pattern_lr(key, value) for key in BLOCK_PART_LRS},
-    "llm_adapter_lr": _none("diffpipe's models have no LLM adapter inside the transformer (Anima's)"),
+    "llm_adapter_lr": _same("model", "the LLM adapter's rate (its parameter group's group_lr; 0 freezes it)"),
+    "freeze_llm_adapter": lambda key, value, ctx: _freeze_llm_adapter(value, ctx),
 }
 
 def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
@@ -375,6 +376,15 @@ def _pattern_lr(key: str, value: Any) -> list[Change]:
     pattern = BLOCK_PART_LRS[key]
     return [Change("optimizer", "group_lr", {pattern: value},
                    f"the learning rate of the parameters named {pattern} (diffusers' name for that part)")]
+
+
+def _freeze_llm_adapter(value: Any, ctx: Context) -> list[Change]:
+    """diffusion-pipe's Anima ``freeze_llm_adapter = true``: ``[model] llm_adapter_lr = 0`` (diffpipe's default)."""
+    if not ctx.has("model", "llm_adapter_lr"):
+        return [Change(None, why=f"{ctx.model_label} has no LLM adapter")]
+    if value and not ctx.anchor.get("model", {}).get("llm_adapter_lr"):
+        return [Change("model", "llm_adapter_lr", 0.0, "the LLM adapter frozen")]
+    return [Change(None, why="llm_adapter_lr says whether the LLM adapter trains")]
 
 
 def _group_lr(group: str, value: Any, ctx: Context) -> list[Change]:

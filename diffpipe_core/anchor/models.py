@@ -32,13 +32,13 @@ MODEL_TYPES = {
     "flux2": "flux2",
     "ltx2": "ltx-2",
     "krea2": "krea2",
+    "anima": "anima",
     "ideogram4": "ideogram4",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
     "hidream": "diffpipe-hidream",
-    "anima": "diffpipe-cosmos",  # a Cosmos-Predict2 transformer with an LLM adapter; diffusion-pipe trains both alike
     "omnigen2": "diffpipe-omnigen2",
     "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",

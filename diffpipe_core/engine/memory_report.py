@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,8 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    entry: dict[str, Any] = {"phase": phase, "rss_anon": rss_anon()}
+    # wall-clock time, so a sampler outside (bench/stage_memory.py) can tell which phase its peak fell in
+    entry: dict[str, Any] = {"phase": phase, "rss_anon": rss_anon(), "time": time.time()}
     if model is not None:
         entry.update(tensor_breakdown(model, optimizer, engine))
     _phases.append(entry)

@@ -42,7 +42,7 @@ from diffpipe_core.engine.regularization import FrozenBase, needs_base
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.merge_adapters import merge_into, native_targets
-from diffpipe_core.optim import build_optimizer, forced_lr, parameter_groups, run_lr_lambda
+from diffpipe_core.optim import build_optimizer, forced_lr, freeze_zero_lr_groups, parameter_groups, run_lr_lambda
 from diffpipe_core.optim.gradient_release import GradientRelease
 from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import quantize_stage
@@ -184,6 +184,8 @@ def build_stage_module(
     elif run.adapter is None:
         for p in model.parameters():
             p.requires_grad_(p.is_floating_point())
+    if trainable:  # a parameter group at learning rate 0 is frozen, not stepped at 0
+        freeze_zero_lr_groups(model, run.optimizer, plugin.call("parameter_groups", model_config=cfg.model))
     checkpointing = run.activation_checkpointing if trainable else False
     if run.compile:
         keep_compiled_backward_buffers()

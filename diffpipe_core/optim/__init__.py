@@ -91,6 +91,22 @@ def parameter_groups(
     return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
 
 
+def freeze_zero_lr_groups(
+    model: torch.nn.Module, cfg: OptimizerConfig, named: dict[str, list[str]] | None
+) -> list[str]:
+    """Freeze the trainable parameters of every group :func:`parameter_groups` puts at learning rate 0 (``group_lr``
+    of 0, e.g. Anima's LLM adapter by default): they stop requiring gradients, so they get no gradient, no optimizer
+    state and no share of the clipping norm, and stay as loaded. Returns their names."""
+    if not any(v == 0 for v in cfg.group_lr.values()):
+        return []
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {id(p) for g in parameter_groups(cfg, trainable, named) if g["lr"] == 0 for p in g["params"]}
+    names = [n for n, p in trainable.items() if id(p) in frozen]
+    for name in names:
+        trainable[name].requires_grad_(False)
+    return names
+
+
 def unmatched_lr_patterns(group_lr: dict[str, float], names: Iterable[str]) -> list[str]:
     """The name patterns of ``group_lr`` that match none of the trainable parameter ``names``."""
     from diffpipe_core.config import is_lr_pattern

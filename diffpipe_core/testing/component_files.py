@@ -87,7 +87,9 @@ def write_component_files(
     if (Path(folder) / "vae").is_dir():
         vae = component_state(folder, "vae")
         files["vae"] = save(vae_table.to_original(vae) if vae_table is not None else vae, out / "vae.st")
-    index = json.loads((Path(folder) / "model_index.json").read_text())
+    from diffpipe_core.model_files import pipeline_index
+
+    index = json.loads(pipeline_index(Path(folder)).read_text())
     names = sorted(n for n in index if n.startswith("text_encoder") and (Path(folder) / n / "config.json").is_file())
     files["text_encoders"] = []
     for name in names:

@@ -108,3 +108,12 @@ def predict25_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("predict25-run")
     return runs.train(root, make_project(root, stages=1, steps=STEPS), procs=1, timeout=600)
+
+
+# Anima: the tiny modular-pipeline folder (and its ComfyUI file beside it)
+@pytest.fixture(scope="session")
+def tiny_anima(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ``AnimaModularPipeline`` folder; its ComfyUI file is ``diffpipe_cosmos.testing_anima.comfy_path``."""
+    from diffpipe_cosmos.testing_anima import write_tiny_anima
+
+    return write_tiny_anima(tmp_path_factory.mktemp("anima") / "AnimaModularPipeline")

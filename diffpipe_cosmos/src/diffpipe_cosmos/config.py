@@ -96,3 +96,29 @@ class Predict25Config(DiffusersModelConfig, FlowMatchingConfig):
         "max_sequence_length); the transformer attends to every position.",
     )
     nvidia_weighting: bool = Predict2Config.model_fields["nvidia_weighting"]
+
+
+class AnimaConfig(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of Anima (a Cosmos-Predict2 transformer with an LLM adapter, Qwen3 text, Qwen-Image's VAE;
+    rectified-flow training). ``path``: a diffusers ``AnimaModularPipeline`` folder (``modular_model_index.json``);
+    ``diffusion_model``: the single file ComfyUI loads (``anima-base.safetensors``: NVIDIA's Predict2 names under
+    ``net.``, the LLM adapter under ``net.llm_adapter.``); ``vae``: ``qwen_image_vae.safetensors``;
+    ``text_encoders``: Qwen3 0.6B (``qwen_3_06b_base.safetensors``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("circlestone-labs/Anima-Base-v1.0-Diffusers",)
+
+    text_max_length: int = Field(
+        512,
+        ge=1,
+        le=4096,
+        description="Qwen3 and T5 tokens kept of a caption (the pipeline's max_sequence_length); longer captions are "
+        "truncated as the pipeline truncates them. The padding is masked and not stored as text.",
+    )
+    llm_adapter_lr: float = Field(
+        0.0,
+        ge=0,
+        description="Learning rate of the LLM adapter (the model's text conditioner, parameter group 'llm_adapter'). "
+        "0 (the default, as Anima's authors and diffusion-pipe recommend: the adapter is sensitive and small "
+        "datasets degrade it): frozen, and no LoRA on it. Above 0: trained at this rate (a LoRA then also targets "
+        "its blocks' linears). [optimizer] group_lr = { llm_adapter = ... } overrides the rate, not the targets.",
+    )
