@@ -36,5 +36,6 @@ pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels
   -e ".[dev,wandb]" -e tests/reference_plugin -e diffpipe_flux -e diffpipe_sdxl \
   -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers -e plugins/diffpipe_wan \
   -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage \
-  -e plugins/diffpipe_sd3 -e plugins/diffpipe_auraflow -e plugins/diffpipe_krea -e plugins/diffpipe_lumina
+  -e plugins/diffpipe_sd3 -e plugins/diffpipe_auraflow -e plugins/diffpipe_krea -e plugins/diffpipe_lumina \
+  -e plugins/diffpipe_ideogram
 echo "diffpipe: environment ready in $VENV"

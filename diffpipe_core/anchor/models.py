@@ -33,6 +33,7 @@ MODEL_TYPES = {
     "ltx2": "ltx-2",
     "krea2": "krea2",
     "anima": "anima",
+    "ideogram4": "ideogram4",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
@@ -41,7 +42,6 @@ PLANNED = {
     "omnigen2": "diffpipe-omnigen2",
     "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",
-    "ideogram4": "diffpipe-ideogram",
     "minimax_h3": "diffpipe-minimax",
 }
 

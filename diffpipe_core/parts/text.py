@@ -95,6 +95,24 @@ def fixed_length(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> tuple
     return torch.cat([embeds, pad], dim=1), torch.cat([mask, mask.new_zeros(b, length - n)], dim=1)
 
 
+def compacted(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid tokens (``mask``) moved to the front in order, the rest zeros (mask False): text a pipeline
+    pads in the middle (Krea 2's ``[caption | padding | closing turn]``) or on the left (Ideogram 4) as ``[tokens |
+    padding]``, for a model whose text takes no position from its padding."""
+    out, kept = torch.zeros_like(embeds), torch.zeros_like(mask)
+    for row in range(mask.shape[0]):
+        n = int(mask[row].sum())
+        out[row, :n], kept[row, :n] = embeds[row][mask[row]], True
+    return out, kept
+
+
+def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached :func:`compacted` text cut to the longest caption among ``mask``'s rows (at least one token; the rest is
+    masked padding anyway); the mask as bool."""
+    n = max(1, int(mask.sum(dim=1).max()))
+    return embeds[:, :n], mask[:, :n].bool()
+
+
 #: CLIP's context: BOS, 75 tokens, EOS
 CLIP_CHUNK = 77
 
@@ -147,10 +165,3 @@ def encode_chunks(
         first = getattr(out, pooled).float()[(counts.cumsum(0) - counts).to(states.device)]
     mask = chunk_mask.to(device).repeat_interleave(chunk, dim=1)
     return TextOutput(full.reshape(n, k * chunk, -1), mask, first)
-
-
-def trimmed(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached text ``(B, L, ...)`` and its ``(B, L)`` mask (each row's valid tokens first) cut to the longest row's
-    valid tokens (at least one): the rest of every row is padding the cache added. The mask as bool."""
-    n = max(1, int(mask.sum(dim=1).max()))
-    return embeds[:, :n], mask[:, :n].bool()

@@ -81,6 +81,41 @@ def train_with_output(root: Path, config: Path | str, procs: int, timeout: float
     return made[0].parent, result.output
 
 
+#: the captions of a plugin's shared tiny image run (the first is its samples' prompt)
+IMAGE_CAPTIONS = ("a red cat", "a blue dog", "a green tree", "a small house")
+
+
+def image_run(root: Path, write_model: Callable[[Path], Any], config: str, size: int = 32) -> Path:
+    """A plugin's one shared tiny image run: ``write_model(root / "model")``, 4 captioned ``size`` x ``size`` images
+    (:data:`IMAGE_CAPTIONS`) with their ``dataset.toml``, ``config`` as ``run.toml`` (e.g. :func:`lora_run_toml`),
+    trained through the CLI in 1 process. Returns the run folder."""
+    from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+
+    root = Path(root)
+    write_model(root / "model")
+    write_image_dataset(root / "data", len(IMAGE_CAPTIONS), size=(size, size), captions=list(IMAGE_CAPTIONS))
+    write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[size], enable_ar_bucket=False)
+    (root / "run.toml").write_text(config)
+    return train(root, "run.toml", 1)
+
+
+def stages_run(run: Path, config: str, stages: int = 2) -> Path:
+    """The project of :func:`image_run`'s ``run`` trained again from its cache with ``config`` (``run2.toml``: its
+    ``pipeline_stages``) in ``stages`` processes. Returns the new run folder."""
+    root = Path(run).parent.parent
+    (root / "run2.toml").write_text(config)
+    return train(root, "run2.toml", stages)
+
+
+def assert_stages_train_as_one(staged: Path, one: Path, steps: int, stages: int = 2) -> None:
+    """:func:`stages_run`'s ``staged`` run trained ``steps`` steps in ``stages`` stages (one parameter file each) and
+    drew the losses of the 1-process run ``one``'s first ``steps``."""
+    import pytest
+
+    assert_trained_in_stages(staged, steps, stages)
+    assert losses(staged) == pytest.approx(losses(one)[:steps], rel=1e-4)
+
+
 def losses(run: Path) -> list[float]:
     """The run's training losses in step order."""
     return [loss for _, loss in sorted(train_losses(run).items())]

@@ -405,6 +405,19 @@ def demo_clips(clips: Path | None, write: Callable[[Path], Any], count: int) -> 
         print(f"wrote {count} clips to {clips}")
 
 
+def ldm_levels(channels: tuple[int, ...]) -> dict[str, Any]:
+    """The level keys of a tiny LDM-style image VAE (``AutoencoderKL``, ``AutoencoderKLFlux2``): one plain encoder and
+    decoder block of one layer per entry of ``channels``, group norms as wide as the narrowest level."""
+    n = len(channels)
+    return {
+        "down_block_types": ("DownEncoderBlock2D",) * n,
+        "up_block_types": ("UpDecoderBlock2D",) * n,
+        "block_out_channels": channels,
+        "layers_per_block": 1,
+        "norm_num_groups": min(channels),
+    }
+
+
 def autoencoder_kl(
     latent_channels: int = 4,
     channels: tuple[int, ...] = (8, 8, 8, 8),
@@ -416,16 +429,11 @@ def autoencoder_kl(
     """An image ``AutoencoderKL`` (``len(channels)`` levels: factor ``2 ** (levels - 1)``)."""
     from diffusers import AutoencoderKL
 
-    n = len(channels)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        block_out_channels=channels,
-        layers_per_block=1,
+        **ldm_levels(channels),
         latent_channels=latent_channels,
-        norm_num_groups=min(channels),
         sample_size=sample_size,
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
@@ -442,6 +450,18 @@ def hunyuan_video_vae(latent_channels: int = 4, channels: tuple[int, ...] = (8, 
     return AutoencoderKLHunyuanVideo(
         latent_channels=latent_channels, block_out_channels=channels, layers_per_block=1, norm_num_groups=groups
     )
+
+
+def flux2_vae(latent_channels: int = 4, channels: tuple[int, ...] = (8, 8)) -> Any:
+    """An ``AutoencoderKLFlux2`` (factor ``2 ** (len(channels) - 1)``, FLUX.2's and Ideogram 4's VAE) whose batch-norm
+    statistics are random, so the normalisation counts."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(**ldm_levels(channels), latent_channels=latent_channels, sample_size=64)
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return vae
 
 
 def flow_scheduler(**config: Any) -> Any:

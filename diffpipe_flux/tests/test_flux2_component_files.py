@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from diffpipe_core.anchor.keys import toml_key, toml_value
 from diffpipe_core.component_files import tied_names
+from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.quantize import ScaledLinear
 from diffpipe_core.registry import Registry
 from diffpipe_core.testing import runs
@@ -37,7 +38,7 @@ from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
 from diffpipe_flux.flux2 import MISTRAL_VISION
 from diffpipe_flux.flux2 import flux2 as dev_plugin
 from diffpipe_flux.flux2 import klein as klein_plugin
-from diffpipe_flux.flux2_keys import layout_for_config, vae_layout
+from diffpipe_flux.flux2_keys import layout_for_config
 
 CPU = torch.device("cpu")
 #: entry point -> (plugin, config class, tiny folder fixture, ComfyUI's file names for the text encoder and transformer)

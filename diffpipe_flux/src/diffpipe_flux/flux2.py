@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.file_variant import present
+from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_flux.config import Flux2Config, Flux2KleinConfig
-from diffpipe_flux.flux2_keys import vae_layout
 from diffpipe_flux.plugin import ATTENTION_AND_MLP, FLUX_FILE_CONFIG, Flux
 
 if TYPE_CHECKING:

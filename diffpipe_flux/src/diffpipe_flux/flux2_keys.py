@@ -64,15 +64,3 @@ def lora_layout(state: Mapping[str, Any]) -> KeyTable:
         int(first.shape[1]) if first is not None else 0,
     )
 
-
-def vae_layout(config: Mapping[str, Any]) -> KeyTable:
-    """FLUX.2's VAE file (``flux2-vae.safetensors``, BFL's ``ae.safetensors``): the LDM layout of its config, with the
-    quantization convolutions inside the encoder and decoder (``encoder.quant_conv``, ``decoder.post_quant_conv``)
-    and the latent batch norm's statistics (``bn.running_mean`` / ``running_var``) under the model's own names."""
-    from dataclasses import replace
-
-    from diffpipe_core.parts.ldm import vae_table
-
-    ldm = vae_table(config, "")
-    own = (("encoder.quant_conv", "quant_conv"), ("decoder.post_quant_conv", "post_quant_conv"), ("bn", "bn"))
-    return replace(ldm, name="BFL", model="FLUX.2 VAE", renames=own + ldm.renames)

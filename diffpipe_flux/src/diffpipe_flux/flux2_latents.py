@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from diffpipe_core.parts.flux2_vae import bn_stats
 from diffpipe_core.parts.latents import denormalize, normalize
 from diffpipe_core.sampling.schedules import flow_sigmas
 from diffpipe_flux.packing import grid_ids, pack, unpack
@@ -37,12 +38,6 @@ def tokens(z: torch.Tensor) -> torch.Tensor:
 def untokens(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """Inverse of :func:`tokens` for a ``h x w`` grid."""
     return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], h, w)
-
-
-def bn_stats(vae: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's per-patch-channel mean and std: ``bn.running_mean``, ``sqrt(bn.running_var + batch_norm_eps)``."""
-    mean = vae.bn.running_mean.float().cpu()
-    return mean, torch.sqrt(vae.bn.running_var.float().cpu() + vae.config.batch_norm_eps)
 
 
 def normalized(vae: Any, z: torch.Tensor) -> torch.Tensor:

@@ -238,23 +238,8 @@ def tiny_flux2_transformer(cfg: TinyFlux2Config):
 
 
 def tiny_flux2_vae(cfg: TinyFlux2Config):
-    """An ``AutoencoderKLFlux2`` (factor 8) whose batch-norm statistics are random, so the normalisation counts."""
-    from diffusers import AutoencoderKLFlux2
-
-    n = len(cfg.vae_channels)
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        block_out_channels=cfg.vae_channels,
-        layers_per_block=1,
-        latent_channels=cfg.latent_channels,
-        norm_num_groups=min(cfg.vae_channels),
-        sample_size=64,
-    )
-    with torch.no_grad():
-        vae.bn.running_mean.normal_(0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    return vae
+    """The core's tiny ``AutoencoderKLFlux2`` of ``cfg``'s channels (random batch-norm statistics)."""
+    return tiny.flux2_vae(cfg.latent_channels, tuple(cfg.vae_channels))
 
 
 def qwen3_causal(tokenizer, cfg: TinyFlux2Config):

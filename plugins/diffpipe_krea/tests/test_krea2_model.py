@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffpipe_core.parts.text import compacted
 from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_krea.config import Krea2Config, Krea2TurboConfig
-from diffpipe_krea.plugin import compacted, plugin, turbo
+from diffpipe_krea.plugin import plugin, turbo
 from diffpipe_krea.testing import TinyKrea2Config, comfy_path, load_pipeline, tiny_transformer
 
 CPU = torch.device("cpu")

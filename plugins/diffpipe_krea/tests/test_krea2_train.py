@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.comfy import KeyTarget, apply_file, generic_key_map
 from diffpipe_core.testing.golden import assert_matches
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_krea.testing import comfy_path, load_pipeline, write_tiny_krea2
 
 pytestmark = pytest.mark.slow
@@ -35,27 +34,17 @@ def run_config(steps: int, stages: int = 1, sample: dict | None = SAMPLE, **top:
 def krea2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The one shared training run of ``krea2`` through the CLI (1 process): a tiny model, 4 captioned 32x32 images,
     LoRA saved as diffusers and ComfyUI files, a CFG sample before the first step. Its run folder."""
-    root = tmp_path_factory.mktemp("krea2-train")
-    write_tiny_krea2(root / "model")
-    captions = ["a red cat", "a blue dog", "a green tree", "a small house"]
-    write_image_dataset(root / "data", 4, size=(32, 32), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "data", resolutions=[32], enable_ar_bucket=False)
-    (root / "run.toml").write_text(run_config(STEPS))
-    return runs.train(root, "run.toml", 1)
+    return runs.image_run(tmp_path_factory.mktemp("krea2-train"), write_tiny_krea2, run_config(STEPS))
 
 
 @pytest.fixture(scope="module")
 def krea2_two_stages(krea2_run: Path) -> Path:
     """The same project on 2 pipeline stages in 2 processes, 5 steps from the 1-process run's cache, no samples."""
-    root = krea2_run.parent.parent
-    (root / "run2.toml").write_text(run_config(TWO_STAGE_STEPS, 2, None, partition_split=[2]))
-    return runs.train(root, "run2.toml", 2)
+    return runs.stages_run(krea2_run, run_config(TWO_STAGE_STEPS, 2, None, partition_split=[2]))
 
 
 def test_trains_on_two_stages_as_on_one(krea2_two_stages: Path, krea2_run: Path) -> None:
-    runs.assert_trained_in_stages(krea2_two_stages, TWO_STAGE_STEPS, 2)
-    one_process = runs.losses(krea2_run)[:TWO_STAGE_STEPS]
-    assert runs.losses(krea2_two_stages) == pytest.approx(one_process, rel=1e-4)
+    runs.assert_stages_train_as_one(krea2_two_stages, krea2_run, TWO_STAGE_STEPS)
 
 
 def test_the_loss_falls_a_sample_is_written_and_the_lora_is_golden(krea2_run: Path) -> None:

@@ -149,6 +149,7 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         import torch
 
         from diffpipe_core.parts.latents import frame_vae_latents
+        from diffpipe_core.parts.text import compacted
 
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
@@ -225,18 +226,6 @@ class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
         from diffpipe_core.parts.latents import unpack_2x2
 
         return unpack_2x2(prediction, latents.shape[-2], latents.shape[-1])
-
-
-def compacted(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's valid tokens (``mask``) moved to the front in order, the rest zeros (mask False): the pipeline's
-    ``[caption | padding | closing turn]`` as ``[caption, closing turn | padding]``."""
-    import torch
-
-    out, kept = torch.zeros_like(embeds), torch.zeros_like(mask)
-    for row in range(mask.shape[0]):
-        n = int(mask[row].sum())
-        out[row, :n], kept[row, :n] = embeds[row][mask[row]], True
-    return out, kept
 
 
 class Krea2Turbo(Krea2):

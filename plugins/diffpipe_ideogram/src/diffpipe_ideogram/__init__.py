@@ -1,0 +1,1 @@
+"""diffpipe model plugin for Ideogram 4 (``ideogram4``)."""
