@@ -108,6 +108,13 @@ class ModelSpec:
             one micro-batch of 2 (their text padded to the longer); False: as two micro-batches, each at its own
             length, for a model whose output depends on the text's padding (Qwen-Image 2.1's joint sequence places
             the image after the text, so padding moves its positions).
+        unconditional_model: the folder component of a second, frozen diffusion model that runs the unconditional
+            branch of classifier-free guidance in samples (Ideogram 4's ``"unconditional_transformer"``): with
+            ``[sample] cfg > 1`` the core loads it (:func:`~diffpipe_core.hookspecs.load_unconditional_model`, once,
+            in host memory on each pipeline's last stage; on the device only while sampling), feeds it
+            :func:`~diffpipe_core.hookspecs.unconditional_inputs` at each step instead of the negative prompt through
+            the trained model, and combines the two predictions as usual; None (default): the negative prompt runs
+            through the trained model.
         contract: the plugin contract version the plugin is written against and needs
             (``diffpipe_core.CONTRACT_VERSION`` when it was written; ``CHANGELOG.md`` lists the versions). A core
             implementing an older contract refuses the plugin by name, saying which version it needs, instead of
@@ -135,6 +142,7 @@ class ModelSpec:
     control_in_captions: bool = False
     first_frame: Literal["none", "optional", "required"] = "none"
     guidance_in_one_batch: bool = True
+    unconditional_model: str | None = None
     contract: int = 1
 
     def __post_init__(self) -> None:

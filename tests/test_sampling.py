@@ -602,3 +602,42 @@ def test_the_decoder_is_loaded_once(tmp_path: Path) -> None:
     held = plugin.require("load_decoder", model_config=cfg, device=torch.device("cpu"))
     assert [type(m).__name__ for m in find_modules(held)] == ["TinyVAE"]  # what moves to the accelerator
     assert find_modules(("a", 1, {"x": None})) == []
+
+
+def test_a_model_without_an_unconditional_model_guides_as_before(tmp_path: Path) -> None:
+    """A plugin that declares no ``unconditional_model`` (the reference model) samples at ``cfg > 1`` exactly as
+    before the declaration existed: its negative prompt through the trained model in one batch of 2, combined as
+    ``uncond + scale * (cond - uncond)`` (the loop written out here over the same model, noise and Euler steps); an
+    unconditional forward handed to the loop is never called, and the sampler would load none
+    (``runs_unconditional``, which ``PipelineSampler`` and the stage plan ask)."""
+    from diffpipe_core.sampling.unconditional import runs_unconditional
+
+    write_tiny_model(tmp_path / "model")
+    plugin = get_registry().model("reference")
+    assert plugin.spec.unconditional_model is None and not runs_unconditional(plugin, 4.0)
+    cfg = reference.ReferenceConfig(type="reference", path=tmp_path / "model")
+    (text,) = encode_prompts(plugin, cfg, ["a red cat"], "blurry", torch.device("cpu"))
+    model = TinyDiT(read_config(tmp_path / "model"))
+    model.load_state_dict(load_file(str(tmp_path / "model" / "transformer.safetensors")))
+    model.eval()
+    batches = []
+
+    def forward(inputs):
+        batches.extend(x[0].shape[0] for x in inputs)
+        with torch.no_grad():
+            return [model(*x) for x in inputs]
+
+    def unconditional(inputs):
+        raise AssertionError("a model without the declaration ran an unconditional model")
+
+    request = SampleRequest(width=32, height=32, steps=3)
+    (ours,) = generate(plugin, cfg, request, [text], [noise_generator(1, 0)], forward, cfg=4.0,
+                       unconditional=unconditional)
+    assert batches == [2, 2, 2]
+    latents, sigmas = reference.denoise_init(request, cfg, noise_generator(1, 0))
+    for i in range(3):
+        t = sigmas[i].expand(1)
+        with torch.no_grad():
+            cond, uncond = model(latents, t, text.cond["text_embeds"]), model(latents, t, text.uncond["text_embeds"])
+        latents = latents + (sigmas[i + 1] - sigmas[i]) * (uncond + 4.0 * (cond - uncond))
+    torch.testing.assert_close(ours, latents, rtol=1e-5, atol=1e-5)

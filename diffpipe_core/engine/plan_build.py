@@ -70,8 +70,24 @@ def make_plan(
     toward_base = roles is not None and roles.any_base and not forward_only
     dop = roles is not None and getattr(roles, "any_dop", False) and not forward_only
     passes = int(getattr(cfg.model, "cfg", None) is not None and not forward_only) + int(toward_base) + int(dop)
-    return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
+    plan = plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
                        (toward_base or dop) and cfg.run.adapter is None, 2 if dop else 1)
+    count_unconditional(plan, cfg, plugin)
+    return plan
+
+
+def count_unconditional(plan: StagePlan, cfg: ResolvedConfig, plugin: ModelPlugin) -> None:
+    """With ``[sample] cfg > 1`` for a model declaring ``unconditional_model``: its weights on the last stage while
+    sampling (``sampling_bytes``; the stages are cut without it)."""
+    from diffpipe_core.sampling.unconditional import runs_unconditional, unconditional_bytes
+
+    sample = cfg.run.sample
+    if sample is None or not runs_unconditional(plugin, sample.cfg):
+        return
+    try:
+        plan.stages[-1].sampling_bytes = unconditional_bytes(plugin, cfg.model)
+    except Exception as exc:  # a plan never stops a run: say what is not counted
+        plan.activations += f"; the unconditional model not counted ({type(exc).__name__}: {str(exc)[:120]})"
 
 
 def plan_for_config(cfg: ResolvedConfig, plugin: ModelPlugin) -> StagePlan:

@@ -341,6 +341,11 @@ class DiffusersModel:
             self.folder.component_files(folder, model_config)
         except (OSError, ValueError) as exc:
             return [str(exc)]
+        unconditional = getattr(model_config, "unconditional_model", None)
+        if unconditional is not None and self.spec.unconditional_model and self.single_file_key:
+            # checked as a diffusion_model file is (its keys against the trained model's config)
+            swapped = model_config.model_copy(update={self.single_file_key: unconditional, "unconditional_model": None})
+            return [f"[model] unconditional_model: {line}" for line in self.validate_model_files(swapped)]
         return []
 
     def other_model_types(self, keys: Any) -> list[str]:
@@ -412,13 +417,16 @@ class DiffusersModel:
         first (call ``super().build_skeleton``), or to build a model ``from_config`` cannot; whatever it builds,
         every tensor that is not in the weight files must be on a real device (the conformance kit names those
         left on meta)."""
+        return self.skeleton_of(self.model_folder_config(model_config), device, dtype)
+
+    def skeleton_of(self, config: dict[str, Any], device: Any, dtype: torch.dtype) -> nn.Module:
+        """:attr:`model_class` built from ``config`` as :meth:`build_skeleton` builds it."""
         import torch
 
         from diffpipe_core.engine.model_loading import cast_skeleton, parameters_on_meta
         from diffpipe_core.parts.folder import find_class
 
         cls = find_class(self.model_class)
-        config = self.model_folder_config(model_config)
         if torch.device(device).type == "meta":
             with parameters_on_meta():
                 model = cls.from_config(config)
@@ -436,7 +444,6 @@ class DiffusersModel:
         unexpected or misshapen tensors raise, naming the file and the keys."""
         import torch
         from safetensors import safe_open
-        from safetensors.torch import load_file
 
         single = self.single_file(model_config)
         found = self.diffusion_model_file(model_config) if single is not None else None
@@ -463,24 +470,61 @@ class DiffusersModel:
             with safe_open(str(single), framework="pt") as f:  # only the model's part of a file holding others too
                 state = layout.to_model({k: f.get_tensor(k) for k in layout.own_keys(f.keys())}, str(single), shapes)
         else:
-            state = {}
-            component = self.model_component(model_config)
-            for file in self.folder.weight_files(self.model_folder(model_config), component):
-                state.update(load_file(str(file)))
-            folder = self.model_folder(model_config) / component
-            missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
-            if missing or unexpected:
-                raise KeyError(
-                    f"{folder}: weights do not fit its config: {len(missing)} missing (e.g. {missing[:3]}), "
-                    f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
-                )
-            for key, value in state.items():
-                if tuple(value.shape) != shapes[key]:
-                    raise ValueError(
-                        f"{folder}: {key!r} has shape {tuple(value.shape)}, the config needs {shapes[key]}"
-                    )
+            state = self.folder_state(model_config, self.model_component(model_config), shapes)
         model.load_state_dict({k: v.to(device, skeleton[k].dtype) for k, v in state.items()}, assign=True)
         return self._with_components(model, model_config, device, dtype)
+
+    def folder_state(
+        self, model_config: ModelConfigBase, component: str, shapes: dict[str, tuple[int, ...]]
+    ) -> dict[str, torch.Tensor]:
+        """The weights of the folder's ``component``, checked against the model's ``shapes`` (KeyError naming the
+        missing and unexpected keys, ValueError a misshapen tensor)."""
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for file in self.folder.weight_files(self.model_folder(model_config), component):
+            state.update(load_file(str(file)))
+        folder = self.model_folder(model_config) / component
+        missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+        if missing or unexpected:
+            raise KeyError(
+                f"{folder}: weights do not fit its config: {len(missing)} missing (e.g. {missing[:3]}), "
+                f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+            )
+        for key, value in state.items():
+            if tuple(value.shape) != shapes[key]:
+                raise ValueError(f"{folder}: {key!r} has shape {tuple(value.shape)}, the config needs {shapes[key]}")
+        return state
+
+    @hookimpl
+    def load_unconditional_model(
+        self, model_config: ModelConfigBase, device: torch.device, dtype: torch.dtype
+    ) -> nn.Module:
+        """The spec's ``unconditional_model``: from the file ``[model] unconditional_model`` names (read as a
+        ``diffusion_model`` file is: any layout it may be in, kept quantized; sized by the trained model's config and
+        the file's tensors), else the folder's component of that name (its own config). On ``meta``, the
+        skeleton."""
+        import torch
+
+        component = self.spec.unconditional_model
+        if component is None:
+            raise ValueError(f"model type {self.spec.name!r} declares no unconditional model")
+        file = getattr(model_config, "unconditional_model", None)
+        if file is not None:
+            return self.load_diffusion_model(model_config.model_copy(update={self.single_file_key: file}), device,
+                                             dtype)
+        model = self.skeleton_of(self.folder.model_config(self.model_folder(model_config), component), "meta", dtype)
+        if torch.device(device).type == "meta":
+            return model
+        skeleton = model.state_dict()
+        try:
+            state = self.folder_state(model_config, component, {k: tuple(v.shape) for k, v in skeleton.items()})
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"{exc}; [sample] cfg > 1 runs the {component}: set [model] unconditional_model to its file"
+            ) from None
+        model.load_state_dict({k: v.to(device, skeleton[k].dtype) for k, v in state.items()}, assign=True)
+        return model
 
     def _with_components(self, model: nn.Module, model_config: ModelConfigBase, device: Any, dtype: Any) -> nn.Module:
         for name in self.held_components(model_config):

@@ -42,23 +42,29 @@ def generate(
     generators: Sequence[torch.Generator],
     forward: Forward,
     cfg: float = 1.0,
+    unconditional: Forward | None = None,
 ) -> list[torch.Tensor]:
     """Denoise one sample per entry of ``texts`` and return their final latents (float32, on the CPU).
 
     Each step sends every sample as its own micro-batch through ``forward``; with ``cfg > 1`` a micro-batch
     holds the negative and the positive prompt (batch 2; two micro-batches of 1 for a model whose spec says
     ``guidance_in_one_batch = False``) and the two predictions are combined by :func:`combine_guidance` before the
-    plugin's ``denoise_step``.
+    plugin's ``denoise_step``. For a model whose spec declares ``unconditional_model`` the negative branch is instead
+    its ``unconditional_inputs`` through ``unconditional`` (the frozen second model's forward; required then), and
+    ``forward`` runs the positive prompt alone.
     """
     if len(texts) != len(generators):
         raise ValueError(f"{len(texts)} prompts but {len(generators)} noise generators")
     guided = cfg > 1.0
+    separate = guided and plugin.spec.unconditional_model is not None
+    if separate and unconditional is None:
+        raise ValueError(f"cfg > 1 runs {plugin.name!r}'s {plugin.spec.unconditional_model}: no forward given for it")
     states = []
     for text, gen in zip(texts, generators, strict=True):
         latents, schedule = plugin.require("denoise_init", request=request, model_config=model_config, generator=gen)
-        if guided and text.uncond is None:
+        if guided and not separate and text.uncond is None:
             raise ValueError("cfg > 1 needs the negative prompt's text encoding")
-        if not guided:
+        if not guided or separate:
             batches = [text.cond]
         elif plugin.spec.guidance_in_one_batch:
             batches = [_cat(text.uncond, text.cond)]
@@ -76,6 +82,14 @@ def generate(
                 inputs.append(plugin.require("denoise_inputs", latents=model_latents, text=batch_text, **step))
         outputs = iter(forward(inputs))
         predictions = [torch.cat([next(outputs) for _ in batches]) for _, _, batches in states]
+        if separate:
+            assert unconditional is not None
+            negatives = unconditional([
+                plugin.require("unconditional_inputs", latents=latents, schedule=schedule, index=index,
+                               request=request, model_config=model_config)
+                for latents, schedule, _ in states
+            ])
+            predictions = [torch.cat([n.float(), p.float()]) for n, p in zip(negatives, predictions, strict=True)]
         for state, prediction in zip(states, predictions, strict=True):
             if guided:
                 uncond, cond = prediction.float().chunk(2)

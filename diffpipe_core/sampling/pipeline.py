@@ -47,6 +47,19 @@ class PipelineForward:
             predictions = [self._broadcast(p) for p in predictions]
         return [p.cpu() for p in predictions]
 
+    def unconditional(self, chain: Any) -> Any:
+        """A forward for the unconditional model that every rank calls: ``chain`` (the last stage's
+        :class:`LayerChainForward` over it; None on the other stages) runs it, the last stage broadcasts its
+        predictions to its pipeline, as :meth:`__call__` does."""
+
+        def run(inputs: list[Tensors]) -> list[torch.Tensor]:
+            predictions = chain(inputs) if chain is not None else [None] * len(inputs)
+            if self.num_stages > 1:
+                predictions = [self._broadcast(p) for p in predictions]
+            return [p.cpu() for p in predictions]
+
+        return run
+
     def _broadcast(self, tensor: torch.Tensor | None) -> torch.Tensor:
         header = torch.zeros(_MAX_DIMS + 1, dtype=torch.long, device=self.device)
         if tensor is not None:

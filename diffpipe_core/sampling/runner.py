@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from diffpipe_core.sampling.output import (
     write_sample,
 )
 from diffpipe_core.sampling.pipeline import PipelineForward
+from diffpipe_core.sampling.unconditional import HeldUnconditional, runs_unconditional
 from diffpipe_core.types import ModelConfigBase, SampleRequest
 
 
@@ -71,6 +73,10 @@ class PipelineSampler:
         self.fps = float(plugin.spec.video_fps or 24.0)
         self.forward = PipelineForward(engine, device)
         self.decoder = HeldDecoder(plugin, model_config, device) if layout.rank == 0 else None
+        # the declared unconditional model (cfg > 1): on each pipeline's last stage, which computes the predictions
+        self.guided_by_model = runs_unconditional(plugin, sample.cfg)
+        last = layout.stage_id == layout.stages - 1
+        self.unconditional = HeldUnconditional(plugin, model_config, device) if self.guided_by_model and last else None
 
     def due(self, step: int, epoch_done: bool, epoch: int) -> bool:
         """After optimizer step ``step`` (1-based), at the configured interval."""
@@ -89,15 +95,18 @@ class PipelineSampler:
         # engine's collectives need that), so a short share is padded with prompt 0 and the result dropped.
         mine = [lay.dp_rank + lay.dp * j for j in range(share)]
         work = [i if i < n else 0 for i in mine]
-        latents = generate(
-            self.plugin,
-            self.model_config,
-            self.request,
-            [self.texts[i] for i in work],
-            [noise_generator(self.config.seed, i) for i in work],
-            self.forward,
-            cfg=self.config.cfg,
-        )
+        held = self.unconditional.forward() if self.unconditional is not None else nullcontext()
+        with held as chain:
+            latents = generate(
+                self.plugin,
+                self.model_config,
+                self.request,
+                [self.texts[i] for i in work],
+                [noise_generator(self.config.seed, i) for i in work],
+                self.forward,
+                cfg=self.config.cfg,
+                unconditional=self.forward.unconditional(chain) if self.guided_by_model else None,
+            )
         own = {i: lat for i, lat in zip(mine, latents, strict=True) if i < n} if lay.stage_id == 0 else {}
         gathered: list[Any] | None = [None] * dist.get_world_size() if lay.rank == 0 else None
         dist.gather_object(own, gathered, dst=0)
@@ -197,7 +206,8 @@ def shared_prompt_texts(
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        negative = sample.negative_prompt if sample.cfg > 1.0 else None
+        # a model guided by its own unconditional model takes no negative prompt
+        negative = sample.negative_prompt if sample.cfg > 1.0 and not runs_unconditional(plugin, sample.cfg) else None
         box[0] = encode_prompts(plugin, model_config, prompts, negative, device, sample.control_list(), size)
     dist.broadcast_object_list(box, src=0)
     return box[0]

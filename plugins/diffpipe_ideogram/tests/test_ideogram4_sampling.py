@@ -2,14 +2,14 @@
 tiny model, noise and prompt at guidance 1 (the pipeline encoding its prompt itself, left padding and all; its
 resolution-aware logit-normal schedule), the decoded image included, and equal the modular pipeline's
 (``Ideogram4AutoBlocks``, its text-encoding block included); a sample's noise is the pipeline's own draw for the seed;
-``cfg > 1`` is plain CFG through the trained transformer, with a warning that it is not the pipeline's guidance (which
-runs its second transformer)."""
+at ``cfg > 1`` the samples equal the pipeline's guided ones, its second transformer (the folder's, or ComfyUI's
+unconditional file) running the negative branch."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-import pytest
 import torch
 
 from diffpipe_core.sampling.loop import noise_generator
@@ -20,15 +20,15 @@ from diffpipe_core.testing.sampling import assert_same_sample, registered, sampl
 from diffpipe_core.types import SampleRequest
 from diffpipe_ideogram.config import Ideogram4Config
 from diffpipe_ideogram.plugin import plugin, tokens, unpatchify, untokens
-from diffpipe_ideogram.testing import load_pipeline
+from diffpipe_ideogram.testing import load_pipeline, unconditional_comfy_path
 
-PROMPT, STEPS, SEED, SIZE, LENGTH = "a red cat on a house", 3, 5, 64, 32
+PROMPT, STEPS, SEED, SIZE, LENGTH, GUIDANCE = "a red cat on a house", 3, 5, 64, 32, 2.5
 REQUEST = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
 
 
-def config(path: Path):
+def config(path: Path, **keys: object):
     table = {"type": "ideogram4", "path": path, "dtype": "float32", "encoder_dtype": "float32",
-             "text_max_length": LENGTH}
+             "text_max_length": LENGTH, **keys}
     return validate(Ideogram4Config, table, "test")
 
 
@@ -64,11 +64,36 @@ def test_sample_equals_the_pipeline_and_the_modular_pipeline(tiny_ideogram4: Pat
     torch.testing.assert_close(pixels / 2 + 0.5, image, rtol=1e-4, atol=1e-5)
 
 
-def test_guidance_is_plain_cfg_and_said(tiny_ideogram4: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cond, uncond = torch.tensor([2.0]), torch.tensor([1.0])
-    plugin.__dict__.pop("_warned_cfg", None)  # said once per process: the kit's CFG sample may have said it
-    with caplog.at_level("WARNING", logger="diffpipe.ideogram"):
-        got = plugin.combine_guidance(uncond=uncond, cond=cond, scale=3.0, schedule=torch.zeros(2), index=0,
-                                      model_config=config(tiny_ideogram4))
-    assert got.tolist() == [4.0]
-    assert "not Ideogram4Pipeline's guidance, which runs the folder's unconditional_transformer" in caplog.text
+def test_guided_sample_equals_the_pipeline_through_its_unconditional_transformer(tiny_ideogram4: Path) -> None:
+    """``cfg = 2.5``: the negative branch is the folder's ``unconditional_transformer`` on the image tokens alone (no
+    negative prompt encoded), combined as ``Ideogram4Pipeline(guidance_scale=2.5)`` combines it: the latents and the
+    decoded image equal the pipeline's. The same model given as ComfyUI's unconditional file (Ideogram's original
+    layout, fused qkv) samples the same; plain CFG through the trained transformer would not."""
+    model = registered(plugin, "ideogram4")
+    cfg = config(tiny_ideogram4)
+    (texts,) = encode_prompts(model, cfg, [PROMPT], None, torch.device("cpu"))
+    ours = sample_latents(model, cfg, REQUEST, texts, SEED, cfg_scale=GUIDANCE)
+    noise, _ = plugin.denoise_init(REQUEST, cfg, noise_generator(SEED, 0))
+
+    pipe = load_pipeline(tiny_ideogram4)
+    call = {"height": SIZE, "width": SIZE, "num_inference_steps": STEPS, "max_sequence_length": LENGTH,
+            "guidance_scale": GUIDANCE, "guidance_schedule": None}
+    with torch.no_grad():
+        out = pipe(prompt=PROMPT, output_type="latent", generator=noise_generator(SEED, 0), **call).images
+        image = pipe(prompt=PROMPT, output_type="pt", latents=tokens(noise), **call).images[0]
+    assert_same_sample(ours, untokens(out, 4, 4), noise)
+    ((_, pixels),) = decode(model, cfg, {0: ours}, torch.device("cpu"))
+    torch.testing.assert_close(pixels / 2 + 0.5, image, rtol=1e-4, atol=1e-5)
+
+    from_file = config(tiny_ideogram4, unconditional_model=unconditional_comfy_path(tiny_ideogram4))
+    assert model.require("validate_model_files", model_config=from_file) == []
+    torch.testing.assert_close(sample_latents(model, from_file, REQUEST, texts, SEED, cfg_scale=GUIDANCE), ours)
+    plain = registered(Ideogram4Guided(), "ideogram4")  # the trained transformer on a negative prompt instead
+    (with_negative,) = encode_prompts(plain, cfg, [PROMPT], "", torch.device("cpu"))
+    assert (sample_latents(plain, cfg, REQUEST, with_negative, SEED, cfg_scale=GUIDANCE) - ours).abs().max() > 1e-2
+
+
+class Ideogram4Guided(type(plugin)):  # type: ignore[misc]
+    """Ideogram 4 without the declaration: plain CFG through the trained transformer."""
+
+    spec = dataclasses.replace(plugin.spec, unconditional_model=None)

@@ -1,6 +1,6 @@
 """Ideogram 4's one shared training run (the CLI: DeepSpeed, the real cache, peft; 1 process) trains with the loss
 falling and samples before its first step, saving the golden LoRA; a short 2-stage run in 2 processes from its cache
-draws the same losses; the saved diffusers LoRA loads through ``Ideogram4Pipeline.load_lora_weights`` and reproduces
+draws the same losses; both runs' guided samples (``cfg = 2.5``) equal ``Ideogram4Pipeline``'s; the saved diffusers LoRA loads through ``Ideogram4Pipeline.load_lora_weights`` and reproduces
 the trained transformer; the ComfyUI file (Ideogram's fused ``attention.qkv``) is loaded whole by ComfyUI's key map
 and applies like the trained LoRA, and diffusers' own converter of that layout loads it to the same weights."""
 
@@ -21,7 +21,7 @@ from diffpipe_ideogram.testing import comfy_path, load_pipeline, write_tiny_ideo
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS, TWO_STAGE_STEPS = 4, 8.0, 12, 4
-SAMPLE = {"prompts": ["a red cat"], "cfg": 1.0, "steps": 2, "before_first_step": True}
+SAMPLE = {"prompts": ["a red cat"], "cfg": 2.5, "steps": 2, "before_first_step": True}
 GOLDEN = Path(__file__).parent / "golden"
 
 
@@ -40,8 +40,9 @@ def ideogram4_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ideogram4_two_stages(ideogram4_run: Path) -> Path:
-    """The same project on 2 pipeline stages in 2 processes, 4 steps from the 1-process run's cache, no samples."""
-    return runs.stages_run(ideogram4_run, run_config(TWO_STAGE_STEPS, 2, None, partition_split=[2]))
+    """The same project on 2 pipeline stages in 2 processes, 4 steps from the 1-process run's cache, the same sample
+    before its first step (the unconditional transformer on the last stage, its predictions broadcast)."""
+    return runs.stages_run(ideogram4_run, run_config(TWO_STAGE_STEPS, 2, partition_split=[2]))
 
 
 def test_trains_on_two_stages_as_on_one(ideogram4_two_stages: Path, ideogram4_run: Path) -> None:
@@ -53,6 +54,22 @@ def test_the_loss_falls_a_sample_is_written_and_the_lora_is_golden(ideogram4_run
     names = sorted(p.name for p in (ideogram4_run / "samples" / "step-0000000").iterdir())
     assert "00-a-red-cat.png" in names, names
     assert_matches(ideogram4_run / "saved" / "final", GOLDEN / "ideogram4.json")
+
+
+def test_guided_samples_before_training_equal_the_pipeline(ideogram4_run: Path, ideogram4_two_stages: Path) -> None:
+    """The runs' samples at step 0 (LoRA B = 0: the base model) at ``cfg = 2.5``, on 1 and on 2 stages, equal
+    ``Ideogram4Pipeline(guidance_scale=2.5)``'s latents for the sample's seed (its unconditional transformer)."""
+    from diffpipe_core.sampling.loop import noise_generator
+    from diffpipe_ideogram.plugin import untokens
+
+    with torch.no_grad():
+        want = load_pipeline(ideogram4_run.parent.parent / "model")(
+            prompt=SAMPLE["prompts"][0], height=32, width=32, num_inference_steps=SAMPLE["steps"],
+            max_sequence_length=32, guidance_scale=SAMPLE["cfg"], guidance_schedule=None, output_type="latent",
+            generator=noise_generator(0, 0)).images
+    for run in (ideogram4_run, ideogram4_two_stages):
+        got = load_file(str(run / "samples" / "step-0000000" / "latents.safetensors"))["sample_00"]
+        torch.testing.assert_close(got, untokens(want, 2, 2), rtol=1e-4, atol=1e-5)
 
 
 def transformer_inputs(seed: int = 0) -> dict:

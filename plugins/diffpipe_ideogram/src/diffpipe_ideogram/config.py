@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import Field
@@ -26,4 +27,11 @@ class Ideogram4Config(DiffusersModelConfig, FlowMatchingConfig):
         "at most its 2048). A longer caption is refused while caching, naming it, as the pipeline refuses it. Each "
         "cached token holds 13 tapped layers (13 x 4096 = 53248 values for Ideogram 4, 104 KiB in bfloat16), so a "
         "lower value keeps the cache smaller; the padding is masked.",
+    )
+    unconditional_model: Path | None = Field(
+        None,
+        description="The unconditional transformer as one file, as ComfyUI ships it "
+        "(ideogram4_unconditional_fp8_scaled.safetensors; any layout diffusion_model takes, kept quantized). Read only "
+        "for samples with [sample] cfg > 1, whose negative branch it runs as Ideogram4Pipeline does; without it, "
+        "path/unconditional_transformer.",
     )

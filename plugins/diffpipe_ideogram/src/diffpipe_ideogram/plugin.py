@@ -3,13 +3,12 @@
 Ideogram 4 is a single-stream transformer over ``[text, image]``: a caption's Qwen3-VL hidden states tapped at 13
 layers (concatenated per token), and FLUX.2's VAE latents cut into 2x2 patches and normalised by the VAE's batch-norm
 statistics (multiples of 16 pixels). Its pipeline guides with a second, unconditional transformer; this plugin trains
-the conditional one (``transformer``), as diffusion-pipe does. No torch import at the top (``diffpipe --help``,
+the conditional one (``transformer``), as diffusion-pipe does, and samples at ``cfg > 1`` through both. No torch import at the top (``diffpipe --help``,
 ``models``, ``validate`` load every plugin): hooks import it.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.types import SampleRequest
 
-log = logging.getLogger("diffpipe.ideogram")
 COMPONENTS = {
     "transformer": "Ideogram4Transformer2DModel",
     "vae": "AutoencoderKLFlux2",
@@ -67,14 +65,15 @@ def untokens(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 class Ideogram4(DiffusersModel, FlowSampling):
-    """Ideogram 4: the conditional transformer over ``[text, image]``; samples as ``Ideogram4Pipeline`` at guidance 1
-    (its conditional transformer alone)."""
+    """Ideogram 4: the conditional transformer over ``[text, image]``; samples as ``Ideogram4Pipeline``, its
+    unconditional transformer (declared ``unconditional_model``) running the negative branch when ``cfg > 1``."""
 
     tiny_writer = "diffpipe_ideogram.testing:write_tiny_ideogram4"  # python -m diffpipe_core.testing.tiny_models
     spec = diffusers_spec(
         "ideogram4", Ideogram4Config,
         "Ideogram 4 text-to-image (diffusers folder, or ComfyUI's single-file transformer over it)",
         contract=4, encoder_settings=("text_max_length",), block_layers=("BlockLayer",), spatial_multiple=16,
+        unconditional_model="unconditional_transformer",  # the pipeline's guidance runs it (cfg > 1 samples)
     )
     folder = DiffusersFolder(
         "ideogram4",
@@ -91,8 +90,8 @@ class Ideogram4(DiffusersModel, FlowSampling):
     single_file_name = "ideogram4_transformer.safetensors"
     file_config = {"num_layers": r"(?:^|\.)layers\.(\d+)\."}
     lora_target_names = BLOCK_LINEARS
-    # no sample_pipeline for the kit: Ideogram4Pipeline takes packed latents and guides with a second transformer;
-    # tests/test_ideogram4_sampling.py compares the samples with it at guidance 1
+    # no sample_pipeline for the kit: Ideogram4Pipeline takes packed latents and guides with its second transformer;
+    # tests/test_ideogram4_sampling.py compares the samples with it at guidance 1 and above
 
     def default_lora_targets(self, model_config: Ideogram4Config) -> list[str]:
         """Every block's linears by full name (``final_layer.adaln_modulation`` is not a block's)."""
@@ -235,18 +234,14 @@ class Ideogram4(DiffusersModel, FlowSampling):
         return untokens(prediction, latents.shape[-2], latents.shape[-1])
 
     @hookimpl
-    def combine_guidance(self, uncond, cond, scale, schedule, index, model_config):
-        """``uncond + scale * (cond - uncond)`` with the negative prompt through the trained transformer: plain CFG, not
-        ``Ideogram4Pipeline``'s asymmetric guidance (its second, unconditional transformer, which diffpipe's samples do
-        not load); said once per process. ``cfg = 1`` is the pipeline's output at guidance 1."""
-        if not self.__dict__.get("_warned_cfg"):
-            self._warned_cfg = True
-            log.warning(
-                "Ideogram 4 samples with cfg = %s run the negative prompt through the trained transformer (plain CFG), "
-                "not Ideogram4Pipeline's guidance, which runs the folder's unconditional_transformer; cfg = 1 samples "
-                "equal the pipeline's at guidance 1", scale
-            )
-        return uncond + scale * (cond - uncond)
+    def unconditional_inputs(self, latents, schedule, index, request, model_config):
+        """The unconditional transformer's first-layer inputs: the image tokens alone, with no text (the pipeline's
+        unconditional branch: zeroed text features, the image region of its layout), at ``schedule[index]``."""
+        import torch
+
+        width = int(self.model_folder_config(model_config)["llm_features_dim"])
+        empty = {"text_embeds": torch.zeros(1, 0, width), "text_mask": torch.zeros(1, 0, dtype=torch.long)}
+        return self.denoise_inputs(latents, schedule, index, empty, request, model_config)
 
 
 plugin = Ideogram4()

@@ -4,8 +4,8 @@
 ``unconditional_transformer/`` (two ``Ideogram4Transformer2DModel`` of different weights), ``vae/`` (FLUX.2's
 ``AutoencoderKLFlux2``, 8x, random batch-norm statistics: the core's tiny builder), ``text_encoder/`` (a bare
 ``Qwen3VLModel`` of 36 layers, so the pipeline's 13 fixed taps 0..35 exist), ``tokenizer/`` (trained in-process, a
-Qwen2-VL chat template), ``scheduler/``; and beside it the conditional transformer as one file in Ideogram's original
-layout under ``model.diffusion_model.`` (:func:`comfy_path`), as ComfyUI's files hold it.
+Qwen2-VL chat template), ``scheduler/``; and beside it each transformer as one file in Ideogram's original layout
+under ``model.diffusion_model.`` (:func:`comfy_path`, :func:`unconditional_comfy_path`), as ComfyUI's files hold them.
 """
 
 from __future__ import annotations
@@ -74,15 +74,24 @@ def comfy_path(folder: Path) -> Path:
     return tiny.beside(folder, "-comfy.safetensors")
 
 
+def unconditional_comfy_path(folder: Path) -> Path:
+    """Where :func:`write_tiny_ideogram4` puts the unconditional transformer's original-layout file (ComfyUI's
+    ``ideogram4_unconditional_fp8_scaled.safetensors`` layout)."""
+    return tiny.beside(folder, "-unconditional-comfy.safetensors")
+
+
 def write_tiny_ideogram4(folder: Path, cfg: TinyIdeogram4Config | None = None) -> Path:
-    """A tiny ``Ideogram4Pipeline`` folder and its original-layout transformer file beside it (:func:`comfy_path`)."""
+    """A tiny ``Ideogram4Pipeline`` folder and, beside it, its two transformers as original-layout files
+    (:func:`comfy_path`, :func:`unconditional_comfy_path`)."""
     from diffpipe_ideogram.original import layout_for_config
 
     cfg = cfg or TinyIdeogram4Config()
     folder = Path(folder)
     pipe = tiny.write_pipeline("Ideogram4Pipeline", parts(cfg), folder)
-    state = layout_for_config(dict(pipe.transformer.config)).to_original(pipe.transformer.state_dict())
-    tiny.save_single_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, comfy_path(folder))
+    for model, path in ((pipe.transformer, comfy_path(folder)),
+                        (pipe.unconditional_transformer, unconditional_comfy_path(folder))):
+        state = layout_for_config(dict(model.config)).to_original(model.state_dict())
+        tiny.save_single_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, path)
     return folder
 
 
@@ -96,11 +105,12 @@ def load_pipeline(folder: Path) -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m diffpipe_ideogram.testing FOLDER``: write a tiny Ideogram 4 (the folder and
-    ``FOLDER-comfy.safetensors``, the transformer in Ideogram's original layout)."""
+    """``python -m diffpipe_ideogram.testing FOLDER``: write a tiny Ideogram 4 (the folder,
+    ``FOLDER-comfy.safetensors`` and ``FOLDER-unconditional-comfy.safetensors``, the transformers in Ideogram's
+    original layout)."""
     parser = tiny.folder_parser(main.__doc__)
     folder = write_tiny_ideogram4(parser.parse_args(argv).folder)
-    print(f"wrote {folder} and {comfy_path(folder)}")
+    print(f"wrote {folder}, {comfy_path(folder)} and {unconditional_comfy_path(folder)}")
 
 
 if __name__ == "__main__":
