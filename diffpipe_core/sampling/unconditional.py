@@ -74,3 +74,16 @@ class HeldUnconditional:
                 gc.collect()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+
+
+@contextmanager
+def unconditional_forward(
+    plugin: ModelPlugin, model_config: ModelConfigBase, cfg_scale: float, device: torch.device
+) -> Iterator[Any]:
+    """For one process's samples at ``cfg_scale`` (tests, the conformance kit): the declared unconditional model's
+    forward on ``device`` when it runs (:func:`runs_unconditional`), else None; freed after."""
+    if not runs_unconditional(plugin, cfg_scale):
+        yield None
+        return
+    with HeldUnconditional(plugin, model_config, device).forward() as run:
+        yield run

@@ -130,12 +130,14 @@ def _check_sampling(
     plugin: Any, cfg: ModelConfigBase, layers: list[nn.Module], text: dict[str, torch.Tensor], pixels: torch.Tensor,
     seed: int,
 ) -> None:
-    """The denoising hooks under the core's loop (two steps, CFG with the second caption as the negative prompt)
-    and the decoder give one finite sample of the requested width, height and frame count."""
+    """The denoising hooks under the core's loop (two steps, CFG with the second caption as the negative prompt, or
+    through the unconditional model the spec declares) and the decoder give one finite sample of the requested width,
+    height and frame count."""
     from diffpipe_core.sampling.config import missing_sampling_hooks
     from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
     from diffpipe_core.sampling.pipeline import LayerChainForward
     from diffpipe_core.sampling.runner import decode
+    from diffpipe_core.sampling.unconditional import unconditional_forward
 
     if missing_sampling_hooks(plugin):
         return
@@ -146,9 +148,9 @@ def _check_sampling(
     rows = [{k: v[i : i + 1] for k, v in text.items()} for i in range(min(2, pixels.shape[0]))]
     prompt = PromptText(cond=rows[0], uncond=rows[-1])
     what = f"sampling ({width}x{height}, {frames} frame{'s' if frames > 1 else ''})"
-    (latents,) = generate(
-        plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers), cfg=2.0
-    )
+    with unconditional_forward(plugin, cfg, 2.0, torch.device("cpu")) as unconditional:  # a declared one: its model
+        (latents,) = generate(plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers),
+                              cfg=2.0, unconditional=unconditional)
     assert torch.isfinite(latents).all(), f"{what}: the denoised latents hold non-finite values"
     ((_, out),) = decode(plugin, cfg, {0: latents}, torch.device("cpu"))
     want = (3, frames, height, width) if video else (3, height, width)
@@ -168,6 +170,7 @@ def _check_sample_equals_pipeline(
     from diffpipe_core.sampling.config import missing_sampling_hooks
     from diffpipe_core.sampling.loop import PromptText, generate, noise_generator
     from diffpipe_core.sampling.pipeline import LayerChainForward
+    from diffpipe_core.sampling.unconditional import unconditional_forward
     from diffpipe_core.testing.sampling import PIPELINE_CFG, PIPELINE_STEPS, pipeline_sample
 
     pipeline = getattr(plugin_obj, "sample_pipeline", None)
@@ -190,10 +193,9 @@ def _check_sample_equals_pipeline(
     noise, ours_schedule = plugin.require(
         "denoise_init", request=request, model_config=cfg, generator=noise_generator(seed, 0)
     )
-    with torch.no_grad():
-        (ours,) = generate(
-            plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers), cfg=PIPELINE_CFG
-        )
+    with torch.no_grad(), unconditional_forward(plugin, cfg, PIPELINE_CFG, torch.device("cpu")) as unconditional:
+        (ours,) = generate(plugin, cfg, request, [prompt], [noise_generator(seed, 0)], LayerChainForward(layers),
+                           cfg=PIPELINE_CFG, unconditional=unconditional)
     settings = {arg: getattr(cfg, key) for arg, key in getattr(plugin_obj, "sample_pipeline_settings", {}).items()}
     folder = plugin_obj.model_folder(cfg) if hasattr(plugin_obj, "model_folder") else cfg.path  # type: ignore[attr-defined]
     expected, sigmas = pipeline_sample(pipeline, folder, (captions[0], captions[1]), noise, request, settings)

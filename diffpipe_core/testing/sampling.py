@@ -37,16 +37,13 @@ def sample_latents(
     """diffpipe's sample of one prompt (``texts``, from ``encode_prompts``): the core's loop over the registered
     ``plugin``'s layers (the whole model on ``device`` in float32) from the noise of ``noise_generator(seed, 0)``,
     with ``cfg_scale > 1`` through the unconditional model the plugin declares, as training's samples run it
-    (:class:`~diffpipe_core.sampling.unconditional.HeldUnconditional`); the final latents (on the CPU)."""
-    from contextlib import nullcontext
-
-    from diffpipe_core.sampling.unconditional import HeldUnconditional, runs_unconditional
+    (:func:`~diffpipe_core.sampling.unconditional.unconditional_forward`); the final latents (on the CPU)."""
+    from diffpipe_core.sampling.unconditional import unconditional_forward
 
     model = plugin.require("load_diffusion_model", model_config=model_config, device=device, dtype=torch.float32)
     layers = plugin.require("split_into_layers", model=model, model_config=model_config)
     forward = LayerChainForward(layers, device)
-    separate = runs_unconditional(plugin, cfg_scale)
-    with HeldUnconditional(plugin, model_config, device).forward() if separate else nullcontext() as unconditional:
+    with unconditional_forward(plugin, model_config, cfg_scale, device) as unconditional:
         (latents,) = generate(plugin, model_config, request, [texts], [noise_generator(seed, 0)], forward,
                               cfg=cfg_scale, unconditional=unconditional)
     return latents

@@ -1,8 +1,9 @@
 """Ideogram 4's one shared training run (the CLI: DeepSpeed, the real cache, peft; 1 process) trains with the loss
 falling and samples before its first step, saving the golden LoRA; a short 2-stage run in 2 processes from its cache
-draws the same losses; both runs' guided samples (``cfg = 2.5``) equal ``Ideogram4Pipeline``'s; the saved diffusers LoRA loads through ``Ideogram4Pipeline.load_lora_weights`` and reproduces
-the trained transformer; the ComfyUI file (Ideogram's fused ``attention.qkv``) is loaded whole by ComfyUI's key map
-and applies like the trained LoRA, and diffusers' own converter of that layout loads it to the same weights."""
+draws the same losses; both runs' guided samples (``cfg = 2.5``) equal ``Ideogram4Pipeline``'s; the saved diffusers
+LoRA loads through ``Ideogram4Pipeline.load_lora_weights`` and reproduces the trained transformer; the ComfyUI file
+(Ideogram's fused ``attention.qkv``) is loaded whole by ComfyUI's key map and applies like the trained LoRA, and
+diffusers' own converter of that layout loads it to the same weights."""
 
 from __future__ import annotations
 

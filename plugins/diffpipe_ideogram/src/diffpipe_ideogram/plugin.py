@@ -1,11 +1,9 @@
-"""The Ideogram 4 model plugin (entry point ``ideogram4``) on the core's shared plugin parts.
-
-Ideogram 4 is a single-stream transformer over ``[text, image]``: a caption's Qwen3-VL hidden states tapped at 13
-layers (concatenated per token), and FLUX.2's VAE latents cut into 2x2 patches and normalised by the VAE's batch-norm
+"""The Ideogram 4 model plugin (entry point ``ideogram4``) on the core's shared plugin parts. Ideogram 4 is a
+single-stream transformer over ``[text, image]``: a caption's Qwen3-VL hidden states tapped at 13 layers
+(concatenated per token), and FLUX.2's VAE latents cut into 2x2 patches and normalised by the VAE's batch-norm
 statistics (multiples of 16 pixels). Its pipeline guides with a second, unconditional transformer; this plugin trains
-the conditional one (``transformer``), as diffusion-pipe does, and samples at ``cfg > 1`` through both. No torch import at the top (``diffpipe --help``,
-``models``, ``validate`` load every plugin): hooks import it.
-"""
+the conditional one (``transformer``), as diffusion-pipe does, and samples at ``cfg > 1`` through both. No torch
+import at the top (``diffpipe --help``, ``models``, ``validate`` load every plugin): hooks import it."""
 
 from __future__ import annotations
 
