@@ -323,16 +323,16 @@ def combine_guidance(
 
 @hookspec(firstresult=True)
 def load_unconditional_model(model_config: ModelConfigBase, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """*model, optional (sampling; needed by a spec declaring ``unconditional_model``)* The frozen model of the
-    unconditional branch (``ModelSpec.unconditional_model``), whole, on ``device`` in ``dtype``; on ``meta`` its
-    skeleton only (the stage plan counts its bytes).
+    """*model, optional (sampling, with ModelSpec.unconditional_model)* Load the frozen model of the unconditional
+    branch.
 
-    Called only when ``[sample] cfg > 1``, once per run, on the last stage of each pipeline, with the host as its
-    device (the core moves it onto the accelerator only while sampling). The core cuts it with
-    :func:`split_into_layers` and runs them in order, so it must be the trained model's class (or one those layers
-    accept). :class:`~diffpipe_core.parts.plugin.DiffusersModel` implements it: the folder's component of that name,
-    or the file ``[model] unconditional_model`` names (as ``diffusion_model`` is read: any layout, kept quantized).
-    Bad or missing files raise, naming the file or the key to set.
+    ``ModelSpec.unconditional_model`` names it; return it whole, on ``device`` in ``dtype``, or on ``meta`` its
+    skeleton only (the stage plan counts its bytes). Called only when ``[sample] cfg > 1``, once per run, on the last
+    stage of each pipeline, with the host as its device (the core moves it onto the accelerator only while
+    sampling). The core cuts it with :func:`split_into_layers` and runs them in order, so it must be the trained
+    model's class (or one those layers accept). :class:`~diffpipe_core.parts.plugin.DiffusersModel` implements it:
+    the folder's component of that name, or the file ``[model] unconditional_model`` names (as ``diffusion_model`` is
+    read: any layout, kept quantized). Bad or missing files raise, naming the file or the key to set.
     """
 
 
@@ -344,10 +344,12 @@ def unconditional_inputs(
     request: SampleRequest,
     model_config: ModelConfigBase,
 ) -> Tensors:
-    """*model, optional (sampling; needed by a spec declaring ``unconditional_model``)* The first layer's inputs of
-    the unconditional model for denoising step ``index`` (batch 1): what its pipeline feeds its unconditional branch
-    (Ideogram 4: the image tokens alone, no text). No negative prompt is encoded for such a model. Its first output
-    tensor is the ``uncond`` that :func:`combine_guidance` (or ``uncond + scale * (cond - uncond)``) gets.
+    """*model, optional (sampling, with ModelSpec.unconditional_model)* The unconditional model's first-layer inputs
+    for denoising step ``index``.
+
+    Batch 1, at ``schedule[index]``: what the model's pipeline feeds its unconditional branch (Ideogram 4: the image
+    tokens alone, no text). No negative prompt is encoded for such a model. Its first output tensor is the ``uncond``
+    that :func:`combine_guidance` (or ``uncond + scale * (cond - uncond)``) gets.
     """
 
 

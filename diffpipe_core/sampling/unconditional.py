@@ -32,13 +32,12 @@ def _dtype(model_config: ModelConfigBase) -> torch.dtype:
 
 
 def unconditional_bytes(plugin: ModelPlugin, model_config: ModelConfigBase) -> int:
-    """The unconditional model's weight bytes in the run's ``dtype``, from its skeleton on ``meta`` (reads no
-    weight)."""
+    """The unconditional model's weight bytes (its state dict) in the run's ``dtype``, from its skeleton on ``meta``
+    (reads no weight)."""
     model = plugin.require(
         "load_unconditional_model", model_config=model_config, device=torch.device("meta"), dtype=_dtype(model_config)
     )
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 class HeldUnconditional:
