@@ -513,11 +513,12 @@ class DiffusersModel:
         if file is not None:
             return self.load_diffusion_model(model_config.model_copy(update={self.single_file_key: file}), device,
                                              dtype)
-        model = self.skeleton_of(self.folder.model_config(self.model_folder(model_config), component), "meta", dtype)
-        if torch.device(device).type == "meta":
-            return model
-        skeleton = model.state_dict()
         try:
+            config = self.folder.model_config(self.model_folder(model_config), component)
+            model = self.skeleton_of(config, "meta", dtype)
+            skeleton = model.state_dict()
+            if torch.device(device).type == "meta":
+                return model
             state = self.folder_state(model_config, component, {k: tuple(v.shape) for k, v in skeleton.items()})
         except FileNotFoundError as exc:
             raise FileNotFoundError(

@@ -87,6 +87,9 @@ def test_guided_sample_equals_the_pipeline_through_its_unconditional_transformer
 
     from_file = config(tiny_ideogram4, unconditional_model=unconditional_comfy_path(tiny_ideogram4))
     assert model.require("validate_model_files", model_config=from_file) == []
+    absent = config(tiny_ideogram4, unconditional_model=tiny_ideogram4.parent / "absent.safetensors")
+    (line,) = model.require("validate_model_files", model_config=absent)
+    assert line.startswith("[model] unconditional_model: ") and "absent.safetensors: not found" in line, line
     torch.testing.assert_close(sample_latents(model, from_file, REQUEST, texts, SEED, cfg_scale=GUIDANCE), ours)
     plain = registered(Ideogram4Guided(), "ideogram4")  # the trained transformer on a negative prompt instead
     (with_negative,) = encode_prompts(plain, cfg, [PROMPT], "", torch.device("cpu"))
