@@ -245,11 +245,9 @@ class Flux2Klein(Flux2):
     #: scripts/convert_flux2_to_diffusers.py's "klein-4b" config (black-forest-labs/FLUX.2-klein-4B); Qwen3-4B's
     #: three stacked hidden layers (3 x 2560) at text_max_length's default 512
     plan_size = {
-        "transformer": {"in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
-                        "num_attention_heads": 24, "joint_attention_dim": 7680, "mlp_ratio": 3.0,
-                        "timestep_guidance_channels": 256, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000,
-                        "guidance_embeds": False},
-        "vae": {"latent_channels": 32, "block_out_channels": [128, 256, 512, 512]},
+        **Flux2.plan_size,
+        "transformer": {**Flux2.plan_size["transformer"], "num_layers": 5, "num_single_layers": 20,
+                        "num_attention_heads": 24, "joint_attention_dim": 7680, "guidance_embeds": False},
         "text": {"text_embeds": (512, 7680)},
     }  # fmt: skip
     tiny_writer = "diffpipe_flux.testing:write_tiny_klein"  # python -m diffpipe_core.testing.tiny_models
