@@ -134,12 +134,15 @@ def fit_table_markdown(
             cells = [_cell(fit_source(source, int(gb * GiB))) for gb in budgets_gb]
             rows.append(f"| {label} | " + " | ".join(cells) + " |")
     params = sum(p.numel() for p in source.model.parameters()) if source is not None else 0
+    failed = source.costs(None).failed if source is not None else None
     head = "| resolution | " + " | ".join(f"{gb:g} GB" for gb in budgets_gb) + " |"
     note = (
         f"Estimates (the stage plan's, not yet measured on a GPU): {model_type} at {_count(params)} parameters, "
         "a rank-32 LoRA at micro-batch 1 on one GPU; each cell gives the cheapest savers that fit "
         "(`diffpipe validate --plan --gpu-memory`) and the estimated peak."
     )
+    if failed:  # the meta forward stopped: the layers from there count borrowed or no activations
+        note += f" Activations only partly estimated: the meta forward failed at {failed.split(':')[0]}."
     return "\n".join([note, "", head, "|" + "---|" * (len(budgets_gb) + 1), *rows]) + "\n"
 
 

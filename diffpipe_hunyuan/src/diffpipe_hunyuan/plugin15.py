@@ -61,6 +61,9 @@ class HunyuanVideo15(DiffusersModel, FlowSampling):
         "vae": {"latent_channels": 32, "spatial_compression_ratio": 16, "temporal_compression_ratio": 4},
         "text": {"text_embeds": (1000, 3584), "text_mask": (1000,), "glyph_embeds": (256, 1472), "glyph_mask": (256,)},
     }  # fmt: skip
+    #: 33 frames at both sizes: diffusers' attention processor makes a (tokens x tokens) boolean mask per block, which
+    #: the meta forward builds for real (848x480x81 is 35k tokens: 1.2 GB a mask, minutes per table)
+    plan_resolutions = [(512, 512, 33), (848, 480, 33)]
     tiny_writer = "diffpipe_hunyuan.testing15:write_tiny_hunyuan15"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
