@@ -21,7 +21,7 @@ without per-stage loading loads the whole model first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -170,10 +170,14 @@ class Float8Linear(ScaledLinear):
         super().__init__(linear.in_features, linear.out_features, linear.bias, stored, scale.reshape(()), compute_dtype)
 
 
-def quantizable_linears(model: nn.Module, layer: nn.Module) -> tuple[list[nn.Linear], list[nn.Linear]]:
+def quantizable_linears(
+    model: nn.Module, layer: nn.Module, names: dict[int, str] | None = None
+) -> tuple[list[nn.Linear], list[nn.Linear]]:
     """The linears of block layer ``layer`` that ``quantize`` replaces, and those it leaves (fewer than
-    :data:`MIN_ELEMENTS` weights, or kept in float32 by the model), each module once."""
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    :data:`MIN_ELEMENTS` weights, or kept in float32 by the model), each module once. ``names``: ``{id(module):
+    name}`` of ``model``'s modules, when the caller has it (made here otherwise)."""
+    if names is None:
+        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     chosen: list[nn.Linear] = []
     left: list[nn.Linear] = []
     seen: set[int] = set()
@@ -230,6 +234,52 @@ def quantize_stage(
     (already loaded) by ``model_config.quantize`` modules, everywhere the model or a layer holds them; each is
     quantized on the device its weight is on. Returns a one-line summary (printed as a diffpipe line when
     ``label`` is given, e.g. ``"stage 0"``), or None when the run does not quantize."""
+    counts = _quantize_layers(model_config, stage, layer_indices, block_layers)
+    if counts is None:
+        return None
+    return _summary(model_config.quantize, counts, label)
+
+
+def _summary(mode: str, counts: tuple[int, int, int, int], label: str | None) -> str:
+    replaced, kept, before, after = counts
+    summary = (
+        f"{replaced} linear layers quantized to {mode} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB), "
+        f"{kept} small or float32-kept ones left as they were"
+    )
+    if label is not None:
+        print(f"diffpipe: {label}: {summary}", flush=True)
+    return summary
+
+
+def load_quantized(
+    model_config: ModelConfigBase,
+    stage: StageModel,
+    layer_indices: Sequence[int],
+    block_layers: Sequence[str],
+    load: Callable[[list[int]], None],
+    label: str | None = None,
+) -> str | None:
+    """Load ``stage.layers[layer_indices]`` with ``load`` (a list of layer indices -> their weights filled in) and
+    quantize them as :func:`quantize_stage` does, one block at a time: each block is quantized right after it is
+    read, so the full-precision transient of a quantized base is one block's weights, not the stage's (what the stage
+    plan counts: :mod:`diffpipe_core.engine.gpu_fit`). The other layers are loaded first, together."""
+    if getattr(model_config, "quantize", None) is None:
+        load(list(layer_indices))
+        return None
+    blocks = [i for i in layer_indices if type(stage.layers[i]).__name__ in block_layers]
+    load([i for i in layer_indices if i not in blocks])
+    total = (0, 0, 0, 0)
+    for i in blocks:
+        load([i])
+        counts = _quantize_layers(model_config, stage, [i], block_layers)
+        total = tuple(a + b for a, b in zip(total, counts or (0, 0, 0, 0)))  # type: ignore[assignment]
+    return _summary(model_config.quantize, total, label)  # type: ignore[arg-type]
+
+
+def _quantize_layers(
+    model_config: ModelConfigBase, stage: StageModel, layer_indices: Iterable[int], block_layers: Sequence[str]
+) -> tuple[int, int, int, int] | None:
+    """Quantize the block layers among ``layer_indices``: (linears replaced, left, bytes before, after)."""
     mode = getattr(model_config, "quantize", None)
     if mode is None:
         return None
@@ -254,13 +304,7 @@ def quantize_stage(
                     replaced[id(child)] = _quantized(child, mode, compute_dtype, child.weight.device)
                     after += _bytes(replaced[id(child)])
                 setattr(parent, child_name, replaced[id(child)])
-    summary = (
-        f"{len(replaced)} linear layers quantized to {mode} ({before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB), "
-        f"{kept} small or float32-kept ones left as they were"
-    )
-    if label is not None:
-        print(f"diffpipe: {label}: {summary}", flush=True)
-    return summary
+    return len(replaced), kept, before, after
 
 
 def _bytes(module: nn.Module) -> int:

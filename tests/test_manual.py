@@ -244,3 +244,36 @@ def test_the_latents_table_is_read_as_written() -> None:
     documented = documented_latents()
     assert documented["flux2-klein"] == documented["flux2"] and "hunyuan-video-1.5-i2v" in documented
     assert set(installed_types()) - set(documented) == {"reference"}
+
+
+def test_every_model_type_declares_its_size_and_its_page_carries_the_fit_table() -> None:
+    """Every model type of the repository declares ``plan_size`` (None where its inputs cannot be planned from
+    configs); each one declared has its committed GPU-fit table on its model page, marked as estimates."""
+    from diffpipe_core.engine.fit_table import read_tables
+    from diffpipe_core.registry import get_registry
+
+    registry = get_registry()
+    for name, readme in manual.plugin_readmes(REPO).items():
+        tables = read_tables(readme.parent)
+        page = (REPO / "docs" / "models" / f"{name}.md").read_text()
+        for model_type in manual.model_types(readme.parent):
+            module = registry.model(model_type).info.module
+            assert hasattr(module, "plan_size"), f"{model_type} declares no plan_size"
+            if module.plan_size is None:
+                assert model_type not in tables
+                continue
+            assert f"## GPU fit: `{model_type}` (estimates)" in page, (name, model_type)
+            assert tables[model_type]["table"].startswith("Estimates (the stage plan's, not yet measured on a GPU)")
+            assert tables[model_type]["table"] in page
+
+
+def test_a_changed_plan_size_makes_its_fit_table_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freshness check can fail for a table too: Flux declaring another size (its fingerprint changes)."""
+    from diffpipe_core.registry import get_registry
+
+    module = get_registry().model("flux").info.module
+    size = {**module.plan_size, "transformer": {**module.plan_size["transformer"], "num_layers": 18}}
+    monkeypatch.setattr(type(module), "plan_size", size)
+    stale = manual.stale_fit_tables(REPO)
+    assert stale.get("flux") == REPO / "diffpipe_flux" and "chroma" not in stale
+    assert REPO / "diffpipe_flux" / "fit-tables.json" in manual.stale(REPO)

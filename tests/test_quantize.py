@@ -234,3 +234,49 @@ def test_float8_linear_keeps_only_its_float8_weight_for_backward() -> None:
     ref.float().square().sum().backward()
     torch.testing.assert_close(out, ref.float())
     torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_a_quantized_base_is_read_one_block_at_a_time_as_the_plan_counts(tmp_path: Path) -> None:
+    """A stage of a quantized base never holds more than one block's linears at full precision while it loads
+    (quantize.load_quantized, as stage_build loads): after every read, the full-precision block linears present are
+    one block's at most, and the result is quantize_stage's. The GPU-fit plan counts exactly that block's excess over
+    its quantized size as the load's transient, not the stage's whole full-precision weights."""
+    from torch import nn
+
+    from diffpipe_core.config import ResolvedConfig, RunConfig
+    from diffpipe_core.engine.gpu_fit import Choice, FitSource, _plan
+    from diffpipe_core.quantize import load_quantized
+
+    project(tmp_path)
+    plugin = get_registry().model("reference")
+    cfg = plugin.spec.config_schema(type="reference", path=tmp_path / "model", quantize="float8")
+    stage = load_for_stages(plugin, cfg, torch.device("cpu"), torch.float32)
+    own = list(range(len(stage.layers)))
+    blocks = [i for i in own if type(stage.layers[i]).__name__ == "BlockLayer"]
+
+    def full_precision(i: int) -> int:
+        return sum(m.weight.numel() * 4 for m in stage.layers[i].modules()
+                   if type(m) is nn.Linear and m.weight.device.type != "meta")  # fmt: skip
+
+    held: list[int] = []
+
+    def load(indices: list[int]) -> None:
+        materialise_layers(plugin, cfg, stage, indices, torch.device("cpu"))
+        held.append(sum(full_precision(i) for i in blocks))
+
+    summary = load_quantized(cfg, stage, own, plugin.spec.block_layers, load)
+    one_block = max(sum(m.weight.numel() * 4 for m in stage.layers[i].modules() if isinstance(m, Float8Linear))
+                    for i in blocks)  # fmt: skip
+    assert len(held) == 1 + len(blocks) and held[0] == 0 and 0 < max(held) <= one_block, (held, one_block)
+    assert summary is not None and summary.startswith(f"{7 * len(blocks)} linear layers quantized to float8")
+    assert all(full_precision(i) == 0 for i in blocks)  # every block quantized, as quantize_stage leaves them
+
+    run = RunConfig.model_validate({"dataset": "dataset.toml", "model": {"type": "reference", "path": "model"},
+                                    "adapter": {"rank": 4}})  # fmt: skip
+    source = FitSource(ResolvedConfig(tmp_path / "run.toml", run, cfg, {}), plugin)
+    plan = _plan(source, Choice(1, False, 0, "float8"), on_gpu=True)
+    full, quantized = source.costs(None).layers, source.costs("float8").layers
+    excess = max(full[k].weight_bytes - quantized[k].weight_bytes for k in blocks)
+    base = _plan(source, Choice(1, False, 0, None), on_gpu=True).stages[0].load_bytes  # merge_adapters: none
+    assert plan.stages[0].load_bytes - base == excess > 0
+    assert plan.stages[0].load_bytes < sum(c.weight_bytes for c in full) - plan.stages[0].weight_bytes

@@ -43,6 +43,9 @@ class Measurement:
 
     layers: list[LayerTensors]
     failed: str | None = None
+    # the stage plan's per-interval tables made from these layers, by how they are kept (engine/stage_plan.py): the
+    # GPU-fit planner plans many candidates over one measurement
+    tables: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def _as_tuple(x: object) -> tuple:

@@ -17,10 +17,19 @@ Where each input comes from:
 - **the run**: a LoRA of rank 32 (AdamW, bf16), micro-batch 1, one GPU, ``[model]`` defaults.
 
 Every figure is an estimate of the stage plan; the table says so until a GPU measurement replaces it.
+
+Building a table takes tens of seconds per model type (a meta forward of the released size at each resolution), so
+the tables are generated once and committed: ``<distribution>/fit-tables.json`` holds, per model type, the table
+and the :func:`fingerprint` of what it was made from (``plan_size``, the resolutions, the estimator's own modules,
+the plugin's module and layer modules, the diffusers and peft versions). ``python -m diffpipe_core.manual --check``
+compares fingerprints (fast) and names a stale table; ``python -m diffpipe_core.manual --fit-tables`` rebuilds the
+stale ones.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import tempfile
 from collections.abc import Sequence
@@ -125,11 +134,61 @@ def fit_table_markdown(
             cells = [_cell(fit_source(source, int(gb * GiB))) for gb in budgets_gb]
             rows.append(f"| {label} | " + " | ".join(cells) + " |")
     params = sum(p.numel() for p in source.model.parameters()) if source is not None else 0
+    failed = source.costs(None).failed if source is not None else None
     head = "| resolution | " + " | ".join(f"{gb:g} GB" for gb in budgets_gb) + " |"
     note = (
         f"Estimates (the stage plan's, not yet measured on a GPU): {model_type} at {_count(params)} parameters, "
         "a rank-32 LoRA at micro-batch 1 on one GPU; each cell gives the cheapest savers that fit "
         "(`diffpipe validate --plan --gpu-memory`) and the estimated peak."
     )
+    if failed:  # the meta forward stopped: the layers from there count borrowed or no activations
+        note += f" Activations only partly estimated: the meta forward failed at {failed.split(':')[0]}."
     return "\n".join([note, "", head, "|" + "---|" * (len(budgets_gb) + 1), *rows]) + "\n"
 
+
+
+#: the estimator's modules: a change to any of them can change every table
+ESTIMATOR_MODULES = (
+    "engine/fit_table.py", "engine/gpu_fit.py", "engine/stage_plan.py", "engine/stage_costs.py",
+    "engine/activations.py", "engine/meta_forward.py", "engine/partition.py", "quantize.py",
+)  # fmt: skip
+TABLES_FILE = "fit-tables.json"
+
+
+def _plugin_sources(plugin: Any) -> list[Path]:
+    """The module defining the plugin's class (or the plugin module) and its package's layer modules."""
+    module = plugin.info.module
+    source = inspect.getsourcefile(module if inspect.ismodule(module) else type(module))
+    if source is None:
+        return []
+    own = Path(source)
+    return [own, *sorted(p for p in own.parent.glob("*layers*.py") if p != own)]
+
+
+def fingerprint(plugin: Any) -> str:
+    """A hash of what ``plugin``'s table is made from (the module docstring's list); no model is built."""
+    from importlib.metadata import version
+
+    core = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    declared = {
+        "size": getattr(plugin.info.module, "plan_size", None), "resolutions": usual_resolutions(plugin),
+        "budgets": BUDGETS_GB, "run": RUN, "versions": [version("diffusers"), version("peft")],
+    }  # fmt: skip
+    digest.update(json.dumps(declared, sort_keys=True, default=str).encode())
+    for path in [*(core / m for m in ESTIMATOR_MODULES), *_plugin_sources(plugin)]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def read_tables(distribution: Path) -> dict[str, dict[str, str]]:
+    """``{model type: {"fingerprint": ..., "table": ...}}`` committed in ``distribution`` (empty when none)."""
+    path = distribution / TABLES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_tables(distribution: Path, tables: dict[str, dict[str, str]]) -> None:
+    """Write ``distribution``'s committed tables (atomically, sorted, one type per key)."""
+    from diffpipe_core.atomic import atomic_write_text
+
+    atomic_write_text(distribution / TABLES_FILE, json.dumps(tables, indent=1, sort_keys=True) + "\n")

@@ -24,11 +24,11 @@ and picks the **cheapest** that fits. Cheapest means least estimated step time f
 3. ties: fewer stages, then no checkpointing before checkpointing before offload, then fewer swapped blocks.
 
 The estimates count what each stage holds (weights, trainable state, activations of the micro-batches in flight at
-the run's largest bucket, the checkpoint's and save's transients) and, with a quantized base, the stage's load at full
-precision (it is quantized after loading); not the CUDA context or allocator slack: leave a margin. Activations need
-the cached dataset (``diffpipe cache``); without it the plan says so and counts none. ``on_gpu=False`` plans a CPU
-run (tests/test_gpu_fit.py measures one): there block swap and offload save nothing and are not offered, nor are
-``int8`` and ``nf4`` (bitsandbytes' CUDA kernels).
+the run's largest bucket, the checkpoint's and save's transients) and, with a quantized base, its load's transient
+(each block is read at full precision, then quantized); not the CUDA context or allocator slack: leave a margin.
+Activations need the cached dataset (``diffpipe cache``); without it the plan says so and counts none.
+``on_gpu=False`` plans a CPU run (tests/test_gpu_fit.py measures one): there block swap and offload save nothing and
+are not offered, nor are ``int8`` and ``nf4`` (bitsandbytes' CUDA kernels).
 """
 
 from __future__ import annotations
@@ -137,7 +137,12 @@ class FitSource:
             self.activations = "given inputs"
         elif dataset is not None:
             self.inputs, self.activations = example_inputs(dataset, plugin, cfg)
+        # a quantized base loaded at full precision as a whole (merged into first, or no per-stage loading)
+        self.whole_stage_load = bool(getattr(cfg.model, "merge_adapters", None)) or not plugin.has(
+            "diffusion_model_weights"
+        )
         self._costs: dict[str | None, ModelCosts] = {}
+        self._twin: Any = None  # the adapted meta twin, made once: every quantization and resolution counts on it
         self.plans: dict[tuple[Choice, bool], StagePlan] = {}  # by choice and device, for several budgets
 
     def with_inputs(self, inputs: Any) -> FitSource:
@@ -153,14 +158,16 @@ class FitSource:
         return sum(type(layer).__name__ in names for layer in self.layers)
 
     def costs(self, quantize: str | None) -> ModelCosts:
-        from diffpipe_core.engine.stage_costs import layer_costs
+        from diffpipe_core.engine.stage_costs import adapted_twin, layer_costs
 
         if quantize not in self._costs:
             model_cfg = self.cfg.model.model_copy(update={"quantize": quantize})
             cfg = dataclasses.replace(self.cfg, model=model_cfg)
             done = next(iter(self._costs.values()), None)
+            if self._twin is None:
+                self._twin = adapted_twin(self.cfg, self.plugin, self.model, self.layers)
             self._costs[quantize] = layer_costs(
-                cfg, self.plugin, self.model, self.layers, self.inputs, done.measurement if done else None
+                cfg, self.plugin, self.model, self.layers, self.inputs, done.measurement if done else None, self._twin
             )
         return self._costs[quantize]
 
@@ -181,9 +188,10 @@ def candidates(cfg: ResolvedConfig, plugin: ModelPlugin, gpus: int, layers: int,
 
 def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
     """The stage plan of ``choice``; with a quantized base, each stage's ``load_bytes`` (what loading holds beside
-    the stage's weights) grows by its full-precision load: a stage loads its layers at full precision and quantizes
-    them afterwards (engine/stage_build.py, after ``merge_adapters``), so until then it holds its resident (not
-    swapped) layers' full-precision weights."""
+    the stage's weights) grows by what its load holds at full precision (engine/stage_build.py): one block's weights
+    beyond their quantized size, the largest of its resident (not swapped) blocks, since each block is quantized as
+    soon as it is read (:func:`~diffpipe_core.quantize.load_quantized`); with ``[model] merge_adapters`` (merged
+    into the full-precision weights first) or a plugin without per-stage loading, every resident layer's."""
     key = (choice, on_gpu)
     if key in source.plans:
         return source.plans[key]
@@ -196,8 +204,13 @@ def _plan(source: FitSource, choice: Choice, on_gpu: bool) -> StagePlan:
     for est in plan.stages if full is not None else []:
         blocks = [k for k in range(est.start, est.stop) if full[k].block]
         swapped = set(blocks[len(blocks) - min(choice.swap, len(blocks)):]) if on_gpu and choice.swap else set()
-        load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
-        est.load_bytes += max(0, load - est.weight_bytes)
+        if source.whole_stage_load:
+            load = sum(full[k].weight_bytes for k in range(est.start, est.stop) if k not in swapped)
+            est.load_bytes += max(0, load - est.weight_bytes)
+        else:
+            quantized = source.costs(choice.quantize).layers
+            est.load_bytes += max((full[k].weight_bytes - quantized[k].weight_bytes for k in blocks
+                                   if k not in swapped), default=0)  # fmt: skip
     source.plans[key] = plan
     return plan
 
@@ -300,8 +313,8 @@ def format_fit(fit: Fit) -> list[str]:
     peaks = " / ".join(gib(stage_peak(s)) for s in fit.plan.stages)
     gpus = f"{fit.gpus} GPU{'s' if fit.gpus > 1 else ''} of {gib(fit.budget)}"
     lines = [f"GPU fit ({gpus}; estimates from the stage plan; activations: {fit.activations}):"]
-    if fit.choice.quantize and any(stage_peak(s) > s.peak_bytes for s in fit.plan.stages):
-        lines.append("  (a quantized base is loaded at full precision, then quantized: its load is the peak)")
+    if fit.choice.quantize and any(s.weight_bytes + s.load_bytes == s.peak_bytes for s in fit.plan.stages):
+        lines.append("  (a quantized base's blocks are read at full precision, then quantized: that load is the peak)")
     if fit.base is not None:
         lines.append(f"  as configured, on 1 stage: estimated peak {gib(_peak(fit.base))}")
     if not fit.fits:

@@ -45,7 +45,7 @@ from diffpipe_core.merge_adapters import merge_into, native_targets
 from diffpipe_core.optim import build_optimizer, forced_lr, freeze_zero_lr_groups, parameter_groups, run_lr_lambda
 from diffpipe_core.optim.gradient_release import GradientRelease
 from diffpipe_core.optim.offload import offload_state
-from diffpipe_core.quantize import quantize_stage
+from diffpipe_core.quantize import load_quantized, quantize_stage
 from diffpipe_core.quiet import library_prints
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
@@ -157,18 +157,26 @@ def build_stage_module(
         print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
-    if stage.per_stage_loading:  # swapped blocks are read straight into host memory
-        resident = [i for i in own if i not in swapped]
-        materialise_layers(plugin, cfg.model, stage, resident, device)
-        materialise_layers(plugin, cfg.model, stage, swapped, torch.device("cpu"))
     label = f"stage {layout.stage_id}" if layout.dp_rank == 0 else None  # quantize_stage prints one line
-    if cfg.model.merge_adapters:  # into the full-precision weights, before quantize_stage quantizes them
-        merged = merge_into(stage.model, cfg.model.merge_adapters, plugin.call("adapter_key_prefix") or "transformer",
-                            native_targets(plugin, cfg.model))
-        if label:
-            print(f"diffpipe: {label}: merged {len(cfg.model.merge_adapters)} adapter(s) into the base "
-                  f"({merged} module updates)", flush=True)
-    quantize_stage(cfg.model, stage, own, plugin.spec.block_layers, label)
+
+    def load(indices: list[int]) -> None:  # swapped blocks are read straight into host memory
+        for part, where in (([i for i in indices if i not in swapped], device),
+                            ([i for i in indices if i in swapped], torch.device("cpu"))):  # fmt: skip
+            if part:
+                materialise_layers(plugin, cfg.model, stage, part, where)
+
+    if stage.per_stage_loading and not cfg.model.merge_adapters:  # a quantized base: each block as it is read
+        load_quantized(cfg.model, stage, list(own), plugin.spec.block_layers, load, label)
+    else:
+        if stage.per_stage_loading:
+            load(list(own))
+        if cfg.model.merge_adapters:  # into the full-precision weights, before quantize_stage quantizes them
+            merged = merge_into(stage.model, cfg.model.merge_adapters,
+                                plugin.call("adapter_key_prefix") or "transformer", native_targets(plugin, cfg.model))
+            if label:
+                print(f"diffpipe: {label}: merged {len(cfg.model.merge_adapters)} adapter(s) into the base "
+                      f"({merged} module updates)", flush=True)
+        quantize_stage(cfg.model, stage, own, plugin.spec.block_layers, label)
     model = stage.model
     layer_names = [type(layer).__name__ for layer in stage.layers]
     torch.manual_seed(run.seed)

@@ -115,25 +115,29 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def layer_costs(
-    cfg: ResolvedConfig,
-    plugin: ModelPlugin,
-    model: nn.Module,
-    layers: list[nn.Module],
-    inputs: tuple[torch.Tensor, ...] | None = None,
-    measurement: Measurement | None = None,
-) -> ModelCosts:
-    """The cost of each of ``layers`` (of ``model``, on any device; it is not changed) under this run's settings.
-    ``inputs``: the first layer's inputs for one micro-batch of the largest bucket; without them no activations.
-    ``measurement``: activations already measured for these layers under the same adapter (reused, not measured
-    again: what changes between the GPU-fit planner's candidates is the weights' storage, not the forward)."""
+@dataclass
+class AdaptedTwin:
+    """The meta twin of a model and its layers with the run's adapter injected (what :func:`layer_costs` counts and
+    measures), and the names of its modules; the base model's parameter counts per layer."""
+
+    model: nn.Module
+    layers: list[nn.Module]
+    names: dict[int, str]
+    counts: list[int]
+
+
+def adapted_twin(cfg: ResolvedConfig, plugin: ModelPlugin, model: nn.Module, layers: list[nn.Module]) -> AdaptedTwin:
+    """The meta twin of ``model`` / ``layers`` (left unchanged) with the run's adapter (``[adapter]``; a full
+    fine-tune makes every float weight trainable). The adapter's modules are built on the meta device: nothing is
+    allocated or initialised. Build it once per model and adapter; :func:`layer_costs` reuses it."""
     run = cfg.run
     counts = layer_param_counts(layers)  # the base model's, as partition_method = "parameters" counts them
     twin, twin_layers = meta_twin(model, layers)
     if run.adapter is not None:
         targets = run.adapter.target_modules or plugin.require("lora_targets", model_config=cfg.model)
         config = excluding(twin, from_adapter_table(run.adapter, list(targets)), run.adapter.exclude_modules)
-        apply_adapter(twin, config)  # the kind's own tensors
+        with torch.device("meta"):  # peft's new modules: shapes only, no initialisation
+            apply_adapter(twin, config)  # the kind's own tensors
         for name, p in twin.named_parameters():
             if is_adapter_param(name):
                 p.data = p.data.to(DTYPES[run.adapter.dtype])  # apply_adapter leaves meta tensors as they are
@@ -141,6 +145,27 @@ def layer_costs(
         for p in twin.parameters():
             p.requires_grad_(p.is_floating_point())
     twin.train()
+    names = {id(m): n for n, m in twin.named_modules(remove_duplicate=False)}
+    return AdaptedTwin(twin, twin_layers, names, counts)
+
+
+def layer_costs(
+    cfg: ResolvedConfig,
+    plugin: ModelPlugin,
+    model: nn.Module,
+    layers: list[nn.Module],
+    inputs: tuple[torch.Tensor, ...] | None = None,
+    measurement: Measurement | None = None,
+    twin: AdaptedTwin | None = None,
+) -> ModelCosts:
+    """The cost of each of ``layers`` (of ``model``, on any device; it is not changed) under this run's settings.
+    ``inputs``: the first layer's inputs for one micro-batch of the largest bucket; without them no activations.
+    ``measurement``: activations already measured for these layers under the same adapter (reused, not measured
+    again: what changes between the GPU-fit planner's candidates is the weights' storage, not the forward).
+    ``twin``: :func:`adapted_twin` of the same model, layers and adapter, made before (reused, not copied again)."""
+    run = cfg.run
+    made = twin if twin is not None else adapted_twin(cfg, plugin, model, layers)
+    twin_model, twin_layers, counts = made.model, made.layers, made.counts
     block_names = set(plugin.spec.block_layers)
     mode = getattr(cfg.model, "quantize", None)
     if measurement is None and inputs is not None:
@@ -151,7 +176,7 @@ def layer_costs(
         block = type(layer).__name__ in block_names
         quantized: dict[int, int] = {}
         if mode is not None and block:
-            chosen, _ = quantizable_linears(twin, layer)
+            chosen, _ = quantizable_linears(twin_model, layer, made.names)
             quantized = {id(m.weight): quantized_weight_bytes(mode, m.out_features, m.in_features) for m in chosen}
         weight = swappable = trainable = state = trainable_bytes = optimizer = host_state = largest_grad = merge = 0
         for t in [*layer.parameters(), *layer.buffers()]:

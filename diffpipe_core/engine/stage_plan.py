@@ -97,30 +97,11 @@ class Estimator:
         # last stage keeps for the step's micro-batches until their loss; a full fine-tune's base copy (host memory)
         self.extra_passes, self.base_copy = extra_passes, base_copy
         self.batch_factor = batch_factor  # diff_output_preservation: each micro-batch trains twice its samples
-        n = len(self.costs)
         ckpt, offload = bool(run.activation_checkpointing), run.activation_checkpointing == "offload"
         names_blocks = any(c.block for c in self.costs)
         checkpointed = [ckpt and (c.block or not names_blocks) for c in self.costs]
-        # per micro-batch, on the device: a checkpointed layer keeps its inputs (on the host with offload on a GPU)
-        kept = [
-            ({} if offload and on_gpu else c.tensors.inputs) if checkpointed[k] else c.tensors.saved
-            for k, c in enumerate(self.costs)
-        ]
         self.swap, self.on_gpu = run.blocks_to_swap, on_gpu
-        self.union = [[0] * (n + 1) for _ in range(n + 1)]
-        self.transient = [[0] * (n + 1) for _ in range(n + 1)]
-        for i in range(n):
-            running = dict(self.costs[i].tensors.inputs)
-            total, top = sum(running.values()), 0
-            for j in range(i, n):
-                for key, size in kept[j].items():
-                    if key not in running:
-                        running[key] = size
-                        total += size
-                top = max(top, sum(self.costs[j].tensors.saved.values()))
-                extra = sum(b for key, b in self.costs[j].tensors.outputs.items() if key not in running)
-                self.union[i][j + 1] = total + extra
-                self.transient[i][j + 1] = top
+        self.union, self.transient = _interval_tables(costs, tuple(checkpointed), offload and on_gpu)
         self.prefix = {
             attr: _prefix([getattr(c, attr) for c in self.costs])
             for attr in ("params", "weight_bytes", "state_bytes", "trainable", "trainable_bytes", "optimizer_bytes",
@@ -191,6 +172,37 @@ class Estimator:
 
     def trainable(self, i: int, j: int) -> bool:
         return self._sum("trainable", i, j) > 0
+
+
+def _interval_tables(costs: ModelCosts, checkpointed: tuple[bool, ...], offload: bool) -> tuple[list, list]:
+    """Per interval of layers [i, j): the activations one micro-batch keeps there (``union``: each storage once; a
+    checkpointed layer keeps its inputs, none on the device with ``offload``; the interval's inputs, and the last
+    layer's outputs) and the largest single layer's backward transient (``transient``). Made once per measurement
+    and way of keeping (the GPU-fit planner plans many candidates over one measurement): O(layers^2)."""
+    layers = costs.layers
+    cache = costs.measurement.tables if costs.measurement is not None else {}
+    key = (checkpointed, offload)
+    if key in cache:
+        return cache[key]
+    n = len(layers)
+    kept = [({} if offload else c.tensors.inputs) if checkpointed[k] else c.tensors.saved for k, c in enumerate(layers)]
+    own = [sum(c.tensors.saved.values()) for c in layers]
+    union = [[0] * (n + 1) for _ in range(n + 1)]
+    transient = [[0] * (n + 1) for _ in range(n + 1)]
+    for i in range(n):
+        running = dict(layers[i].tensors.inputs)
+        total, top = sum(running.values()), 0
+        for j in range(i, n):
+            for storage, size in kept[j].items():
+                if storage not in running:
+                    running[storage] = size
+                    total += size
+            top = max(top, own[j])
+            extra = sum(b for storage, b in layers[j].tensors.outputs.items() if storage not in running)
+            union[i][j + 1] = total + extra
+            transient[i][j + 1] = top
+    cache[key] = (union, transient)
+    return union, transient
 
 
 def _prefix(values: list[int]) -> list[int]:

@@ -208,6 +208,17 @@ def latent_stats(vae: Any) -> tuple[Any, Any]:
 
 class Cosmos1(Cosmos):
     """Cosmos-1.0 Diffusion text-to-world: EDM training and sampling (``EDMEulerScheduler``)."""
+    #: the released size (Cosmos-1.0-Diffusion-7B-Text2World) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: diffusers' CosmosTransformer3DModel defaults, which are that model's transformer/config.json; its CV8x8x8
+    #: tokenizer (16 channels, 8x8x8); T5-11B's 1024-wide features at t5_max_length's default 512
+    plan_size = {
+        "transformer": {"in_channels": 16, "out_channels": 16, "num_attention_heads": 32, "attention_head_dim": 128,
+                        "num_layers": 28, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+                        "max_size": [128, 240, 240], "patch_size": [1, 2, 2], "rope_scale": [2.0, 1.0, 1.0],
+                        "concat_padding_mask": True, "extra_pos_embed_type": "learnable"},
+        "vae": {"latent_channels": 16, "spatial_compression_ratio": 8, "temporal_compression_ratio": 8},
+        "text": {"t5_embeds": (512, 1024)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_cosmos.testing:write_tiny_cosmos1"  # python -m diffpipe_core.testing.tiny_models
 
     variant, default_fps = "1.0", 30.0
@@ -284,6 +295,16 @@ class Predict2(Cosmos):
     latent is ``(1 - t) x_sigma - t F``. With ``x_t = (1 - t) x_0 + t noise`` that is ``x_t - t F``: a velocity
     model (``F = noise - x_0``), and NVIDIA's EDM weight times ``|D - x_0|^2`` is ``(t^2 + (1 - t)^2) |F - (noise -
     x_0)|^2`` (``nvidia_weighting``)."""
+    #: the released size (Cosmos-Predict2-2B-Text2Image) for the GPU-fit table: its transformer/config.json
+    #: (16 heads of 128, 28 blocks, RoPE scale 1/4/4, no extra position embedding); the Wan 2.1 VAE; T5-11B (1024)
+    plan_size = {
+        "transformer": {"in_channels": 16, "out_channels": 16, "num_attention_heads": 16, "attention_head_dim": 128,
+                        "num_layers": 28, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+                        "max_size": [128, 240, 240], "patch_size": [1, 2, 2], "rope_scale": [1.0, 4.0, 4.0],
+                        "concat_padding_mask": True, "extra_pos_embed_type": None},
+        "vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4},
+        "text": {"t5_embeds": (512, 1024)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_cosmos.testing:write_tiny_predict2"  # python -m diffpipe_core.testing.tiny_models
 
     variant, default_fps = "predict2", 16.0

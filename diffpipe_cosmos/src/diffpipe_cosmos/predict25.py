@@ -44,6 +44,20 @@ SYSTEM_PROMPT = "You are a helpful assistant who will provide prompts to an imag
 class Predict25(Predict2):
     """Cosmos-Predict2.5 (module docstring): Predict2's latents, layers, loss and LoRA layout; its own text
     encoder, inputs and sampler."""
+    #: the released size (Cosmos-Predict2.5-2B) for the GPU-fit table: Predict2 2B's blocks with the
+    #: condition-mask channel (in_channels 17), RoPE scale 1/3/3 and the cross-attention projection of
+    #: Cosmos-Reason1-7B's 28 hidden layers x 3584 (100352) to 1024; the Wan 2.1 VAE; text_max_length's default 512
+    plan_size = {
+        "transformer": {"in_channels": 17, "out_channels": 16, "num_attention_heads": 16, "attention_head_dim": 128,
+                        "num_layers": 28, "mlp_ratio": 4.0, "text_embed_dim": 1024, "adaln_lora_dim": 256,
+                        "max_size": [128, 240, 240], "patch_size": [1, 2, 2], "rope_scale": [1.0, 3.0, 3.0],
+                        "concat_padding_mask": True, "extra_pos_embed_type": None, "use_crossattn_projection": True,
+                        "crossattn_proj_in_channels": 100352, "encoder_hidden_states_channels": 1024},
+        "vae": {"z_dim": 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.0},
+        "text_encoder": {"hidden_size": 3584, "num_hidden_layers": 28},
+        "text": {"text_embeds": (512, 100352)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_cosmos.testing_predict25:write_tiny_predict25"  # python -m ...testing.tiny_models
 
     variant: ClassVar[Any] = "predict2.5"

@@ -34,6 +34,16 @@ COMPONENTS = {
 
 class Chroma(Flux):
     """Chroma: Flux's image geometry (multiples of 16 pixels) on a T5-only, modulation-approximator transformer."""
+    #: the released size (Chroma1-HD, 8.9 B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table):
+    #: diffusers' ChromaTransformer2DModel defaults, which are lodestones/Chroma1-HD's transformer/config.json; the VAE
+    #: is FLUX.1's; T5-XXL (4096 wide) at t5_max_length's default 512, with its mask
+    plan_size = {
+        "transformer": {"in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+                        "num_attention_heads": 24, "joint_attention_dim": 4096, "axes_dims_rope": [16, 56, 56],
+                        "approximator_num_channels": 64, "approximator_hidden_dim": 5120, "approximator_layers": 5},
+        "vae": {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"t5_embeds": (512, 4096), "t5_mask": (512,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_flux.testing:write_tiny_chroma"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(

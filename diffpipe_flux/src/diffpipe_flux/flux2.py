@@ -63,6 +63,18 @@ def components(text_encoder: str) -> dict[str, str]:
 
 class Flux2(Flux):
     """FLUX.2 [dev]: a guidance-distilled image model on Mistral3 text features; sizes in multiples of 16 pixels."""
+    #: the released size (FLUX.2 [dev], 32 B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table):
+    #: black-forest-labs/FLUX.2-dev's transformer/config.json (diffusers' Flux2Transformer2DModel defaults, and
+    #: scripts/convert_flux2_to_diffusers.py's "flux2-dev"); the VAE's 32 latent channels; Mistral Small 3.1's
+    #: three stacked hidden layers (3 x 5120) at text_max_length's default 512
+    plan_size = {
+        "transformer": {"in_channels": 128, "num_layers": 8, "num_single_layers": 48, "attention_head_dim": 128,
+                        "num_attention_heads": 48, "joint_attention_dim": 15360, "mlp_ratio": 3.0,
+                        "timestep_guidance_channels": 256, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000,
+                        "guidance_embeds": True},
+        "vae": {"latent_channels": 32, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"text_embeds": (512, 15360)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_flux.testing:write_tiny_flux2"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
@@ -229,6 +241,15 @@ class Flux2(Flux):
 
 class Flux2Klein(Flux2):
     """FLUX.2 [klein]: FLUX.2 on Qwen3 text features (chat template, stacked hidden layers), no guidance input."""
+    #: the released size (FLUX.2 [klein] 4B) for the GPU-fit table: diffusers'
+    #: scripts/convert_flux2_to_diffusers.py's "klein-4b" config (black-forest-labs/FLUX.2-klein-4B); Qwen3-4B's
+    #: three stacked hidden layers (3 x 2560) at text_max_length's default 512
+    plan_size = {
+        **Flux2.plan_size,
+        "transformer": {**Flux2.plan_size["transformer"], "num_layers": 5, "num_single_layers": 20,
+                        "num_attention_heads": 24, "joint_attention_dim": 7680, "guidance_embeds": False},
+        "text": {"text_embeds": (512, 7680)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_flux.testing:write_tiny_klein"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(

@@ -17,11 +17,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from diffpipe_core import hookimpl
+from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.parts.plugin import diffusers_spec
 from diffpipe_flux.config import Flux3Config, Flux3DistilledConfig
 from diffpipe_flux.flux2 import VAE_OPTIONAL, Flux2
-from diffpipe_flux.flux2_keys import vae_layout
 
 if TYPE_CHECKING:
     import torch

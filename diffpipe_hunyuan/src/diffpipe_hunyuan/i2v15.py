@@ -33,6 +33,9 @@ DESCRIPTION = "HunyuanVideo-1.5 image-to-video (diffusers folder or Tencent's si
 class HunyuanVideo15I2V(SampleImageConditioning, HunyuanVideo15):
     """HunyuanVideo-1.5 image-to-video: clips conditioned on their first frame, images as unconditioned 1-frame
     videos."""
+    #: no GPU-fit table (diffpipe_core.engine.fit_table) yet: its first layer's inputs need a first frame encoded by the
+    #: VAE and SigLIP, which a config-only folder cannot do (its size is text-to-video's, plugin15.HunyuanVideo15)
+    plan_size = None
     tiny_writer = "diffpipe_hunyuan.testing15:write_tiny_hunyuan15_i2v"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(HunyuanVideo15.spec, name="hunyuan-video-1.5-i2v", config_schema=HunyuanVideo15I2VConfig,

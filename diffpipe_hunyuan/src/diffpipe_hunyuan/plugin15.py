@@ -47,6 +47,23 @@ TEXT_COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokeni
 class HunyuanVideo15(DiffusersModel, FlowSampling):
     """HunyuanVideo-1.5: a video model (images train as 1-frame videos); VAE 16x spatial, patch 1 = multiples of 16
     pixels; 4x temporal, so frame counts are 4k + 1; clips resampled to 24 fps."""
+    #: the released size (HunyuanVideo-1.5 480p text-to-video, 8.3 B) for the GPU-fit table
+    #: (diffpipe_core.engine.fit_table): the 480p text-to-video transformer/config.json of the diffusers conversion
+    #: (hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v); the VAE's 32 channels at 16x;
+    #: Qwen2.5-VL-7B (3584 wide) at text_max_length 1000 and ByT5's glyph features (1472) at 256
+    plan_size = {
+        "transformer": {"in_channels": 65, "out_channels": 32, "num_attention_heads": 16, "attention_head_dim": 128,
+                        "num_layers": 54, "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 1, "patch_size_t": 1,
+                        "qk_norm": "rms_norm", "text_embed_dim": 3584, "text_embed_2_dim": 1472,
+                        "image_embed_dim": 1152,
+                        "rope_theta": 256.0, "rope_axes_dim": [16, 56, 56], "target_size": 640, "task_type": "t2v",
+                        "use_meanflow": False},
+        "vae": {"latent_channels": 32, "spatial_compression_ratio": 16, "temporal_compression_ratio": 4},
+        "text": {"text_embeds": (1000, 3584), "text_mask": (1000,), "glyph_embeds": (256, 1472), "glyph_mask": (256,)},
+    }  # fmt: skip
+    #: 33 frames at both sizes: diffusers' attention processor makes a (tokens x tokens) boolean mask per block, which
+    #: the meta forward builds for real (848x480x81 is 35k tokens: 1.2 GB a mask, minutes per table)
+    plan_resolutions = [(512, 512, 33), (848, 480, 33)]
     tiny_writer = "diffpipe_hunyuan.testing15:write_tiny_hunyuan15"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

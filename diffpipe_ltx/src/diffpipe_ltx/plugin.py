@@ -41,6 +41,18 @@ SIZES = (
 
 class LTXVideo(DiffusersModel, FlowSampling):
     """LTX-Video: a video (and image) model; VAE 32x spatial (patch 1), 8x temporal: frames 8k + 1 at 25 fps."""
+    #: the released size (LTX-Video 2B, 0.9.x) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: diffusers' LTXVideoTransformer3DModel defaults, which are Lightricks/LTX-Video's transformer/config.json; its
+    #: VAE (128 channels, 32x32x8); T5-XXL (4096) at t5_max_length's default 128
+    plan_size = {
+        "transformer": {"in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1,
+                        "num_attention_heads": 32, "attention_head_dim": 64, "cross_attention_dim": 2048,
+                        "num_layers": 28,
+                        "caption_channels": 4096},
+        "vae": {"latent_channels": 128, "spatial_compression_ratio": 32, "temporal_compression_ratio": 8,
+                "patch_size": 4, "patch_size_t": 1},
+        "text": {"t5_embeds": (128, 4096), "t5_mask": (128,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_ltx.testing:write_tiny_ltx"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

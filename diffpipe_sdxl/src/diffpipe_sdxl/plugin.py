@@ -44,6 +44,19 @@ ENCODER_SETTINGS = ("path", "config_path", "vae_path", "vae_dtype", "text_encode
 
 class SDXL(DiffusersModel, DDPMSampling):
     """SDXL: images, VAE factor 8, sizes rounded to multiples of 64 (SDXL's bucket grid)."""
+    #: the released size (SDXL 1.0 base UNet, 2.6 B) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: stabilityai/stable-diffusion-xl-base-1.0's unet/config.json; its VAE (4 channels, 8x); CLIP-L + bigG (768 + 1280
+    #: wide) over three 77-token chunks, and bigG's pooled 1280
+    plan_size = {
+        "unet": {"in_channels": 4, "out_channels": 4, "sample_size": 128, "block_out_channels": [320, 640, 1280],
+                 "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                 "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                 "transformer_layers_per_block": [1, 2, 10], "attention_head_dim": [5, 10, 20], "layers_per_block": 2,
+                 "cross_attention_dim": 2048, "use_linear_projection": True, "addition_embed_type": "text_time",
+                 "addition_time_embed_dim": 256, "projection_class_embeddings_input_dim": 2816, "norm_num_groups": 32},
+        "vae": {"latent_channels": 4, "block_out_channels": [128, 256, 512, 512], "scaling_factor": 0.13025},
+        "text": {"text_embeds": (231, 2048), "text_mask": (231,), "pooled": (1280,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_sdxl.testing:write_tiny_sdxl"  # python -m diffpipe_core.testing.tiny_models
 
     spec = ModelSpec(

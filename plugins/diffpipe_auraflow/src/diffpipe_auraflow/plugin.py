@@ -32,6 +32,18 @@ COMPONENTS = {
 class AuraFlow(DiffusersModel, FlowSampling):
     """AuraFlow: joint (MMDiT) then single DiT blocks on UMT5 text features with register tokens; VAE factor 8 x 2x2
     patches = multiples of 16 pixels."""
+    #: the released size (AuraFlow v0.3, 6.8 B) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: fal/AuraFlow-v0.3's transformer/config.json (diffusers' defaults but a 9216-patch position table); SDXL's VAE;
+    #: Pile-T5-XL (2048) at text_max_length's default 256
+    plan_size = {
+        "transformer": {"sample_size": 64, "patch_size": 2, "in_channels": 4, "num_mmdit_layers": 4,
+                        "num_single_dit_layers": 32, "attention_head_dim": 256, "num_attention_heads": 12,
+                        "joint_attention_dim": 2048, "caption_projection_dim": 3072, "out_channels": 4,
+                        "pos_embed_max_size": 9216},
+        "vae": {"latent_channels": 4, "block_out_channels": [128, 256, 512, 512]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 1.73},
+        "text": {"text_embeds": (256, 2048)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_auraflow.testing:write_tiny_auraflow"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

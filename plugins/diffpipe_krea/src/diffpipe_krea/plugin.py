@@ -48,6 +48,19 @@ DISTILLED_MU = 1.15
 class Krea2(DiffusersModel, FrameVAEDecoding, FlowSampling):
     """Krea 2 (Raw, the base checkpoint): text-fusion then single-stream blocks over ``[text, image]``; samples as
     ``Krea2Pipeline`` (its ``is_distilled`` config picks the fixed shift of the distilled checkpoint)."""
+    #: the released size (Krea 2) for the GPU-fit table (diffpipe_core.engine.fit_table): diffusers'
+    #: Krea2Transformer2DModel defaults, which are the release's transformer/config.json; the Qwen-Image VAE (16
+    #: channels, 8x); the text model's 12 hidden layers of 2560 at text_max_length's default 512
+    plan_size = {
+        "transformer": {"in_channels": 64, "num_layers": 28, "attention_head_dim": 128, "num_attention_heads": 48,
+                        "num_key_value_heads": 12, "intermediate_size": 16384, "text_hidden_dim": 2560,
+                        "num_text_layers": 12},
+        "vae": {"z_dim": 16, "temperal_downsample": [False, True, True]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True,
+                      "time_shift_type": "exponential", "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+                      "max_image_seq_len": 8192, "shift": 1.0},
+        "text": {"text_embeds": (512, 12, 2560), "text_mask": (512,)},
+    }  # fmt: skip
 
     tiny_writer = "diffpipe_krea.testing:write_tiny_krea2"  # python -m diffpipe_core.testing.tiny_models
     spec = diffusers_spec(

@@ -34,6 +34,17 @@ HEAD_DIM = Shape(weight_of("layers.0.attention.q_norm", "layers.0.attn.norm_q"),
 class Lumina2(DiffusersModel, FlowSampling):
     """Lumina Image 2.0: a single-stream DiT (NextDiT) with caption and image refiner blocks on Gemma 2 text features;
     Flux's VAE (factor 8) x 2x2 patches = multiples of 16 pixels."""
+    #: the released size (Lumina-Image 2.0, 2.6 B) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: Alpha-VLLM/Lumina-Image-2.0's transformer/config.json (diffusers' defaults with Gemma-2-2B's 2304-wide caption
+    #: features); FLUX.1's VAE; text_max_length's default 256
+    plan_size = {
+        "transformer": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "hidden_size": 2304, "num_layers": 26,
+                        "num_refiner_layers": 2, "num_attention_heads": 24, "num_kv_heads": 8, "multiple_of": 256,
+                        "norm_eps": 1e-05, "axes_dim_rope": [32, 32, 32], "axes_lens": [300, 512, 512],
+                        "cap_feat_dim": 2304},
+        "vae": {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"text_embeds": (256, 2304), "text_mask": (256,)},
+    }  # fmt: skip
 
     tiny_writer = "diffpipe_lumina.testing:write_tiny_lumina2"  # python -m diffpipe_core.testing.tiny_models
     spec = diffusers_spec(

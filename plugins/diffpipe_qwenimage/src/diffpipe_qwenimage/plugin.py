@@ -46,6 +46,19 @@ SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image
 class QwenImage(DiffusersModel, FrameVAEDecoding, FlowSampling):
     """Qwen-Image: an MMDiT over 2x2-packed latents of a VAE with 8x compression (sizes in multiples of 16 pixels),
     conditioned on Qwen2.5-VL's last hidden state of the chat-templated caption."""
+    #: the released size (Qwen-Image, 20 B) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: Qwen/Qwen-Image's transformer/config.json (= diffusers' QwenImageTransformer2DModel defaults); its VAE (16
+    #: channels, 8x); Qwen2.5-VL-7B (3584) at text_max_length's default 512
+    plan_size = {
+        "transformer": {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+                        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584,
+                        "guidance_embeds": False, "axes_dims_rope": [16, 56, 56]},
+        "vae": {"z_dim": 16, "temperal_downsample": [False, True, True]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True,
+                      "time_shift_type": "exponential", "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+                      "max_image_seq_len": 8192, "shift": 1.0},
+        "text": {"text_embeds": (512, 3584), "text_mask": (512,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_qwenimage.testing:write_tiny_qwen"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

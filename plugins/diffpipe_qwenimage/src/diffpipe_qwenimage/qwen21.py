@@ -44,6 +44,19 @@ SCHEDULER = {"use_dynamic_shifting": False, "base_image_seq_len": 256, "max_imag
 class QwenImage21(DiffusersModel, FlowSampling):
     """Qwen-Image 2.1: one sequence of Qwen3-VL text features and the target's latent pixels (sizes in multiples of 32
     pixels: a 16x VAE whose 2x2 latent groups fill the text encoder's image slots)."""
+    #: the released size (Qwen-Image 2.1) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: diffusers' QwenImage21Transformer2DModel defaults, which are the release's transformer/config.json; text
+    #: features 4096 wide at text_max_length's default 512; its RGBA VAE (64 channels, 16x)
+    plan_size = {
+        "transformer": {"patch_size": 1, "in_channels": 64, "out_channels": 64, "num_layers": 32,
+                        "attention_head_dim": 128, "num_attention_heads": 32, "context_in_dim": 4096, "mlp_ratio": 3,
+                        "axes_dims_rope": [16, 56, 56]},
+        "vae": {"in_channels": 4, "z_dim": 64, "temperal_downsample": [False, True, True, True]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True,
+                      "time_shift_type": "exponential", "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+                      "max_image_seq_len": 8192, "shift": 1.0},
+        "text": {"text_embeds": (512, 4096), "text_mask": (512,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_qwenimage.testing21:write_tiny_qwen21"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

@@ -42,6 +42,18 @@ BLOCK_LINEARS = (
 class SD3(DiffusersModel, FlowSampling):
     """SD3 / SD3.5: an MMDiT on CLIP-L + CLIP-G + T5 text features and a pooled CLIP vector; VAE factor 8 x 2x2
     patches = multiples of 16 pixels."""
+    #: the released size (Stable Diffusion 3.5 Large, 8.1 B) for the GPU-fit table
+    #: (diffpipe_core.engine.fit_table): stabilityai/stable-diffusion-3.5-large's transformer/config.json; its VAE (16
+    #: channels, 8x); CLIP-L + bigG + T5-XXL's 77 + 256 tokens (4096 wide) and the pooled 2048
+    plan_size = {
+        "transformer": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
+                        "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+                        "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
+                        "pos_embed_max_size": 192, "qk_norm": "rms_norm"},
+        "vae": {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0},
+        "text": {"text_embeds": (333, 4096), "pooled": (2048,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_sd3.testing:write_tiny_sd3"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(

@@ -40,6 +40,17 @@ HEAD_DIM = Shape(weight_of("layers.0.attention.q_norm", "layers.0.attention.norm
 class ZImage(DiffusersModel, FlowSampling):
     """Z-Image: a single-stream image DiT on Qwen3 text features; VAE factor 8 x 2x2 patches = multiples of 16
     pixels."""
+    #: the released size (Z-Image-Turbo, 6.2 B) for the GPU-fit table (diffpipe_core.engine.fit_table):
+    #: Tongyi-MAI/Z-Image-Turbo's transformer/config.json; FLUX.1's VAE; Qwen3-4B (2560) at text_max_length's
+    #: default 512
+    plan_size = {
+        "transformer": {"all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16, "dim": 3840, "n_layers": 30,
+                        "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-05, "qk_norm": True,
+                        "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+                        "axes_lens": [1536, 512, 512]},
+        "vae": {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"text_embeds": (512, 2560), "text_mask": (512,)},
+    }  # fmt: skip
     tiny_writer = "diffpipe_zimage.testing:write_tiny_zimage"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
