@@ -77,6 +77,8 @@ class PipelineSampler:
         self.guided_by_model = runs_unconditional(plugin, sample.cfg)
         last = layout.stage_id == layout.stages - 1
         self.unconditional = HeldUnconditional(plugin, model_config, device) if self.guided_by_model and last else None
+        if self.unconditional is not None:
+            self.unconditional.load()  # host memory, before training: a missing file fails the run now
 
     def due(self, step: int, epoch_done: bool, epoch: int) -> bool:
         """After optimizer step ``step`` (1-based), at the configured interval."""

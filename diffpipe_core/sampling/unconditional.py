@@ -48,7 +48,11 @@ class HeldUnconditional:
         self.model: nn.Module | None = None
         self.layers: list[nn.Module] = []
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Load the model into host memory now (the sampler does at its start: a missing file fails the run before
+        training, not at its first sampling point)."""
+        if self.model is not None:
+            return
         model = self.plugin.require(
             "load_unconditional_model", model_config=self.model_config, device=HOST, dtype=_dtype(self.model_config)
         )
@@ -59,8 +63,7 @@ class HeldUnconditional:
     @contextmanager
     def forward(self) -> Iterator[Any]:
         """The model's layers chained on the device (:class:`LayerChainForward`), moved back to host memory after."""
-        if self.model is None:
-            self._load()
+        self.load()
         assert self.model is not None
         moved = self.device.type != HOST.type
         if moved:
