@@ -70,24 +70,28 @@ def make_plan(
     toward_base = roles is not None and roles.any_base and not forward_only
     dop = roles is not None and getattr(roles, "any_dop", False) and not forward_only
     passes = int(getattr(cfg.model, "cfg", None) is not None and not forward_only) + int(toward_base) + int(dop)
-    plan = plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
+    return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
                        (toward_base or dop) and cfg.run.adapter is None, 2 if dop else 1)
-    count_unconditional(plan, cfg, plugin)
-    return plan
 
 
-def count_unconditional(plan: StagePlan, cfg: ResolvedConfig, plugin: ModelPlugin) -> None:
-    """With ``[sample] cfg > 1`` for a model declaring ``unconditional_model``: its weights on the last stage while
-    sampling (``sampling_bytes``; the stages are cut without it)."""
+def unconditional_line(plan: StagePlan, cfg: ResolvedConfig, plugin: ModelPlugin) -> str | None:
+    """With ``[sample] cfg > 1`` for a model declaring ``unconditional_model``: the plan's line for it, on the last
+    stage while sampling (its weights beside the stage's weights and trained state; the stages are cut without it);
+    None otherwise."""
+    from diffpipe_core.engine.stage_plan import _mib
     from diffpipe_core.sampling.unconditional import runs_unconditional, unconditional_bytes
 
     sample = cfg.run.sample
     if sample is None or not runs_unconditional(plugin, sample.cfg):
-        return
+        return None
+    what = f"  sampling (cfg {sample.cfg:g}): stage {len(plan.stages) - 1} also holds {plugin.spec.unconditional_model}"
     try:
-        plan.stages[-1].sampling_bytes = unconditional_bytes(plugin, cfg.model)
+        size = unconditional_bytes(plugin, cfg.model)
     except Exception as exc:  # a plan never stops a run: say what is not counted
-        plan.activations += f"; the unconditional model not counted ({type(exc).__name__}: {str(exc)[:120]})"
+        return f"{what}, not counted ({type(exc).__name__}: {str(exc)[:120]})"
+    last = plan.stages[-1]
+    peak = last.weight_bytes + last.state_bytes + size
+    return f"{what}, +{_mib(size)} while sampling (host memory otherwise): {_mib(peak)} with its weights and state"
 
 
 def plan_for_config(cfg: ResolvedConfig, plugin: ModelPlugin) -> StagePlan:
@@ -111,6 +115,7 @@ def plan_report(cfg: ResolvedConfig, plugin: ModelPlugin) -> list[str]:
     from diffpipe_core.engine.stage_plan import format_plan
 
     try:
-        return format_plan(plan_for_config(cfg, plugin))
+        plan = plan_for_config(cfg, plugin)
+        return [*format_plan(plan), *filter(None, [unconditional_line(plan, cfg, plugin)])]
     except ValueError as exc:
         return [f"stage plan: not available: {exc}"]

@@ -37,7 +37,7 @@ from diffpipe_core.engine.ema import EmaWeights
 from diffpipe_core.engine.layer_rng import LayerSeeds, seed_stage_layers
 from diffpipe_core.engine.model_loading import load_for_stages, materialise_layers
 from diffpipe_core.engine.optimizer_guard import OptimizerGuard
-from diffpipe_core.engine.plan_build import make_plan
+from diffpipe_core.engine.plan_build import make_plan, unconditional_line
 from diffpipe_core.engine.regularization import FrozenBase, needs_base
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
@@ -154,7 +154,8 @@ def build_stage_module(
     )
     parts = plan.parts
     if layout.rank == 0:
-        print("diffpipe: " + "\n".join(format_plan(plan)), flush=True)
+        lines = [*format_plan(plan), *filter(None, [unconditional_line(plan, cfg, plugin)])]
+        print("diffpipe: " + "\n".join(lines), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
     label = f"stage {layout.stage_id}" if layout.dp_rank == 0 else None  # quantize_stage prints one line

@@ -54,7 +54,6 @@ class StageEstimate:
     micro_batch_bytes: int = 0  # one micro-batch's kept activations with its input and output (x in_flight)
     host_state_bytes: int = 0  # trained state in host memory: offloaded optimizer state, [ema] on the cpu, base copy
     load_bytes: int = 0  # merge_adapters: what merging holds beside the weights while the stage loads
-    sampling_bytes: int = 0  # the unconditional model of cfg > 1 samples (last stage; host memory between samples)
 
     @property
     def queued_bytes(self) -> int:
@@ -65,8 +64,7 @@ class StageEstimate:
     def peak_bytes(self) -> int:
         training = self.weight_bytes + self.state_bytes + max(self.activation_bytes + self.transient_bytes,
                                                               self.save_bytes)
-        sampling = self.weight_bytes + self.state_bytes + self.sampling_bytes if self.sampling_bytes else 0
-        return max(training, self.weight_bytes + self.load_bytes, sampling)
+        return max(training, self.weight_bytes + self.load_bytes)
 
 
 @dataclass
@@ -282,7 +280,6 @@ def format_plan(plan: StagePlan) -> list[str]:
     for s in plan.stages:
         host = f", +{_mib(s.host_bytes)} host" if s.host_bytes else ""
         host += f", +{_mib(s.host_state_bytes)} host state" if s.host_state_bytes else ""
-        host += f", +{_mib(s.sampling_bytes)} unconditional model while sampling" if s.sampling_bytes else ""
         lines.append(
             f"  {s.stage:<6}{_count(s.params):>10}{_mib(s.weight_bytes):>12}{_mib(s.state_bytes):>12}"
             f"{_mib(s.activation_bytes + s.transient_bytes):>13}{_mib(s.save_bytes):>10}{_mib(s.peak_bytes):>13}  "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from diffpipe_core.sampling.config import SampleConfig
 from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
@@ -103,21 +104,21 @@ class Ideogram4Guided(type(plugin)):  # type: ignore[misc]
 
 
 def test_the_stage_plan_counts_the_unconditional_transformer_only_for_guided_samples(tiny_ideogram4: Path) -> None:
-    """The last stage's estimate holds the unconditional transformer's weights (from its skeleton on meta, reading no
-    weight) when ``[sample] cfg > 1``, in its peak and its line; with ``cfg = 1`` nothing is counted (nor loaded)."""
+    """The plan's line for the last stage holds the unconditional transformer's weights (from its skeleton on meta,
+    reading no weight) beside the stage's weights and state when ``[sample] cfg > 1``; with ``cfg = 1`` there is none
+    (nor is it loaded)."""
     from types import SimpleNamespace
 
-    from diffpipe_core.engine.plan_build import count_unconditional
-    from diffpipe_core.engine.stage_plan import StageEstimate, StagePlan, format_plan
-    from diffpipe_core.sampling.config import SampleConfig
+    from diffpipe_core.engine.plan_build import unconditional_line
+    from diffpipe_core.engine.stage_plan import StageEstimate, StagePlan, _mib
 
     model, cfg = registered(plugin, "ideogram4"), config(tiny_ideogram4)
     held = load_pipeline(tiny_ideogram4).unconditional_transformer.state_dict().values()
     want = sum(t.numel() * t.element_size() for t in held)
-    for scale, counted in ((1.0, 0), (GUIDANCE, want)):
-        stage = StageEstimate(0, 0, 4, ["EmbedLayer"], 10, 1000, 0, 100, 50, 0, 1)
+    plan = StagePlan("explicit", [0, 4], [StageEstimate(0, 0, 4, ["EmbedLayer"], 10, 1000, 0, 100, 50, 0, 1)], "none")
+    for scale in (1.0, GUIDANCE):
         run = SimpleNamespace(run=SimpleNamespace(sample=SampleConfig(prompts=[PROMPT], cfg=scale)), model=cfg)
-        count_unconditional(plan := StagePlan("explicit", [0, 4], [stage], "none"), run, model)  # type: ignore[arg-type]
-        assert stage.sampling_bytes == counted
-        assert stage.peak_bytes == 1000 + 100 + max(50, counted)
-        assert ("unconditional model while sampling" in format_plan(plan)[2]) == bool(counted)
+        line = unconditional_line(plan, run, model)  # type: ignore[arg-type]
+        assert line == (None if scale == 1.0 else (
+            f"  sampling (cfg 2.5): stage 0 also holds unconditional_transformer, +{_mib(want)} while sampling (host "
+            f"memory otherwise): {_mib(1100 + want)} with its weights and state"))
