@@ -29,7 +29,7 @@ from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling, FrameVAEDecoding
 from diffpipe_core.parts.wan_vae import wan_vae_table
 from diffpipe_cosmos.config import AnimaConfig
-from diffpipe_cosmos.plugin import BLOCKS, LORA_TARGETS, Cosmos
+from diffpipe_cosmos.plugin import BLOCKS, LORA_TARGETS, Cosmos, Predict2
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,21 @@ TEXT_KEYS = ("qwen_embeds", "qwen_mask", "t5_ids", "t5_mask")
 class Anima(DiffusersModel, FrameVAEDecoding, FlowSampling):
     """Anima (module docstring): Predict2's transformer and layers after the LLM adapter, Qwen-Image's latents,
     flow-matching training and ``AnimaModularPipeline``'s sampler."""
+    #: the released size (Anima, circlestone-labs/Anima-Base-v1.0-Diffusers) for the GPU-fit table
+    #: (diffpipe_core.engine.fit_table): diffusers' scripts/convert_anima_to_diffusers.py builds the transformer from
+    #: convert_cosmos_to_diffusers.py's "Cosmos-2.0-Diffusion-2B-Text2Image" config (Predict2 2B's) and the scheduler
+    #: at shift 3; the LLM adapter at AnimaTextConditioner's defaults (ComfyUI's LLMAdapter: 6 blocks of 1024 over
+    #: Qwen3 0.6B's 1024, T5's 32128 ids); Qwen-Image's VAE (16 channels, 8x); Qwen3 and T5 tokens at
+    #: text_max_length's default 512
+    plan_size = {
+        "transformer": Predict2.plan_size["transformer"],
+        ADAPTER: {"source_dim": 1024, "target_dim": 1024, "model_dim": 1024, "num_layers": 6,
+                  "num_attention_heads": 16, "mlp_ratio": 4.0, "target_vocab_size": 32128,
+                  "use_self_attention": True, "use_layer_norm": False},
+        "vae": {"z_dim": 16, "temperal_downsample": [False, True, True]},
+        "scheduler": {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0},
+        "text": {"qwen_embeds": (512, 1024), "qwen_mask": (512,), "t5_ids": (512,), "t5_mask": (512,)},
+    }  # fmt: skip
 
     tiny_writer = "diffpipe_cosmos.testing_anima:write_tiny_anima"  # python -m diffpipe_core.testing.tiny_models
     spec = diffusers_spec(

@@ -73,7 +73,19 @@ class Flux3(Flux2):
     single_file_name = "flux3-transformer.safetensors"
     key_tables = "diffpipe_flux.flux3_keys"
     comfy_takes_diffusers_names = False  # no ComfyUI FLUX.3 yet: its layout is BFL's names, as diffusers reads them
-    plan_size = None  # no GPU-fit table yet
+    #: the released size (FLUX 3 Image Klein Base, 5.6 B as BFL's flux-3-image-klein README gives it) for the GPU-fit
+    #: table (diffpipe_core.engine.fit_table): diffusers 0.42.1's Flux3Transformer2DModel defaults, which are the
+    #: klein checkpoints' transformer/config.json (5 per-mode and 28 joint blocks of 24 x 128, joint_attention_dim
+    #: 20480 = the modular pipeline's 8 tapped Qwen3-VL-4B layers x 2560); FLUX.2's VAE (32 channels, 16x with the
+    #: 2x2 patches); the text window at text_max_length's default 512 (8 x 2560 per token)
+    plan_size = {
+        "transformer": {"in_channels": 128, "cond_in_channels": 128, "num_layers": 5, "num_single_layers": 28,
+                        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 20480,
+                        "timestep_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32],
+                        "rope_theta": 10000, "flow_map": False},
+        "vae": {"latent_channels": 32, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"text_embeds": (512, 20480), "text_valid": (512,)},
+    }  # fmt: skip
     pipeline_class: ClassVar[str] = "Flux3ModularPipeline"  # (FLUX.2's text pipeline is not used: the text block is)
 
     def default_lora_targets(self, model_config: Any) -> list[str]:
@@ -233,6 +245,12 @@ class Flux3Distilled(Flux3):
         description="FLUX.3 step-distilled (a flow map: few steps, no guidance; diffusers folder or single file)",
     )
     folder = replace(Flux3.folder, model_name="flux3-distilled", single_file_example="flux-3-image-klein.safetensors")
+    #: the released size (FLUX 3 Image Klein, the step-distilled checkpoint): the base model's transformer with the
+    #: flow map's target-time embedder (``flow_map``, as its transformer/config.json sets it); the same VAE and text
+    plan_size = {
+        **Flux3.plan_size,
+        "transformer": {**Flux3.plan_size["transformer"], "flow_map": True},
+    }  # fmt: skip
 
 
 flux3 = Flux3()

@@ -65,6 +65,18 @@ def untokens(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
 class Ideogram4(DiffusersModel, FlowSampling):
     """Ideogram 4: the conditional transformer over ``[text, image]``; samples as ``Ideogram4Pipeline``, its
     unconditional transformer (declared ``unconditional_model``) running the negative branch when ``cfg > 1``."""
+    #: the released size (Ideogram 4, ideogram-ai/ideogram-v4: the 9 B conditional transformer) for the GPU-fit table
+    #: (diffpipe_core.engine.fit_table): diffusers 0.42.1's Ideogram4Transformer2DModel defaults, which are the
+    #: release's transformer config (34 blocks of 18 x 256, SwiGLU 12288; llm_features_dim 53248 = the pipeline's 13
+    #: tapped Qwen3-VL-8B layers x 4096); FLUX.2's VAE (32 channels, 16x with the 2x2 patches); the caption at
+    #: text_max_length's default 256
+    plan_size = {
+        "transformer": {"in_channels": 128, "num_layers": 34, "attention_head_dim": 256, "num_attention_heads": 18,
+                        "intermediate_size": 12288, "adaln_dim": 512, "llm_features_dim": 53248,
+                        "rope_theta": 5000000, "mrope_section": [24, 20, 20], "norm_eps": 1e-5},
+        "vae": {"latent_channels": 32, "block_out_channels": [128, 256, 512, 512]},
+        "text": {"text_embeds": (256, 53248), "text_mask": (256,)},
+    }  # fmt: skip
 
     tiny_writer = "diffpipe_ideogram.testing:write_tiny_ideogram4"  # python -m diffpipe_core.testing.tiny_models
     spec = diffusers_spec(
