@@ -1,7 +1,8 @@
 """The frozen second model of the unconditional branch (``ModelSpec.unconditional_model``), for samples with
 ``[sample] cfg > 1``: loaded once per run on each pipeline's last stage into host memory (never for ``cfg = 1``, nor
 for a model that does not declare one), cut into the plugin's layers, on the device only while a sampling point
-denoises. The stage plan counts its bytes on the last stage (:func:`unconditional_bytes`)."""
+denoises. The stage plan's line for it (:func:`~diffpipe_core.engine.plan_build.unconditional_line`) counts its
+bytes on the last stage (:func:`unconditional_bytes`)."""
 
 from __future__ import annotations
 
