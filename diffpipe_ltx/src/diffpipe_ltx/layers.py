@@ -2,7 +2,8 @@
 
 What flows between layers (a tuple of tensors; every float tensor is used downstream):
 
-- into the first layer: ``(x_t, t, t5_embeds, t5_mask, grid)`` (see :mod:`diffpipe_ltx.inputs`);
+- into the first layer: ``(x_t, t, t5_embeds, t5_mask, grid)`` (see :mod:`diffpipe_ltx.inputs`), ``t`` per latent
+  frame (B, F), or (B, 1) for one time on every frame;
 - between blocks: ``(hidden, text, temb, embedded_timestep, rope_cos, rope_sin, t5_mask)``;
 - the last block passes on only ``(hidden, embedded_timestep)``;
 - out of the output layer: ``(prediction,)`` in float32, packed like ``x_t``.
@@ -31,9 +32,10 @@ def frame_time_embedding(
     ``t`` (B, F) of each latent frame: ``(temb, embedded)`` with one row per sample when every frame of every sample
     has the same time (no conditioned first frame: as the pipelines pass one timestep), else one row per token (each
     frame's embedding spread over its ``tokens_per_frame`` tokens, as the image-to-video pipelines' per-token
-    timesteps give)."""
+    timesteps give). ``t`` of shape (B, 1) is one time for every frame, known from its shape without reading its
+    values (sampling passes that, so a forward on the meta device, which has no values, runs too)."""
     b = t.shape[0]
-    same_time = bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
+    same_time = t.shape[1] == 1 or bool((t == t[:, :1]).all())  # no conditioned first frame in this micro-batch
     per_frame = t[:, :1] if same_time else t
     temb, embedded = time_embed(per_frame.flatten() * 1000, batch_size=b, hidden_dtype=dtype)
     temb, embedded = temb.view(b, per_frame.shape[1], -1), embedded.view(b, per_frame.shape[1], -1)
