@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from diffpipe_core.component_files import cached_snapshot
+from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
@@ -23,7 +24,6 @@ from diffpipe_core.testing.component_files import (
     save,
 )
 from diffpipe_flux.config import Flux3Config, Flux3DistilledConfig
-from diffpipe_flux.flux2_keys import vae_layout
 from diffpipe_flux.flux3 import flux3
 from diffpipe_flux.flux3_keys import layout_for_config
 
