@@ -37,7 +37,7 @@ def called_directly(hook: str, text: str) -> bool:
 
 
 def _test_sources() -> list[Path]:
-    folders = [ROOT / "tests", *ROOT.glob("diffpipe_*/tests")]
+    folders = [ROOT / "tests", *ROOT.glob("diffpipe_*/tests"), *ROOT.glob("plugins/diffpipe_*/tests")]
     return [p for folder in folders for p in folder.rglob("*.py") if "template" not in p.relative_to(ROOT).parts]
 
 

@@ -83,6 +83,18 @@ def test_guided_sample_equals_the_pipeline_through_its_unconditional_transformer
         out = pipe(prompt=PROMPT, output_type="latent", generator=noise_generator(SEED, 0), **call).images
         image = pipe(prompt=PROMPT, output_type="pt", latents=tokens(noise), **call).images[0]
     assert_same_sample(ours, untokens(out, 4, 4), noise)
+    # the two hooks as the core calls them: on meta, the skeleton of the folder's unconditional transformer; the
+    # unconditional branch's inputs are the conditional branch's without the text tokens
+    meta = model.require("load_unconditional_model", model_config=cfg, device=torch.device("meta"),
+                         dtype=torch.float32)  # fmt: skip
+    shipped = pipe.unconditional_transformer
+    assert type(meta) is type(shipped) and all(p.is_meta for p in meta.parameters())
+    assert sum(p.numel() for p in meta.parameters()) == sum(p.numel() for p in shipped.parameters())
+    schedule = torch.tensor([1.0, 0.5, 0.0])
+    uncond = model.require("unconditional_inputs", latents=noise, schedule=schedule, index=1, request=REQUEST,
+                           model_config=cfg)  # fmt: skip
+    cond = plugin.denoise_inputs(noise, schedule, 1, texts.cond, REQUEST, cfg)
+    assert sum(t.numel() for t in uncond) < sum(t.numel() for t in cond)
     ((_, pixels),) = decode(model, cfg, {0: ours}, torch.device("cpu"))
     torch.testing.assert_close(pixels / 2 + 0.5, image, rtol=1e-4, atol=1e-5)
 
