@@ -238,9 +238,11 @@ def save_adapter(
     dtype: torch.dtype,
     prefix: str,
     metadata: dict[str, str] | None = None,
+    config_labels: dict[str, str] | None = None,
 ) -> None:
     """Write each ``{filename: state_dict}`` atomically in ``dtype`` plus ``adapter_config.json``; every file's
-    metadata also holds ``metadata``.
+    metadata also holds ``metadata``, and ``adapter_config.json`` ``config_labels`` (e.g. which network of the model
+    the adapter is for).
 
     Only the diffusers file (``adapter_model.safetensors``) carries the adapter config as metadata; diffusers
     refuses kohya-style files that have both ``.alpha`` tensors and that metadata.
@@ -252,7 +254,8 @@ def save_adapter(
         meta = diffusers_metadata(config, [prefix, *others]) if name == ADAPTER_FILE else {"format": "pt"}
         meta |= metadata or {}
         atomic_save_safetensors(tensors, out_dir / name, meta)
-    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(saved_adapter_config(config), indent=2))
+    saved = saved_adapter_config(config) | (config_labels or {})
+    atomic_write_text(out_dir / CONFIG_FILE, json.dumps(saved, indent=2))
 
 
 def read_adapter(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

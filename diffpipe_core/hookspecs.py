@@ -185,6 +185,22 @@ def export_adapter(
 
 
 @hookspec(firstresult=True)
+def adapter_parts(
+    state_dict: dict[str, torch.Tensor], model_config: ModelConfigBase
+) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]] | None:
+    """*model, optional* Split a trained adapter into parts saved each as an adapter of its own (a model that
+    trains two networks in one run, such as Wan 2.2 A14B's two experts), or label the one adapter.
+
+    ``state_dict`` is what :func:`export_adapter` gets (keys relative to the diffusion model, strength folded in).
+    Return ``{part: (state_dict, labels)}``: each part is written to ``saved/<name>/<part>/`` (``""``: to
+    ``saved/<name>/`` itself) as a complete adapter folder, every format of ``[adapter] save_formats`` from its own
+    ``state_dict`` (keys relative to the network the part loads into), and ``labels`` (strings) are added to every
+    file's safetensors metadata and to its ``adapter_config.json``. A ``diffpipe.part`` label is printed in the
+    run's summary beside the part's folder. Default (None): one adapter in ``saved/<name>/``, no labels.
+    """
+
+
+@hookspec(firstresult=True)
 def adapter_key_names(modules: list[str], format: str) -> dict[str, str] | None:
     """*model, optional* Where a LoKr or LoHa goes in the ``format`` layout (``[adapter] type = "lokr"``/``"loha"``).
 

@@ -75,3 +75,21 @@ def test_a_targeted_module_no_layer_calls_is_named_after_the_first_backward() ->
     assert lora_without_gradient(dict(model.named_parameters())) == [
         "unused.lora_A.default.weight", "unused.lora_B.default.weight",
     ]  # fmt: skip
+
+
+def test_a_parameter_group_that_sat_the_step_out_is_not_named() -> None:
+    """A model of two networks trained in one run (Wan 2.2 A14B's experts), each its own optimizer group: a step whose
+    samples all used one network leaves the other group without gradients; a module never called is still named."""
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "b_unused": nn.Linear(4, 4)})
+    layer = _Holds(model["a"], nn.ModuleList([model["b"], model["b_unused"]]))
+    adapt_layers(model, [layer], lora_config(2, 2, 0.0, ["a", "b", "b_unused"]), torch.float32)
+    layer(torch.randn(3, 4)).sum().backward()  # network b sat this step out
+    named = dict(model.named_parameters())
+    lora = [n for n in named if "lora_" in n]
+    groups = [[named[n] for n in lora if n.startswith(side)] for side in ("a.", "b")]
+    assert lora_without_gradient(named, groups) == []
+    assert len(lora_without_gradient(named)) == 4  # without groups, b's tensors are named
+    model["b"](torch.randn(3, 4)).sum().backward()  # b used, b_unused still not: named
+    assert lora_without_gradient(named, groups) == [
+        "b_unused.lora_A.default.weight", "b_unused.lora_B.default.weight",
+    ]  # fmt: skip

@@ -59,7 +59,9 @@ def rewire_layers(model: nn.Module, layers: list[nn.Module]) -> int:
     return replaced
 
 
-def lora_without_gradient(named: dict[str, torch.Tensor]) -> list[str]:
+def lora_without_gradient(named: dict[str, torch.Tensor], groups: list[list[torch.Tensor]] | None = None) -> list[str]:
     """The adapter tensors among ``named`` (trainable tensors by name) that got no gradient: not in the forward
-    path."""
-    return [n for n, p in named.items() if is_adapter_param(n) and p.grad is None]
+    path. With ``groups`` (the optimizer's parameter groups' tensors), a group none of whose tensors got a gradient sat
+    the step out (a network the step's samples did not use, as one of Wan 2.2 A14B's two experts) and is not named."""
+    idle = {id(p) for group in groups or [] if all(p.grad is None for p in group) for p in group}
+    return [n for n, p in named.items() if is_adapter_param(n) and p.grad is None and id(p) not in idle]

@@ -219,7 +219,7 @@ def _write_trained(
         merged = gather_to_rank0(lora_state_dict(stage.model), include=layout.dp_rank == 0)
         if layout.rank == 0:
             assert merged is not None
-            problems = write_adapter(out, merged, plugin, stage.lora, run.adapter.save_formats, save_dtype)
+            problems = write_adapter(out, merged, plugin, stage.lora, run.adapter.save_formats, save_dtype, cfg.model)
             _report_save_problems(out, problems)
         dist.barrier()
     else:

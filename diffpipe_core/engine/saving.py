@@ -45,18 +45,41 @@ def write_adapter(
     config: PeftConfig,
     formats: list[str],
     dtype: torch.dtype,
+    model_config: Any = None,
 ) -> list[str]:
     """Rank 0: write the adapter folder atomically in every requested format.
 
     A format whose export fails is left out and named in the returned list of problems; the others, and
     always the diffusers file, are still written, so a late export bug never costs the trained adapter.
-    Every file has the trained strength folded in and alpha = rank (:func:`fold_strength`).
+    Every file has the trained strength folded in and alpha = rank (:func:`fold_strength`). With ``model_config``,
+    the plugin's ``adapter_parts`` may split the adapter into sub-folders and label every file.
     """
     trained_alpha, _ = alpha_and_rank(config)
     state, config = fold_strength(state, config)
     prefix = plugin.call("adapter_key_prefix") or "transformer"
-    files: dict[str, dict[str, torch.Tensor]] = {}
+    parts = plugin.call("adapter_parts", state_dict=state, model_config=model_config) if model_config else None
     problems: list[str] = []
+    written: list[tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, str]]] = []
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    for part, (part_state, labels) in (parts or {"": (state, {})}).items():
+        files = _adapter_files(part_state, plugin, config, formats, problems)
+        written.append((tmp / part if part else tmp, files, dict(labels)))
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    needed = sum(v.numel() * dtype.itemsize for _, files, _ in written for t in files.values() for v in t.values())
+    with space_checked(tmp, needed, f"the adapter {out_dir}", _kept(out_dir)):
+        for folder, files, labels in written:
+            save_adapter(folder, files, config, dtype, prefix, {TRAINED_ALPHA: f"{trained_alpha:g}", **labels}, labels)
+    replace_dir(tmp, out_dir)
+    return problems
+
+
+def _adapter_files(
+    state: dict[str, torch.Tensor], plugin: ModelPlugin, config: PeftConfig, formats: list[str], problems: list[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """``{file name: tensors}`` of one adapter in every format (always ``diffusers``); failures go to ``problems``."""
+    prefix = plugin.call("adapter_key_prefix") or "transformer"
+    files: dict[str, dict[str, torch.Tensor]] = {}
     for fmt in dict.fromkeys(["diffusers", *formats]):
         try:
             exported = export_adapter_format(state, plugin, config, fmt)
@@ -67,14 +90,23 @@ def write_adapter(
             exported = diffusers_format(state, prefix)
         if exported is not None:
             files[ADAPTER_FILE if fmt == "diffusers" else f"adapter_model.{fmt}.safetensors"] = exported
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    needed = sum(v.numel() * dtype.itemsize for tensors in files.values() for v in tensors.values())
-    with space_checked(tmp, needed, f"the adapter {out_dir}", _kept(out_dir)):
-        save_adapter(tmp, files, config, dtype, prefix, {TRAINED_ALPHA: f"{trained_alpha:g}"})
-    replace_dir(tmp, out_dir)
-    return problems
+    return files
+
+
+def saved_parts(saved: Path) -> list[str]:
+    """``<folder>: <label>`` of each adapter part a save labelled ``diffpipe.part`` (:func:`write_adapter`), the save
+    folder's own first; empty when none is labelled."""
+    from diffpipe_core.adapters import CONFIG_FILE
+
+    found = []
+    for config in [saved / CONFIG_FILE, *sorted(saved.glob(f"*/{CONFIG_FILE}"))]:
+        try:
+            label = json.loads(config.read_text()).get("diffpipe.part")
+        except (OSError, ValueError):
+            continue
+        if label:
+            found.append(f"{config.parent.relative_to(saved.parent)}: {label}")
+    return found
 
 
 def export_adapter_format(

@@ -257,7 +257,7 @@ def build_stage(
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
     guard.release = release
     if lora is not None:
-        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id)
+        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id, groups)
     ds_config = {
         "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
@@ -364,9 +364,10 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
         raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")
 
 
-def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int) -> None:
-    """After the first step's backward: an adapter tensor without a gradient is not in the forward path."""
-    unused = lora_without_gradient(trainable)
+def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int, groups: list[dict]) -> None:
+    """After the first step's backward: an adapter tensor without a gradient is not in the forward path (unless its
+    whole parameter group got none: that group's network sat the step out)."""
+    unused = lora_without_gradient(trainable, [g["params"] for g in groups] if len(groups) > 1 else None)
     if unused:
         shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
         raise ValueError(

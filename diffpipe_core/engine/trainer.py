@@ -37,6 +37,7 @@ from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_s
 from diffpipe_core.engine.regularization import base_pass, dop_pass, needs_roles, step_roles, training_batch
 from diffpipe_core.engine.run_dir import CHECKPOINTS, truncate_metrics
 from diffpipe_core.engine.run_state import carried_micro_index, restore_checkpoint, save_trained, write_checkpoint
+from diffpipe_core.engine.saving import saved_parts
 from diffpipe_core.engine.stage_build import Layout, build_stage
 from diffpipe_core.engine.summary import TrainSummary, format_summary, quarter_means
 from diffpipe_core.optim import evaluation_weights
@@ -184,7 +185,9 @@ class Trainer:
             metrics_file.close()
             summary.first_quarter_loss, summary.last_quarter_loss = quarter_means(self.run_dir)
             self.plugin.registry.pm.hook.on_train_end(run_dir=self.run_dir, summary=summary.__dict__)
-            print(f"diffpipe: {format_summary(summary)}; saved to {final}", flush=True)
+            parts = saved_parts(Path(final)) if final is not None else []
+            named = f" ({'; '.join(parts)})" if parts else ""
+            print(f"diffpipe: {format_summary(summary)}; saved to {final}{named}", flush=True)
         return summary
 
     def _loop(

@@ -118,11 +118,17 @@ def test_bad_folders_and_settings_are_named(
     tiny_wan: Path, tiny_wan_a14b: Path, tiny_wan_i2v: Path, tiny_wan_ti2v: Path, tmp_path: Path
 ) -> None:
     assert wan.validate_model_files(config(wan, tiny_wan)) == []
-    (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b))
+    assert wan.validate_model_files(config(wan, tiny_wan_a14b)) == []  # expert = "both", the A14B default
+    high_file = single_file_path(tiny_wan_a14b)
+    (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, diffusion_model=high_file))
     assert problem == (
-        f"{tiny_wan_a14b / 'model_index.json'}: a two-expert Wan 2.2 A14B folder (boundary_ratio 0.875); set [model] "
-        'expert = "high" (trains transformer, times t >= 0.875) or "low" (trains transformer_2, t < 0.875)'
+        f"{tiny_wan_a14b / 'model_index.json'}: [model] diffusion_model is set but diffusion_model_2 is not: expert = "
+        '"both" (the default for this A14B folder, boundary_ratio 0.875) trains both transformers; give '
+        "diffusion_model (transformer, the high_noise file) and diffusion_model_2 (transformer_2, the low_noise "
+        'file), or neither, or set expert = "high" or "low" to train the one file'
     )
+    (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, expert="low", diffusion_model_2=high_file))
+    assert "diffusion_model_2 = " in problem and "this run trains expert 'low': leave it out" in problem
     (problem,) = wan.validate_model_files(config(wan, tiny_wan, expert="low"))
     assert "expert = 'low' is for Wan 2.2 A14B folders" in problem and "leave expert out" in problem
     (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, expert="low", min_t=0.9))

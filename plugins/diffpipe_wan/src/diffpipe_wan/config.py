@@ -39,12 +39,25 @@ class WanConfig(DiffusersModelConfig, FlowMatchingConfig):
         description="Time shift t' = shift*t / (1 + (shift-1)*t). Default: the folder's own scheduler's (flow_shift "
         "of UniPCMultistepScheduler, shift of FlowMatchEulerDiscreteScheduler), 5.0 when it names none.",
     )
-    expert: Literal["high", "low"] | None = Field(
+    expert: Literal["high", "low", "both"] | None = Field(
         None,
         description="Wan 2.2 A14B (two transformers, switched at the pipeline's boundary_ratio): which one this run "
-        "trains. 'high' = transformer (the high-noise steps, times t >= boundary_ratio), 'low' = transformer_2 "
-        "(t < boundary_ratio); the training times are limited to that range unless min_t / max_t are given. Required "
-        "for an A14B folder, refused for others.",
+        "trains. 'both' (the default for an A14B folder) trains each on its own times: every sample's time t decides "
+        "its expert, 'high' = transformer (the high-noise steps, t >= boundary_ratio), 'low' = transformer_2 "
+        "(t < boundary_ratio), each with its own LoRA (or weights), optimizer state and learning rate (expert_lr). "
+        "'high' or 'low' trains one, its training times limited to its range unless min_t / max_t are given. "
+        "Refused for a folder with one transformer.",
+    )
+    diffusion_model_2: Path | None = Field(
+        None,
+        description="With expert = 'both' and diffusion_model (the high-noise transformer's file): the low-noise "
+        "transformer_2's single file (ComfyUI's wan2.2_*_low_noise_14B_*), in the same layouts diffusion_model takes.",
+    )
+    expert_lr: dict[Literal["high", "low"], float] = Field(
+        {},
+        description="With expert = 'both': learning rates of the experts' parameter groups 'high' (transformer) and "
+        "'low' (transformer_2), e.g. {low = 5e-5}; an expert left out trains at [optimizer] lr. The same as "
+        "[optimizer] group_lr = {high = ..., low = ...}, which wins where both name a group.",
     )
 
 

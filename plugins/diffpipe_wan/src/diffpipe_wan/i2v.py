@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.folder import DiffusersFolder
 from diffpipe_wan.config import WanI2VConfig
-from diffpipe_wan.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, Wan, _folder_facts
+from diffpipe_wan.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, Wan, _folder_facts, sampling_timestep
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,8 @@ class WanI2V(Wan):
     @hookimpl
     def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
         """``((x, t, text_embeds[, image_embeds]), (velocity[, mask]))``, ``x`` = noisy latents | first-frame mask |
-        first-frame latents (module docstring); all randomness from ``generator``."""
+        first-frame latents (module docstring), and each sample's expert with ``expert = "both"``; all randomness from
+        ``generator``."""
         import torch
 
         from diffpipe_core.parts.flow import with_mask
@@ -127,7 +128,8 @@ class WanI2V(Wan):
         mask = first_frame_mask(b, frames, h, w, self.temporal(context.model_config))
         x = torch.cat([f.x_t, mask, batch["first_frame_latents"].float()], dim=1)
         image = (batch["image_embeds"].float(),) if "image_embeds" in batch else ()
-        return (x, f.t, batch["text_embeds"].float(), *image), with_mask((f.target,), batch)
+        inputs = self.with_expert((x, f.t, batch["text_embeds"].float(), *image), f.t, context.model_config)
+        return inputs, with_mask((f.target,), batch)
 
     def temporal(self, model_config: WanI2VConfig) -> int:
         """The VAE's temporal compression (pixel frames per latent frame)."""
@@ -153,7 +155,9 @@ class WanI2V(Wan):
         b = latents.shape[0]
         x = torch.cat([latents.float(), cond["condition"].expand(b, -1, -1, -1, -1)], dim=1)
         image = (cond["image_embeds"].expand(b, -1, -1),) if "image_embeds" in cond else ()
-        return x, schedule_time(schedule, index).float().expand(b), text["text_embeds"].float(), *image
+        t = schedule_time(schedule, index).float().expand(b)
+        return self.with_expert((x, t, text["text_embeds"].float(), *image), t, model_config,
+                                sampling_timestep(schedule, index))
 
     def sample_condition(self, model_config: WanI2VConfig, request: SampleRequest) -> dict[str, torch.Tensor]:
         """``condition`` (1, 4 + z, F', h, w): the first-frame mask and latents of ``[model] sample_image`` resized to

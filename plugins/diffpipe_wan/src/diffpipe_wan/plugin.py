@@ -46,6 +46,9 @@ SIZES = (
     SizeMatch("image_encoder", "hidden_size", "image_dim"),
 )
 EXPERTS = {"high": "transformer", "low": "transformer_2"}
+#: how the saved files name each expert (as ComfyUI's and the community's Wan 2.2 files: *_high_noise_*, *_low_noise_*)
+EXPERT_FILES = {"high": "high_noise", "low": "low_noise"}
+LOW_PREFIX = "transformer_2."  # the low-noise expert's parameters in an expert = "both" run
 #: original layouts of component files: the Wan VAE's (ComfyUI's wan_2.1_vae / wan2.2_vae files), the Wan T5's
 #: (Kijai's umt5-xxl-enc-bf16 file)
 FILE_LAYOUTS = {"vae": wan_vae_table, "text_encoder": umt5_table}
@@ -83,28 +86,61 @@ def folder_shift(path: Path) -> float:
     return DEFAULT_SHIFT
 
 
+def expert_of(model_config: WanConfig) -> str | None:
+    """The expert(s) a run trains: ``[model] expert``, else ``"both"`` for a two-expert A14B folder (None: a folder
+    with one transformer)."""
+    if model_config.expert is not None:
+        return model_config.expert
+    return "both" if boundary_ratio(model_config.path) is not None else None
+
+
 def expert_range(model_config: WanConfig) -> tuple[float, float]:
-    """The noise range of the trained transformer: the whole range, or one expert's side of ``boundary_ratio``."""
-    if model_config.expert is None:
+    """The noise range of the trained transformer: the whole range (one transformer, or both experts), or one
+    expert's side of ``boundary_ratio``."""
+    expert = expert_of(model_config)
+    if expert in (None, "both"):
         return 0.0, 1.0
     ratio = boundary_ratio(model_config.path)
     if ratio is None:
         raise ValueError(expert_problem(model_config, None))
-    return (ratio, 1.0) if model_config.expert == "high" else (0.0, ratio)
+    return (ratio, 1.0) if expert == "high" else (0.0, ratio)
+
+
+def expert_label(model_config: WanConfig, expert: str) -> dict[str, str]:
+    """What a saved file of ``expert`` (``"high"`` / ``"low"``) says about itself: its metadata and
+    ``adapter_config.json`` keys ``diffpipe.expert`` (``high_noise`` / ``low_noise``), ``diffpipe.component`` and a
+    ``diffpipe.part`` sentence (the run's summary prints it)."""
+    ratio = boundary_ratio(model_config.path)
+    side = f"t >= {ratio:g}" if expert == "high" else f"t < {ratio:g}"
+    component = EXPERTS[expert]
+    load = "load_lora_weights(...)" if expert == "high" else "load_lora_weights(..., load_into_transformer_2=True)"
+    part = f"Wan 2.2 A14B {EXPERT_FILES[expert].replace('_', '-')} expert ({component}, {side}; WanPipeline.{load})"
+    return {"diffpipe.expert": EXPERT_FILES[expert], "diffpipe.component": component, "diffpipe.part": part}
 
 
 def expert_problem(model_config: WanConfig, ratio: float | None) -> str | None:
-    """What is wrong with ``[model] expert`` for this folder, or None."""
+    """What is wrong with ``[model] expert`` (and ``diffusion_model_2``) for this folder, or None."""
     index_file = model_config.path / "model_index.json"
-    if ratio is not None and model_config.expert is None:
-        return (
-            f"{index_file}: a two-expert Wan 2.2 A14B folder (boundary_ratio {ratio}); set [model] expert = \"high\" "
-            f"(trains transformer, times t >= {ratio}) or \"low\" (trains transformer_2, t < {ratio})"
-        )
     if ratio is None and model_config.expert is not None:
         return (
             f"{index_file}: [model] expert = {model_config.expert!r} is for Wan 2.2 A14B folders (transformer_2 and "
             "boundary_ratio in model_index.json); this folder has one transformer: leave expert out"
+        )
+    both = expert_of(model_config) == "both"
+    if model_config.diffusion_model_2 is not None and not both:
+        return (
+            f"[model] diffusion_model_2 = {str(model_config.diffusion_model_2)!r} is the low-noise expert's file of an "
+            f"expert = \"both\" run (an A14B folder); this run trains expert {model_config.expert!r}: leave it out "
+            "(with expert = \"low\", diffusion_model is transformer_2's file)"
+        )
+    if both and (model_config.diffusion_model is None) != (model_config.diffusion_model_2 is None):
+        given, other = (("diffusion_model", "diffusion_model_2") if model_config.diffusion_model is not None
+                        else ("diffusion_model_2", "diffusion_model"))  # fmt: skip
+        return (
+            f"{index_file}: [model] {given} is set but {other} is not: expert = \"both\" (the default for this A14B "
+            f"folder, boundary_ratio {ratio}) trains both transformers; give diffusion_model (transformer, the "
+            "high_noise file) and diffusion_model_2 (transformer_2, the low_noise file), or neither, or set expert = "
+            '"high" or "low" to train the one file'
         )
     return None
 
@@ -117,7 +153,7 @@ class Wan(DiffusersModel, FlowSampling):
     spec = diffusers_spec(
         "wan", WanConfig,
         "Wan 2.1 / 2.2 text-to-video (diffusers folder or original single-file transformer; A14B experts)",
-        video=(4, 1, 16.0), encoder_settings=("text_max_length",), block_layers=("BlockLayer",),
+        video=(4, 1, 16.0), encoder_settings=("text_max_length",), block_layers=("BlockLayer", "ExpertBlocks"),
     )
     folder = DiffusersFolder(
         "wan",
@@ -157,8 +193,74 @@ class Wan(DiffusersModel, FlowSampling):
     lora_target_names = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2")
 
     def model_component(self, model_config: WanConfig) -> str:
-        """``transformer``, or with ``expert = "low"`` the A14B's ``transformer_2``."""
-        return EXPERTS[model_config.expert or "high"]
+        """``transformer``, or with ``expert = "low"`` the A14B's ``transformer_2`` (with ``"both"``, ``transformer``
+        holding ``transformer_2``: :meth:`held_components`)."""
+        return EXPERTS.get(expert_of(model_config) or "high", "transformer")
+
+    def held_components(self, model_config: WanConfig) -> tuple[str, ...]:
+        """``expert = "both"``: the high-noise ``transformer`` holds the low-noise ``transformer_2`` (its parameters
+        are ``transformer_2.<name>``, loaded per stage from its folder or ``diffusion_model_2``)."""
+        return ("transformer_2",) if expert_of(model_config) == "both" else ()
+
+    def low_expert_config(self, model_config: WanConfig) -> WanConfig:
+        """The run's ``[model]`` table as an ``expert = "low"`` run (``transformer_2`` from ``diffusion_model_2``)."""
+        return model_config.model_copy(
+            update={"expert": "low", "diffusion_model": model_config.diffusion_model_2, "diffusion_model_2": None}
+        )
+
+    def load_component(self, model_config: WanConfig, component: str, dtype: torch.dtype, device: Any) -> Any:
+        """``transformer_2`` (``expert = "both"``) as an ``expert = "low"`` run loads it; the rest as the base does."""
+        if component == "transformer_2":
+            return self.load_diffusion_model(self.low_expert_config(model_config), device, dtype)
+        return super().load_component(model_config, component, dtype, device)
+
+    @hookimpl
+    def diffusion_model_weights(self, model_config: WanConfig) -> list[tuple[Path, Any]]:
+        """Per-stage loading; with ``expert = "both"`` the high-noise transformer's and, named under
+        ``transformer_2.``, the low-noise one's (each from the folder or its single file)."""
+        if expert_of(model_config) != "both" or model_config.diffusion_model is None:
+            return super().diffusion_model_weights(model_config)
+        high = super().diffusion_model_weights(model_config.model_copy(update={"expert": "high"}))
+        low = super().diffusion_model_weights(self.low_expert_config(model_config))
+        return high + [(file, _under("transformer_2", key_map)) for file, key_map in low]
+
+    @hookimpl
+    def parameter_groups(self, model_config: WanConfig) -> dict[str, list[str]] | None:
+        """``expert = "both"``: the groups ``high`` (``transformer``) and ``low`` (``transformer_2``), for their own
+        learning rates (``expert_lr``, ``[optimizer] group_lr``); otherwise one group."""
+        if expert_of(model_config) != "both":
+            return None
+        low = LOW_PREFIX.replace(".", r"\.")
+        return {"high": [rf"(?!{low})"], "low": [low]}
+
+    @hookimpl
+    def group_lr_defaults(self, model_config: WanConfig) -> dict[str, float]:
+        """``[model] expert_lr``."""
+        return dict(model_config.expert_lr)
+
+    @hookimpl
+    def adapter_parts(self, state_dict: dict[str, torch.Tensor], model_config: WanConfig) -> dict[str, Any] | None:
+        """An A14B run's LoRA says which expert it is for (:func:`expert_label`); ``expert = "both"`` saves each
+        expert's in its own folder, ``high_noise/`` (``transformer``) and ``low_noise/`` (``transformer_2``, its
+        keys as that transformer's own)."""
+        expert = expert_of(model_config)
+        if expert is None:
+            return None
+        if expert != "both":
+            return {"": (state_dict, expert_label(model_config, expert))}
+        low = {k[len(LOW_PREFIX):]: v for k, v in state_dict.items() if k.startswith(LOW_PREFIX)}
+        high = {k: v for k, v in state_dict.items() if not k.startswith(LOW_PREFIX)}
+        return {EXPERT_FILES[e]: (part, expert_label(model_config, e)) for e, part in (("high", high), ("low", low))}
+
+    @hookimpl
+    def export_adapter(self, state_dict: dict[str, torch.Tensor], alpha: float, rank: int, format: str) -> Any:
+        """As the base exports; a state holding both experts (the check before a run) is exported expert by expert,
+        the high-noise one's returned (a saved run's are split first: :meth:`adapter_parts`)."""
+        low = {k[len(LOW_PREFIX):]: v for k, v in state_dict.items() if k.startswith(LOW_PREFIX)}
+        if low:
+            super().export_adapter(low, alpha, rank, format)
+            state_dict = {k: v for k, v in state_dict.items() if not k.startswith(LOW_PREFIX)}
+        return super().export_adapter(state_dict, alpha, rank, format)
 
     # ------------------------------------------------------------------------------------------ files
     def folder_problems(self, model_config: WanConfig) -> list[str]:
@@ -188,6 +290,23 @@ class Wan(DiffusersModel, FlowSampling):
             except ValueError as exc:
                 found.append(f"{model_config.path}: {exc}")
         return found
+
+    @hookimpl
+    def export_model(self, saved_dir: Path, model_config: WanConfig, out_dir: Path, format: str) -> bool | None:
+        """As the base exports; a full fine-tune of both experts as one export per expert, in
+        ``<out_dir>/high_noise/`` and ``<out_dir>/low_noise/`` (:func:`diffpipe_wan.experts.export_both`)."""
+        if expert_of(model_config) != "both":
+            return super().export_model(saved_dir, model_config, out_dir, format)
+        if format not in ("diffusers", "single_file"):
+            return None
+        from diffpipe_wan.experts import export_both
+
+        one = {"high": model_config.model_copy(update={"expert": "high"}), "low": self.low_expert_config(model_config)}
+        configs = {e: {**self.folder.config(model_config.path, EXPERTS[e]), **self.model_folder_config(one[e])}
+                   for e in EXPERTS}  # fmt: skip
+        labels = {e: expert_label(model_config, e) for e in EXPERTS}
+        export_both(saved_dir, configs, labels, Path(out_dir), format, self.single_file_name)
+        return True
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl
@@ -229,6 +348,10 @@ class Wan(DiffusersModel, FlowSampling):
         """Embedders (patch, time, text, rotary), each transformer block, the head."""
         from diffpipe_wan.layers import split_into_layers
 
+        if expert_of(model_config) == "both":
+            from diffpipe_wan.experts import split_both
+
+            return split_both(model)
         return split_into_layers(model)
 
     def flow_settings(self, model_config: WanConfig) -> tuple[float, tuple[float, float]]:
@@ -245,13 +368,31 @@ class Wan(DiffusersModel, FlowSampling):
         shift, time_range = self.flow_settings(cfg)
         return flow_sample(batch["latents"], cfg, context, generator, shift, time_range)
 
+    def with_expert(self, inputs: tuple, t: torch.Tensor, model_config: WanConfig, timestep: Any = None) -> tuple:
+        """``inputs`` plus, for ``expert = "both"``, each sample's expert (:func:`diffpipe_wan.experts.expert_index`
+        of its time ``t``; ``timestep``: the sampling scheduler's, compared as ``WanPipeline`` compares it)."""
+        if expert_of(model_config) != "both":
+            return inputs
+        import torch
+
+        from diffpipe_wan.experts import HIGH, LOW, expert_index
+
+        ratio = boundary_ratio(model_config.path)
+        if timestep is None:
+            return (*inputs, expert_index(t, ratio))
+        scheduler, index = timestep  # WanPipeline: transformer while t >= boundary_ratio * num_train_timesteps
+        high = bool(scheduler.timesteps[index] >= ratio * float(scheduler.config.num_train_timesteps))
+        return (*inputs, torch.full(t.shape, HIGH if high else LOW, dtype=torch.long))
+
     @hookimpl
     def prepare_inputs(self, batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator):
-        """``((x_t, t, text_embeds), (velocity[, mask]))`` (module docstring); all randomness from ``generator``."""
+        """``((x_t, t, text_embeds[, expert]), (velocity[, mask]))`` (module docstring; ``expert``: ``expert =
+        "both"``, :mod:`diffpipe_wan.experts`); all randomness from ``generator``."""
         from diffpipe_core.parts.flow import with_mask
 
         f = self.noisy(batch, context, generator)
-        return (f.x_t, f.t, batch["text_embeds"].float()), with_mask((f.target,), batch)
+        inputs = self.with_expert((f.x_t, f.t, batch["text_embeds"].float()), f.t, context.model_config)
+        return inputs, with_mask((f.target,), batch)
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
@@ -270,18 +411,40 @@ class Wan(DiffusersModel, FlowSampling):
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
-        """The first layer's ``(x_t, t, text_embeds)``, ``t`` the scheduler's timestep (over 1000) as the pipelines give
-        it."""
+        """The first layer's ``(x_t, t, text_embeds[, expert])``, ``t`` the scheduler's timestep (over 1000) as the
+        pipelines give it; ``expert = "both"``: the expert ``WanPipeline`` runs at that timestep."""
         from diffpipe_core.sampling.schedules import schedule_time
 
         t = schedule_time(schedule, index).float().expand(latents.shape[0])
-        return latents.float(), t, text["text_embeds"].float()
+        return self.with_expert((latents.float(), t, text["text_embeds"].float()), t, model_config,
+                                sampling_timestep(schedule, index))
 
     def denormalize(self, latents: torch.Tensor, vae: Any) -> torch.Tensor:
         """``latents / (1 / latents_std) + latents_mean``, as the Wan pipelines decode."""
         from diffpipe_wan.encoding import denormalize
 
         return denormalize(latents, vae)
+
+
+def sampling_timestep(schedule: Any, index: int) -> tuple[Any, int] | None:
+    """``(scheduler, index)`` of a schedule :func:`~diffpipe_core.sampling.schedules.stepped_schedule` made (None for
+    another schedule)."""
+    scheduler = getattr(schedule, "diffpipe_scheduler", None)
+    return (scheduler, index) if scheduler is not None else None
+
+
+def _under(component: str, key_map: Any) -> Any:
+    """A per-stage key map whose model tensors are named under ``component.`` (a held component's)."""
+
+    def mapped(key: str) -> Any:
+        made = key_map(key)
+        if not made:
+            return made
+        if isinstance(made, str):
+            return f"{component}.{made}"
+        return [(f"{component}.{name}", fn) for name, fn in made]
+
+    return mapped
 
 
 wan = Wan()
