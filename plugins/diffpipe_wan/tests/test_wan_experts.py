@@ -221,3 +221,34 @@ def test_a_full_fine_tune_of_both_exports_one_model_per_expert(tiny_wan_a14b: Pa
              for s, e in (("", "high_noise"), ("_2", "low_noise"))}
     back = wan.load_diffusion_model(cfg.model_copy(update=files), CPU, torch.float32).state_dict()
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_a_one_expert_run_labels_its_files_too(tiny_wan_a14b: Path, tmp_path: Path) -> None:
+    """``expert = "low"``: one adapter in ``saved/<name>/`` (no sub-folders), its files labelled low-noise; the core
+    writes the labels into every file's metadata and ``adapter_config.json`` and the summary line names them."""
+    from diffpipe_core.adapters import adapter_state_dict
+    from diffpipe_core.engine.saving import saved_parts, write_adapter
+    from diffpipe_core.registry import get_registry
+
+    cfg = _config(tiny_wan_a14b).model_copy(update={"expert": "low"})
+    targets = wan.lora_targets(model_config=cfg)
+    model = runs.with_random_lora(WanTransformer3DModel.from_pretrained(str(tiny_wan_a14b / "transformer_2")), targets)
+    state = adapter_state_dict(model)
+    ((part, (same, labels)),) = wan.adapter_parts(state_dict=state, model_config=cfg).items()
+    assert part == "" and same is state and labels["diffpipe.expert"] == "low_noise"
+    assert wan.adapter_parts(state_dict=state, model_config=_config(tiny_wan_a14b))["low_noise"][0] == {}
+    saved = tmp_path / "saved" / "final"
+    plugin = get_registry().model("wan")
+    assert write_adapter(saved, state, plugin, lora_config(4, 6.0, 0.0, targets), ["comfyui"], torch.float32, cfg) == []
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "adapter_config.json", "adapter_model.comfyui.safetensors", "adapter_model.safetensors"]
+    for name in ("adapter_model.safetensors", "adapter_model.comfyui.safetensors"):
+        with safe_open(str(saved / name), framework="pt") as f:
+            assert f.metadata()["diffpipe.component"] == "transformer_2", name
+    config = json.loads((saved / "adapter_config.json").read_text())
+    assert config["diffpipe.expert"] == "low_noise" and config["r"] == 4
+    assert saved_parts(saved) == [f"final: {labels['diffpipe.part']}"]
+    assert labels["diffpipe.part"] == (
+        "Wan 2.2 A14B low-noise expert (transformer_2, t < 0.875; WanPipeline.load_lora_weights(..., "
+        "load_into_transformer_2=True))"
+    )
