@@ -24,6 +24,7 @@ from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     forward_outputs,
     init_distributed,
+    keep_idle_groups_gradless,
     lean_step,
     name_gradless_boundary_tensors,
     skip_single_replica_allreduce,
@@ -253,7 +254,52 @@ def scenario_lean_step(rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
+class TwoNetworks(nn.Module):
+    """Two linears, ``a`` always used and ``b`` only while ``use_b`` (one of two experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.use_b = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), True
+
+    def forward(self, inputs: Any) -> torch.Tensor:
+        x = unwrap(inputs)
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+
+def scenario_idle_group(rank: int, out: Path) -> dict[str, Any]:
+    """One stage, two replicas, AdamW with a group per network: a step using both, then one where no replica uses
+    ``b``, with and without patch 10: ``b``'s gradient after the reduction and whether the second step moved it."""
+    result: dict[str, Any] = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        layer = TwoNetworks()
+        module = ExplicitPartitionPipelineModule(layers=[layer], parts=[0, 1], num_stages=1, loss_fn=mse,
+                                                 dynamic_shape=True)  # fmt: skip
+        groups = [list(layer.a.parameters()), list(layer.b.parameters())]
+        optimizer = torch.optim.AdamW([{"params": g} for g in groups], lr=0.1)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICRO_BATCHES,
+                  "gradient_clipping": 0.0, "steps_per_print": 1 << 30}  # fmt: skip
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        applied = keep_idle_groups_gradless(engine, groups) if patched else False
+        engine.train_batch(data_iter=iter(batches(seed=rank)))
+        before = layer.b.weight.detach().clone()
+        layer.use_b = False
+        seen: list[bool] = []  # b has no gradient when the optimizer steps
+        step = optimizer.step
+
+        def watched(*args: Any, seen=seen, weight=layer.b.weight, step=step, **kwargs: Any) -> Any:
+            seen.append(weight.grad is None)
+            return step(*args, **kwargs)
+
+        optimizer.step = watched
+        engine.train_batch(data_iter=iter(batches(seed=10 + rank)))
+        moved = float((layer.b.weight.detach() - before).abs().max())
+        result["patched" if patched else "plain"] = {"applied": applied, "b_grad_none": seen, "b_moved": moved}
+    return result
+
+
 SCENARIOS = {
+    "idle_group": scenario_idle_group,
     "parts": scenario_parts,
     "wrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=True),
     "unwrapped": lambda rank, out: run_frozen_first_stage(rank, out, wrap=False),

@@ -123,6 +123,19 @@ def test_one_replica_skips_the_gradient_allreduce_and_trains_the_same_weights(wo
             assert torch.equal(weight, skipped[name]), f"rank {rank}: {name} differs without the all-reduce"
 
 
+def test_a_group_no_replica_used_keeps_no_gradient_and_is_not_stepped(tmp_path: Path) -> None:
+    """One stage on two replicas (patch 10): DeepSpeed gives a parameter without a gradient a zero one before the
+    all-reduce, so AdamW still moves a group no replica used (if that stops, the patch can go); patched, the group
+    has no gradient at the optimizer step and stays as it was."""
+    codes, results = run_ranks("idle_group", tmp_path)
+    assert codes == [0, 0], log_tail(tmp_path)
+    for result in (r["idle_group"] for r in results):
+        assert not result["plain"]["applied"] and result["plain"]["b_grad_none"] == [False]
+        assert result["plain"]["b_moved"] > 1e-3, result
+        assert result["patched"]["applied"] and result["patched"]["b_grad_none"] == [True]
+        assert result["patched"]["b_moved"] == 0.0, result
+
+
 def test_lean_step_walks_the_module_tree_only_on_a_mode_change_and_trains_the_same(working_run: Path) -> None:
     """DeepSpeed walks every submodule twice a step (``train()`` and ``zero_grad``'s ``named_parameters``; if it
     stops, patch 9 can go); patched, ``train`` walks on the first step and after an eval pass only, no gradient is

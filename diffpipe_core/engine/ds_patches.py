@@ -48,6 +48,12 @@
    let ``module.train(mode)`` walk only when the mode asked for is not the one it last set. Mode changes must go
    through the pipeline module (the engine's ``eval_batch`` does, as do diffpipe's evaluation and sampling);
    a submodule switched directly stays as it is until the module's mode next changes.
+10. ``keep_idle_groups_gradless``: with two or more data-parallel replicas, DeepSpeed's gradient all-reduce
+   (``buffered_allreduce_fallback``) gives every parameter without a gradient a zero one, so that all ranks reduce
+   the same sizes. A parameter group no replica used in a step (one of Wan 2.2 A14B's two experts when no sample of
+   the step fell on it) then takes an optimizer step on a zero gradient: AdamW's moments move it and weight decay
+   shrinks it, which a run on one replica (no gradient: no step) never does. Before the reduction the replicas agree
+   which groups any of them used; after it, the groups none used get their gradients back as None.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -336,3 +342,29 @@ def lean_step(engine: PipelineEngine) -> None:
         return module
 
     module.train = train
+
+
+def keep_idle_groups_gradless(engine: PipelineEngine, groups: list[list[torch.Tensor]]) -> bool:
+    """Patch 10 on this engine: after the data-parallel gradient all-reduce, the parameter groups (``groups``: the
+    optimizer's, their tensors) that no replica gave a gradient have none again. Returns whether it was applied
+    (two or more replicas and two or more groups)."""
+    if engine.dp_world_size == 1 or len(groups) < 2 or not engine.pipeline_enable_backward_allreduce:
+        return False
+    import torch.distributed as dist
+
+    dp_group = engine.mpu.get_data_parallel_group()
+    device = next(p.device for group in groups for p in group)
+    reduce = engine.allreduce_gradients
+
+    def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+        used = torch.tensor([float(any(p.grad is not None for p in g)) for g in groups], device=device)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=dp_group)
+        result = reduce(*args, **kwargs)
+        for flag, group in zip(used.tolist(), groups, strict=True):
+            if not flag:
+                for p in group:
+                    p.grad = None
+        return result
+
+    engine.allreduce_gradients = allreduce_gradients
+    return True

@@ -27,6 +27,7 @@ from diffpipe_core.engine.adapter_layers import adapt_layers, lora_without_gradi
 from diffpipe_core.engine.ds_patches import (
     ExplicitPartitionPipelineModule,
     keep_compiled_backward_buffers,
+    keep_idle_groups_gradless,
     lean_step,
     name_gradless_boundary_tensors,
     single_backward,
@@ -273,6 +274,7 @@ def build_stage(
         model_parameters=list(trainable.values()),
     )
     skip_single_replica_allreduce(engine)
+    keep_idle_groups_gradless(engine, [g["params"] for g in groups])
     lean_step(engine)
     if release is not None:
         single_backward(engine)

@@ -142,6 +142,7 @@ def test_each_expert_is_saved_and_labelled_on_its_own(both_run) -> None:
             prefix = "transformer." if name == "adapter_model.safetensors" else "diffusion_model.blocks."
             assert keys and all(k.startswith(prefix) for k in keys), keys[:3]
         assert f"final/{folder}: {config['diffpipe.part']}" in output  # the run's summary names each file
+    assert "0-1 (ExpertEmbed, ExpertBlocks)" in output  # both experts' layers on every stage
     assert "high-noise expert (transformer, t >= 0.875" in output
     assert "low-noise expert (transformer_2, t < 0.875" in output
 
