@@ -119,6 +119,7 @@ def both_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
     return run, first, output
 
 
+@pytest.mark.slow
 def test_resumed_both_experts_run_repeats_every_loss(both_run) -> None:
     run, first, _ = both_run
     runs.assert_trained_in_stages(run, STEPS, 2)
@@ -126,6 +127,7 @@ def test_resumed_both_experts_run_repeats_every_loss(both_run) -> None:
     assert train_losses(run) == first  # exactly: float equality of every step's loss
 
 
+@pytest.mark.slow
 def test_each_expert_is_saved_and_labelled_on_its_own(both_run) -> None:
     run, _, output = both_run
     saved = run / "saved" / "final"
@@ -147,6 +149,7 @@ def test_each_expert_is_saved_and_labelled_on_its_own(both_run) -> None:
     assert "low-noise expert (transformer_2, t < 0.875" in output
 
 
+@pytest.mark.slow
 def test_each_expert_lora_reproduces_its_trained_expert_in_wan_pipeline(both_run) -> None:
     from diffusers import WanPipeline
 
