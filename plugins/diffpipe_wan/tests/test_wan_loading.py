@@ -129,6 +129,9 @@ def test_bad_folders_and_settings_are_named(
     )
     (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, expert="low", diffusion_model_2=high_file))
     assert "diffusion_model_2 = " in problem and "this run trains expert 'low': leave it out" in problem
+    (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, expert="high", expert_lr={"low": 1e-5}))
+    assert problem.startswith("[model] expert_lr = {'low': 1e-05} sets the learning rates of an expert = \"both\"")
+    assert "this run trains 'high' alone: leave expert_lr out" in problem
     (problem,) = wan.validate_model_files(config(wan, tiny_wan, expert="low"))
     assert "expert = 'low' is for Wan 2.2 A14B folders" in problem and "leave expert out" in problem
     (problem,) = wan.validate_model_files(config(wan, tiny_wan_a14b, expert="low", min_t=0.9))

@@ -127,6 +127,12 @@ def expert_problem(model_config: WanConfig, ratio: float | None) -> str | None:
             "boundary_ratio in model_index.json); this folder has one transformer: leave expert out"
         )
     both = expert_of(model_config) == "both"
+    if model_config.expert_lr and not both:
+        return (
+            f"[model] expert_lr = {dict(model_config.expert_lr)} sets the learning rates of an expert = \"both\" run's "
+            f"two experts; this run trains {model_config.expert or 'one transformer'!r} alone: leave expert_lr out "
+            "([optimizer] lr is its rate)"
+        )
     if model_config.diffusion_model_2 is not None and not both:
         return (
             f"[model] diffusion_model_2 = {str(model_config.diffusion_model_2)!r} is the low-noise expert's file of an "
