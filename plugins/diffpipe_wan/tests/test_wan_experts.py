@@ -191,6 +191,9 @@ def test_both_experts_load_from_their_two_files_as_from_the_folder(tiny_wan_a14b
     got = wan.load_diffusion_model(cfg, CPU, torch.float32).state_dict()
     assert got.keys() == folder.keys() and any(k.startswith("transformer_2.") for k in got)
     assert all(torch.equal(got[k], folder[k]) for k in got)
+    vae = tiny_wan_a14b / "vae" / "diffusion_pytorch_model.safetensors"
+    (problem,) = wan.validate_model_files(cfg.model_copy(update={"diffusion_model_2": vae}))
+    assert str(vae) in problem and "no 'head.modulation' among its" in problem  # the low-noise file is checked too
     mapped = {}
     for file, key_map in wan.diffusion_model_weights(model_config=cfg):
         with safe_open(str(file), framework="pt") as f:

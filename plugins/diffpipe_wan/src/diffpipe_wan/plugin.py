@@ -284,12 +284,14 @@ class Wan(DiffusersModel, FlowSampling):
     @hookimpl
     def validate_model_files(self, model_config: WanConfig) -> list[str]:
         """``expert`` first, then the shared checks (:meth:`checked_folder`'s components, the trained transformer's
-        weights or ``diffusion_model``, the components' sizes), this entry point's own and the training time range;
-        no weight is read."""
+        weights or ``diffusion_model`` (and ``diffusion_model_2``), the components' sizes), this entry point's own and
+        the training time range; no weight is read."""
         expert = expert_problem(model_config, boundary_ratio(model_config.path))
         if expert:
             return [expert]
         found = super().validate_model_files(model_config) or self.folder_problems(model_config)
+        if not found and model_config.diffusion_model_2 is not None:  # the low-noise expert's file, checked alike
+            found = super().validate_model_files(self.low_expert_config(model_config))
         if not found:
             try:
                 model_config.time_range(expert_range(model_config))
