@@ -45,7 +45,9 @@ def _module(nodeid: str) -> str:
 
 def shared_fixture_groups(items: list[pytest.Item]) -> dict[str, str]:
     """Module path -> group name: the union of modules that share a session- or package-scoped fixture defined in a
-    conftest (pytest's own and installed plugins' fixtures, such as ``tmp_path_factory``, join nothing)."""
+    conftest (pytest's own and installed plugins' fixtures, such as ``tmp_path_factory``, join nothing, and neither
+    do autouse ones such as ``hf_offline``: every worker builds those for its first test under them wherever the
+    modules run, and joining by them made each package's tests one group, the core's alone 45% of the suite)."""
     parent: dict[str, str] = {}
     for item in items:
         module = _find(parent, _module(item.nodeid))
@@ -55,6 +57,8 @@ def shared_fixture_groups(items: list[pytest.Item]) -> dict[str, str]:
             if not defs:
                 continue
             fixturedef = defs[-1]
+            if getattr(fixturedef, "_autouse", False):  # every worker builds it anyway: it shares nothing
+                continue
             baseid = fixturedef.baseid
             if fixturedef.scope in _SHARED_SCOPES and baseid and "::" not in baseid and not baseid.endswith(".py"):
                 root = _find(parent, f"{baseid}/{name}")
