@@ -2,7 +2,8 @@
 
 Each worker builds its own session fixtures, so the tests that share one must run on the same worker, or a plugin's
 shared tiny training run is trained twice. A module's tests stay together (its module fixtures are built once), and
-modules that use the same session- or package-scoped conftest fixture join one group.
+modules that use the same session- or package-scoped conftest fixture (or name it for ``request.getfixturevalue``)
+join one group; autouse fixtures join nothing.
 
 The workers compute the groups from their collection (the fixtures each test uses) and write them to a file the
 controller's scheduler reads; xdist's own ``--dist loadgroup`` cannot be used, since it renames node ids in a way
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import OrderedDict
@@ -43,22 +45,66 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _shared(fixturedef: object) -> bool:
+    """A session- or package-scoped fixture of a conftest (not pytest's or a plugin's, not a module's), not autouse:
+    every worker builds an autouse one for its first test under it wherever the modules run, so it shares nothing."""
+    baseid = getattr(fixturedef, "baseid", "")
+    return (
+        getattr(fixturedef, "scope", None) in _SHARED_SCOPES
+        and not getattr(fixturedef, "_autouse", False)
+        and bool(baseid)
+        and "::" not in baseid
+        and not baseid.endswith(".py")
+    )
+
+
+def _requested_by_name(item: pytest.Item, source: str) -> set[str]:
+    """The shared conftest fixtures a module may ask for at run time (``request.getfixturevalue(name)``), which its
+    tests' fixture closures do not show: those visible to it whose name is in its source (``"klein_run"`` in a
+    table of variants), with the shared fixtures they depend on."""
+    if "getfixturevalue" not in source:
+        return set()
+    manager = getattr(item.session, "_fixturemanager", None)
+    names = {*getattr(manager, "_arg2node2fixturedefs", {}), *getattr(manager, "_arg2nodeid2fixturedefs", {})}
+
+    def visible(name: str) -> object | None:
+        defs = manager.getfixturedefs(name, item) if manager is not None else None  # the most specific last
+        return defs[-1] if defs and _shared(defs[-1]) else None
+
+    found: set[str] = set()
+    todo = [n for n in names if re.search(rf"\b{re.escape(n)}\b", source) and visible(n) is not None]
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo += [a for a in visible(name).argnames if visible(a) is not None]  # type: ignore[union-attr]
+    return {f"{visible(n).baseid}/{n}" for n in found}  # type: ignore[union-attr]
+
+
 def shared_fixture_groups(items: list[pytest.Item]) -> dict[str, str]:
     """Module path -> group name: the union of modules that share a session- or package-scoped fixture defined in a
-    conftest (pytest's own and installed plugins' fixtures, such as ``tmp_path_factory``, join nothing)."""
+    conftest, used by their tests or asked for by name at run time (:func:`_requested_by_name`). pytest's own and
+    installed plugins' fixtures, such as ``tmp_path_factory``, join nothing, and neither do autouse ones such as
+    ``hf_offline`` (:func:`_shared`): joining by those made each package's tests one group, the core's alone 45% of
+    the suite."""
     parent: dict[str, str] = {}
+    scanned: set[str] = set()
     for item in items:
-        module = _find(parent, _module(item.nodeid))
+        module = _module(item.nodeid)
+        _find(parent, module)
         info = getattr(item, "_fixtureinfo", None)
+        keys = set()
         for name in info.names_closure if info else ():
             defs = info.name2fixturedefs.get(name)
-            if not defs:
-                continue
-            fixturedef = defs[-1]
-            baseid = fixturedef.baseid
-            if fixturedef.scope in _SHARED_SCOPES and baseid and "::" not in baseid and not baseid.endswith(".py"):
-                root = _find(parent, f"{baseid}/{name}")
-                parent[_find(parent, module)] = root
+            if defs and _shared(defs[-1]):
+                keys.add(f"{defs[-1].baseid}/{name}")
+        if module not in scanned:
+            scanned.add(module)
+            path = getattr(item, "path", None)
+            if path is not None and path.suffix == ".py" and path.is_file():
+                keys |= _requested_by_name(item, path.read_text(errors="replace"))
+        for key in keys:
+            parent[_find(parent, module)] = _find(parent, key)
     return {m: _find(parent, m) for m in {_module(item.nodeid) for item in items}}
 
 

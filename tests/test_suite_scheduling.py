@@ -92,3 +92,36 @@ def test_the_proof_twins_run_once_when_the_proof_dry_run_runs_them() -> None:
     other = Item("tests/test_train.py::test_a")
     assert chosen([twin, cuda, dry, other]) == [twin]
     assert chosen([twin, cuda, other]) == []
+
+
+def test_modules_sharing_a_session_fixture_run_on_one_worker_and_autouse_ones_join_nothing(tmp_path: Path) -> None:
+    """Two modules using one conftest session fixture, and a third asking for it by name at run time
+    (``request.getfixturevalue``), are one unit of work (the fixture is built once); an autouse session fixture
+    (``hf_offline`` in every conftest here) does not join the modules under it, or every package would be one unit:
+    the fourth module goes to the other worker."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "conftest.py").write_text(
+        "import os\nimport pytest\n\n"
+        "@pytest.fixture(autouse=True, scope='session')\ndef everywhere():\n    yield\n\n"
+        "@pytest.fixture(scope='session')\ndef shared():\n    return os.getpid()\n"
+    )
+    for name, uses in (("a", "shared"), ("b", "shared"), ("c", "")):
+        tests = "".join(f"def test_{name}{i}({uses}):\n    assert True\n\n" for i in range(3))
+        (tmp_path / "pkg" / f"test_{name}.py").write_text(tests)
+    (tmp_path / "pkg" / "test_d.py").write_text(
+        "import pytest\n\nWHICH = {'x': 'shared'}\n\n@pytest.fixture(params=['x'])\ndef value(request):\n"
+        "    return request.getfixturevalue(WHICH[request.param])\n\ndef test_d(value):\n    assert value\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DIFFPIPE_TEST_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2",
+               "--import-mode=importlib", "pkg"]  # fmt: skip
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    workers: dict[str, set[str]] = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("[gw") and "PASSED" in line:
+            workers.setdefault(line.split("::")[0].rsplit("/", 1)[-1], set()).add(line.split("]")[0])
+    assert set(workers) == {"test_a.py", "test_b.py", "test_c.py", "test_d.py"}, result.stdout
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert workers["test_a.py"] == workers["test_b.py"] == workers["test_d.py"] != workers["test_c.py"], workers
