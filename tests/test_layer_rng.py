@@ -3,6 +3,7 @@ whatever the layout, and activation checkpointing recomputes with the masks of t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -51,3 +52,24 @@ def test_checkpointing_recomputes_with_the_forwards_masks() -> None:
     torch.manual_seed(99)  # whatever runs between forward and backward draws from torch's generator
     out.sum().backward()
     assert torch.equal(x.grad, expected)
+
+
+def test_layer_seeding_draws_as_manual_seed_without_formatting_the_stack(monkeypatch) -> None:
+    """``seed_generators`` gives the CPU draws of ``torch.manual_seed`` but queues no lazy device seeds (each of which
+    formats the whole Python stack: about 1 ms per layer per micro-batch inside the pipeline engine)."""
+    import traceback
+
+    from diffpipe_core.engine.layer_rng import seed_generators
+
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+
+    def no_stack(*_args, **_kwargs):
+        raise AssertionError("the stack was formatted")
+
+    monkeypatch.setattr(traceback, "format_stack", no_stack)
+    seed_generators(11)
+    assert torch.equal(torch.rand(4), expected)
+    if not torch.cuda.is_initialized():
+        with pytest.raises(AssertionError, match="formatted"):
+            torch.manual_seed(11)  # what the layers called before

@@ -5,9 +5,13 @@ its mmap threshold (up to 32 MiB), so later tensors of up to that size come from
 checkpoints and saves of a run a worker's resident memory then grows past what it holds (by 5-9% of a stage's
 model memory on the bench's 0.7 B HunyuanVideo, 1 and 2 stages), and the stage plan's estimate, which counts what is
 held, falls short. :func:`release_freed` asks glibc to return every free page (``malloc_trim(0)``); the trainer calls
-it after building the stage and after every step, checkpoint and save: once per step, nothing on the hot path. Its
-cost grows with what it returns: about 50-75 ms per 100 MB on a loaded 2-core machine (a CPU run's activations; a
-GPU run's steps free little host memory).
+it after building the stage and after every checkpoint and save, where one-off transients are freed. After a step
+it calls it only while the memory report is on (``DIFFPIPE_MEMORY_REPORT``: the report's step phases then record
+what the stage holds, and ``bench/stage_memory.py`` measures that regime): what a step frees (a CPU run's activations)
+the next step allocates again, and once returned every page of it is faulted back in and zeroed (about 25,000 minor
+faults, 40-60 ms, per step of the 0.3 s step-time benches on 2 cores). A step's peak resident memory is the same
+either way; between steps the heap keeps the step's freed activations for the next. The trim's own cost grows with
+what it returns: about 50-75 ms per 100 MB on a loaded 2-core machine (a GPU run's steps free little host memory).
 """
 
 from __future__ import annotations

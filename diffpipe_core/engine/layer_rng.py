@@ -6,6 +6,12 @@ the run's seed, the micro-batch's global number (the same micro-batch has the sa
 data-parallel ranks) and the layer's index in the whole pipeline. So a layer draws the same masks for the same
 micro-batch on any layout, and a run resumed on another layout repeats the run. The seeding happens outside
 activation checkpointing, which saves the seeded state and restores it for the recomputation in backward.
+
+Seeding is :func:`seed_generators`, not ``torch.manual_seed``: the latter also queues a lazy seed for every device
+library not yet started (CUDA on a CPU run, XPU and MTIA everywhere), and each queued seed formats the whole Python
+stack for its debug record. Inside DeepSpeed's pipeline engine that cost about 1 ms per layer per micro-batch on a
+loaded 2-core machine: the largest part of the step-time benches' overhead after the re-faulted heap
+(:mod:`diffpipe_core.engine.host_memory`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,15 @@ import torch
 from torch import nn
 
 from diffpipe_core.engine.micro_batches import global_micro_batch, mix_seed
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the generators a layer can draw from: the CPU's and, once CUDA is started, every CUDA device's (what
+    ``torch.manual_seed`` seeds that diffpipe runs on), without queueing lazy seeds for device libraries that are
+    not started (each of which formats the Python stack)."""
+    torch.random.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 class LayerSeeds:
@@ -34,7 +49,7 @@ class LayerSeeds:
         if layer_index == self.first_layer:
             self._current = global_micro_batch(self.micro_index, self.dp, self.dp_rank)
             self.micro_index += 1
-        torch.manual_seed(mix_seed(self.seed, self._current, layer_index))
+        seed_generators(mix_seed(self.seed, self._current, layer_index))
 
 
 class SeededLayer(nn.Module):

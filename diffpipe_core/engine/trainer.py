@@ -32,6 +32,7 @@ from diffpipe_core.engine.checkpoint import checkpoint_name
 from diffpipe_core.engine.evaluation import evaluate
 from diffpipe_core.engine.host_memory import release_freed
 from diffpipe_core.engine.launcher import ERROR_DIR_ENV, stop_signal_name
+from diffpipe_core.engine.layer_rng import seed_generators
 from diffpipe_core.engine.metrics_writer import open_writer
 from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes, mix_seed
 from diffpipe_core.engine.regularization import base_pass, dop_pass, needs_roles, step_roles, training_batch
@@ -201,7 +202,7 @@ class Trainer:
         consecutive_bad = 0
         guard, scheduler = self.stage.guard, self.stage.scheduler
         while step < self.total_steps:
-            torch.manual_seed(mix_seed(run.seed, step, self.rank))
+            seed_generators(mix_seed(run.seed, step, self.rank))
             batches.step_ids = []
             context.step = step
             guard.start_step()
@@ -228,7 +229,8 @@ class Trainer:
                 self.stage.loss.uncond = self.stage.loss.roles = None
             dt = time.perf_counter() - t0
             step += 1
-            release_freed()  # the step's activations and scratch
+            if memory_report.enabled():  # the report's step phases record what the stage holds
+                release_freed()  # the step's activations and scratch (the next step would fault them back in)
             if step == first_step + 1:
                 self._memory_report("step 1")
             else:

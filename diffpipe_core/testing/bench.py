@@ -8,7 +8,9 @@ The framework-overhead benches (``bench/overhead.py`` and each model plugin's ``
 :func:`bench_parser`, :func:`overhead_args`, :func:`model_table`, :func:`clip_dataset`, :func:`write_run_toml`,
 :func:`train_times`, :func:`diffpipe_step_times`, :func:`plain_model`, :func:`flow_loss`, :func:`plain_step_times`,
 :func:`measure_overhead`, :func:`compare`, :func:`pair_line` and :func:`ratio_line`; each bench supplies only its
-model, ``[model]`` table and loss.
+model, ``[model]`` table and loss. An image model's bench is :func:`image_trainer` (the diffpipe side),
+:func:`plain_trainer` (the plain loop: the bench gives only its model's inputs and forward call) and
+:func:`run_bench` (the command line, the pairs and the printed result).
 """
 
 from __future__ import annotations
@@ -313,3 +315,59 @@ def setup_line(model: str, args: argparse.Namespace) -> str:
 
     return (f"model: {model}, batch {args.batch}, LoRA r=16, float32, CPU threads {torch.get_num_threads()}; "
             f"medians of {args.steps - args.warmup} steps after {args.warmup} warm-up")
+
+
+#: the plain side's inputs of one model: ``(latents, forward, layout)`` for :func:`flow_loss`
+PlainInputs = tuple["torch.Tensor", Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"],
+                    Callable[["torch.Tensor"], "torch.Tensor"] | None]
+
+
+def image_trainer(table: str, captions: Callable[[int], str], size: int
+                  ) -> Callable[[Path, argparse.Namespace], list[float]]:
+    """An image bench's ``diffpipe_times``: in ``root`` (which holds ``model/``), 4 ``size`` x ``size`` images captioned
+    ``captions(i)`` and their ``dataset.toml`` (that size, no aspect buckets), then :func:`train_times` with the
+    ``[model]`` ``table``."""
+    from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
+
+    def diffpipe_times(root: Path, args: argparse.Namespace) -> list[float]:
+        write_image_dataset(root / "images", 4, size=(size, size), captions=[captions(i) for i in range(4)])
+        write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[size], enable_ar_bucket=False)
+        return train_times(root, args, table)
+
+    return diffpipe_times
+
+
+def plain_trainer(plugin: object, inputs: Callable[[torch.nn.Module, int], PlainInputs], **keys: object
+                  ) -> Callable[[Path, argparse.Namespace], list[float]]:
+    """A bench's ``plain_times``: the plugin's model from ``model_dir`` (:func:`plain_model` with ``keys``), then
+    :func:`plain_step_times` of the rectified-flow loss (:func:`flow_loss`) on ``inputs(model, batch)``: the
+    latents, the model's forward call ``forward(x_t, t)`` and the prediction's layout. The model's LoRA targets are
+    the plugin's."""
+
+    def plain_times(model_dir: Path, args: argparse.Namespace) -> list[float]:
+        cfg, model = plain_model(plugin, model_dir, **keys)
+        latents, forward, layout = inputs(model, args.batch)
+        targets = plugin.lora_targets(model_config=cfg)  # type: ignore[attr-defined]
+        return plain_step_times(model, targets, flow_loss(latents, forward, layout), args.steps)
+
+    return plain_times
+
+
+def tokens_line(size: int, text_len: int, patch: int = 16) -> str:
+    """``"256 image + 64 text tokens"``: a ``size`` x ``size`` image in ``patch``-pixel tokens and the text's."""
+    return f"{(size // patch) ** 2} image + {text_len} text tokens"
+
+
+def run_bench(
+    write_model: Callable[[Path], object],
+    diffpipe_times: Callable[[Path, argparse.Namespace], list[float]],
+    plain_times: Callable[[Path, argparse.Namespace], list[float]],
+    model: str,
+) -> None:
+    """An overhead bench's command line (:func:`bench_parser` with ``--rounds`` and ``--threads``): the
+    :func:`measure_overhead` rounds, then what was measured (:func:`setup_line` of ``model``) and the
+    :func:`ratio_line`."""
+    args = overhead_args(bench_parser(pairs="--rounds", threads=True))
+    pairs = measure_overhead(args, write_model, diffpipe_times, plain_times, args.rounds, label="round")
+    print(setup_line(model, args))
+    print(ratio_line(pairs))

@@ -229,6 +229,20 @@ def comfyui_files(
     return files
 
 
+def files_config(schema: Any, model_type: str, files: Mapping[str, Any], text_encoder_type: str | None = None,
+                 **keys: Any) -> Any:
+    """``schema``'s ``[model]`` table of :func:`comfyui_files`' ``files`` (configs folder, diffusion model, VAE, text
+    encoders: each ``{"path", "type": text_encoder_type}`` where given), encoders in float32, then ``keys``."""
+    from diffpipe_core.schema import validate
+
+    encoders = files["text_encoders"]
+    if text_encoder_type is not None:
+        encoders = [{"path": path, "type": text_encoder_type} for path in encoders]
+    table = {"type": model_type, "path": files["configs"], "diffusion_model": files["diffusion_model"],
+             "vae": files["vae"], "text_encoders": encoders, "encoder_dtype": "float32"}
+    return validate(schema, {**table, **keys}, "test")
+
+
 def assert_loads_as_the_folder(plugin: Any, files_config: Any, folder_config: Any, encoders: tuple[str, ...]) -> None:
     """``files_config`` (component files) validates, and its ``encoders`` and diffusion model (in float32 and
     bfloat16) load exactly as ``folder_config``'s: the same tensors in the same dtypes."""

@@ -49,6 +49,24 @@ def sample_latents(
     return latents
 
 
+def float32_config(schema: Any, path: Any, **keys: Any) -> Any:
+    """``schema``'s ``[model]`` table of the folder ``path`` in float32 (weights and encoders) with ``keys``."""
+    from diffpipe_core.schema import validate
+
+    table = {"type": "x", "path": path, "dtype": "float32", "encoder_dtype": "float32", **keys}
+    return validate(schema, table, "test")
+
+
+def prompt_sample(plugin: Any, model_config: Any, prompt: str, negative: str | None, request: SampleRequest,
+                  seed: int, cfg_scale: float = 1.0) -> torch.Tensor:
+    """:func:`sample_latents` of ``prompt`` encoded by the plugin (``encode_prompts``; the ``negative`` prompt only
+    with ``cfg_scale > 1``) for the registered model handle ``plugin``."""
+    from diffpipe_core.sampling.prompts import encode_prompts
+
+    (texts,) = encode_prompts(plugin, model_config, [prompt], negative if cfg_scale > 1 else None, CPU)
+    return sample_latents(plugin, model_config, request, texts, seed, cfg_scale)
+
+
 def assert_same_sample(ours: torch.Tensor, expected: torch.Tensor, noise: torch.Tensor) -> None:
     """``ours`` equals the pipeline's ``expected`` latents, and it is far from the ``noise`` both started from (so
     a loop that denoised nothing cannot pass)."""

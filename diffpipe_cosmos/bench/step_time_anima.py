@@ -14,12 +14,9 @@ printed with its spread. Target: ratio <= 1.10. The shared skeleton is in ``diff
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_cosmos import resize
 from diffpipe_cosmos.anima import anima as plugin
 from diffpipe_cosmos.testing_anima import TinyAnimaConfig, write_tiny_anima
@@ -27,39 +24,29 @@ from diffpipe_cosmos.testing_anima import TinyAnimaConfig, write_tiny_anima
 MODEL = TinyAnimaConfig(num_layers=4, num_attention_heads=4, attention_head_dim=64, latent_channels=16, text_dim=64,
                         min_sequence_length=64)
 TEXT_LEN, SIZE = 64, 256
+diffpipe_times = bench.image_trainer(bench.model_table("anima", text_max_length=TEXT_LEN),
+                                     lambda i: " ".join(["a photo of a red cat on a house"] * 10) + f" {i}", SIZE)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``) on 4 long-captioned SIZE x SIZE images."""
-    captions = [" ".join(["a photo of a red cat on a house"] * 10) + f" {i}" for i in range(4)]
-    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, bench.model_table("anima", text_max_length=TEXT_LEN))
-
-
-def plain_times(model_dir: Path, args) -> list[float]:
+def plain_inputs(model: torch.nn.Module, batch: int) -> bench.PlainInputs:
+    """The LLM adapter (frozen, as ``llm_adapter_lr = 0`` leaves it), then ``CosmosTransformer3DModel.forward``."""
     resize.install()
-    cfg, model = bench.plain_model(plugin, model_dir)
-    model.text_conditioner.requires_grad_(False)  # frozen, as llm_adapter_lr = 0 leaves it
-    latents = torch.randn(args.batch, MODEL.latent_channels, 1, SIZE // 8, SIZE // 8)
-    qwen, ids = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim), torch.randint(0, 40, (args.batch, TEXT_LEN))
-    mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.long)
+    model.text_conditioner.requires_grad_(False)
+    qwen, ids = torch.randn(batch, TEXT_LEN, MODEL.text_dim), torch.randint(0, 40, (batch, TEXT_LEN))
+    mask = torch.ones(batch, TEXT_LEN, dtype=torch.long)
     padding = torch.zeros(1, 1, SIZE, SIZE)
 
     def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         text = model.text_conditioner(qwen, ids, mask, mask)
         return model(hidden_states=x_t, timestep=t, encoder_hidden_states=text, padding_mask=padding).sample
 
-    loss = bench.flow_loss(latents, forward)
-    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+    return torch.randn(batch, MODEL.latent_channels, 1, SIZE // 8, SIZE // 8), forward, None
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
-    write = lambda model_dir: write_tiny_anima(model_dir, MODEL)  # noqa: E731
-    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    print(bench.setup_line(f"Anima inner dim 256, 4 blocks, {(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens", args))
-    print(bench.ratio_line(pairs))
+    bench.run_bench(lambda model_dir: write_tiny_anima(model_dir, MODEL), diffpipe_times,
+                    bench.plain_trainer(plugin, plain_inputs),
+                    f"Anima inner dim 256, 4 blocks, {bench.tokens_line(SIZE, TEXT_LEN)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from diffpipe_core.testing.component_files import (
     assert_loads_as_the_folder,
     comfyui_files,
     dequantized_state,
+    files_config,
     quantizable_linears,
     quantize_file,
 )
@@ -41,10 +42,7 @@ def anima_files(folder: Path, out: Path) -> dict:
 
 
 def from_files(files: dict, **keys):
-    table = {"type": "anima", "path": files["configs"], "diffusion_model": files["diffusion_model"],
-             "vae": files["vae"], "text_encoders": [{"path": files["text_encoders"][0], "type": "qwen3_06b"}],
-             "encoder_dtype": "float32"}
-    return validate(AnimaConfig, {**table, **keys}, "test")
+    return files_config(AnimaConfig, "anima", files, "qwen3_06b", **keys)
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_anima: Path, tmp_path: Path) -> None:

@@ -14,12 +14,9 @@ its spread. Target: ratio <= 1.10. The shared skeleton is in ``diffpipe_core.tes
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_flux.flux2_latents import tokens
 from diffpipe_flux.flux3 import flux3
 from diffpipe_flux.flux3_layers import image_ids, text_ids
@@ -28,40 +25,28 @@ from diffpipe_flux.testing_flux3 import TinyFlux3Config, write_tiny_flux3
 MODEL = TinyFlux3Config(num_layers=2, num_single_layers=4, num_attention_heads=4, attention_head_dim=64,
                         axes_dims_rope=(16, 16, 16, 16), latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 80, 256  # one text window (the pipeline pads each caption to a multiple of 80 tokens)
-MODEL_TABLE = bench.model_table("flux3", text_max_length=TEXT_LEN)
+#: each caption's window is the 80 tokens
+diffpipe_times = bench.image_trainer(bench.model_table("flux3", text_max_length=TEXT_LEN),
+                                     lambda i: f"a photo of a red cat on a house {i}", SIZE)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``) on 4 captioned SIZE x SIZE images (each
-    caption's window is the 80 tokens); step times from metrics.jsonl."""
-    captions = [f"a photo of a red cat on a house {i}" for i in range(4)]
-    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
-
-
-def plain_times(model_dir: Path, args) -> list[float]:
-    cfg, model = bench.plain_model(flux3, model_dir)
+def plain_inputs(model: torch.nn.Module, batch: int) -> bench.PlainInputs:
+    """``Flux3Transformer2DModel.forward`` on the pipeline's position ids and one text window."""
     h = w = SIZE // 16
-    latents = torch.randn(args.batch, 4 * MODEL.latent_channels, h, w)
-    text = torch.randn(args.batch, TEXT_LEN, 8 * MODEL.text_dim)
+    text = torch.randn(batch, TEXT_LEN, 8 * MODEL.text_dim)
     img, txt = image_ids(h, w), text_ids(TEXT_LEN)
 
     def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model(hidden_states=tokens(x_t), encoder_hidden_states=text, timestep=t, img_ids=img,
                      txt_ids=txt).sample
 
-    loss = bench.flow_loss(latents, forward, tokens)
-    return bench.plain_step_times(model, flux3.lora_targets(model_config=cfg), loss, args.steps)
+    return torch.randn(batch, 4 * MODEL.latent_channels, h, w), forward, tokens
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
-    write = lambda model_dir: write_tiny_flux3(model_dir, cfg=MODEL)  # noqa: E731
-    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    tokens_line = f"{(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens"
-    print(bench.setup_line(f"FLUX.3 inner dim 256, 2 + 2 mode blocks, 4 joint blocks, {tokens_line}", args))
-    print(bench.ratio_line(pairs))
+    bench.run_bench(lambda model_dir: write_tiny_flux3(model_dir, cfg=MODEL), diffpipe_times,
+                    bench.plain_trainer(flux3, plain_inputs),
+                    f"FLUX.3 inner dim 256, 2 + 2 mode blocks, 4 joint blocks, {bench.tokens_line(SIZE, TEXT_LEN)}")
 
 
 if __name__ == "__main__":

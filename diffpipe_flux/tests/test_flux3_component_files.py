@@ -19,6 +19,7 @@ from diffpipe_core.testing.component_files import (
     assert_loads_as_the_folder,
     comfyui_files,
     component_state,
+    files_config,
     hub_snapshot,
     quantize_file,
     save,
@@ -29,9 +30,7 @@ from diffpipe_flux.flux3_keys import layout_for_config
 
 
 def from_files(files: dict, schema=Flux3Config, **keys):
-    table = {"type": "flux3", "path": files["configs"], "diffusion_model": files["diffusion_model"],
-             "vae": files["vae"], "text_encoders": files["text_encoders"], "encoder_dtype": "float32"}
-    return validate(schema, {**table, **keys}, "test")
+    return files_config(schema, "flux3", files, **keys)
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_flux3: Path, tmp_path: Path) -> None:

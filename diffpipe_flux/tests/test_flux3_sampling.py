@@ -13,8 +13,13 @@ import torch
 from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
-from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
+from diffpipe_core.testing.sampling import (
+    assert_same_sample,
+    float32_config,
+    prompt_sample,
+    registered,
+    sample_latents,
+)
 from diffpipe_core.types import SampleRequest
 from diffpipe_flux.config import Flux3Config, Flux3DistilledConfig
 from diffpipe_flux.flux3 import flux3, flux3_distilled
@@ -24,8 +29,7 @@ PROMPT, NEGATIVE, STEPS, SEED, SIZE, LENGTH = "a red cat on a house", "blurry", 
 
 
 def config(schema, path: Path):
-    table = {"type": "x", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": LENGTH}
-    return validate(schema, table, "test")
+    return float32_config(schema, path, text_max_length=LENGTH)
 
 
 def start_noise() -> torch.Tensor:
@@ -38,8 +42,8 @@ def test_sample_equals_the_modular_pipeline(tiny_flux3: Path, cfg_scale: float) 
 
     model = registered(flux3, "flux3")
     cfg = config(Flux3Config, tiny_flux3)
-    (texts,) = encode_prompts(model, cfg, [PROMPT], NEGATIVE if cfg_scale > 1 else None, torch.device("cpu"))
-    ours = sample_latents(model, cfg, SampleRequest(width=SIZE, height=SIZE, steps=STEPS), texts, SEED, cfg_scale)
+    request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
+    ours = prompt_sample(model, cfg, PROMPT, NEGATIVE, request, SEED, cfg_scale)
 
     pipe = modular_pipeline(tiny_flux3)
     pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=cfg_scale))

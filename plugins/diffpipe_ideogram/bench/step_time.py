@@ -15,57 +15,41 @@ of the per-pair ratios is printed with its spread. Target: ratio <= 1.10. The sh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_ideogram.plugin import plugin, tokens
 from diffpipe_ideogram.testing import TAPS, TinyIdeogram4Config, write_tiny_ideogram4
 
 MODEL = TinyIdeogram4Config(num_layers=4, num_attention_heads=4, attention_head_dim=64, mrope_section=(6, 5, 5),
                             latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 64, 256
-MODEL_TABLE = bench.model_table("ideogram4", text_max_length=TEXT_LEN)
+WORDS = " ".join(["a red cat on a house"] * 7)  # 63 tokens with the chat template: each caption fills the text length
+diffpipe_times = bench.image_trainer(bench.model_table("ideogram4", text_max_length=TEXT_LEN),
+                                     lambda i: f"{WORDS} {i}", SIZE)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``) on 4 long-captioned SIZE x SIZE images (each
-    caption fills the text length); step times from metrics.jsonl."""
-    words = " ".join(["a red cat on a house"] * 7)  # 63 tokens with the chat template
-    captions = [f"{words} {i}" for i in range(4)]
-    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
-
-
-def plain_times(model_dir: Path, args) -> list[float]:
+def plain_inputs(model: torch.nn.Module, batch: int) -> bench.PlainInputs:
+    """``Ideogram4Transformer2DModel.forward`` on the pipeline's packed sequence (its ids from ``_prepare_ids``)."""
     from diffusers import Ideogram4Pipeline
 
-    cfg, model = bench.plain_model(plugin, model_dir)
     h = w = SIZE // 16
-    latents = torch.randn(args.batch, 4 * MODEL.latent_channels, h, w)
-    pos, seg, ind = Ideogram4Pipeline._prepare_ids([TEXT_LEN] * args.batch, h, w, TEXT_LEN, torch.device("cpu"))
-    text = torch.randn(args.batch, TEXT_LEN + h * w, TAPS * MODEL.text_dim) * (ind == 3)[..., None]
-    pad = torch.zeros(args.batch, TEXT_LEN, 4 * MODEL.latent_channels)
+    pos, seg, ind = Ideogram4Pipeline._prepare_ids([TEXT_LEN] * batch, h, w, TEXT_LEN, torch.device("cpu"))
+    text = torch.randn(batch, TEXT_LEN + h * w, TAPS * MODEL.text_dim) * (ind == 3)[..., None]
+    pad = torch.zeros(batch, TEXT_LEN, 4 * MODEL.latent_channels)
 
     def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         out = model(hidden_states=torch.cat([pad, tokens(x_t)], dim=1), timestep=1 - t, encoder_hidden_states=text,
                     position_ids=pos, segment_ids=seg, indicator=ind).sample
         return -out[:, TEXT_LEN:]
 
-    loss = bench.flow_loss(latents, forward, tokens)
-    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+    return torch.randn(batch, 4 * MODEL.latent_channels, h, w), forward, tokens
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
-    write = lambda model_dir: write_tiny_ideogram4(model_dir, cfg=MODEL)  # noqa: E731
-    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    image_tokens = f"{(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens"
-    print(bench.setup_line(f"Ideogram 4 inner dim 256, 4 blocks, {image_tokens}", args))
-    print(bench.ratio_line(pairs))
+    bench.run_bench(lambda model_dir: write_tiny_ideogram4(model_dir, cfg=MODEL), diffpipe_times,
+                    bench.plain_trainer(plugin, plain_inputs),
+                    f"Ideogram 4 inner dim 256, 4 blocks, {bench.tokens_line(SIZE, TEXT_LEN)}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
     comfyui_files,
+    files_config,
     hub_snapshot,
     quantize_file,
 )
@@ -45,10 +46,7 @@ def files(tiny_ideogram4: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def from_files(files: dict, **keys):
-    table = {"type": "ideogram4", "path": files["configs"], "diffusion_model": files["diffusion_model"],
-             "vae": files["vae"], "text_encoders": [{"path": files["text_encoders"][0], "type": "ideogram4"}],
-             "encoder_dtype": "float32"}
-    return validate(Ideogram4Config, {**table, **keys}, "test")
+    return files_config(Ideogram4Config, "ideogram4", files, "ideogram4", **keys)
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_ideogram4: Path, files: dict) -> None:

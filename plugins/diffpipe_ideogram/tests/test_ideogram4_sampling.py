@@ -16,8 +16,13 @@ from diffpipe_core.sampling.config import SampleConfig
 from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
-from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
+from diffpipe_core.testing.sampling import (
+    assert_same_sample,
+    float32_config,
+    prompt_sample,
+    registered,
+    sample_latents,
+)
 from diffpipe_core.types import SampleRequest
 from diffpipe_ideogram.config import Ideogram4Config
 from diffpipe_ideogram.plugin import plugin, tokens, unpatchify, untokens
@@ -28,9 +33,7 @@ REQUEST = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
 
 
 def config(path: Path, **keys: object):
-    table = {"type": "ideogram4", "path": path, "dtype": "float32", "encoder_dtype": "float32",
-             "text_max_length": LENGTH, **keys}
-    return validate(Ideogram4Config, table, "test")
+    return float32_config(Ideogram4Config, path, text_max_length=LENGTH, **keys)
 
 
 def test_sample_equals_the_pipeline_and_the_modular_pipeline(tiny_ideogram4: Path) -> None:
@@ -38,8 +41,7 @@ def test_sample_equals_the_pipeline_and_the_modular_pipeline(tiny_ideogram4: Pat
 
     model = registered(plugin, "ideogram4")
     cfg = config(tiny_ideogram4)
-    (texts,) = encode_prompts(model, cfg, [PROMPT], None, torch.device("cpu"))
-    ours = sample_latents(model, cfg, REQUEST, texts, SEED)
+    ours = prompt_sample(model, cfg, PROMPT, None, REQUEST, SEED)
     noise, _ = plugin.denoise_init(REQUEST, cfg, noise_generator(SEED, 0))
 
     pipe = load_pipeline(tiny_ideogram4)

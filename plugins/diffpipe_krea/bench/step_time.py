@@ -15,56 +15,41 @@ the per-pair ratios is printed with its spread. Target: ratio <= 1.10. The share
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffpipe_core.parts.latents import pack_2x2
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_krea.plugin import plugin
 from diffpipe_krea.testing import SELECT_LAYERS, TinyKrea2Config, write_tiny_krea2
 
 MODEL = TinyKrea2Config(num_layers=4, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=64,
                         axes_dims_rope=(16, 24, 24), latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = 64, 256
-MODEL_TABLE = bench.model_table("krea2", text_max_length=TEXT_LEN)
+WORDS = " ".join(["a long caption of a red cat on a house"] * 12)  # each caption fills the text length
+diffpipe_times = bench.image_trainer(bench.model_table("krea2", text_max_length=TEXT_LEN), lambda i: f"{WORDS} {i}",
+                                     SIZE)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``) on 4 long-captioned SIZE x SIZE images (each
-    caption fills the text length); step times from metrics.jsonl."""
-    captions = [" ".join(["a long caption of a red cat on a house"] * 12) + f" {i}" for i in range(4)]
-    write_image_dataset(root / "images", 4, size=(SIZE, SIZE), captions=captions)
-    write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
-
-
-def plain_times(model_dir: Path, args) -> list[float]:
+def plain_inputs(model: torch.nn.Module, batch: int) -> bench.PlainInputs:
+    """``Krea2Transformer2DModel.forward`` with the pipeline's position ids and text mask."""
     from diffusers import Krea2Pipeline
 
-    cfg, model = bench.plain_model(plugin, model_dir)
     h = w = SIZE // 8
-    latents = torch.randn(args.batch, MODEL.latent_channels, h, w)
-    text = torch.randn(args.batch, TEXT_LEN, len(SELECT_LAYERS), MODEL.text_dim)
-    mask = torch.ones(args.batch, TEXT_LEN, dtype=torch.bool)
+    text = torch.randn(batch, TEXT_LEN, len(SELECT_LAYERS), MODEL.text_dim)
+    mask = torch.ones(batch, TEXT_LEN, dtype=torch.bool)
     ids = Krea2Pipeline.prepare_position_ids(TEXT_LEN, h // 2, w // 2, torch.device("cpu"))
 
     def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model(hidden_states=pack_2x2(x_t), encoder_hidden_states=text, timestep=t, position_ids=ids,
                      encoder_attention_mask=mask).sample
 
-    loss = bench.flow_loss(latents, forward, pack_2x2)
-    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+    return torch.randn(batch, MODEL.latent_channels, h, w), forward, pack_2x2
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
-    write = lambda model_dir: write_tiny_krea2(model_dir, cfg=MODEL)  # noqa: E731
-    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    tokens = f"{(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens"
-    print(bench.setup_line(f"Krea 2 inner dim 256, 4 blocks, {tokens}", args))
-    print(bench.ratio_line(pairs))
+    bench.run_bench(lambda model_dir: write_tiny_krea2(model_dir, cfg=MODEL), diffpipe_times,
+                    bench.plain_trainer(plugin, plain_inputs),
+                    f"Krea 2 inner dim 256, 4 blocks, {bench.tokens_line(SIZE, TEXT_LEN)}")
 
 
 if __name__ == "__main__":

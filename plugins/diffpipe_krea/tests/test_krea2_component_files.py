@@ -20,6 +20,7 @@ from diffpipe_core.testing.component_files import (
     assert_loads_as_the_folder,
     assert_variant_loads_as_itself,
     comfyui_files,
+    files_config,
     hub_snapshot,
     quantize_file,
     variant_file,
@@ -41,10 +42,7 @@ def krea_files(folder: Path, out: Path, vision: bool = True) -> dict:
 
 
 def from_files(files: dict, schema=Krea2Config, **keys):
-    table = {"type": "krea2", "path": files["configs"], "diffusion_model": files["diffusion_model"],
-             "vae": files["vae"], "text_encoders": [{"path": files["text_encoders"][0], "type": "krea2"}],
-             "encoder_dtype": "float32"}
-    return validate(schema, {**table, **keys}, "test")
+    return files_config(schema, "krea2", files, "krea2", **keys)
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_krea2: Path, tmp_path: Path) -> None:

@@ -12,10 +12,13 @@ import torch
 
 from diffpipe_core.parts.latents import pack_2x2, unpack_2x2
 from diffpipe_core.sampling.loop import noise_generator
-from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
-from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
+from diffpipe_core.testing.sampling import (
+    assert_same_sample,
+    float32_config,
+    prompt_sample,
+    registered,
+)
 from diffpipe_core.types import SampleRequest
 from diffpipe_krea.config import Krea2Config, Krea2TurboConfig
 from diffpipe_krea.plugin import plugin, turbo
@@ -25,8 +28,7 @@ PROMPT, NEGATIVE, STEPS, SEED, SIZE, LENGTH = "a red cat on a house", "blurry", 
 
 
 def config(schema, path: Path):
-    table = {"type": "x", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": LENGTH}
-    return validate(schema, table, "test")
+    return float32_config(schema, path, text_max_length=LENGTH)
 
 
 def start_noise() -> torch.Tensor:
@@ -37,8 +39,8 @@ def start_noise() -> torch.Tensor:
 def test_sample_equals_the_pipeline(tiny_krea2: Path, cfg_scale: float) -> None:
     model = registered(plugin, "krea2")
     cfg = config(Krea2Config, tiny_krea2)
-    (texts,) = encode_prompts(model, cfg, [PROMPT], NEGATIVE if cfg_scale > 1 else None, torch.device("cpu"))
-    ours = sample_latents(model, cfg, SampleRequest(width=SIZE, height=SIZE, steps=STEPS), texts, SEED, cfg_scale)
+    request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
+    ours = prompt_sample(model, cfg, PROMPT, NEGATIVE, request, SEED, cfg_scale)
 
     pipe = load_pipeline(tiny_krea2)
     noise = start_noise()
@@ -63,8 +65,8 @@ def test_turbo_sample_equals_the_turbo_modular_pipeline(tiny_krea2: Path) -> Non
 
     model = registered(turbo, "krea2-turbo")
     cfg = config(Krea2TurboConfig, tiny_krea2)  # Raw's folder: the Turbo entry point's shift all the same
-    (texts,) = encode_prompts(model, cfg, [PROMPT], None, torch.device("cpu"))
-    ours = sample_latents(model, cfg, SampleRequest(width=SIZE, height=SIZE, steps=STEPS), texts, SEED)
+    request = SampleRequest(width=SIZE, height=SIZE, steps=STEPS)
+    ours = prompt_sample(model, cfg, PROMPT, None, request, SEED)
 
     base = load_pipeline(tiny_krea2)
     pipe = Krea2TurboAutoBlocks().init_pipeline()

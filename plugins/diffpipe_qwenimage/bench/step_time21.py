@@ -14,8 +14,6 @@ Target: ratio <= 1.10. The shared skeleton is in ``diffpipe_core.testing.bench``
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import step_time  # this folder's Qwen-Image bench (the script's folder is on sys.path)
 import torch
 
@@ -26,38 +24,30 @@ from diffpipe_qwenimage.testing21 import TinyQwen21Config, write_tiny_qwen21
 MODEL = TinyQwen21Config(num_layers=4, num_attention_heads=4, attention_head_dim=64, axes_dims_rope=(16, 24, 24),
                          latent_channels=16, text_dim=64)
 TEXT_LEN, SIZE = step_time.TEXT_LEN, step_time.SIZE
-MODEL_TABLE = bench.model_table("qwen-image-2.1", text_max_length=TEXT_LEN)
+#: Qwen-Image's bench images and captions
+diffpipe_times = bench.image_trainer(bench.model_table("qwen-image-2.1", text_max_length=TEXT_LEN), step_time.caption,
+                                     SIZE)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Qwen-Image's bench run (``step_time.diffpipe_times``: the same images and captions) of Qwen-Image 2.1."""
-    return step_time.diffpipe_times(root, args, MODEL_TABLE)
-
-
-def plain_times(model_dir: Path, args) -> list[float]:
-    cfg, model = bench.plain_model(plugin, model_dir)
+def plain_inputs(model: torch.nn.Module, batch: int) -> bench.PlainInputs:
+    """``QwenImage21Transformer2DModel.forward`` with the pipeline's img_shapes, image slots and no text padding."""
     h = w = SIZE // 16
-    latents = torch.randn(args.batch, MODEL.latent_channels, h, w)
-    text = torch.randn(args.batch, TEXT_LEN, MODEL.text_dim)
-    slots = torch.cat([torch.zeros(args.batch, TEXT_LEN, dtype=torch.bool),
-                       torch.ones(args.batch, h * w // 4, dtype=torch.bool)], dim=1)
-    shapes = [[(1, h, w)]] * args.batch
+    text = torch.randn(batch, TEXT_LEN, MODEL.text_dim)
+    slots = torch.cat([torch.zeros(batch, TEXT_LEN, dtype=torch.bool),
+                       torch.ones(batch, h * w // 4, dtype=torch.bool)], dim=1)
+    shapes = [[(1, h, w)]] * batch
 
     def forward(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return model(hidden_states=flat(x_t), encoder_hidden_states=text, timestep=t, img_shapes=shapes,
                      img_mask=slots).sample[:, -h * w :]
 
-    loss = bench.flow_loss(latents, forward, flat)
-    return bench.plain_step_times(model, plugin.lora_targets(model_config=cfg), loss, args.steps)
+    return torch.randn(batch, MODEL.latent_channels, h, w), forward, flat
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser(pairs="--rounds", threads=True))
-    write = lambda model_dir: write_tiny_qwen21(model_dir, cfg=MODEL)  # noqa: E731
-    pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.rounds, label="round")
-    tokens = f"{(SIZE // 16) ** 2} image + {TEXT_LEN} text tokens"
-    print(bench.setup_line(f"Qwen-Image 2.1 inner dim 256, 4 blocks, {tokens}", args))
-    print(bench.ratio_line(pairs))
+    bench.run_bench(lambda model_dir: write_tiny_qwen21(model_dir, cfg=MODEL), diffpipe_times,
+                    bench.plain_trainer(plugin, plain_inputs),
+                    f"Qwen-Image 2.1 inner dim 256, 4 blocks, {bench.tokens_line(SIZE, TEXT_LEN)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from diffpipe_core.testing.component_files import (
     assert_kept_quantized,
     assert_loads_as_the_folder,
     comfyui_files,
+    files_config,
     hub_snapshot,
     quantize_file,
 )
@@ -24,9 +25,7 @@ from diffpipe_qwenimage.qwen21 import plugin
 
 
 def from_files(files: dict, schema=QwenImage21Config, **keys):
-    table = {"type": "qwen-image-2.1", "path": files["configs"], "diffusion_model": files["diffusion_model"],
-             "vae": files["vae"], "text_encoders": files["text_encoders"], "encoder_dtype": "float32"}
-    return validate(schema, {**table, **keys}, "test")
+    return files_config(schema, "qwen-image-2.1", files, **keys)
 
 
 def test_component_files_load_exactly_the_folders_weights(tiny_qwen21: Path, tmp_path: Path) -> None:

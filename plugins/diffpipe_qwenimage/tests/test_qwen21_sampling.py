@@ -12,8 +12,12 @@ import torch
 from diffpipe_core.sampling.loop import noise_generator
 from diffpipe_core.sampling.prompts import encode_prompts
 from diffpipe_core.sampling.runner import decode
-from diffpipe_core.schema import validate
-from diffpipe_core.testing.sampling import assert_same_sample, registered, sample_latents
+from diffpipe_core.testing.sampling import (
+    assert_same_sample,
+    float32_config,
+    registered,
+    sample_latents,
+)
 from diffpipe_core.types import SampleRequest
 from diffpipe_qwenimage.config import QwenImage21Config, QwenImage21TurboConfig
 from diffpipe_qwenimage.qwen21 import flat, plugin, turbo
@@ -29,8 +33,7 @@ def embeds(text: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def config(schema, path: Path):
-    table = {"type": "x", "path": path, "dtype": "float32", "encoder_dtype": "float32", "text_max_length": 32}
-    return validate(schema, table, "test")
+    return float32_config(schema, path, text_max_length=32)
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
