@@ -1,0 +1,153 @@
+"""diffusers' ``HiDreamImageTransformer2DModel`` cut into pipeline layers: the embedders, one layer per double-stream
+block, one per single-stream block (each with its MoE feed-forward and its Llama layer's caption projection), the
+output head.
+
+What flows between layers (a tuple of tensors):
+
+- into the first layer: ``(x_t (B, C, H, W), t (B,), t5 (B, L, d5), llama (B, layers, L, dL), pooled (B, P))``;
+  ``t`` is the flow time (1 = noise); the transformer is given ``1000 t``, the scheduler's timestep, as
+  ``HiDreamImagePipeline`` gives it; ``llama`` is the stack of Llama's hidden states (``hidden_states[1:]``).
+- through the double-stream blocks: ``(tokens, text, llama, last_text, temb, rope, mask, size)``: the image tokens
+  (padded to the model's ``max_seq`` when the latents are not square, as the model pads them), the text stream (T5's
+  and the last Llama layer's projected tokens), the Llama stack, the last Llama layer's projection (the last block
+  reads it too), the timestep + pooled embedding, the rotary table, the image tokens' key mask (ones for square
+  latents: no padding), ``size`` = ``(H, W, image tokens)`` (int).
+- through the single-stream blocks: ``(tokens, llama, last_text, temb, rope, mask, size)``: image and text tokens
+  in one stream.
+- out of the head: ``(velocity (B, C, H, W),)`` float32: the transformer's output negated, which is what
+  ``HiDreamImagePipeline`` hands its scheduler (``noise_pred = -noise_pred``), i.e. ``noise - x``.
+
+A pipeline of these layers computes ``HiDreamImageTransformer2DModel.forward`` (in eval mode; a test checks it). In
+training mode the MoE feed-forward takes diffusers' differentiable routing path; its gate's auxiliary loss is
+computed by diffusers and dropped by its forward (see the README).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from diffpipe_core.parts.blocks import WrappedBlock
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def _llama_layer(llama: torch.Tensor, index: int, dtype: torch.dtype) -> torch.Tensor:
+    return llama[:, index].to(dtype)
+
+
+class EmbedLayer(nn.Module):
+    """Patchify (padding non-square latents as the model does), the patch, timestep and pooled embeddings, the T5 and
+    last-Llama-layer caption projections that start the text stream, the rotary table."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        from diffusers import HiDreamImageTransformer2DModel
+
+        self.x_embedder, self.t_embedder, self.p_embedder = model.x_embedder, model.t_embedder, model.p_embedder
+        self.pe_embedder = model.pe_embedder
+        self.t5_projection, self.last_projection = model.caption_projection[-1], model.caption_projection[-2]
+        self.last_layer = int(model.config.llama_layers[-1])
+        # diffusers' own patchify reads only these two of the model
+        self._shape = SimpleNamespace(config=SimpleNamespace(patch_size=int(model.config.patch_size)),
+                                      max_seq=int(model.max_seq))
+        self._patchify = HiDreamImageTransformer2DModel.patchify
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        x, t, t5, llama, pooled = inputs
+        dtype = self.x_embedder.proj.bias.dtype  # the compute dtype (a quantized file's weights are stored otherwise)
+        b, _, h, w = x.shape
+        tokens, mask, _, img_ids = self._patchify(self._shape, x.to(dtype))
+        image_len = tokens.shape[1]
+        if mask is None:  # square latents: no padding, every key counts
+            mask = tokens.new_ones(b, image_len)
+        tokens = self.x_embedder(tokens)
+        temb = self.t_embedder(t.float() * 1000, dtype) + self.p_embedder(pooled.to(dtype))
+        last_text = self.last_projection(_llama_layer(llama, self.last_layer, dtype))
+        text = torch.cat([self.t5_projection(t5.to(dtype)), last_text], dim=1)
+        txt_ids = img_ids.new_zeros(b, text.shape[1] + last_text.shape[1], 3)
+        rope = self.pe_embedder(torch.cat([img_ids, txt_ids], dim=1))
+        size = torch.tensor([h, w, image_len], dtype=torch.long, device=x.device)
+        return tokens, text, llama, last_text, temb, rope, mask, size
+
+
+class DoubleLayer(WrappedBlock):
+    """One double-stream block on the image tokens and ``[text, this block's Llama layer projected]``; the last one
+    joins the image and text tokens into the single stream."""
+
+    def __init__(self, block: nn.Module, projection: nn.Module | None, llama_layer: int, last: bool) -> None:
+        super().__init__(block, last)
+        self.projection, self.llama_layer = projection, llama_layer
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        tokens, text, llama, last_text, temb, rope, mask, size = inputs
+        own = last_text if self.projection is None else self.projection(_llama_layer(llama, self.llama_layer,
+                                                                                     tokens.dtype))
+        tokens, text_out = self.block(hidden_states=tokens, hidden_states_masks=mask,
+                                      encoder_hidden_states=torch.cat([text, own], dim=1), temb=temb,
+                                      image_rotary_emb=rope)
+        text = text_out[:, : text.shape[1]]
+        if not self.last:
+            return tokens, text, llama, last_text, temb, rope, mask, size
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], text.shape[1] + own.shape[1])], dim=1)
+        return torch.cat([tokens, text], dim=1), llama, last_text, temb, rope, mask, size
+
+
+class SingleLayer(WrappedBlock):
+    """One single-stream block on ``[image, text, this block's Llama layer projected]``, keeping the stream's
+    length."""
+
+    def __init__(self, block: nn.Module, projection: nn.Module | None, llama_layer: int) -> None:
+        super().__init__(block)
+        self.projection, self.llama_layer = projection, llama_layer
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        tokens, llama, last_text, temb, rope, mask, size = inputs
+        own = last_text if self.projection is None else self.projection(_llama_layer(llama, self.llama_layer,
+                                                                                     tokens.dtype))
+        length = tokens.shape[1]
+        out = self.block(hidden_states=torch.cat([tokens, own], dim=1), hidden_states_masks=mask,
+                         encoder_hidden_states=None, temb=temb, image_rotary_emb=rope)
+        return out[:, :length], llama, last_text, temb, rope, mask, size
+
+
+class FinalLayer(nn.Module):
+    """The image tokens through the final adaLN norm and projection, unpatchified to ``(B, C, H, W)``, negated."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.final_layer = model.final_layer
+        self.patch, self.channels = int(model.config.patch_size), int(model.out_channels)
+
+    def forward(self, inputs: Tensors) -> Tensors:
+        tokens, _, _, temb, _, _, size = inputs
+        h, w, image_len = (int(v) for v in size.tolist())
+        out = self.final_layer(tokens[:, :image_len], temb)
+        p, b = self.patch, out.shape[0]
+        out = out[:, : (h // p) * (w // p)].reshape(b, h // p, w // p, p, p, self.channels)
+        out = out.permute(0, 5, 1, 3, 2, 4).reshape(b, self.channels, h, w)
+        return (-out.float(),)
+
+
+def split_into_layers(model: nn.Module) -> list[nn.Module]:
+    """The ordered pipeline layers of a diffusers ``HiDreamImageTransformer2DModel`` (sharing its parameters). Block
+    ``k`` (double-stream blocks first) reads Llama layer ``llama_layers[k]`` through ``caption_projection[k]``; the
+    last block's projection is the embedding layer's (it also starts the text stream), so that block reads its
+    output."""
+    doubles, singles = list(model.double_stream_blocks), list(model.single_stream_blocks)
+    if not doubles:
+        raise ValueError("a HiDream transformer without double-stream blocks is not supported")
+    layers_of = [int(k) for k in model.config.llama_layers]
+    count = len(doubles) + len(singles)
+    if len(layers_of) != count:
+        raise ValueError(f"transformer config: llama_layers has {len(layers_of)} entries for {count} blocks")
+
+    def projection(k: int) -> nn.Module | None:
+        return None if k == count - 1 else model.caption_projection[k]
+
+    out: list[nn.Module] = [EmbedLayer(model)]
+    out += [DoubleLayer(b, projection(i), layers_of[i], last=i == len(doubles) - 1) for i, b in enumerate(doubles)]
+    out += [SingleLayer(b, projection(len(doubles) + j), layers_of[len(doubles) + j]) for j, b in enumerate(singles)]
+    return [*out, FinalLayer(model)]
