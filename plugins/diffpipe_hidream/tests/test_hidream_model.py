@@ -171,3 +171,16 @@ def test_full_model_exports_load_back(tiny_hidream: Path, tmp_path: Path) -> Non
     for key, value in state.items():
         assert torch.equal(from_single.state_dict()[key], value), key
         assert torch.equal(from_folder[key], value), key
+
+
+def test_llama_4bit_quantizes_the_llama_for_caching(tiny_hidream: Path, encoded: tuple) -> None:
+    """``llama_4bit``: Llama's linears are bitsandbytes nf4 (diffusion-pipe's ``llama3_4bit``); its hidden states are
+    close to the full encoder's but not equal; the other encoders are untouched."""
+    bnb = pytest.importorskip("bitsandbytes")
+    enc = hidream.load_encoders(tiny_config(tiny_hidream, llama_4bit=True), CPU)
+    assert isinstance(enc.text_encoder_4.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
+    out = hidream.encode_batch(enc, EncodeBatch(captions=list(CAPTIONS)))
+    full = encoded[1]
+    assert torch.equal(out["t5_embeds"], full["t5_embeds"]) and torch.equal(out["pooled"], full["pooled"])
+    gap = (out["llama_embeds"] - full["llama_embeds"]).abs().max()
+    assert 0 < gap < 0.25 * full["llama_embeds"].abs().max(), gap
