@@ -83,4 +83,5 @@ def test_comfyui_lora_keys_and_weights(hidream_run: Path) -> None:
     to_model = lambda state: {k.removeprefix("diffusion_model."): v for k, v in state.items()}  # noqa: E731
     file, stems = lora_project.assert_comfyui_file_applies(hidream_run, native, to_model, RANK, ALPHA)
     assert "diffusion_model.single_stream_blocks.1.block.ff_i.experts.3.w2" in stems
-    assert float(file["diffusion_model.double_stream_blocks.0.block.attn1.to_q.alpha"]) == ALPHA
+    # the trained alpha / rank is folded into lora_B, as in the diffusers file: alpha = rank
+    assert float(file["diffusion_model.double_stream_blocks.0.block.attn1.to_q.alpha"]) == RANK
