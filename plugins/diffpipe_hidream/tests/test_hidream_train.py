@@ -48,6 +48,10 @@ def transformer_inputs(seed: int = 0) -> dict:
 def test_loss_falls(hidream_run: Path) -> None:
     runs.assert_loss_falls(hidream_run, STEPS, window=4)
     assert runs.stage_files(hidream_run) == ["params-stage0.safetensors"]
+    # every target trained (lora_B starts at zero): the routed experts too, so the MoE took its training path
+    saved = load_file(str(hidream_run / "saved" / "final" / "adapter_model.safetensors"))
+    untrained = [k for k, v in saved.items() if "lora_B" in k and not v.any()]
+    assert any(".ff_i.experts.3." in k for k in saved) and not untrained, untrained[:3]
 
 
 def test_trains_on_two_stages_as_on_one(hidream_run: Path) -> None:

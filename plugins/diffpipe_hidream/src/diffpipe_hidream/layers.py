@@ -24,6 +24,8 @@ computed by diffusers and dropped by its forward (see the README).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -94,6 +96,31 @@ class EmbedLayer(_Named):
                             "temb": temb, "rope": rope, "mask": mask, "size": size})
 
 
+def _moe_volume(ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MoE feed-forward with every token through its ``num_activated_experts`` first experts, weighted by the
+    gate: the activations diffusers' routing keeps (each token through that many experts), without the
+    data-dependent indexing the meta device cannot run."""
+    _, weight, _ = ff.gate(x)
+    flat = x.reshape(-1, x.shape[-1])
+    y = sum(ff.experts[j](flat) * weight[:, j : j + 1] for j in range(ff.num_activated_experts))
+    return y.view(x.shape) + ff.shared_experts(x)
+
+
+@contextmanager
+def _measurable(block: nn.Module, meta: bool) -> Iterator[None]:
+    """On the meta device (the GPU-fit table's activation measurement, ``diffpipe_core.engine.activations``) the
+    block's MoE feed-forward runs as :func:`_moe_volume`; elsewhere, as itself."""
+    ff = getattr(block, "ff_i", None)
+    if not meta or not hasattr(ff, "gate"):
+        yield
+        return
+    ff.forward = lambda x: _moe_volume(ff, x)
+    try:
+        yield
+    finally:
+        del ff.forward
+
+
 class _BlockLayer(WrappedBlock, _Named):
     """A block with the caption projection of its Llama layer (None: the last block, which reads ``last_text``)."""
 
@@ -114,9 +141,10 @@ class DoubleLayer(_BlockLayer):
     def forward(self, inputs: Tensors) -> Tensors:
         state = self.named(inputs)
         own, text = self.own_text(state), state["text"]
-        tokens, text_out = self.block(hidden_states=state["tokens"], hidden_states_masks=state["mask"],
-                                      encoder_hidden_states=torch.cat([text, own], dim=1), temb=state["temb"],
-                                      image_rotary_emb=state["rope"])
+        with _measurable(self.block.block, own.is_meta):
+            tokens, text_out = self.block(hidden_states=state["tokens"], hidden_states_masks=state["mask"],
+                                          encoder_hidden_states=torch.cat([text, own], dim=1), temb=state["temb"],
+                                          image_rotary_emb=state["rope"])
         state.update(tokens=tokens, text=text_out[:, : text.shape[1]])
         if self.last:
             mask = state["mask"]
@@ -132,9 +160,10 @@ class SingleLayer(_BlockLayer):
     def forward(self, inputs: Tensors) -> Tensors:
         state = self.named(inputs)
         tokens = state["tokens"]
-        out = self.block(hidden_states=torch.cat([tokens, self.own_text(state)], dim=1),
-                         hidden_states_masks=state["mask"], encoder_hidden_states=None, temb=state["temb"],
-                         image_rotary_emb=state["rope"])
+        with _measurable(self.block.block, tokens.is_meta):
+            out = self.block(hidden_states=torch.cat([tokens, self.own_text(state)], dim=1),
+                             hidden_states_masks=state["mask"], encoder_hidden_states=None, temb=state["temb"],
+                             image_rotary_emb=state["rope"])
         state["tokens"] = out[:, : tokens.shape[1]]
         return self.handed(state)
 

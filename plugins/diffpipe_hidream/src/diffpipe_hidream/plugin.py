@@ -153,13 +153,11 @@ class HiDream(DiffusersModel, FlowSampling):
         CLIP-G's projected vectors side by side. bfloat16 when the encoders run in it, else float32."""
         import torch
 
-        from diffpipe_core.parts.latents import latent_mask, shift_and_scale, vae_mode
+        from diffpipe_core.parts.latents import image_vae_latents
 
         out: dict[str, torch.Tensor] = {}
         if batch.pixels is not None:
-            out["latents"] = shift_and_scale(vae_mode(encoders.vae, batch.pixels), encoders.vae.config).cpu()
-            if batch.masks is not None:
-                out["mask"] = latent_mask(batch.masks, out["latents"].shape)
+            out.update(image_vae_latents(encoders.vae, batch.pixels, batch.masks))
         if batch.captions is not None:
             with torch.no_grad():
                 t5, _, llama, _, pooled, _ = encoders.text.encode_prompt(
