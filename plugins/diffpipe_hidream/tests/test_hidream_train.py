@@ -55,7 +55,7 @@ def test_loss_falls(hidream_run: Path) -> None:
 
 
 def test_trains_on_two_stages_as_on_one(hidream_run: Path) -> None:
-    """5 layers per stage: the embedding and double-stream blocks on one, the single-stream blocks and the head on
+    """3 layers per stage: the embedding and double-stream blocks on one, the single-stream blocks and the head on
     the other; the Llama stack and the text stream cross the boundary."""
     model = {**MODEL, "path": "model"}
     config = run_config(model, pipeline_stages=2, max_steps=TWO_STAGE_STEPS, checkpoint_every_n_steps=TWO_STAGE_STEPS,
