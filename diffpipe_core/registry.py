@@ -70,6 +70,7 @@ DISTRIBUTIONS = {
     "krea2-turbo": "diffpipe-krea",
     "lumina2": "diffpipe-lumina",
     "ideogram4": "diffpipe-ideogram",
+    "hidream": "diffpipe-hidream",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

@@ -153,6 +153,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_cosmos.testing_anima import comfy_path as anima_file
     from diffpipe_cosmos.testing_anima import write_tiny_anima
     from diffpipe_flux.testing import bfl_path, write_tiny_chroma, write_tiny_flux
+    from diffpipe_hidream.testing import comfy_path as hidream_file
+    from diffpipe_hidream.testing import write_tiny_hidream
     from diffpipe_hunyuan.testing import original_path as hunyuan_file
     from diffpipe_hunyuan.testing import write_tiny_hunyuan
     from diffpipe_ltx.testing import single_file_path as ltx_file
@@ -188,6 +190,7 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "sd3": (write_tiny_sd3(root / "sd3"), sd3_file(root / "sd3")),
         "auraflow": (write_tiny_auraflow(root / "auraflow"), auraflow_file(root / "auraflow")),
         "lumina2": (write_tiny_lumina2(root / "lumina2"), lumina_file(root / "lumina2")),
+        "hidream": (write_tiny_hidream(root / "hidream"), hidream_file(root / "hidream")),
     }
 
 

@@ -341,6 +341,10 @@ MODEL_RULES: dict[str, Rule] = {
     "checkpoint_path": lambda key, value, ctx: _checkpoint_path(key, value, ctx),
     "debiased_estimation_loss": _rename("model", "debiased_estimation"),
     "max_sequence_length": _rename("model", "text_max_length", "the text encoder's tokens per caption"),
+    "max_llama3_sequence_length": _rename(
+        "model", "text_max_length", "tokens per caption (HiDream: one length for all four encoders, as its pipeline)"
+    ),
+    "llama3_4bit": _rename("model", "llama_4bit", "Llama loaded in 4 bits (bitsandbytes nf4) while caching"),
     "ckpt_path": _path_needed,
     "vae_path": lambda key, value, ctx: _component_file("vae", key, value, ctx),
     "vae": lambda key, value, ctx: _component_file("vae", key, value, ctx),

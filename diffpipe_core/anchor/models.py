@@ -34,11 +34,11 @@ MODEL_TYPES = {
     "krea2": "krea2",
     "anima": "anima",
     "ideogram4": "ideogram4",
+    "hidream": "hidream",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
-    "hidream": "diffpipe-hidream",
     "omnigen2": "diffpipe-omnigen2",
     "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",

@@ -62,6 +62,16 @@ def latent_mask(masks: torch.Tensor, latent_hw: tuple[int, ...], video: bool = F
     return mask.unsqueeze(2) if video else mask
 
 
+def image_vae_latents(vae: Any, pixels: torch.Tensor, masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Images through an image VAE normalised by ``shift_factor`` and ``scaling_factor`` (``AutoencoderKL``: SD3's,
+    FLUX.1's): ``latents`` ``(B, C, h, w)`` = ``(mode - shift_factor) * scaling_factor`` as the pipelines normalise
+    them, and ``mask`` on the latent grid when ``masks`` are given; on the CPU, for the cache."""
+    out = {"latents": shift_and_scale(vae_mode(vae, pixels), vae.config).cpu()}
+    if masks is not None:
+        out["mask"] = latent_mask(masks, out["latents"].shape)
+    return out
+
+
 def frame_vae_latents(vae: Any, pixels: torch.Tensor, masks: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Images through a video VAE normalised per channel (Qwen-Image's ``AutoencoderKLQwenImage``, used by
     Qwen-Image and Krea 2), each image one frame: ``latents`` ``(B, C, h, w)`` = ``(z - latents_mean) /

@@ -105,6 +105,9 @@ class DiffusersModel:
             layers, from the same noise (None: the model has no diffusers pipeline, nothing to compare with).
         sample_pipeline_settings: ``{pipeline call argument: [model] key}`` for the settings the pipeline takes as
             call arguments (``{"max_sequence_length": "text_max_length"}``).
+        sample_pipeline_setup: optional ``(pipe, request) -> None`` the kit calls on the loaded pipeline before
+            sampling, for what the pipeline needs beyond call arguments to sample at the request's size
+            (HiDream's pipeline rescales every size to its own area unless its ``default_sample_size`` says so).
         tiny_writer: ``"module:function"`` of the function writing the model's tiny random-weight folder in its real
             layout (``function(folder) -> folder``), for tests, examples and bug reports:
             ``python -m diffpipe_core.testing.tiny_models TYPE DIR`` runs it (None: the model has none).

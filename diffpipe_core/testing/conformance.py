@@ -198,7 +198,8 @@ def _check_sample_equals_pipeline(
                            cfg=PIPELINE_CFG, unconditional=unconditional)
     settings = {arg: getattr(cfg, key) for arg, key in getattr(plugin_obj, "sample_pipeline_settings", {}).items()}
     folder = plugin_obj.model_folder(cfg) if hasattr(plugin_obj, "model_folder") else cfg.path  # type: ignore[attr-defined]
-    expected, sigmas = pipeline_sample(pipeline, folder, (captions[0], captions[1]), noise, request, settings)
+    setup = getattr(plugin_obj, "sample_pipeline_setup", None)
+    expected, sigmas = pipeline_sample(pipeline, folder, (captions[0], captions[1]), noise, request, settings, setup)
     what = (
         f"sampling: {PIPELINE_STEPS} steps at cfg {PIPELINE_CFG} from the same noise and prompts as {pipeline}"
         f" ({request.width}x{request.height}, {frames} frame{'s' if frames > 1 else ''})"

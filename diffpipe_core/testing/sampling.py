@@ -85,11 +85,13 @@ def pipeline_sample(
     noise: torch.Tensor,
     request: SampleRequest,
     settings: dict[str, Any],
+    setup: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The final latents (``output_type="latent"``) and the sigmas of the diffusers pipeline ``pipeline_class`` loaded
     in float32 from ``model_path``, denoising ``noise`` for the prompt and negative prompt ``prompts`` in
     :data:`PIPELINE_STEPS` steps at ``guidance_scale`` :data:`PIPELINE_CFG`, with the call arguments ``settings``
-    (resolution binning off, so the request's size is the sample's)."""
+    (resolution binning off, so the request's size is the sample's; ``setup(pipe, request)``, when given, sets what
+    else the pipeline needs for that: the plugin's ``sample_pipeline_setup``)."""
     import inspect
 
     import diffusers
@@ -107,6 +109,8 @@ def pipeline_sample(
             f"{type(exc).__name__}: {exc}"
         ) from exc
     pipe.set_progress_bar_config(disable=True)
+    if setup is not None:
+        setup(pipe, request)
     takes = inspect.signature(pipe.__call__).parameters
     call: dict[str, Any] = {
         "prompt": prompts[0],

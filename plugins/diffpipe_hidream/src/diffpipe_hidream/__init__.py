@@ -1,0 +1,1 @@
+"""diffpipe-hidream: the HiDream-I1 model plugin for diffpipe."""
