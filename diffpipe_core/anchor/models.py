@@ -34,13 +34,13 @@ MODEL_TYPES = {
     "krea2": "krea2",
     "anima": "anima",
     "ideogram4": "ideogram4",
+    "hunyuan_image": "hunyuan-image-2.1",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
     "hidream": "diffpipe-hidream",
     "omnigen2": "diffpipe-omnigen2",
-    "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",
     "minimax_h3": "diffpipe-minimax",
 }

@@ -105,6 +105,20 @@ def double_block(i: int, width: int, split_qkv: bool = False) -> list[Module]:
     ]
 
 
+def single_block(i: int, width: int, mlp_ratio: float = 4.0) -> list[Module]:
+    """Single-stream block ``i`` (``single_blocks.i`` = ``single_transformer_blocks.i``): ``linear1`` is q, k, v and
+    the MLP input stacked, ``linear2`` the output projection (HunyuanVideo 1.0 and HunyuanImage-2.1 alike)."""
+    o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+    linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
+    return [
+        Module(f"{o}.modulation.linear", (f"{d}.norm.linear",), comfy=f"{o}.modulation.lin"),
+        Module(f"{o}.linear1", linear1, (width, width, width, int(mlp_ratio * width))),
+        Module(f"{o}.linear2", (f"{d}.proj_out",)),
+        Module(f"{o}.q_norm", (f"{d}.attn.norm_q",), comfy=None),
+        Module(f"{o}.k_norm", (f"{d}.attn.norm_k",), comfy=None),
+    ]
+
+
 #: the final norm's modulation and projection (the original holds the adaLN halves in the opposite order)
 FINAL_LAYER = (
     Module("final_layer.linear", ("proj_out",), comfy=None),
@@ -115,7 +129,6 @@ FINAL_LAYER = (
 def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, width: int, mlp_ratio: float = 4.0):
     """Every module of a HunyuanVideo transformer of these sizes (``width``: heads x head dim; norms without
     weights have no entry)."""
-    qkv = (width,) * 3
     head = [
         Module("time_in.mlp.0", (f"{TTE}.timestep_embedder.linear_1",)),
         Module("time_in.mlp.2", (f"{TTE}.timestep_embedder.linear_2",)),
@@ -131,15 +144,7 @@ def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, w
     for i in range(num_double):
         modules += double_block(i, width)
     for i in range(num_single):
-        o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
-        modules += [
-            Module(f"{o}.modulation.linear", (f"{d}.norm.linear",), comfy=f"{o}.modulation.lin"),
-            Module(f"{o}.linear1", linear1, (*qkv, int(mlp_ratio * width))),
-            Module(f"{o}.linear2", (f"{d}.proj_out",)),
-            Module(f"{o}.q_norm", (f"{d}.attn.norm_q",), comfy=None),
-            Module(f"{o}.k_norm", (f"{d}.attn.norm_k",), comfy=None),
-        ]
+        modules += single_block(i, width, mlp_ratio)
     modules += FINAL_LAYER
     return KeyTable(
         tuple(modules),
