@@ -68,7 +68,7 @@ def test_layers_chained_equal_the_forward(variant: str, request: pytest.FixtureR
     assert model.config.use_meanflow == model.config.guidance_embeds == (variant == "distilled")
     g = torch.Generator().manual_seed(0)
     x, t, t_r = torch.randn(2, 8, 4, 6, generator=g), torch.rand(2, generator=g), torch.rand(2, generator=g)
-    text, glyph = torch.randn(2, 7, 32, generator=g), torch.randn(2, 5, 24, generator=g)
+    text, glyph = torch.randn(2, 7, 32, generator=g), torch.randn(2, 5, 32, generator=g)
     mask, glyph_mask = torch.ones(2, 7, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
     mask[1, 4:], glyph_mask[0, :3] = 0, 1
     guidance = torch.tensor([3.25, 2.0])

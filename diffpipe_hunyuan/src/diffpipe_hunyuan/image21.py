@@ -82,7 +82,6 @@ class HunyuanImage21(DiffusersModel, FlowSampling):
             SizeMatch("text_encoder_2", "d_model", "text_embed_2_dim", 1472),
         ),
         file_layouts={"vae": vae21_table},
-        file_optional={"text_encoder": ("visual.", "model.visual.")},  # text encoding never runs the vision tower
         single_file_example="hunyuanimage2.1.safetensors",
         title="HunyuanImage-2.1",
     )

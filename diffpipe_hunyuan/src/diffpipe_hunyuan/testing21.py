@@ -34,7 +34,7 @@ class TinyHunyuanImageConfig(tiny.TinySizes):
     num_layers: int = 1
     num_single_layers: int = 2
     latent_channels: int = 8
-    glyph_dim: int = 24
+    glyph_dim: int = 32
     qwen_layers: int = 3
     rope_axes_dim: tuple[int, int] = (8, 8)
     vae_channels: tuple[int, ...] = (32, 32, 32)
@@ -87,7 +87,7 @@ def parts(cfg: TinyHunyuanImageConfig, distilled: bool = False) -> dict[str, tin
         "transformer": tiny.Part(lambda: tiny_transformer(cfg, distilled)),
         "vae": tiny.Part(lambda: tiny_vae(cfg), seed=cfg.seed + 1),
         "text_encoder": tiny.Part(lambda: tiny.qwen25_vl(qwen_tok, cfg.text_dim, cfg.qwen_layers), seed=cfg.seed + 2),
-        "text_encoder_2": tiny.Part(lambda: tiny.t5_encoder(byt5_tok, dim=cfg.glyph_dim, heads=2, d_kv=12)),
+        "text_encoder_2": tiny.Part(lambda: tiny.t5_encoder(byt5_tok, dim=cfg.glyph_dim, heads=2, d_kv=16)),
         "tokenizer": tiny.Part(lambda: qwen_tok),
         "tokenizer_2": tiny.Part(lambda: byt5_tok),
         "scheduler": tiny.Part(lambda: tiny.flow_scheduler(shift=4.0 if distilled else 5.0)),
