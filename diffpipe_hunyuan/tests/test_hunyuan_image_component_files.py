@@ -94,3 +94,25 @@ def test_a_file_of_another_size_loads_as_itself(comfy: dict, tmp_path: Path) -> 
     file = variant_file(plugin, variant, tmp_path / "hunyuanimage2.1-distilled.safetensors")
     assert_variant_loads_as_itself(plugin, config(comfy["configs"], **files_of(comfy, diffusion_model=file)), variant,
                                    read)
+
+
+def test_full_model_exports_load_back(tiny_hunyuan_image: Path, tmp_path: Path) -> None:
+    """A full fine-tune's shards export as a diffusers ``transformer`` folder and as one file in Tencent's layout
+    (``hunyuanimage2.1.safetensors``'s names), and both load back to the fine-tuned weights."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    from diffpipe_core.testing import runs
+
+    model = plugin.load_diffusion_model(config(tiny_hunyuan_image), CPU, torch.float32)
+    with torch.no_grad():  # "fine-tuned"
+        model.transformer_blocks[0].attn.add_k_proj.weight.add_(1.0)
+        model.single_transformer_blocks[1].proj_mlp.bias.add_(1.0)
+        model.norm_out.linear.weight[:4].add_(1.0)  # the final adaLN's first half: swapped in Tencent's layout
+    saved = tmp_path / "saved"
+    state = runs.export_full_finetune(plugin, model, config(tiny_hunyuan_image), saved)
+    single = saved / "single_file" / plugin.single_file_name
+    assert "double_blocks.0.txt_attn_qkv.weight" in load_file(str(single))
+    from_single = plugin.load_diffusion_model(config(tiny_hunyuan_image, diffusion_model=single), CPU, torch.float32)
+    from_folder = HunyuanImageTransformer2DModel.from_pretrained(str(saved / "diffusers"))
+    assert_same_state(from_single.state_dict(), state)
+    assert_same_state(from_folder.state_dict(), state)
