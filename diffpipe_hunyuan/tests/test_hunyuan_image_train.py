@@ -79,7 +79,8 @@ def test_diffusers_lora_loads_with_load_lora_adapter_and_reproduces(hunyuan_imag
 
     model_dir, saved = hunyuan_image_run.parent.parent / "model", hunyuan_image_run / "saved" / "final"
     state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
-    assert all(k.startswith(("transformer.transformer_blocks.", "transformer.single_transformer_blocks.")) for k in state)
+    blocks = ("transformer.transformer_blocks.", "transformer.single_transformer_blocks.")
+    assert all(k.startswith(blocks) for k in state)
     trained = ("transformer_blocks.0.attn.add_q_proj", "transformer_blocks.0.norm1_context.linear",
                "single_transformer_blocks.1.proj_out", "single_transformer_blocks.0.norm.linear")
     reference = runs.trained_transformer(

@@ -28,7 +28,8 @@ def apg_mix(
         average = diff if average is None else diff + momentum * average
     apg_scale = float(config.get("adaptive_projected_guidance_scale", 10.0))
     original = bool(config.get("use_original_formulation", False))
-    apg = index > int(config.get("adaptive_projected_guidance_start_step", 5)) and apg_scale != (0.0 if original else 1.0)
+    start = int(config.get("adaptive_projected_guidance_start_step", 5))
+    apg = index > start and apg_scale != (0.0 if original else 1.0)
     base = cond if original else uncond
     if not apg:
         return base + scale * diff, average

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
-from diffpipe_core.parts.file_variant import Shape, blocks, present, weight_of
+from diffpipe_core.parts.file_variant import present
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_core.parts.sampling import FlowSampling
 from diffpipe_hunyuan.config import HunyuanImage21Config
-from diffpipe_hunyuan.plugin import DOUBLE_BLOCK_LINEARS, IMG_IN, REFINER_BLOCKS, SINGLE_BLOCK_LINEARS, TXT_IN
+from diffpipe_hunyuan.plugin import FILE_SIZES, block_linears
 from diffpipe_hunyuan.vae_layouts import vae21_table
 
 if TYPE_CHECKING:
@@ -90,12 +90,7 @@ class HunyuanImage21(DiffusersModel, FlowSampling):
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "byt5_in.fc1.weight")
     single_file_name = "hunyuan_image_2.1_transformer.safetensors"
     file_config = {  # block counts, width and flags from the file itself (Tencent's, ComfyUI's or diffusers' names)
-        "num_layers": blocks("double_blocks", "transformer_blocks"),
-        "num_single_layers": blocks("single_blocks", "single_transformer_blocks"),
-        "num_refiner_layers": blocks(*REFINER_BLOCKS),
-        "num_attention_heads": Shape(weight_of(*IMG_IN), 0, per="attention_head_dim"),
-        "in_channels": Shape(weight_of(*IMG_IN), 1),
-        "text_embed_dim": Shape(weight_of(*TXT_IN), 1),
+        **FILE_SIZES,
         "guidance_embeds": present("guidance_in", "time_guidance_embed.guidance_embedder"),
         "use_meanflow": present("time_r_in", "time_guidance_embed.timestep_embedder_r"),
     }
@@ -104,10 +99,7 @@ class HunyuanImage21(DiffusersModel, FlowSampling):
     def default_lora_targets(self, model_config: HunyuanImage21Config) -> list[str]:
         """Every linear of the double- and single-stream blocks (attention, MLP, modulation), by full name: the token
         refiner and the final layer use the same short names and are not adapted."""
-        config = self.model_folder_config(model_config)
-        n_double, n_single = int(config["num_layers"]), int(config["num_single_layers"])
-        doubles = [f"transformer_blocks.{i}.{m}" for i in range(n_double) for m in DOUBLE_BLOCK_LINEARS]
-        return doubles + [f"single_transformer_blocks.{i}.{m}" for i in range(n_single) for m in SINGLE_BLOCK_LINEARS]
+        return block_linears(self.model_folder_config(model_config))
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffpipe_core.parts.blocks import OutputHead
-from diffpipe_hunyuan.layers import DoubleBlockLayer, SingleBlockLayer
+from diffpipe_hunyuan.layers import stacked
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -36,7 +35,8 @@ def joint_text(
     if glyph is None:
         return text, text_mask
     tokens, mask = torch.cat([glyph, text], dim=1), torch.cat([glyph_mask.bool(), text_mask], dim=1)
-    kind = torch.cat([torch.zeros_like(glyph_mask, dtype=torch.uint8), torch.ones_like(text_mask, dtype=torch.uint8)], 1)
+    kind = torch.cat([torch.zeros_like(glyph_mask, dtype=torch.uint8), torch.ones_like(text_mask, dtype=torch.uint8)],
+                     dim=1)
     order = torch.argsort((~mask).to(torch.uint8) * 2 + kind, dim=1, stable=True)
     return tokens.gather(1, order[..., None].expand_as(tokens)), mask.gather(1, order)
 
@@ -77,21 +77,6 @@ class EmbedLayer(nn.Module):
         return img, txt.contiguous(), temb, cos, sin, attention_mask, grid
 
 
-class FinalLayer(OutputHead):
-    """The final adaptive norm and projection, un-patched to ``(B, C, H, W)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        self.patch = tuple(int(p) for p in model.config.patch_size)
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        img, temb, grid = inputs
-        out = self.proj_out(self.norm_out(img, temb))
-        (h, w), (ph, pw) = grid.tolist(), self.patch
-        out = out.reshape(out.shape[0], h, w, -1, ph, pw).permute(0, 3, 1, 4, 2, 5)
-        return (out.flatten(4, 5).flatten(2, 3).float(),)
-
-
 def split_into_layers(model: nn.Module) -> list[nn.Module]:
     """The ordered pipeline layers of a diffusers ``HunyuanImageTransformer2DModel`` (sharing its parameters)."""
     if len(model.config.patch_size) != 2:
@@ -99,12 +84,4 @@ def split_into_layers(model: nn.Module) -> list[nn.Module]:
             f"patch_size={list(model.config.patch_size)}: a 3-D HunyuanImage transformer (the refiner) is not "
             "supported by diffpipe's hunyuan-image-2.1; give the HunyuanImage-2.1 (or its distilled) transformer"
         )
-    singles = list(model.single_transformer_blocks)
-    if not singles:
-        raise ValueError("a HunyuanImage-2.1 transformer without single-stream blocks is not supported")
-    return [
-        EmbedLayer(model),
-        *(DoubleBlockLayer(b) for b in model.transformer_blocks),
-        *(SingleBlockLayer(b, last=i == len(singles) - 1) for i, b in enumerate(singles)),
-        FinalLayer(model),
-    ]
+    return stacked(model, EmbedLayer(model), "HunyuanImage-2.1")

@@ -141,15 +141,23 @@ def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, w
             Module("guidance_in.mlp.2", (f"{TTE}.guidance_embedder.linear_2",)),
         ]
     modules = [Module("img_in.proj", ("x_embedder.proj",)), *token_refiner(num_refiner, width, tuple(head))]
-    for i in range(num_double):
-        modules += double_block(i, width)
-    for i in range(num_single):
-        modules += single_block(i, width, mlp_ratio)
-    modules += FINAL_LAYER
+    return tencent_table([*modules, *blocks_and_final(num_double, num_single, width, mlp_ratio)], "HunyuanVideo")
+
+
+def blocks_and_final(num_double: int, num_single: int, width: int, mlp_ratio: float = 4.0) -> list[Module]:
+    """The double blocks (q, k, v fused), the single blocks and the final layer (HunyuanVideo 1.0 and
+    HunyuanImage-2.1 alike)."""
+    modules = [m for i in range(num_double) for m in double_block(i, width)]
+    modules += [m for i in range(num_single) for m in single_block(i, width, mlp_ratio)]
+    return [*modules, *FINAL_LAYER]
+
+
+def tencent_table(modules: list[Module], model: str) -> KeyTable:
+    """``modules`` as Tencent's layout of ``model``'s transformer, read under the prefixes its files use."""
     return KeyTable(
         tuple(modules),
         name="original Tencent",
-        model="HunyuanVideo transformer",
+        model=f"{model} transformer",
         read_prefixes=("model.diffusion_model.", "diffusion_model.", "module."),
     )
 
@@ -195,22 +203,32 @@ def layout_for_model_keys(keys: Iterable[str], width: int) -> KeyTable:
     )
 
 
-def lora_layout(state: Mapping[str, Any]) -> KeyTable:
-    """The table for a ComfyUI export of a peft LoRA: blocks counted from its modules, the width read from the input
-    of an adapted part of a fused module."""
+def lora_width(state: Mapping[str, Any]) -> int:
+    """The model's width as a peft LoRA state dict shows it: the input of an adapted part of a fused module (0 when
+    none is adapted)."""
     found = (
         v
         for k, v in state.items()
         if k.endswith(".lora_A.weight") and k[: -len(".lora_A.weight")].endswith(FUSED_PARTS)
     )
     first = next(found, None)
-    return layout_for_model_keys(state, int(first.shape[1]) if first is not None else 0)
+    return int(first.shape[1]) if first is not None else 0
+
+
+def model_width(state: Mapping[str, Any]) -> int:
+    """The model's width as a diffusers state dict shows it (a ``to_q``'s rows)."""
+    return int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
+
+
+def lora_layout(state: Mapping[str, Any]) -> KeyTable:
+    """The table for a ComfyUI export of a peft LoRA: blocks counted from its modules, the width read from the input
+    of an adapted part of a fused module."""
+    return layout_for_model_keys(state, lora_width(state))
 
 
 def diffusers_to_original(state: Mapping[str, Any]) -> dict[str, Any]:
     """A diffusers ``HunyuanVideoTransformer3DModel`` state dict in the original Tencent key layout."""
-    width = int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
-    return layout_for_model_keys(state, width).to_original(state)
+    return layout_for_model_keys(state, model_width(state)).to_original(state)
 
 
 def layout_for_original_keys(state: Mapping[str, Any]) -> KeyTable:

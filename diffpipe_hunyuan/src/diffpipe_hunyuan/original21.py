@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from diffpipe_core.parts.layout import KeyTable, Module, count_blocks
-from diffpipe_hunyuan.original import CE, FINAL_LAYER, FUSED_PARTS, comfyui_layout, double_block, single_block
+from diffpipe_hunyuan.original import CE, blocks_and_final, comfyui_layout, lora_width, model_width, tencent_table
 from diffpipe_hunyuan.original import token_refiner as refiner
 
 TGE = "time_guidance_embed"
@@ -33,7 +33,7 @@ BYT5 = tuple(
 
 
 def embedder(original: str, model: str) -> list[Module]:
-    """A timestep MLP (``<original>.mlp.0`` / ``.2``) as diffusers' ``TimestepEmbedding`` ``linear_1`` / ``linear_2``."""
+    """A timestep MLP (``<original>.mlp.0`` / ``.2``): diffusers' ``TimestepEmbedding`` ``linear_1`` / ``linear_2``."""
     return [Module(f"{original}.mlp.{i}", (f"{TGE}.{model}.linear_{n}",), comfy=None) for i, n in ((0, 1), (2, 2))]
 
 
@@ -50,17 +50,7 @@ def layout(
         head += embedder("guidance_in", "guidance_embedder")
     modules = [Module("img_in.proj", ("x_embedder.proj",), comfy=None), *(BYT5 if byt5 else ())]
     modules += [replace(m, comfy=None) for m in refiner(num_refiner, width, tuple(head))]
-    for i in range(num_double):
-        modules += double_block(i, width)
-    for i in range(num_single):
-        modules += single_block(i, width, mlp_ratio)
-    modules += FINAL_LAYER
-    return KeyTable(
-        tuple(modules),
-        name="original Tencent",
-        model="HunyuanImage-2.1 transformer",
-        read_prefixes=("model.diffusion_model.", "diffusion_model.", "module."),
-    )
+    return tencent_table([*modules, *blocks_and_final(num_double, num_single, width, mlp_ratio)], "HunyuanImage-2.1")
 
 
 def layout_for_config(c: Mapping[str, Any]) -> KeyTable:
@@ -97,16 +87,9 @@ def layout_for_model_keys(keys: Iterable[str], width: int) -> KeyTable:
 def lora_layout(state: Mapping[str, Any]) -> KeyTable:
     """The table for a ComfyUI export of a peft LoRA (its modules' ``comfy`` names are ComfyUI's, fused as its model
     fuses): blocks counted from its modules, the width read from the input of an adapted part of a fused module."""
-    found = (
-        v
-        for k, v in state.items()
-        if k.endswith(".lora_A.weight") and k[: -len(".lora_A.weight")].endswith(FUSED_PARTS)
-    )
-    first = next(found, None)
-    return layout_for_model_keys(state, int(first.shape[1]) if first is not None else 0)
+    return layout_for_model_keys(state, lora_width(state))
 
 
 def diffusers_to_original(state: Mapping[str, Any]) -> dict[str, Any]:
     """A diffusers ``HunyuanImageTransformer2DModel`` state dict in Tencent's layout."""
-    width = int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
-    return layout_for_model_keys(state, width).to_original(state)
+    return layout_for_model_keys(state, model_width(state)).to_original(state)

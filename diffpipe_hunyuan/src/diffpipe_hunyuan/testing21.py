@@ -2,11 +2,12 @@
 
 :func:`write_tiny_hunyuan_image` saves a complete diffusers ``HunyuanImagePipeline`` folder: ``transformer/``
 (``HunyuanImageTransformer2DModel``; with ``distilled``, its guidance embedding and MeanFlow time), ``vae/``
-(``AutoencoderKLHunyuanImage``, 8x here), ``text_encoder/`` (``Qwen2_5_VLForConditionalGeneration``), ``tokenizer/``
+(``AutoencoderKLHunyuanImage``, 4x here), ``text_encoder/`` (``Qwen2_5_VLForConditionalGeneration``), ``tokenizer/``
 (a Qwen2.5-VL-like BPE trained on the pipeline's template, which it cuts into the same 34 tokens as the real one),
 ``text_encoder_2/`` (a T5 encoder), ``tokenizer_2/`` (``ByT5Tokenizer``), ``scheduler/``, and for the base model
 ``guider/`` and ``ocr_guider/`` (``AdaptiveProjectedMixGuidance``, the projected guidance from the third and the
-second step on, so a 3-step sample meets both phases); and beside it the transformer as one file in Tencent's key layout (:func:`original_path`).
+second step on, so a 3-step sample meets both phases); and beside it the transformer as one file in Tencent's key
+layout (:func:`original_path`).
 """
 
 from __future__ import annotations
