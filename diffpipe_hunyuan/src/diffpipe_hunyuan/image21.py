@@ -225,11 +225,15 @@ class HunyuanImage21(DiffusersModel, FlowSampling):
 
         key = id(schedule)  # one per sample: the loop denoises several samples side by side
         config = self.guider_config(model_config, ocr=GLYPH.get(key, False))
-        if config.get("_class_name") != APG:
-            return uncond + scale * (cond - uncond)
         if index == 0:
             MOMENTUM.pop(key, None)
-        combined, MOMENTUM[key] = apg_mix(uncond, cond, scale, index, config, MOMENTUM.get(key))
+        if config.get("_class_name") != APG:
+            combined = uncond + scale * (cond - uncond)
+        else:
+            combined, MOMENTUM[key] = apg_mix(uncond, cond, scale, index, config, MOMENTUM.get(key))
+        if index == len(schedule) - 2:  # the sample's last step: nothing of it is kept
+            MOMENTUM.pop(key, None)
+            GLYPH.pop(key, None)
         return combined
 
 
