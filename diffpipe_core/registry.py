@@ -51,6 +51,7 @@ DISTRIBUTIONS = {
     "hunyuan-video": "diffpipe-hunyuan",
     "hunyuan-video-1.5": "diffpipe-hunyuan",
     "hunyuan-video-1.5-i2v": "diffpipe-hunyuan",
+    "hunyuan-image-2.1": "diffpipe-hunyuan",
     "ltx-video": "diffpipe-ltx",
     "ltx-2": "diffpipe-ltx",
     "cosmos": "diffpipe-cosmos",

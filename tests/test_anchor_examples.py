@@ -157,6 +157,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_hidream.testing import write_tiny_hidream
     from diffpipe_hunyuan.testing import original_path as hunyuan_file
     from diffpipe_hunyuan.testing import write_tiny_hunyuan
+    from diffpipe_hunyuan.testing21 import original_path as hunyuan_image_file
+    from diffpipe_hunyuan.testing21 import write_tiny_hunyuan_image
     from diffpipe_ltx.testing import single_file_path as ltx_file
     from diffpipe_ltx.testing import write_tiny_ltx
     from diffpipe_lumina.testing import original_path as lumina_file
@@ -180,6 +182,9 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "chroma": (write_tiny_chroma(root / "chroma"), bfl_path(root / "chroma")),
         "ltx-video": (write_tiny_ltx(root / "ltx"), ltx_file(root / "ltx")),
         "hunyuan-video": (write_tiny_hunyuan(root / "hunyuan"), hunyuan_file(root / "hunyuan")),
+        "hunyuan-image-2.1": (
+            write_tiny_hunyuan_image(root / "hunyuan-image"), hunyuan_image_file(root / "hunyuan-image")
+        ),
         "cosmos": (write_tiny_cosmos(root / "cosmos", TinyCosmosConfig(variant="1.0")), cosmos_file(root / "cosmos")),
         "cosmos-predict2": (write_tiny_cosmos(root / "predict2"), cosmos_file(root / "predict2")),
         "anima": (write_tiny_anima(root / "anima"), anima_file(root / "anima")),

@@ -35,12 +35,12 @@ MODEL_TYPES = {
     "anima": "anima",
     "ideogram4": "ideogram4",
     "hidream": "hidream",
+    "hunyuan_image": "hunyuan-image-2.1",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
     "omnigen2": "diffpipe-omnigen2",
-    "hunyuan_image": "diffpipe-hunyuan",
     "ernie_image": "diffpipe-ernie",
     "minimax_h3": "diffpipe-minimax",
 }

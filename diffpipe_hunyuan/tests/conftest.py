@@ -67,3 +67,29 @@ def hunyuan15_i2v_run(tmp_path_factory: pytest.TempPathFactory, tiny_hunyuan15_i
     from test_hunyuan15_train import train_project
 
     return train_project(tmp_path_factory.mktemp("hunyuan15-i2v-run"), "hunyuan-video-1.5-i2v", tiny_hunyuan15_i2v)
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny HunyuanImage-2.1 folder (``HunyuanImagePipeline``); its Tencent-layout file is
+    ``diffpipe_hunyuan.testing21.original_path(folder)``."""
+    from diffpipe_hunyuan.testing21 import write_tiny_hunyuan_image
+
+    return write_tiny_hunyuan_image(tmp_path_factory.mktemp("hunyuan-image") / "tiny-hunyuan-image")
+
+
+@pytest.fixture(scope="session")
+def tiny_hunyuan_image_distilled(tiny_hunyuan_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_hunyuan_image`` with the guidance-distilled MeanFlow transformer and no guider (the distilled
+    checkpoint's folder)."""
+    from diffpipe_hunyuan.testing21 import as_distilled
+
+    return as_distilled(tiny_hunyuan_image, tmp_path_factory.mktemp("hunyuan-image") / "distilled")
+
+
+@pytest.fixture(scope="session")
+def hunyuan_image_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``hunyuan-image-2.1`` run (test_hunyuan_image_train.py's project), 1 process. Its run folder."""
+    from test_hunyuan_image_train import train_project
+
+    return train_project(tmp_path_factory.mktemp("hunyuan-image-run"))

@@ -80,3 +80,38 @@ class HunyuanVideo15I2VConfig(HunyuanVideo15Config):
         description="The first frame every sample during training (and `diffpipe sample`) is generated from; "
         "required for [sample]. Resized and center-cropped to the sample size as the pipeline does.",
     )
+
+
+class HunyuanImage21Config(DiffusersModelConfig, FlowMatchingConfig):
+    """``[model]`` keys of HunyuanImage-2.1 (the base checkpoint, or the guidance-distilled MeanFlow one: the
+    transformer's config says which). ``path`` is a diffusers ``HunyuanImagePipeline`` folder (Qwen2.5-VL
+    ``text_encoder``, glyph ByT5 ``text_encoder_2``, the 32x ``vae``); ``diffusion_model`` a single file in Tencent's
+    key layout (``hunyuanimage2.1.safetensors``: ``double_blocks.N.img_attn_qkv.weight``, ...) or ComfyUI's names;
+    fp8 scaled and int8 files stay quantized."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "hunyuanvideo-community/HunyuanImage-2.1-Diffusers",
+        "hunyuanvideo-community/HunyuanImage-2.1-Distilled-Diffusers",
+    )
+
+    text_max_length: int = Field(
+        1000,
+        ge=1,
+        le=4096,
+        description="Qwen2.5-VL tokens of a caption kept after the template's 34 system tokens (the pipeline's "
+        "tokenizer_max_length, 1000); longer captions are truncated as the pipeline truncates them. The padding is "
+        "masked, so a lower value changes nothing for captions that fit and keeps the cache smaller.",
+    )
+    glyph_max_length: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="ByT5 tokens of a caption's quoted text ('...', \"...\", ‘...’, “...”), the glyph embedding (the "
+        "pipeline's tokenizer_2_max_length, 128); captions without quotes get an all-masked glyph embedding.",
+    )
+    guidance: float = Field(
+        3.25,
+        ge=0,
+        description="The guidance-distilled checkpoint only: the guidance-embedding value while training and the "
+        "default of samples (the pipeline's distilled_guidance_scale, 3.25); the base checkpoint has no such input.",
+    )

@@ -73,16 +73,26 @@ class SingleBlockLayer(WrappedBlock):
 
 
 class FinalLayer(OutputHead):
+    """The final adaptive norm and projection, un-patched over the ``grid`` of ``(frames, height, width)`` (a video
+    transformer: ``patch_size_t`` and ``patch_size``) or ``(height, width)`` (an image one: ``patch_size`` a pair)."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
-        self.patch = (int(model.config.patch_size_t), int(model.config.patch_size))
+        p = model.config.patch_size
+        video = not isinstance(p, (list, tuple))
+        self.patch = (int(model.config.patch_size_t), int(p), int(p)) if video else tuple(int(x) for x in p)
 
     def forward(self, inputs: Tensors) -> Tensors:
         img, temb, grid = inputs
         out = self.proj_out(self.norm_out(img, temb))
-        (f, h, w), (pt, p) = grid.tolist(), self.patch
-        out = out.reshape(out.shape[0], f, h, w, -1, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        return (out.flatten(6, 7).flatten(4, 5).flatten(2, 3).float(),)
+        sizes = grid.tolist()
+        n = len(sizes)
+        # (B, *sizes, C, *patch) -> (B, C, size_0, patch_0, size_1, patch_1, ...) -> (B, C, *sizes x patch)
+        out = out.reshape(out.shape[0], *sizes, -1, *self.patch)
+        out = out.permute(0, n + 1, *(d for i in range(n) for d in (i + 1, n + 2 + i)))
+        for i in reversed(range(n)):
+            out = out.flatten(2 + 2 * i, 3 + 2 * i)
+        return (out.float(),)
 
 
 def split_into_layers(model: nn.Module) -> list[nn.Module]:
@@ -92,11 +102,17 @@ def split_into_layers(model: nn.Module) -> list[nn.Module]:
             f"image_condition_type={model.config.image_condition_type!r} (image-to-video) is not supported by "
             "diffpipe-hunyuan; give a text-to-video HunyuanVideo transformer"
         )
+    return stacked(model, EmbedLayer(model), "HunyuanVideo")
+
+
+def stacked(model: nn.Module, embed: nn.Module, name: str) -> list[nn.Module]:
+    """``embed``, each double-stream block, each single-stream block and the final layer of ``model`` (a ``name``
+    transformer: HunyuanVideo, HunyuanImage-2.1)."""
     singles = list(model.single_transformer_blocks)
     if not singles:
-        raise ValueError("a HunyuanVideo transformer without single-stream blocks is not supported by the layer split")
+        raise ValueError(f"a {name} transformer without single-stream blocks is not supported by the layer split")
     return [
-        EmbedLayer(model),
+        embed,
         *(DoubleBlockLayer(b) for b in model.transformer_blocks),
         *(SingleBlockLayer(b, last=i == len(singles) - 1) for i, b in enumerate(singles)),
         FinalLayer(model),

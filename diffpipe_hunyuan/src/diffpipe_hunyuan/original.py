@@ -105,6 +105,20 @@ def double_block(i: int, width: int, split_qkv: bool = False) -> list[Module]:
     ]
 
 
+def single_block(i: int, width: int, mlp_ratio: float = 4.0) -> list[Module]:
+    """Single-stream block ``i`` (``single_blocks.i`` = ``single_transformer_blocks.i``): ``linear1`` is q, k, v and
+    the MLP input stacked, ``linear2`` the output projection (HunyuanVideo 1.0 and HunyuanImage-2.1 alike)."""
+    o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+    linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
+    return [
+        Module(f"{o}.modulation.linear", (f"{d}.norm.linear",), comfy=f"{o}.modulation.lin"),
+        Module(f"{o}.linear1", linear1, (width, width, width, int(mlp_ratio * width))),
+        Module(f"{o}.linear2", (f"{d}.proj_out",)),
+        Module(f"{o}.q_norm", (f"{d}.attn.norm_q",), comfy=None),
+        Module(f"{o}.k_norm", (f"{d}.attn.norm_k",), comfy=None),
+    ]
+
+
 #: the final norm's modulation and projection (the original holds the adaLN halves in the opposite order)
 FINAL_LAYER = (
     Module("final_layer.linear", ("proj_out",), comfy=None),
@@ -115,7 +129,6 @@ FINAL_LAYER = (
 def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, width: int, mlp_ratio: float = 4.0):
     """Every module of a HunyuanVideo transformer of these sizes (``width``: heads x head dim; norms without
     weights have no entry)."""
-    qkv = (width,) * 3
     head = [
         Module("time_in.mlp.0", (f"{TTE}.timestep_embedder.linear_1",)),
         Module("time_in.mlp.2", (f"{TTE}.timestep_embedder.linear_2",)),
@@ -128,23 +141,23 @@ def layout(num_double: int, num_single: int, num_refiner: int, guidance: bool, w
             Module("guidance_in.mlp.2", (f"{TTE}.guidance_embedder.linear_2",)),
         ]
     modules = [Module("img_in.proj", ("x_embedder.proj",)), *token_refiner(num_refiner, width, tuple(head))]
-    for i in range(num_double):
-        modules += double_block(i, width)
-    for i in range(num_single):
-        o, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
-        linear1 = (f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp")
-        modules += [
-            Module(f"{o}.modulation.linear", (f"{d}.norm.linear",), comfy=f"{o}.modulation.lin"),
-            Module(f"{o}.linear1", linear1, (*qkv, int(mlp_ratio * width))),
-            Module(f"{o}.linear2", (f"{d}.proj_out",)),
-            Module(f"{o}.q_norm", (f"{d}.attn.norm_q",), comfy=None),
-            Module(f"{o}.k_norm", (f"{d}.attn.norm_k",), comfy=None),
-        ]
-    modules += FINAL_LAYER
+    return tencent_table([*modules, *blocks_and_final(num_double, num_single, width, mlp_ratio)], "HunyuanVideo")
+
+
+def blocks_and_final(num_double: int, num_single: int, width: int, mlp_ratio: float = 4.0) -> list[Module]:
+    """The double blocks (q, k, v fused), the single blocks and the final layer (HunyuanVideo 1.0 and
+    HunyuanImage-2.1 alike)."""
+    modules = [m for i in range(num_double) for m in double_block(i, width)]
+    modules += [m for i in range(num_single) for m in single_block(i, width, mlp_ratio)]
+    return [*modules, *FINAL_LAYER]
+
+
+def tencent_table(modules: list[Module], model: str) -> KeyTable:
+    """``modules`` as Tencent's layout of ``model``'s transformer, read under the prefixes its files use."""
     return KeyTable(
         tuple(modules),
         name="original Tencent",
-        model="HunyuanVideo transformer",
+        model=f"{model} transformer",
         read_prefixes=("model.diffusion_model.", "diffusion_model.", "module."),
     )
 
@@ -190,22 +203,32 @@ def layout_for_model_keys(keys: Iterable[str], width: int) -> KeyTable:
     )
 
 
-def lora_layout(state: Mapping[str, Any]) -> KeyTable:
-    """The table for a ComfyUI export of a peft LoRA: blocks counted from its modules, the width read from the input
-    of an adapted part of a fused module."""
+def lora_width(state: Mapping[str, Any]) -> int:
+    """The model's width as a peft LoRA state dict shows it: the input of an adapted part of a fused module (0 when
+    none is adapted)."""
     found = (
         v
         for k, v in state.items()
         if k.endswith(".lora_A.weight") and k[: -len(".lora_A.weight")].endswith(FUSED_PARTS)
     )
     first = next(found, None)
-    return layout_for_model_keys(state, int(first.shape[1]) if first is not None else 0)
+    return int(first.shape[1]) if first is not None else 0
+
+
+def model_width(state: Mapping[str, Any]) -> int:
+    """The model's width as a diffusers state dict shows it (a ``to_q``'s rows)."""
+    return int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
+
+
+def lora_layout(state: Mapping[str, Any]) -> KeyTable:
+    """The table for a ComfyUI export of a peft LoRA: blocks counted from its modules, the width read from the input
+    of an adapted part of a fused module."""
+    return layout_for_model_keys(state, lora_width(state))
 
 
 def diffusers_to_original(state: Mapping[str, Any]) -> dict[str, Any]:
     """A diffusers ``HunyuanVideoTransformer3DModel`` state dict in the original Tencent key layout."""
-    width = int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
-    return layout_for_model_keys(state, width).to_original(state)
+    return layout_for_model_keys(state, model_width(state)).to_original(state)
 
 
 def layout_for_original_keys(state: Mapping[str, Any]) -> KeyTable:

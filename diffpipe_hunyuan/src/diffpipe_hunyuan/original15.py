@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from diffpipe_core.parts.layout import KeyTable, Module, count_blocks
-from diffpipe_hunyuan.original import CE, FINAL_LAYER, FUSED_PARTS, double_block, token_refiner
+from diffpipe_hunyuan.original import CE, FINAL_LAYER, double_block, lora_width, model_width, token_refiner
 
 #: modules of 1.5 only, outside the token refiner and the blocks (ComfyUI's LoRA map is not claimed for them)
 HEAD = (
@@ -92,19 +92,12 @@ def layout_for_model_keys(keys: Iterable[str], width: int, fused: bool = False) 
 def lora_layout(state: Mapping[str, Any]) -> KeyTable:
     """The fused (ComfyUI) table for a ComfyUI export of a peft LoRA: blocks counted from its modules, the width read
     from the input of an adapted q, k or v."""
-    found = (
-        v
-        for k, v in state.items()
-        if k.endswith(".lora_A.weight") and k[: -len(".lora_A.weight")].endswith(FUSED_PARTS)
-    )
-    first = next(found, None)
-    return layout_for_model_keys(state, int(first.shape[1]) if first is not None else 0, fused=True)
+    return layout_for_model_keys(state, lora_width(state), fused=True)
 
 
 def diffusers_to_original(state: Mapping[str, Any], fused: bool = False) -> dict[str, Any]:
     """A diffusers ``HunyuanVideo15Transformer3DModel`` state dict in Tencent's layout (``fused``: ComfyUI's)."""
-    width = int(next(v for k, v in state.items() if k.endswith("attn.to_q.weight")).shape[0])
-    return layout_for_model_keys(state, width, fused).to_original(state)
+    return layout_for_model_keys(state, model_width(state), fused).to_original(state)
 
 
 def original_to_diffusers(state: Mapping[str, Any], source: str = "checkpoint") -> dict[str, Any]:

@@ -42,6 +42,22 @@ COMPONENTS = {
 IMG_IN = ("img_in.proj", "x_embedder.proj")
 TXT_IN = ("txt_in.input_embedder", "context_embedder.proj_in")
 REFINER_BLOCKS = ("txt_in.individual_token_refiner.blocks", "context_embedder.token_refiner.refiner_blocks")
+#: what a double- and single-stream transformer file's tensors say of its size (HunyuanVideo and HunyuanImage-2.1)
+FILE_SIZES = {
+    "num_layers": blocks("double_blocks", "transformer_blocks"),
+    "num_single_layers": blocks("single_blocks", "single_transformer_blocks"),
+    "num_refiner_layers": blocks(*REFINER_BLOCKS),
+    "num_attention_heads": Shape(weight_of(*IMG_IN), 0, per="attention_head_dim"),
+    "in_channels": Shape(weight_of(*IMG_IN), 1),
+    "text_embed_dim": Shape(weight_of(*TXT_IN), 1),
+}
+
+
+def block_linears(config: dict[str, Any]) -> list[str]:
+    """Every linear of the double- and single-stream blocks of a transformer of ``config``, by full name."""
+    n_double, n_single = int(config["num_layers"]), int(config["num_single_layers"])
+    doubles = [f"transformer_blocks.{i}.{m}" for i in range(n_double) for m in DOUBLE_BLOCK_LINEARS]
+    return doubles + [f"single_transformer_blocks.{i}.{m}" for i in range(n_single) for m in SINGLE_BLOCK_LINEARS]
 
 
 class HunyuanVideo(DiffusersModel, FlowSampling):
@@ -72,12 +88,7 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
     single_file_markers = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight")
     single_file_name = "hunyuan_video_transformer.safetensors"
     file_config = {  # block counts, width and flags from the file itself (Tencent's, ComfyUI's or diffusers' names)
-        "num_layers": blocks("double_blocks", "transformer_blocks"),
-        "num_single_layers": blocks("single_blocks", "single_transformer_blocks"),
-        "num_refiner_layers": blocks(*REFINER_BLOCKS),
-        "num_attention_heads": Shape(weight_of(*IMG_IN), 0, per="attention_head_dim"),
-        "in_channels": Shape(weight_of(*IMG_IN), 1),
-        "text_embed_dim": Shape(weight_of(*TXT_IN), 1),
+        **FILE_SIZES,
         "pooled_projection_dim": Shape(weight_of("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"), 1),
         "guidance_embeds": present("guidance_in", "time_text_embed.guidance_embedder"),
     }
@@ -86,10 +97,7 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
     def default_lora_targets(self, model_config: HunyuanConfig) -> list[str]:
         """Every linear of the double- and single-stream blocks (attention, MLP, modulation), by full name: the
         token refiner and the final layer use the same short names and are not adapted."""
-        config = self.model_folder_config(model_config)
-        n_double, n_single = int(config["num_layers"]), int(config["num_single_layers"])
-        doubles = [f"transformer_blocks.{i}.{m}" for i in range(n_double) for m in DOUBLE_BLOCK_LINEARS]
-        return doubles + [f"single_transformer_blocks.{i}.{m}" for i in range(n_single) for m in SINGLE_BLOCK_LINEARS]
+        return block_linears(self.model_folder_config(model_config))
 
     # ------------------------------------------------------------------------------------------ caching
     @hookimpl

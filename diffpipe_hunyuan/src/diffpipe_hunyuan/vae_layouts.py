@@ -50,3 +50,34 @@ def vae15_table(config: Mapping[str, Any]) -> KeyTable:
         renames += under(f"{side}.mid.attn_1", f"{side}.mid_block.attentions.0", attention)
         renames += [(f"{side}.{c}", f"{side}.{c}") for c in ("conv_in", "norm_out", "conv_out")]
     return KeyTable((), "original Tencent", "HunyuanVideo-1.5 VAE", ("",), "", tuple(renames))
+
+
+def vae21_table(config: Mapping[str, Any]) -> KeyTable:
+    """Tencent's (and ComfyUI's) layout of an ``AutoencoderKLHunyuanImage`` config (``hunyuan_image_2.1_vae_fp16``):
+    ``encoder.down.i.block.j`` / ``.downsample`` are diffusers' flat ``encoder.down_blocks.k`` (the decoder's
+    ``up.i.block.j`` / ``.upsample`` likewise ``up_blocks.k``), the mid block's ``block_1`` / ``attn_1`` (``q``, ``k``,
+    ``v``, ``proj_out``) its ``resnets`` / ``attentions.0`` (``to_q``, ..., ``proj``); the mapping of diffusers'
+    ``convert_hunyuan_image_vae_checkpoint_to_diffusers``."""
+    import math
+
+    n, levels = int(config["layers_per_block"]), len(config["block_out_channels"])
+    samplers = int(math.log2(int(config["spatial_compression_ratio"])))
+    renames: list[tuple[str, str]] = []
+    for side, level, resnets, sampler, blocks in (
+        ("encoder", "down", n, "downsample", "down_blocks"),
+        ("decoder", "up", n + 1, "upsample", "up_blocks"),
+    ):
+        k = 0
+        for i in range(levels):
+            for j in range(resnets):
+                a, b = f"{side}.{level}.{i}.block.{j}", f"{side}.{blocks}.{k}"
+                renames += [*under(a, b, SHORTCUT), (a, b)]
+                k += 1
+            if i < samplers and i != levels - 1:
+                renames.append((f"{side}.{level}.{i}.{sampler}", f"{side}.{blocks}.{k}"))
+                k += 1
+        renames += [(f"{side}.mid.block_{j + 1}", f"{side}.mid_block.resnets.{j}") for j in range(2)]
+        attention = (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("proj_out", "proj"), ("norm", "norm"))
+        renames += under(f"{side}.mid.attn_1", f"{side}.mid_block.attentions.0", attention)
+        renames += [(f"{side}.{c}", f"{side}.{c}") for c in ("conv_in", "norm_out", "conv_out")]
+    return KeyTable((), "original Tencent", "HunyuanImage-2.1 VAE", ("",), "", tuple(renames))
