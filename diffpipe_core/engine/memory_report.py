@@ -164,8 +164,8 @@ class _MallInfo2(ctypes.Structure):
 
 def heap() -> tuple[int, int] | None:
     """The C heap as glibc's ``mallinfo2`` sees it, every arena: (bytes handed out and not had back, mmapped chunks
-    included; free bytes it keeps in its arenas). The first is what is live; resident memory also counts the
-    second, and freed pages glibc has not touched since. None elsewhere."""
+    included; free bytes in its arenas). The first is what is live; the second is what it keeps for reuse, resident
+    or not (pages ``malloc_trim`` gave back stay free chunks of the arena). None elsewhere."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
