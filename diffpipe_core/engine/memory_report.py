@@ -178,13 +178,17 @@ def heap() -> tuple[int, int] | None:
 _peak: dict[str, Any] = {}  # the sampler's peak since the last phase: rss_anon, heap_live, heap_free
 
 
+def sample_peak() -> None:
+    """One look: a new largest anonymous RSS since the last phase is kept with the C heap's live and free bytes."""
+    rss = rss_anon()
+    if rss > _peak.get("rss_anon", 0) + (1 << 20):
+        got = heap() or (0, 0)
+        _peak.update(rss_anon=rss, heap_live=got[0], heap_free=got[1])
+
+
 def _sample_peak(interval: float = 0.005) -> None:
-    """Keep this process's largest anonymous RSS and, at that moment, the C heap's live and free bytes."""
     while True:
-        rss = rss_anon()
-        if rss > _peak.get("rss_anon", 0) + (1 << 20):
-            got = heap() or (0, 0)
-            _peak.update(rss_anon=rss, heap_live=got[0], heap_free=got[1])
+        sample_peak()
         time.sleep(interval)
 
 
