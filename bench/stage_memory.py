@@ -18,7 +18,8 @@ largest stage's model memory over the 1-stage run's is its share. Reported per r
 share's median and spread per layout, each stage's estimate over its measured model memory (median and spread),
 and, from the last round, where each stage's memory goes (the workers' ``DIFFPIPE_MEMORY_REPORT``: anonymous RSS
 after caching, after building the stage, after every step, save and checkpoint, and every live tensor by what holds
-it after the first step) beside the stage plan's estimate. Targets for HunyuanVideo, Flux and Wan at >= 0.6 B
+it after the first step; the worker's own 5 ms sampler gives the phase its peak fell in and the C heap's live and free
+bytes at that moment) beside the stage plan's estimate. Targets for HunyuanVideo, Flux and Wan at >= 0.6 B
 parameters and >= 24 blocks, in the users' regime: share <= 0.55 for 2 stages and <= 0.30 for 4; every stage's
 estimated peak within 15% of its measured model memory.
 
@@ -481,6 +482,15 @@ def breakdown(stages: Workers, baseline: int) -> list[str]:
             f"{_mib(est.get('save_bytes', 0))}), estimate/measured {ratio:.2f}"
         )
         lines.append(f"    RssAnon MiB by phase: {rss}")
+        sampled = [p for p in report["phases"] if p.get("peak", {}).get("rss_anon")]
+        if sampled:  # the worker's own sampler: the phase its peak fell in, and the C heap at that moment
+            top = max(sampled, key=lambda p: p["peak"]["rss_anon"])
+            base = phases.get("built", {})
+            lines.append(
+                f"    peak inside {top['phase']}: RssAnon {_mib(top['peak']['rss_anon'])} MiB; C heap live "
+                f"{_mib(top['peak']['heap_live'])} MiB (built: {_mib(base.get('heap_live', 0))}), free in its arenas "
+                f"{_mib(top['peak']['heap_free'])} MiB (built: {_mib(base.get('heap_free', 0))})"
+            )
         lines.append(f"    live tensors after the step, MiB: {tensors}")
         if after.get("largest_other"):
             lines.append(f"    largest other tensors: {'; '.join(after['largest_other'][:3])}")

@@ -58,10 +58,11 @@ def test_bad_values_are_refused_before_any_work(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference model (width 256, 8 blocks), eight 128x128 images, cached, LoRA, micro-batch 2, GAS 4."""
+    """The reference model (width 256, 8 blocks), sixteen 128x128 images (a step for each of 2 data-parallel replicas,
+    which a fit on 2 GPUs may choose), cached, LoRA, micro-batch 2, GAS 4."""
     root = tmp_path_factory.mktemp("gpu_fit")
     write_tiny_model(root / "model", TinyDiTConfig(dim=256, depth=8, heads=4))
-    write_image_dataset(root / "images", 8, size=(128, 128))
+    write_image_dataset(root / "images", 16, size=(128, 128))
     write_dataset_toml(root / "dataset.toml", root / "images", resolutions=[128])
     text = run_toml(MODEL, {"type": "adamw", "lr": 1e-4}, {"rank": 4}, micro_batch_size_per_gpu=2,
                     gradient_accumulation_steps=4)  # fmt: skip

@@ -46,3 +46,21 @@ def test_walking_the_live_tensors_prints_no_third_party_warning() -> None:
         warnings.simplefilter("error")
         totals = memory_report.tensor_breakdown(model)["bytes"]
     assert totals["trainable weights"] == 4 * (16 + 4)  # the weight and bias, float32
+
+
+def test_each_phase_splits_its_peak_into_live_and_kept_heap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB tensor made and freed between two phases: the second phase's peak (the sampler's) saw it, in
+    the C heap's live bytes at that moment; the phase's own live bytes, after it was freed, no longer count it."""
+    if memory_report.heap() is None:
+        pytest.skip("not glibc: no mallinfo2")
+    monkeypatch.setenv(memory_report.ENV, str(tmp_path))
+    monkeypatch.setattr(memory_report, "_phases", [])
+    memory_report.record("before", 0)
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # mmapped by malloc: live while it exists
+    memory_report.sample_peak()  # the sampling thread's look, made now
+    del big
+    memory_report.record("after", 0)
+    before, after = json.loads((tmp_path / "rank0.json").read_text())["phases"]
+    assert after["peak"]["heap_live"] - after["heap_live"] >= 60 * 2**20
+    assert after["peak"]["rss_anon"] - before["rss_anon"] >= 60 * 2**20
+    assert after["heap_free"] >= 0

@@ -5,11 +5,15 @@ Off unless ``DIFFPIPE_MEMORY_REPORT`` names a folder; then each rank writes ``ra
 every phase): its stage, the anonymous RSS (``RssAnon``: memory-mapped weight files don't count) and, once the stage
 is built, every live tensor's bytes by what holds it: frozen and trainable weights of the stage, gradients,
 optimizer state, DeepSpeed's pipeline buffers, and whatever else is alive ("other", with its largest shapes, so that
-a tensor nobody should hold shows up).
+a tensor nobody should hold shows up). Each phase also carries the C heap's live and free bytes (glibc's
+``mallinfo2``) and ``peak``: the largest RSS since the phase before, sampled every 5 ms by a thread, with the heap's
+live and free bytes at that moment, so that a peak inside a step splits into what was held and what the allocator
+kept of what was freed (issue 46: on a CPU run the latter is most of what the plan does not count).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -122,7 +126,15 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     # wall-clock time, so a sampler outside (bench/stage_memory.py) can tell which phase its peak fell in
+    start_peak_sampler()
     entry: dict[str, Any] = {"phase": phase, "rss_anon": rss_anon(), "time": time.time()}
+    got = heap()
+    if got is not None:
+        entry["heap_live"], entry["heap_free"] = got
+    # the largest RSS since the last phase (the sampler's: this phase's peak), with the C heap's live and free bytes
+    # at that moment
+    entry["peak"] = {k: _peak[k] for k in ("rss_anon", "heap_live", "heap_free") if k in _peak}
+    _peak["rss_anon"] = 0
     if model is not None:
         entry.update(tensor_breakdown(model, optimizer, engine))
     _phases.append(entry)
@@ -140,3 +152,50 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------------------------ the C heap
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def heap() -> tuple[int, int] | None:
+    """The C heap as glibc's ``mallinfo2`` sees it, every arena: (bytes handed out and not had back, mmapped chunks
+    included; free bytes in its arenas). The first is what is live; the second is what it keeps for reuse, resident
+    or not (pages ``malloc_trim`` gave back stay free chunks of the arena). None elsewhere."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd), int(info.fordblks)
+
+
+_peak: dict[str, Any] = {}  # the sampler's peak since the last phase: rss_anon, heap_live, heap_free
+
+
+def sample_peak() -> None:
+    """One look: a new largest anonymous RSS since the last phase is kept with the C heap's live and free bytes."""
+    rss = rss_anon()
+    if rss > _peak.get("rss_anon", 0) + (1 << 20):
+        got = heap() or (0, 0)
+        _peak.update(rss_anon=rss, heap_live=got[0], heap_free=got[1])
+
+
+def _sample_peak(interval: float = 0.005) -> None:
+    while True:
+        sample_peak()
+        time.sleep(interval)
+
+
+def start_peak_sampler() -> None:
+    """Start the thread :func:`record` reads the peak from (once; with the report only)."""
+    if enabled() and "thread" not in _peak:
+        import threading
+
+        _peak["thread"] = threading.Thread(target=_sample_peak, daemon=True, name="memory-peak")
+        _peak["thread"].start()
