@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from diffpipe_core.testing import bench
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_hidream.plugin import plugin
 from diffpipe_hidream.testing import TinyHiDreamConfig, write_tiny_hidream
 
@@ -31,12 +30,7 @@ TEXT_LEN, SIZE = 64, 256
 MODEL_TABLE = bench.model_table("hidream", text_max_length=TEXT_LEN)
 
 
-def diffpipe_times(root: Path, args) -> list[float]:
-    """Train with `diffpipe train` in ``root`` (which holds ``model/``); step times from metrics.jsonl."""
-    data = root / "images"
-    write_image_dataset(data, 4, size=(SIZE, SIZE), captions=[f"a photo of a red cat {i}" for i in range(4)])
-    write_dataset_toml(root / "dataset.toml", data, resolutions=[SIZE], enable_ar_bucket=False)
-    return bench.train_times(root, args, MODEL_TABLE)
+diffpipe_times = bench.image_trainer(MODEL_TABLE, lambda i: f"a photo of a red cat {i}", SIZE)
 
 
 def plain_times(model_dir: Path, args) -> list[float]:
