@@ -102,7 +102,7 @@ def test_an_a14b_low_noise_expert_file_loads_into_transformer_2(tiny_wan_a14b: P
     folder = validate(wan.spec.config_schema, {"type": "wan", "path": tiny_wan_a14b, "expert": "low"}, "test")
     got = wan.load_diffusion_model(cfg, CPU, torch.float32)
     same_state(got, wan.load_diffusion_model(folder, CPU, torch.float32))
-    high = wan.load_diffusion_model(from_files(wan, files), CPU, torch.float32)
+    high = wan.load_diffusion_model(from_files(wan, files, expert="high"), CPU, torch.float32)
     assert not torch.equal(high.proj_out.weight, got.proj_out.weight)  # the two experts differ
 
 
