@@ -17,6 +17,7 @@ import ctypes
 import gc
 import json
 import os
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -133,8 +134,9 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
         entry["heap_live"], entry["heap_free"] = got
     # the largest RSS since the last phase (the sampler's: this phase's peak), with the C heap's live and free bytes
     # at that moment
-    entry["peak"] = {k: _peak[k] for k in ("rss_anon", "heap_live", "heap_free") if k in _peak}
-    _peak["rss_anon"] = 0
+    with _peak_lock:
+        entry["peak"] = {k: _peak[k] for k in ("rss_anon", "heap_live", "heap_free") if k in _peak}
+        _peak["rss_anon"] = 0
     if model is not None:
         entry.update(tensor_breakdown(model, optimizer, engine))
     _phases.append(entry)
@@ -178,12 +180,18 @@ def heap() -> tuple[int, int] | None:
 _peak: dict[str, Any] = {}  # the sampler's peak since the last phase: rss_anon, heap_live, heap_free
 
 
+_peak_lock = threading.Lock()
+
+
 def sample_peak() -> None:
     """One look: a new largest anonymous RSS since the last phase is kept with the C heap's live and free bytes."""
-    rss = rss_anon()
-    if rss > _peak.get("rss_anon", 0) + (1 << 20):
-        got = heap() or (0, 0)
-        _peak.update(rss_anon=rss, heap_live=got[0], heap_free=got[1])
+    # one look at a time: a look that read the RSS, then read the heap after memory was freed, must not overwrite a
+    # larger look taken in between (the sampling thread and a caller race otherwise)
+    with _peak_lock:
+        rss = rss_anon()
+        if rss > _peak.get("rss_anon", 0) + (1 << 20):
+            got = heap() or (0, 0)
+            _peak.update(rss_anon=rss, heap_live=got[0], heap_free=got[1])
 
 
 def _sample_peak(interval: float = 0.005) -> None:
@@ -195,7 +203,5 @@ def _sample_peak(interval: float = 0.005) -> None:
 def start_peak_sampler() -> None:
     """Start the thread :func:`record` reads the peak from (once; with the report only)."""
     if enabled() and "thread" not in _peak:
-        import threading
-
         _peak["thread"] = threading.Thread(target=_sample_peak, daemon=True, name="memory-peak")
         _peak["thread"].start()
