@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from test_wan_sampling import FRAMES, H, SEED, STEPS, W, noise, pipeline_latents, sample
+from test_wan_sampling import FRAMES, SEED, STEPS, H, W, noise, pipeline_latents, sample
 
 from diffpipe_core import EncodeBatch
 from diffpipe_core.sampling.loop import noise_generator
