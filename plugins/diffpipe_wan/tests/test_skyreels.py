@@ -2,7 +2,7 @@
 and per-frame times, the frame-rate embedding, block-causal attention, image-to-video); diffusion forcing's
 per-frame times (FoPP: non-decreasing, one per causal block); text and image-to-video conditioning equal the
 pipelines'; samples equal ``SkyReelsV2Pipeline``, ``SkyReelsV2DiffusionForcingPipeline`` (synchronous and
-asynchronous) and ``SkyReelsV2ImageToVideoPipeline`` for the same seed; the original-layout file loads as the
+asynchronous) and ``SkyReelsV2ImageToVideoPipeline`` for the same seed; ComfyUI's component files load as the
 folder, whole and per stage; bad settings are named; both entry points pass the conformance kit."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from diffpipe_core.testing.sampling import assert_same_sample, registered
 from diffpipe_wan.skyreels import skyreels_v2, skyreels_v2_i2v
 from diffpipe_wan.skyreels_df import fopp_levels, frame_times
 from diffpipe_wan.skyreels_layers import split_into_layers
-from diffpipe_wan.skyreels_testing import single_file_path
 
 CPU = torch.device("cpu")
 TABLE = {"dtype": "float32", "encoder_dtype": "float32"}
@@ -206,19 +205,28 @@ def test_i2v_sample_equals_skyreels_v2_image_to_video_pipeline(tiny_skyreels_i2v
 
 
 # ---------------------------------------------------------------------------------------------- files, checks
-def test_original_layout_file_loads_as_the_folder(tiny_skyreels_df: Path) -> None:
-    """The DF transformer (with ``fps_embedding`` / ``fps_projection``) from its original-layout file equals the
-    folder's, whole and per stage (each stage reads only its own tensors)."""
+def test_component_files_load_as_the_folder(tiny_skyreels_df: Path, tmp_path: Path) -> None:
+    """ComfyUI's files of the DF model beside a config-only folder: the transformer in the original Wan layout (its
+    ``fps_embedding`` / ``fps_projection`` included), the VAE in the original Wan VAE layout, UMT5; every component
+    loads exactly as from the folder, and each stage reads only its own tensors of the transformer's file."""
+    from diffpipe_core.parts.wan_vae import wan_vae_table
+    from diffpipe_core.testing.component_files import assert_loads_as_the_folder, comfyui_files, files_config
     from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+    from diffpipe_wan.skyreels_keys import layout_for_config
 
-    folder_cfg = config(skyreels_v2, tiny_skyreels_df)
-    file_cfg = config(skyreels_v2, tiny_skyreels_df, diffusion_model=single_file_path(tiny_skyreels_df))
-    assert skyreels_v2.validate_model_files(model_config=file_cfg) == []
-    ours = skyreels_v2.load_diffusion_model(model_config=file_cfg, device=CPU, dtype=torch.float32).state_dict()
-    theirs = skyreels_v2.load_diffusion_model(model_config=folder_cfg, device=CPU, dtype=torch.float32).state_dict()
-    assert "fps_projection.net.0.proj.weight" in ours and set(ours) == set(theirs)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    assert_stages_read_their_own(registered(skyreels_v2), file_cfg)
+    files = comfyui_files(tiny_skyreels_df, tmp_path, layout_for_config, wan_vae_table)
+    from_files = files_config(skyreels_v2.spec.config_schema, "skyreels-v2", files, **TABLE)
+    assert "model.diffusion_model.fps_projection.0.weight" in safe_keys(files["diffusion_model"])
+    assert_loads_as_the_folder(skyreels_v2, from_files, config(skyreels_v2, tiny_skyreels_df),
+                               ("vae", "text_encoder"))  # fmt: skip
+    assert_stages_read_their_own(registered(skyreels_v2), from_files)
+
+
+def safe_keys(file: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as opened:
+        return set(opened.keys())
 
 
 def test_bad_settings_are_named(tiny_skyreels: Path, tiny_skyreels_i2v: Path) -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import TrainingContext
-    from diffpipe_core.types import SampleRequest
+    from diffpipe_core.types import ModelSpec, SampleRequest
 
 FPS = 24.0  # SkyReels V2 generates 24 fps video (its pipelines' examples; the DF pipeline's fps default)
 T2V, DF, I2V = "SkyReelsV2Pipeline", "SkyReelsV2DiffusionForcingPipeline", "SkyReelsV2ImageToVideoPipeline"
@@ -89,6 +89,16 @@ def pipeline_class(model_config: WanConfig) -> str | None:
     return _folder_facts(str(model_config.path))["index"].get("_class_name")
 
 
+def entry_point(base: ModelSpec, name: str, schema: type, pipelines: tuple[str, ...], what: str, example: str):
+    """``(spec, folder)`` of a SkyReels V2 entry point: ``base`` (Wan's spec) renamed, at 24 fps, and a folder of
+    ``pipelines`` with SkyReels' transformer."""
+    spec = replace(base, name=name, config_schema=schema, video_fps=FPS, block_layers=("BlockLayer",),
+                   description=f"SkyReels V2 {what} (diffusers folder or original single file)")  # fmt: skip
+    folder = DiffusersFolder(name, pipelines, SKYREELS_COMPONENTS, sizes=SIZES, file_layouts=FILE_LAYOUTS,
+                             single_file_example=f"{example} transformer in the Wan layout (.safetensors)")  # fmt: skip
+    return spec, folder
+
+
 class SkyReelsLayers:
     """Mixin: SkyReels' transformer class, key table and pipeline layers over a Wan entry point."""
 
@@ -113,22 +123,8 @@ class SkyReelsV2(SkyReelsLayers, Wan):
     """SkyReels V2 text-to-video (one time per clip) and diffusion forcing (one time per latent frame); 24 fps."""
 
     tiny_writer = "diffpipe_wan.skyreels_testing:write_tiny_skyreels"
-    spec = replace(
-        Wan.spec,
-        name="skyreels-v2",
-        config_schema=SkyReelsConfig,
-        video_fps=FPS,
-        block_layers=("BlockLayer",),
-        description="SkyReels V2 text-to-video and diffusion forcing (diffusers folder or original single file)",
-    )
-    folder = DiffusersFolder(
-        "skyreels-v2",
-        (T2V, DF),
-        SKYREELS_COMPONENTS,
-        sizes=SIZES,
-        single_file_example="SkyReels-V2-DF-1.3B-540P (Wan layout) .safetensors",
-        file_layouts=FILE_LAYOUTS,
-    )
+    spec, folder = entry_point(Wan.spec, "skyreels-v2", SkyReelsConfig, (T2V, DF),
+                               "text-to-video and diffusion forcing", "SkyReels-V2-DF-1.3B-540P")  # fmt: skip
     plan_size = {
         **Wan.plan_size,
         "transformer": PLAN_TRANSFORMER,
@@ -205,23 +201,8 @@ class SkyReelsV2I2V(SkyReelsLayers, WanI2V):
     """SkyReels V2 image-to-video: Wan 2.1 I2V's first-frame conditioning and CLIP embedding, SkyReels' transformer."""
 
     tiny_writer = "diffpipe_wan.skyreels_testing:write_tiny_skyreels_i2v"
-    spec = replace(
-        WanI2V.spec,
-        name="skyreels-v2-i2v",
-        config_schema=SkyReelsI2VConfig,
-        video_fps=FPS,
-        block_layers=("BlockLayer",),
-        description="SkyReels V2 image-to-video (diffusers folder or original single file)",
-    )
-    folder = DiffusersFolder(
-        "skyreels-v2-i2v",
-        (I2V,),
-        SKYREELS_COMPONENTS,
-        sizes=SIZES,
-        single_file_example="SkyReels-V2-I2V-14B-540P (Wan layout) .safetensors",
-        file_layouts=FILE_LAYOUTS,
-    )
-
+    spec, folder = entry_point(WanI2V.spec, "skyreels-v2-i2v", SkyReelsI2VConfig, (I2V,), "image-to-video",
+                               "SkyReels-V2-I2V-14B-540P")  # fmt: skip
 
 skyreels_v2 = SkyReelsV2()
 skyreels_v2_i2v = SkyReelsV2I2V()

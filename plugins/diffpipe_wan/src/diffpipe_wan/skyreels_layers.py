@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
+from diffpipe_wan import layers
 
 Tensors = tuple[torch.Tensor, ...]
 #: the transformer's ``fps`` input: 0 for 16 fps, 1 otherwise (``SkyReelsV2DiffusionForcingPipeline``)
@@ -55,31 +56,22 @@ def causal_mask(grid: torch.Tensor, frames_per_block: int, device: torch.device)
     return mask.reshape(f * h * w, f * h * w)[None, None]
 
 
-class EmbedLayer(nn.Module):
-    """Rotary embedding, patch embedding, time / text (/ image) embedders, and the frame-rate embedding of a
-    transformer with ``inject_sample_info`` (``fps``: the clips' frame rate)."""
+class EmbedLayer(layers.EmbedLayer):
+    """Wan's embedders (rotary, patch, time / text / image) with SkyReels' time embedding, per sample or, for per-frame
+    times ``(B, F')``, per frame (the time embedder runs on the flattened times, which it embeds one by one), and the
+    frame-rate embedding of a transformer with ``inject_sample_info`` (``fps``: the clips' frame rate)."""
 
     def __init__(self, model: nn.Module, fps: float) -> None:
-        super().__init__()
-        self.rope, self.patch_embedding = model.rope, model.patch_embedding
-        self.condition_embedder = model.condition_embedder
+        super().__init__(model)
         self.fps_embedding = getattr(model, "fps_embedding", None)
         self.fps_projection = getattr(model, "fps_projection", None)
         self.fps = fps_index(fps)
 
     def forward(self, inputs: Tensors) -> Tensors:
-        x, t, text, *image = inputs
-        dtype = self.patch_embedding.weight.dtype
-        cos, sin = self.rope(x)
-        hidden = self.patch_embedding(x.to(dtype))
-        grid = torch.tensor(hidden.shape[2:], dtype=torch.long)
-        hidden = hidden.flatten(2).transpose(1, 2).contiguous()
-        temb, modulation, context, image_context = self.condition_embedder(
-            t.float() * 1000, text.to(dtype), image[0].to(dtype) if image else None
-        )
-        modulation = modulation.unflatten(-1, (6, -1))  # (B, 6, D), per frame (B, F', 6, D)
-        if image_context is not None:
-            context = torch.cat([image_context, context], dim=1)
+        x, t, *rest = inputs
+        hidden, context, modulation, temb, cos, sin, grid = super().forward((x, t.flatten(), *rest))
+        if t.dim() == 2:  # (B F', ...) -> (B, F', ...)
+            modulation, temb = modulation.unflatten(0, t.shape), temb.unflatten(0, t.shape)
         if self.fps_embedding is not None:
             fps = torch.full((x.shape[0],), self.fps, dtype=torch.long, device=x.device)
             extra = self.fps_projection(self.fps_embedding(fps)).unflatten(1, (6, -1))

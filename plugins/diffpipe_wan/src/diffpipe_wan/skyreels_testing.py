@@ -25,29 +25,14 @@ PIPELINES = {
 }
 
 
-def tiny_transformer(cfg: wan_testing.TinyWanConfig, variant: str = "t2v", fps: bool = False):
-    """The random-weight ``SkyReelsV2Transformer3DModel`` (``fps``: with the frame-rate embedding,
-    ``inject_sample_info``)."""
+def tiny_transformer(cfg: wan_testing.TinyWanConfig, fps: bool = False):
+    """The random-weight ``SkyReelsV2Transformer3DModel`` of the tiny Wan's sizes (``fps``: with the frame-rate
+    embedding, ``inject_sample_info``)."""
     from diffusers import SkyReelsV2Transformer3DModel
 
+    sizes = dict(wan_testing.tiny_transformer(cfg).config)  # the same sizes (I2V: channels, CLIP image embedder)
     torch.manual_seed(cfg.seed)
-    inner = cfg.num_attention_heads * cfg.attention_head_dim
-    z = cfg.latent_channels
-    image = {"image_dim": 16, "added_kv_proj_dim": inner} if variant == "i2v" else {}
-    return SkyReelsV2Transformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=cfg.num_attention_heads,
-        attention_head_dim=cfg.attention_head_dim,
-        in_channels=2 * z + 4 if variant == "i2v" else z,
-        out_channels=z,
-        text_dim=cfg.text_dim,
-        freq_dim=16,
-        ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
-        rope_max_seq_len=64,
-        inject_sample_info=fps,
-        **image,
-    )
+    return SkyReelsV2Transformer3DModel.from_config({**sizes, "inject_sample_info": fps})
 
 
 def unipc(shift: float):
@@ -69,7 +54,7 @@ def write_tiny_skyreels(folder: Path, variant: str = "t2v", fps: bool = False) -
         raise ValueError(f"unknown SkyReels V2 variant {variant!r}; valid: {', '.join(PIPELINES)}")
     cfg = wan_testing.TinyWanConfig(i2v=variant == "i2v", clip=variant == "i2v")
     parts = wan_testing.parts(cfg)
-    parts["transformer"] = tiny.Part(lambda: tiny_transformer(cfg, variant, fps))
+    parts["transformer"] = tiny.Part(lambda: tiny_transformer(cfg, fps))
     parts["scheduler"] = tiny.Part(lambda: unipc(5.0 if variant == "i2v" else 8.0))
     folder = Path(folder)
     pipe = tiny.write_pipeline(PIPELINES[variant], parts, folder)
