@@ -13,31 +13,30 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_wan_train import BLOCK_TARGETS
 
 from diffpipe_core.testing import comfy, runs
-from diffpipe_core.testing.media import assert_video_sample_point, write_dataset_toml, write_image_dataset
+from diffpipe_core.testing.media import assert_video_sample_point
 from diffpipe_wan.skyreels_keys import layout_for_config
 from diffpipe_wan.skyreels_testing import single_file_path, write_tiny_skyreels
-from diffpipe_wan.testing import write_clips
 
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 30
 MODEL = {"type": "skyreels-v2", "text_max_length": 8, "timestep_sample_method": "uniform", "min_t": 0.8}
 SAMPLE = {"prompts": ["a red cat"], "before_first_step": True, "steps": 2, "seed": 5, "resolution": 32}
-CAPTIONS = ["a red car moving", "a river in a city", "a dog running", "a bright sky"]
-BLOCK_TARGETS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
-                 "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")  # fmt: skip
 
 
 def make_project(root: Path) -> Path:
-    """The tiny SkyReels V2 DF folder (with ``fps_embedding``), 4 mp4 clips of 5 frames and 4 images, 32x32."""
+    """``test_wan_train``'s project (4 mp4 clips of 5 frames and 4 images, 32x32, its dataset.toml) with the tiny
+    SkyReels V2 DF folder (with ``fps_embedding``) in place of its Wan and this run's ``run.toml``."""
+    import shutil
+
+    from test_wan_train import make_project as wan_project
+
+    wan_project(root)
+    shutil.rmtree(root / "model")
     write_tiny_skyreels(root / "model", "df", fps=True)
-    write_clips(root / "media", CAPTIONS, frames=5, size=(32, 32))
-    write_image_dataset(root / "media", 4, size=(32, 32), captions=[f"a photo of {c[2:]}" for c in CAPTIONS])
-    write_dataset_toml(
-        root / "dataset.toml", root / "media", resolutions=[32], enable_ar_bucket=False, frame_buckets=[1, 5]
-    )
     model = {**MODEL, "diffusion_model": single_file_path(root / "model").name}
     top = {"max_steps": STEPS, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
     (root / "run.toml").write_text(runs.lora_run_toml(model, 1e-2, SAMPLE, RANK, ALPHA, **top))

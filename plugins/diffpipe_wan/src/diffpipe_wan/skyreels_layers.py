@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import OutputHead, WrappedBlock
+from diffpipe_core.parts.blocks import WrappedBlock
 from diffpipe_wan import layers
 
 Tensors = tuple[torch.Tensor, ...]
@@ -95,28 +95,16 @@ class BlockLayer(WrappedBlock):
         return (hidden, temb, grid) if self.last else (hidden, context, modulation, temb, cos, sin, grid)
 
 
-class HeadLayer(OutputHead):
-    """Output norm modulated by ``scale_shift_table`` and the time embedding (per token under diffusion forcing),
-    ``proj_out``, unpatchify."""
+class HeadLayer(layers.HeadLayer):
+    """Wan's head (output norm modulated by ``scale_shift_table`` and the time embedding, ``proj_out``, unpatchify),
+    modulated per token under diffusion forcing."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        self.scale_shift_table = model.scale_shift_table  # the model's own Parameter, shared
-        self.patch_size = tuple(model.config.patch_size)
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        hidden, temb, grid = inputs
-        if temb.dim() == 3:  # per frame
-            table = self.scale_shift_table.unsqueeze(2) + per_token(temb, grid).unsqueeze(1)
-            shift, scale = (part.squeeze(1) for part in table.chunk(2, dim=1))
-        else:
-            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
-        hidden = self.proj_out(hidden)
-        f, h, w = (int(v) for v in grid.tolist())
-        p_t, p_h, p_w = self.patch_size
-        hidden = hidden.reshape(hidden.shape[0], f, h, w, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return (hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3).float(),)
+    def shift_scale(self, temb: torch.Tensor, grid: torch.Tensor) -> Tensors:
+        """Per sample as Wan's; a per-frame ``temb`` ``(B, F', D)`` repeated onto the tokens first."""
+        if temb.dim() == 2:
+            return super().shift_scale(temb, grid)
+        table = self.scale_shift_table.unsqueeze(2) + per_token(temb, grid).unsqueeze(1)
+        return tuple(part.squeeze(1) for part in table.chunk(2, dim=1))
 
 
 def split_into_layers(model: nn.Module, fps: float, frames_per_block: int | None = None) -> list[nn.Module]:
