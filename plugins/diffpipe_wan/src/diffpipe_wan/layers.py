@@ -68,13 +68,17 @@ class HeadLayer(OutputHead):
 
     def forward(self, inputs: Tensors) -> Tensors:
         hidden, temb, grid = inputs
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = self.shift_scale(temb, grid)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         hidden = self.proj_out(hidden)
         f, h, w = (int(v) for v in grid.tolist())
         p_t, p_h, p_w = self.patch_size
         hidden = hidden.reshape(hidden.shape[0], f, h, w, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return (hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3).float(),)
+
+    def shift_scale(self, temb: torch.Tensor, grid: torch.Tensor) -> Tensors:
+        """The output norm's shift and scale from the time embedding ``(B, D)``."""
+        return (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
 
 
 def split_into_layers(model: nn.Module) -> list[nn.Module]:
