@@ -170,14 +170,20 @@ def write_clip_dataset(
     size: tuple[int, int] = (64, 64),
     fps: int = 8,
     drifting: bool = False,
+    audio: str | None = None,
+    tone_hz: float = 440.0,
 ) -> list[Path]:
     """``clip_000.mp4``, ... with ``.txt`` captions in ``folder``, one clip per caption (``frames`` each, or one count
-    per clip): random frames (:func:`write_video`) or a drifting field (:func:`write_drifting_video`)."""
+    per clip): random frames (:func:`write_video`, with its ``audio`` track and ``tone_hz``) or a drifting field
+    (:func:`write_drifting_video`, silent)."""
     counts = [frames] * len(captions) if isinstance(frames, int) else list(frames)
+    if drifting and audio is not None:
+        raise ValueError("write_clip_dataset: drifting clips have no audio track")
+    sound = {} if drifting else {"audio": audio, "tone_hz": tone_hz}
     writer = write_drifting_video if drifting else write_video
     paths = []
     for i, (n, caption) in enumerate(zip(counts, captions, strict=True)):
-        path = writer(Path(folder) / f"clip_{i:03d}.mp4", n, fps, size, seed=i)
+        path = writer(Path(folder) / f"clip_{i:03d}.mp4", n, fps, size, seed=i, **sound)
         path.with_suffix(".txt").write_text(caption, encoding="utf-8")
         paths.append(path)
     return paths
