@@ -2,7 +2,7 @@
 
 import pluggy
 
-from diffpipe_core.types import EncodeBatch, LossSettings, ModelConfigBase, ModelSpec, TrainingContext
+from diffpipe_core.types import AudioSpec, EncodeBatch, LossSettings, ModelConfigBase, ModelSpec, TrainingContext
 
 __version__ = "0.1.0"
 
@@ -15,6 +15,7 @@ hookimpl = pluggy.HookimplMarker("diffpipe")
 """Marker for plugin hook implementations: ``@diffpipe_core.hookimpl``."""
 
 __all__ = [
+    "AudioSpec",
     "CONTRACT_VERSION",
     "EncodeBatch",
     "LossSettings",

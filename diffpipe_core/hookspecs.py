@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
+from diffpipe_core.types import AudioSpec, EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
 
 if TYPE_CHECKING:  # annotations only: the contract is imported by every command, torch only by those using it
     import torch
@@ -60,6 +60,18 @@ def load_encoders(model_config: ModelConfigBase, device: torch.device) -> Any:
     whatever settings it needs (a token length, a prompt template) travel inside this object: the shared
     ``diffpipe_core.parts.encoders.load_components`` returns an ``Encoders`` holding the components by folder
     name and the ``[model]`` table as ``encoders.config``.
+    """
+
+
+@hookspec(firstresult=True)
+def audio_spec(model_config: ModelConfigBase) -> AudioSpec | None:
+    """*model* (optional) The sound the model trains on: the sample rate its videos' audio tracks are resampled to,
+    the channels, and what an item with a damaged audio stream does (:class:`~diffpipe_core.types.AudioSpec`).
+
+    Not implemented, or None (the default): the model takes no audio; no audio track is read and
+    ``EncodeBatch.audio`` stays None. Implemented: every media batch carries ``audio`` and ``audio_present``
+    (videos without a track, images and damaged tracks as zeros marked absent), and the cache keys include the spec.
+    Read only configs here (e.g. the audio VAE's ``sample_rate``); it is called before caching starts.
     """
 
 
@@ -392,6 +404,15 @@ def decode_latents(decoder: Any, latents: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- generic
+@hookspec(firstresult=True)
+def decode_audio(decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """*model* (optional) The sound of a sample from its final latents (as :func:`decode_latents` gets them):
+    ``(waveform, sample_rate)``, the waveform ``(B, channels, S)`` float in [-1, 1] (1 or 2 channels), e.g. the audio
+    VAE and vocoder of an audio-video model. The core muxes it into the sample's MP4 (AAC) and logs it where the
+    loggers take audio (TensorBoard's ``add_audio``, W&B). Not implemented, or None: the MP4 is silent.
+    """
+
+
 @hookspec
 def register_commands(cli: Any) -> None:
     """Add click commands to the ``diffpipe`` CLI group."""

@@ -162,6 +162,38 @@ class ModelSpec:
                              f"(modality is {self.modality!r})")
 
 
+@dataclass(frozen=True)
+class AudioSpec:
+    """The sound a model trains on, returned by the optional :func:`~diffpipe_core.hookspecs.audio_spec` hook (no
+    hook, or None: the model takes no audio and nothing about audio is read).
+
+    Each video's first audio track is decoded over exactly the span of the frames taken (``frames / fps`` seconds from
+    the clip's start, clip modes and frame buckets included) and resampled to ``sample_rate``; it reaches
+    ``encode_batch`` as ``EncodeBatch.audio`` and is cached with the clip's latents (its cache key includes these
+    settings, and the file's content).
+
+    Attributes:
+        sample_rate: Hz the waveform is resampled to (e.g. the audio VAE's ``sample_rate``).
+        channels: 1 (mono: the channels averaged) or 2 (stereo: a mono track duplicated).
+        damaged: what happens to an item whose audio stream cannot be decoded (corrupt, or a codec this PyAV lacks):
+            ``"without"`` (it trains without audio, as a video without a track does: a warning names the file and the
+            stream) or ``"skip"`` (it is left out of the dataset with the reason, as a video that fails to decode is).
+    """
+
+    sample_rate: int
+    channels: int = 1
+    damaged: Literal["without", "skip"] = "without"
+
+    def __post_init__(self) -> None:
+        if self.sample_rate < 1 or self.channels not in (1, 2) or self.damaged not in ("without", "skip"):
+            raise ValueError(f"AudioSpec: sample_rate must be >= 1 (is {self.sample_rate}), channels 1 or 2 (is "
+                             f"{self.channels}), damaged 'without' or 'skip' (is {self.damaged!r})")
+
+    def samples(self, frames: int, fps: float) -> int:
+        """Samples of the span of ``frames`` frames at ``fps``: ``round(frames / fps * sample_rate)``."""
+        return max(1, round(frames * self.sample_rate / fps))
+
+
 @dataclass
 class EncodeBatch:
     """One batch handed to ``encode_batch`` while caching.
@@ -196,6 +228,14 @@ class EncodeBatch:
         control_pixels: in a caption batch of a model with ``ModelSpec.control_in_captions``: per caption the
             tuple of its item's control images, each ``(3, H, W)`` in [-1, 1] at its control size (an empty tuple
             for a caption without control images, such as the empty prompt of caption dropout). None otherwise.
+        audio: ``(B, channels, S)`` float32 in [-1, 1], in a media batch of a model with an
+            :func:`~diffpipe_core.hookspecs.audio_spec`: each item's sound over its frames' span at ``sample_rate``
+            (``S = AudioSpec.samples(frames, fps)``; an image counts as one frame). Zeros where an item has none
+            (``audio_present`` False: an image, a video without an audio track, a damaged track with
+            ``damaged = "without"``). None for other models, caption batches and control images.
+        audio_present: ``(B,)`` bool beside ``audio``: which items have sound. What an item without gets (silence,
+            noise, a zero loss weight for its audio) is the model's rule: return what ``prepare_inputs`` needs to
+            apply it (e.g. an ``"audio_mask"``).
         negative_prompt: True for a caption batch holding a sample's negative prompt alone (``[sample]
             negative_prompt``, encoded on its own for sampling with classifier-free guidance), for a model whose
             pipeline encodes its negative prompt differently from its prompts (Lumina 2 leaves out its system
@@ -210,6 +250,8 @@ class EncodeBatch:
     control_index: int | None = None
     first_frames: torch.Tensor | None = None
     control_pixels: list[tuple[torch.Tensor, ...]] | None = None
+    audio: torch.Tensor | None = None
+    audio_present: torch.Tensor | None = None
     negative_prompt: bool = False
 
 

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from diffpipe_core.data.cache_lock import encoding_turn, end_encoding_turn, gate
 from diffpipe_core.data.cache_store import Shard, list_shards, remove_temp_dirs
 from diffpipe_core.data.items import Bucket, MediaItem
 from diffpipe_core.data.scan_index import gc_paused
-from diffpipe_core.types import ModelConfigBase
+from diffpipe_core.types import AudioSpec, ModelConfigBase
 from diffpipe_core.types import control_key as control_batch_key
 
 log = logging.getLogger("diffpipe.data")
@@ -367,6 +368,7 @@ def prepare_cache(
         raise CacheError("the model files do not fit model " + repr(plugin.name) + ":\n  " + "\n  ".join(wrong))
     fingerprint = encoder_fingerprint(plugin.name, plugin.version, model_config, tuple(spec.encoder_settings),
                                       strict=strict)
+    audio = model_audio(plugin, model_config)
     root = cache_root(cfg.cache_dir, plugin.name, dataset_toml)
     fp_dir = root / fingerprint[:16]
     index_path = root / "index.json"
@@ -419,7 +421,8 @@ def prepare_cache(
     if rank == 0:
         barrier()
     dop = [dop_inputs(cfg)] if cfg.diff_output_preservation else []  # off: the plan of a cache made before DOP
-    plan = plan_digest(scan, fingerprint, strict, empty_key, *dop)
+    sound = [("audio", audio.sample_rate, audio.channels, audio.damaged)] if audio is not None else []
+    plan = plan_digest(scan, fingerprint, strict, empty_key, *dop, *sound)
     fresh = None if regenerate or prune else _open_if_fresh(index_path, fingerprint, plan, fp_dir, cfg.uncond_fraction,
                                                              empty_key, start, cfg.directory,
                                                              cfg.diff_output_preservation_multiplier)
@@ -435,7 +438,8 @@ def prepare_cache(
     texts: dict[str, str] = {}
     seen_by_caption: dict[str, tuple[str, ...]] = {}  # caption key -> the control keys its encoding sees
     for item in scan.items:
-        key = media_key(item, mask_content_key(item, use_masks, strict), fingerprint, spec.first_frame != "none")
+        key = media_key(item, mask_content_key(item, use_masks, strict), fingerprint, spec.first_frame != "none",
+                        audio)
         first_item.setdefault(key, item)
         controls = tuple(control_key(c, k, fingerprint) for k, c in enumerate(item.controls))
         for k, ck in enumerate(controls):
@@ -481,7 +485,7 @@ def prepare_cache(
     if my_media or my_captions or my_controls:
         encoded_media, new_failures = _encode_share(
             plugin, model_config, spec, fp_dir, rank, my_media, my_captions, texts, use_masks, device,
-            batch_size, shard_batches, _workers(decode_workers), show, my_controls, caption_work,
+            batch_size, shard_batches, _workers(decode_workers), show, my_controls, caption_work, audio,
         )
     barrier()
 
@@ -550,6 +554,16 @@ def open_cached(dataset_toml: Path, plugin: Any, model_config: ModelConfigBase) 
         return None
 
 
+def model_audio(plugin: Any, model_config: ModelConfigBase) -> AudioSpec | None:
+    """The model's :class:`~diffpipe_core.types.AudioSpec` (its optional ``audio_spec`` hook), None when it takes no
+    audio."""
+    audio = plugin.call("audio_spec", model_config=model_config)
+    if audio is not None and not isinstance(audio, AudioSpec):
+        raise TypeError(f"model plugin {plugin.name!r}: audio_spec returned {type(audio).__name__}; expected an "
+                        "AudioSpec or None")
+    return audio
+
+
 def _workers(requested: int | None) -> int:
     if requested is not None:
         return max(0, requested)
@@ -563,7 +577,8 @@ def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir:
                   my_media: list[MediaWork], my_captions: list[str], texts: dict[str, str], use_masks: bool,
                   device: torch.device, batch_size: int, shard_batches: int, workers: int,
                   show: bool, my_controls: list[MediaWork] | None = None,
-                  caption_work: list[CaptionWork] | None = None) -> tuple[int, list[tuple[MediaWork, str]]]:
+                  caption_work: list[CaptionWork] | None = None,
+                  audio: AudioSpec | None = None) -> tuple[int, list[tuple[MediaWork, str]]]:
     """Load the encoders, encode captions then media (targets and control images), write failures; always free
     the encoders. ``caption_work``: the captions as :class:`CaptionWork` when their encoding sees control images.
     Returns the number of target media encoded and every failure."""
@@ -585,7 +600,8 @@ def _encode_share(plugin: Any, model_config: ModelConfigBase, spec: Any, fp_dir:
 
         # Decoding workers start now and run ahead while the captions are encoded.
         work = my_media + my_controls
-        stream = decoded_batches(work, spec, batch_size, use_masks, workers, load_media, MediaError,
+        load = partial(load_media, audio=audio) if audio is not None else load_media
+        stream = decoded_batches(work, spec, batch_size, use_masks, workers, load, MediaError,
                                  device.type == "cuda")
         captions = ShardBuffer(fp_dir / "captions", prefix, shard_batches)
         failures: list[tuple[MediaWork, str]] = []

@@ -139,6 +139,10 @@ class _Collate:
                 ])
             out["original_sizes"] = [tuple(d.original_size) for _, d in ok]
             out["crop_coords"] = [tuple(d.crop_coords) for _, d in ok]
+            if ok[0][1].audio is not None:  # the model takes audio: every item of the batch has a waveform
+                out["audio"] = torch.stack([d.audio for _, d in ok])
+                out["audio_present"] = torch.tensor([d.audio_present for _, d in ok])
+                out["audio_notes"] = [(i, d.audio_note) for i, d in ok if d.audio_note]
         return out
 
 
@@ -212,6 +216,12 @@ def encode_media(
             control_index=control,
             first_frames=pixels[:, :, 0].contiguous() if first_frames and pixels.ndim == 5 else None,
         )
+        for i, note in decoded.get("audio_notes", ()):
+            log.warning("%s: %s", work[i].item.id, note)
+        audio = decoded.get("audio") if control is None else None
+        if audio is not None:
+            batch.audio = audio.to(device, non_blocking=True)
+            batch.audio_present = decoded["audio_present"].to(device)
         what = "media" if control is None else f"control image {control}"
         outputs = check_outputs(encode(batch), n, what, plugin_name)
         if control is not None and control_buffer is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from diffpipe_core.data import archives
 from diffpipe_core.data.items import ControlImage, MediaItem
-from diffpipe_core.types import ModelConfigBase
+from diffpipe_core.types import AudioSpec, ModelConfigBase
 
 KEY_FORMAT = 2  # bump when the cached layout or key recipe changes
 
@@ -155,15 +155,20 @@ def mask_content_key(item: MediaItem, use_masks: bool, strict: bool) -> str:
     return "file:" + file_content_key(item.mask_path, strict)
 
 
-def media_key(item: MediaItem, mask_key: str, fingerprint: str, first_frame: bool = False) -> str:
+def media_key(item: MediaItem, mask_key: str, fingerprint: str, first_frame: bool = False,
+              audio: AudioSpec | None = None) -> str:
     """Cache key of one item's media tensors (latents and anything else derived from the pixels). ``first_frame``:
-    the model is handed each clip's first frame too (``ModelSpec.first_frame``), so its outputs depend on that."""
+    the model is handed each clip's first frame too (``ModelSpec.first_frame``), so its outputs depend on that.
+    ``audio``: the model's :class:`~diffpipe_core.types.AudioSpec`; its audio latents are cached with the clip's, so
+    the key holds the spec (the sound itself is in the file's content key, as the frames are)."""
     b = item.bucket
     # The path is part of the key: two files may share size and mtime (the non-strict content key).
     payload = ["media", fingerprint, str(item.path), item.content_key, [b.width, b.height, b.frames],
                item.clip_start, mask_key]
     if first_frame:  # appended only when set: the keys of every other model stay as they were
         payload.append("first_frame")
+    if audio is not None:
+        payload.append(["audio", audio.sample_rate, audio.channels, audio.damaged])
     return _digest(payload)
 
 

@@ -16,7 +16,7 @@ from PIL import Image, ImageOps
 
 from diffpipe_core.data.archives import open_media
 from diffpipe_core.data.items import DecodedMedia, MediaItem
-from diffpipe_core.types import ModelSpec
+from diffpipe_core.types import AudioSpec, ModelSpec
 
 if TYPE_CHECKING:  # imported where used: `diffpipe validate` scans image datasets, and should start at once
     import torch
@@ -30,6 +30,10 @@ class MediaError(Exception):
     """A media file that cannot be read or decoded; the message names the file and why."""
 
 
+class AudioError(MediaError):
+    """A video's audio track that cannot be decoded; the message names the file and the stream."""
+
+
 @dataclass(frozen=True)
 class VideoInfo:
     """What the scan needs to know about a video without decoding it."""
@@ -38,6 +42,7 @@ class VideoInfo:
     height: int
     duration: float  # seconds
     fps: float  # native average frame rate
+    audio_streams: int = 0  # audio tracks in the file (the first one is what a model with audio reads)
 
 
 # ---------------------------------------------------------------------------------------------- probes
@@ -127,13 +132,14 @@ def probe_video(path: Path) -> VideoInfo:
             if first is None:
                 raise MediaError(f"{path}: video has no decodable frames")
             w, h = first.width, first.height
+            audio_streams = len(container.streams.audio)
     except MediaError:
         raise
     except Exception as exc:
         raise MediaError(f"{path}: corrupt or unreadable video ({type(exc).__name__}: {exc})") from None
     if fps <= 0:
         fps = 1.0 / max(duration, 1e-6)
-    return VideoInfo(w, h, duration, fps)
+    return VideoInfo(w, h, duration, fps, audio_streams)
 
 
 # ---------------------------------------------------------------------------------------------- geometry
@@ -235,12 +241,72 @@ def _load_mask(path: Path, fit: _Fit, item_id: str, stretch: bool = False) -> to
 # ---------------------------------------------------------------------------------------------- decode
 
 
-def load_media(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
+def load_media(item: MediaItem, spec: ModelSpec, audio: AudioSpec | None = None) -> DecodedMedia:
     """Decode ``item`` at its bucket's size: ``(C, H, W)`` for images, ``(C, F, H, W)`` for videos, float32
-    in [-1, 1]; plus its mask ``(1, H, W)`` in [0, 1] if it has one. Raises :class:`MediaError`."""
+    in [-1, 1]; plus its mask ``(1, H, W)`` in [0, 1] if it has one and, with ``audio`` (the model's
+    :class:`~diffpipe_core.types.AudioSpec`), the sound of the frames' span (:func:`load_audio`; zeros marked absent
+    for an image). Raises :class:`MediaError`."""
     if item.bucket.frames > 1 or item.clip_start is not None:
-        return _load_video(item, spec)
-    return _load_image(item)
+        return _load_video(item, spec, audio)
+    decoded = _load_image(item)
+    if audio is not None:
+        decoded.audio = _silence(audio, 1, float(spec.video_fps or 1.0))
+    return decoded
+
+
+def _silence(audio: AudioSpec, frames: int, fps: float) -> torch.Tensor:
+    import torch
+
+    return torch.zeros(audio.channels, audio.samples(frames, fps))
+
+
+def load_audio(path: Path, audio: AudioSpec, start: float, frames: int, fps: float) -> torch.Tensor | None:
+    """The first audio track of video ``path`` over the span of ``frames`` frames at ``fps`` from ``start`` seconds
+    (the video stream's timeline, as the frames are taken), resampled to ``audio.sample_rate`` and mixed to
+    ``audio.channels``: ``(channels, S)`` float32, ``S = audio.samples(frames, fps)``, silence-padded where the
+    track ends early or starts late; None when the file has no audio track. Raises :class:`AudioError`, naming the
+    file and the stream, when the track cannot be decoded (corrupt, or a codec this PyAV lacks)."""
+    import av
+    import numpy as np
+    import torch
+
+    count = audio.samples(frames, fps)
+    rate = audio.sample_rate
+    with av.open(open_media(path)) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        what = f"audio stream #{stream.index} ({stream.codec_context.name if stream.codec_context else '?'})"
+        video = container.streams.video[0] if container.streams.video else None
+        offset = float(video.start_time * video.time_base) if video is not None and video.start_time is not None \
+            and video.time_base else 0.0
+        t0 = start + offset  # the span on the container's timeline
+        end = t0 + count / rate
+        chunks: list[np.ndarray] = []
+        first: float | None = None
+        try:
+            mono = audio.channels == 1 or stream.codec_context.channels == 1  # a mono track is duplicated, not upmixed
+            resampler = av.AudioResampler(format="fltp", layout="mono" if mono else "stereo", rate=rate)
+            for frame in container.decode(stream):
+                if first is None:
+                    first = float(frame.time) if frame.time is not None else 0.0
+                chunks += [out.to_ndarray() for out in resampler.resample(frame)]
+                if first + sum(c.shape[1] for c in chunks) / rate >= end + 0.05:
+                    break
+            chunks += [out.to_ndarray() for out in resampler.resample(None)]
+        except Exception as exc:
+            raise AudioError(f"{path}: {what} cannot be decoded ({type(exc).__name__}: {exc})") from None
+    if first is None:
+        raise AudioError(f"{path}: {what} has no decodable audio")
+    wave = np.concatenate(chunks, axis=1) if chunks else np.zeros((audio.channels, 0), np.float32)
+    if wave.shape[0] != audio.channels:
+        wave = np.repeat(wave, audio.channels, axis=0)
+    out = np.zeros((audio.channels, count), np.float32)
+    i0 = round((t0 - first) * rate)  # the span's first sample in the decoded audio
+    lo, hi = max(i0, 0), min(i0 + count, wave.shape[1])
+    if hi > lo:
+        out[:, lo - i0 : hi - i0] = wave[:, lo:hi]
+    return torch.from_numpy(out).clamp_(-1.0, 1.0)
 
 
 def _load_image(item: MediaItem) -> DecodedMedia:
@@ -266,7 +332,7 @@ def _load_image(item: MediaItem) -> DecodedMedia:
     return DecodedMedia(pixels=pixels, mask=mask, original_size=(h, w), crop_coords=fit.crop)
 
 
-def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
+def _load_video(item: MediaItem, spec: ModelSpec, audio: AudioSpec | None = None) -> DecodedMedia:
     import av
 
     W, H, F = item.bucket.width, item.bucket.height, item.bucket.frames
@@ -318,4 +384,17 @@ def _load_video(item: MediaItem, spec: ModelSpec) -> DecodedMedia:
         planes.append(converted[key])
     pixels = torch.stack(planes, dim=1).clamp_(-1.0, 1.0)  # (C, F, H, W)
     mask = _load_mask(item.mask_path, fit, item.id, item.mask_stretched) if item.mask_path else None
-    return DecodedMedia(pixels=pixels, mask=mask, original_size=(fit.h0, fit.w0), crop_coords=fit.crop)
+    decoded = DecodedMedia(pixels=pixels, mask=mask, original_size=(fit.h0, fit.w0), crop_coords=fit.crop)
+    if audio is not None:
+        try:
+            wave, why = load_audio(item.path, audio, start, F, fps), None
+        except Exception as exc:  # the container opened for the frames above: anything here is the audio's fault
+            why = str(exc) if isinstance(exc, AudioError) else \
+                f"{item.path}: audio unreadable ({type(exc).__name__}: {exc})"
+            if audio.damaged == "skip":
+                raise MediaError(f"{item.id}: damaged audio, left out (the model needs readable audio): {why}") \
+                    from None
+            wave, why = None, f"{why}; trains without audio"
+        decoded.audio = wave if wave is not None else _silence(audio, F, fps)
+        decoded.audio_present, decoded.audio_note = wave is not None, why
+    return decoded

@@ -55,6 +55,7 @@ class MediaItem:
     crop_fraction: float = 0.0  # share of the image the center crop to the bucket's aspect ratio cuts away
     controls: tuple[ControlImage, ...] = ()
     mask_stretched: bool = False  # the directory's default_mask_file: stretched to the media's size, then cropped
+    has_audio: bool = False  # a video with an audio track (the scan's probe; whether it decodes is seen when caching)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,15 @@ class DecodedMedia:
     ``pixels``: ``(C, H, W)`` for images, ``(C, F, H, W)`` for videos; float32 in [-1, 1], exactly the
     bucket's size. ``mask``: ``(1, H, W)`` float in [0, 1] or None. ``original_size`` is ``(h, w)``
     before resizing and ``crop_coords`` the crop's top-left ``(top, left)`` in the resized image.
+    ``audio``: ``(channels, S)`` float32 when the model takes audio (:class:`~diffpipe_core.types.AudioSpec`), zeros
+    with ``audio_present`` False when the item has none; ``audio_note`` names a damaged audio stream the item trains
+    without (None when the audio decoded or there is no track).
     """
 
     pixels: torch.Tensor
     mask: torch.Tensor | None
     original_size: tuple[int, int]
     crop_coords: tuple[int, int]
+    audio: torch.Tensor | None = None
+    audio_present: bool = False
+    audio_note: str | None = None

@@ -32,6 +32,15 @@ def group_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], in
     return dict(sorted(counts.items()))
 
 
+def sound_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], int]:
+    """Samples per epoch with sound (a video with an audio track) in each micro-batch group of :func:`group_counts`."""
+    counts: dict[tuple[Bucket, tuple[Bucket, ...]], int] = defaultdict(int)
+    for item in scan.items:
+        if item.has_audio:
+            counts[(item.bucket, tuple(c.bucket for c in item.controls))] += item.repeats
+    return dict(counts)
+
+
 def regularization_lines(scan: ScanResult, dataset: Any) -> list[str]:
     """One line per ``[[directory]]`` that is a regularisation folder or has a ``loss_weight`` other than 1: its items
     per epoch (repeats counted), what they train toward and their weight; empty when there is none. ``dataset``: the
@@ -85,7 +94,8 @@ def format_report(
     scan: ScanResult, micro_batch_size: int | Callable[[Bucket], int], dp_world_size: int, dataset: Any = None
 ) -> str:
     """A plain-text report: one row per bucket (size, frames, the control images' sizes of an edit dataset, samples
-    per epoch including repeats, its micro-batch size, micro-batches per epoch on each data-parallel rank, and the
+    per epoch including repeats, how many of them have sound (a video with an audio track; the column shows when any
+    has), its micro-batch size, micro-batches per epoch on each data-parallel rank, and the
     remainder that cannot fill a global micro-batch of ``micro_batch_size * dp_world_size``), then every skipped
     file and a summary. ``micro_batch_size`` is one size or a function of the bucket (per-resolution sizes). With
     ``dataset`` (its config) the regularisation folders and loss weights are listed too
@@ -95,6 +105,7 @@ def format_report(
     groups = group_counts(scan)
     counts = bucket_counts(scan)
     edits = any(controls for _, controls in groups)
+    sound = sound_counts(scan)
     rows = []
     total_batches = total_rest = 0
     empty = []
@@ -107,11 +118,14 @@ def format_report(
             empty.append(str(bucket) + "".join(f" + control {c}" for c in controls))
         row = [f"{bucket.width}x{bucket.height}", str(bucket.frames)]
         row += [" + ".join(f"{c.width}x{c.height}" for c in controls) or "-"] if edits else []
-        rows.append([*row, str(n), *([str(size)] if per_bucket else []), str(batches), str(rest)])
+        rows.append([*row, str(n), *([str(sound.get((bucket, controls), 0))] if sound else []),
+                     *([str(size)] if per_bucket else []), str(batches), str(rest)])
     shown = "" if per_bucket else f"micro_batch_size={micro_batch_size}, "
     header = ["resolution", "frames", *(["control images"] if edits else []), "items"]
+    header += ["with sound"] if sound else []
     header += [*(["micro-batch"] if per_bucket else []), "micro-batches/rank", "remainder"]
-    total = ["total", "", *([""] if edits else []), str(sum(groups.values()))]
+    total = ["total", "", *([""] if edits else []), str(sum(groups.values())), *([str(sum(sound.values()))] if sound
+                                                                                  else [])]
     total += [*([""] if per_bucket else []), str(total_batches), str(total_rest)]
     right = {i for i, name in enumerate(header) if name not in ("resolution", "control images")}
     lines = [f"Buckets ({shown}data-parallel ranks={dp_world_size}):", *_table(header, [*rows, total], right=right)]

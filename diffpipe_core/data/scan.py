@@ -389,6 +389,7 @@ def _scan_file(
                     id=item_id, path=path, caption=full_caption, bucket=bucket, content_key=content, mask_path=mask,
                     clip_start=start, repeats=settings.num_repeats, directory=settings.index,
                     caption_variants=variants, crop_fraction=crop, controls=item_controls, mask_stretched=stretched,
+                    has_audio=bool(is_video and info.audio_streams),
                 )
             )
     if not items and beyond:

@@ -25,7 +25,8 @@ RUN_ID = "run_id"
 
 
 class MetricsWriter:
-    """Fans ``add_scalar`` / ``add_image`` / ``flush`` / ``close`` out to TensorBoard and an optional W&B run."""
+    """Fans ``add_scalar`` / ``add_image`` / ``add_audio`` / ``flush`` / ``close`` out to TensorBoard and an optional
+    W&B run."""
 
     def __init__(self, tensorboard: Any, wandb_run: Any = None) -> None:
         self.tensorboard, self.wandb_run = tensorboard, wandb_run
@@ -45,6 +46,15 @@ class MetricsWriter:
             if dataformats == "CHW":
                 array = array.transpose(1, 2, 0)
             self.wandb_run.log({tag: wandb.Image(array)}, step=step)
+
+    def add_audio(self, tag: str, audio: Any, step: int, sample_rate: int) -> None:
+        """A sample's sound: ``(1, S)`` float in [-1, 1] (mono) to TensorBoard's audio tab and W&B's ``wandb.Audio``."""
+        self.tensorboard.add_audio(tag, audio, step, sample_rate=sample_rate)
+        if self.wandb_run is not None:
+            import numpy as np
+            import wandb
+
+            self.wandb_run.log({tag: wandb.Audio(np.asarray(audio).reshape(-1), sample_rate=sample_rate)}, step=step)
 
     def flush(self) -> None:
         self.tensorboard.flush()

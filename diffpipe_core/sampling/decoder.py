@@ -63,7 +63,8 @@ class HeldDecoder:
 
     def session(self) -> _Session:
         """``with decoder.session() as decode: pixels = decode(latents)``: the decoder is on the device inside the
-        block; ``decode`` returns one sample's pixels (float32, on the CPU, batch dimension dropped)."""
+        block; ``decode`` returns one sample's pixels (float32, on the CPU, batch dimension dropped), and
+        ``decode.audio(latents)`` its sound where the model makes one (``decode_audio``)."""
         return _Session(self)
 
     def _acquire(self) -> Any:
@@ -107,12 +108,23 @@ class _Session:
         self.decoder = self.owner._acquire()
         plugin, device = self.owner.plugin, self.owner.device
 
-        def decode(latents: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                pixels = plugin.require("decode_latents", decoder=self.decoder, latents=latents.to(device))
-            return pixels[0].float().cpu()
+        decoder = self.decoder
 
-        return decode
+        class Decode:
+            """``decode(latents)``: one sample's pixels; ``decode.audio(latents)``: its sound (``decode_audio``) as
+            ``((channels, S) float32 on the CPU, sample rate)``, or None."""
+
+            def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    pixels = plugin.require("decode_latents", decoder=decoder, latents=latents.to(device))
+                return pixels[0].float().cpu()
+
+            def audio(self, latents: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+                with torch.no_grad():
+                    sound = plugin.call("decode_audio", decoder=decoder, latents=latents.to(device))
+                return None if sound is None else (sound[0][0].float().cpu(), int(sound[1]))
+
+        return Decode()
 
     def __exit__(self, *exc: object) -> None:
         decoder, self.decoder = self.decoder, None

@@ -31,6 +31,8 @@ class WrittenSample:
     still: np.ndarray
     strip: np.ndarray | None = None
     frames: int = 1
+    audio: np.ndarray | None = None  # (channels, S) float32 in [-1, 1], muxed into the mp4
+    sample_rate: int = 0
 
 
 @dataclass
@@ -68,8 +70,9 @@ def png_bytes(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def mp4_bytes(frames: np.ndarray, fps: float) -> bytes:
-    """An MP4 of ``(F, H, W, 3)`` uint8 frames (H.264 if this PyAV has it, else MPEG-4 part 2)."""
+def mp4_bytes(frames: np.ndarray, fps: float, audio: np.ndarray | None = None, sample_rate: int = 0) -> bytes:
+    """An MP4 of ``(F, H, W, 3)`` uint8 frames (H.264 if this PyAV has it, else MPEG-4 part 2) and, with ``audio``
+    (``(channels, S)`` float in [-1, 1], 1 or 2 channels, at ``sample_rate``), an AAC track of that sound."""
     import av
 
     codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
@@ -79,20 +82,45 @@ def mp4_bytes(frames: np.ndarray, fps: float) -> bytes:
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "18"}
+        sound = _audio_stream(container, audio, sample_rate) if audio is not None else None
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:
+            _mux_audio(container, sound, audio, sample_rate)  # type: ignore[arg-type]
     return buf.getvalue()
 
 
-def write_sample(path_stem: Path, sample: np.ndarray, fps: float) -> Path:
-    """``<stem>.png`` for an image, ``<stem>.mp4`` for a video (written atomically); returns the path."""
+def _audio_stream(container: Any, audio: np.ndarray, sample_rate: int) -> Any:
+    if audio.ndim != 2 or audio.shape[0] not in (1, 2) or sample_rate < 1:
+        raise ValueError(f"sample audio must be (1 or 2 channels, samples) at a positive rate; got shape "
+                         f"{audio.shape} at {sample_rate} Hz")
+    return container.add_stream("aac", rate=sample_rate, layout="mono" if audio.shape[0] == 1 else "stereo")
+
+
+def _mux_audio(container: Any, stream: Any, audio: np.ndarray, sample_rate: int) -> None:
+    import av
+
+    layout = "mono" if audio.shape[0] == 1 else "stereo"
+    wave = np.clip(audio.astype(np.float32), -1.0, 1.0)
+    block = stream.codec_context.frame_size or 1024
+    for at in range(0, wave.shape[1], block):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, at : at + block]), format="fltp", layout=layout)
+        frame.sample_rate, frame.pts, frame.time_base = sample_rate, at, Fraction(1, sample_rate)
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())
+
+
+def write_sample(path_stem: Path, sample: np.ndarray, fps: float, audio: np.ndarray | None = None,
+                 sample_rate: int = 0) -> Path:
+    """``<stem>.png`` for an image, ``<stem>.mp4`` for a video, with ``audio`` (``(channels, S)`` at
+    ``sample_rate``) as its sound track (written atomically); returns the path."""
     if sample.ndim == 3:
         path = path_stem.with_suffix(".png")
         atomic_write_bytes(path, png_bytes(sample))
     else:
         path = path_stem.with_suffix(".mp4")
-        atomic_write_bytes(path, mp4_bytes(sample, fps))
+        atomic_write_bytes(path, mp4_bytes(sample, fps, audio, sample_rate))
     return path
 
 
@@ -109,13 +137,17 @@ def frame_strip(video: np.ndarray) -> np.ndarray:
 
 def log_sampling_point(writer: Any, point: SamplingPoint) -> None:
     """Hand one sampling point's samples to the loggers: TensorBoard ``samples/NN`` (an image as is, a video as
-    its frame strip: TensorBoard video needs moviepy) and ``samples/contact_sheet``. The one place a logger of
-    samples (W&B, ...) is added."""
+    its frame strip: TensorBoard video needs moviepy), a video's sound as ``samples/NN/audio`` (mono, where the
+    writer takes audio: ``add_audio``) and ``samples/contact_sheet``. The one place a logger of samples (W&B, ...) is
+    added."""
     if writer is None or point.step is None:
         return
     for sample in point.samples:
         image = sample.strip if sample.strip is not None else sample.still
         writer.add_image(f"samples/{sample.index:02d}", image, point.step, dataformats="HWC")
+        if sample.audio is not None and hasattr(writer, "add_audio"):
+            mono = np.clip(sample.audio.mean(axis=0, keepdims=True), -1.0, 1.0)
+            writer.add_audio(f"samples/{sample.index:02d}/audio", mono, point.step, sample_rate=sample.sample_rate)
     if point.contact_sheet is not None:
         writer.add_image("samples/contact_sheet", point.contact_sheet, point.step, dataformats="HWC")
     writer.flush()

@@ -147,7 +147,8 @@ def write_samples(
     sheet: bool = True,
 ) -> SamplingPoint:
     """Decode ``latents`` (prompt index -> final latents) one at a time and write ``out_dir/<NN-prompt>.png``
-    (``.mp4`` at ``fps`` for videos), the contact sheet (``contact-sheet.png``; with ``sheet``),
+    (``.mp4`` at ``fps`` for videos, with the model's sound where it makes one: ``decode_audio``), the contact sheet
+    (``contact-sheet.png``; with ``sheet``),
     ``latents.safetensors`` and ``prompts.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save_safetensors(
@@ -157,8 +158,10 @@ def write_samples(
     with decoder.session() as decode:
         for i, lat in sorted(latents.items()):
             media = to_uint8(decode(lat))
-            file = write_sample(out_dir / sample_file_stem(i, prompts[i]), media, fps)
             video = media.ndim == 4
+            sound = decode.audio(lat) if video else None
+            audio, rate = (sound[0].numpy(), sound[1]) if sound is not None else (None, 0)
+            file = write_sample(out_dir / sample_file_stem(i, prompts[i]), media, fps, audio, rate)
             point.samples.append(
                 WrittenSample(
                     index=i,
@@ -167,6 +170,8 @@ def write_samples(
                     still=media[0] if video else media,
                     strip=frame_strip(media) if video else None,
                     frames=media.shape[0] if video else 1,
+                    audio=audio,
+                    sample_rate=rate,
                 )
             )
             del media

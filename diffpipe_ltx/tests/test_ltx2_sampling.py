@@ -1,8 +1,9 @@
 """LTX-2 samples: the plugin's denoising hooks under the core's loop equal ``LTX2Pipeline`` for the same tiny model,
-seed, prompt and steps (video and audio latents denoised together, as the pipeline does), the decoded video included;
+seed, prompt and steps (video and audio latents denoised together, as the pipeline does), the decoded video and sound
+included;
 with ``[model] sample_image`` they equal ``LTX2ImageToVideoPipeline`` from that image (its latents the clean first
-latent frame), and a missing image is a config error naming the key; the shared run wrote its sample as an MP4 (video
-only: the audio is not decoded)."""
+latent frame), and a missing image is a config error naming the key; the shared run wrote its sample as an MP4 (with
+the vocoder's sound)."""
 
 from __future__ import annotations
 
@@ -60,9 +61,14 @@ def test_ltx2_sample_equals_the_pipeline(tiny_ltx2: Path) -> None:
     torch.testing.assert_close(audio, sound, rtol=1e-4, atol=1e-4)
 
     ((_, pixels),) = decode(plugin, cfg, {0: ours}, CPU)
-    frames = pipe(**call, generator=noise_generator(SEED, 0), output_type="pt").frames  # (1, F, 3, H, W) in [0, 1]
+    out = pipe(**call, generator=noise_generator(SEED, 0), output_type="pt")
+    frames = out.frames  # (1, F, 3, H, W) in [0, 1]
     assert pixels.shape == (3, FRAMES, SIZE, SIZE)
     torch.testing.assert_close((pixels + 1) / 2, frames[0].permute(1, 0, 2, 3), rtol=1e-3, atol=1e-3)
+    # the sample's sound (muxed into its MP4) is the pipeline's waveform: audio VAE decoder, then vocoder
+    wave, rate = ltx2_plugin.decode_audio(decoder=ltx2_plugin.load_decoder(model_config=cfg, device=CPU), latents=ours)
+    assert rate == pipe.vocoder.config.output_sampling_rate and wave.shape == out.audio.shape
+    torch.testing.assert_close(wave, out.audio.float().clamp(-1, 1), rtol=1e-3, atol=1e-4)
 
 
 def test_ltx2_i2v_sample_equals_ltx2_image_to_video_pipeline(tiny_ltx2: Path, tmp_path: Path) -> None:
@@ -120,5 +126,5 @@ def test_the_shared_run_wrote_an_mp4_sample(ltx2_run: Path) -> None:
     with av.open(str(files[0])) as container:
         stream = container.streams.video[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-        assert not container.streams.audio  # video only
+        assert container.streams.audio[0].rate == 16000  # the vocoder's sound (the LoRA left the audio branch frozen)
     assert len(frames) == 9 and frames[0].shape == (64, 64, 3)

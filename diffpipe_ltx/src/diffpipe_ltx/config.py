@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from diffpipe_core.parts.config import DiffusersModelConfig, FlowMatchingConfig
 
@@ -70,3 +70,22 @@ class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
         "H.264 re-compressed at the pipeline's default CRF, encoded alone and kept clean (timestep 0) as the first "
         "latent frame. Unset: text-to-video samples, as LTX2Pipeline.",
     )
+    train_audio: bool = Field(
+        False,
+        description="Train the audio stream on the clips' sound: each clip's audio track (resampled to the audio "
+        "VAE's sample_rate, over the clip's frames) is cached as audio latents through path/audio_vae, noised at the "
+        "video's time, and its velocity is in the loss; the LoRA also targets the audio stream and the audio-video "
+        "cross-attentions. Items without sound (images, videos without a track) weigh 0 in the audio loss. False: the "
+        "audio stream gets noise and weighs 0 (video-only training, as before).",
+    )
+    train_video: bool = Field(
+        True,
+        description="Train the video stream (its loss and LoRA targets). false with train_audio = true: an "
+        "audio-only LoRA (the video latents still go in, noised, as context).",
+    )
+
+    @model_validator(mode="after")
+    def _trains_something(self) -> LTX2Config:
+        if not (self.train_audio or self.train_video):
+            raise ValueError("train_video = false and train_audio = false leave nothing to train; set one to true")
+        return self

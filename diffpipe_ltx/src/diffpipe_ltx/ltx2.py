@@ -1,14 +1,16 @@
 """The LTX-2 model plugin (entry point ``ltx-2``) on the core's shared plugin parts: the video branch of LTX-2's
-audio-video transformer trains, the audio branch stays frozen and keeps working.
+audio-video transformer trains, and with ``[model] train_audio`` the audio branch on the clips' sound (the core's
+audio data path, :mod:`diffpipe_ltx.ltx2_audio`), or the audio branch alone (``train_video = false``).
 
 ``prepare_inputs`` gives the first pipeline layer ``(x, t, audio_x, video_text, audio_text, text_mask, grid)``
 (:mod:`diffpipe_ltx.ltx2_layers`): the packed noisy video latents, each latent frame's flow time (0 on a first frame
 conditioned as ``LTX2ImageToVideoPipeline`` conditions it), the packed audio latents, the connectors' text for each
-stream and its mask, and the latent ``(F, H, W)``. There is no audio to train on, so the audio stream gets what
+stream and its mask, and the latent ``(F, H, W)``. Without cached sound (``train_audio`` off) the audio stream gets what
 ``LTX2Pipeline`` gives it when no ``audio_latents`` are passed: Gaussian noise of the clip's duration
 (``prepare_audio_latents``, drawn after the video's noise), at the video's time (the pipeline passes one timestep
-to both streams, ``sigma = timestep``). The loss covers the video prediction only (the audio part of the output
-weighs 0). Samples are text-to-video as ``LTX2Pipeline`` generates them, or with ``[model] sample_image``
+to both streams, ``sigma = timestep``), and the audio part of the output weighs 0; with cached ``audio_latents`` they
+are noised at the sample's time and their velocity is in the loss (each stream's mean error counting the same).
+Samples (with sound) are text-to-video as ``LTX2Pipeline`` generates them, or with ``[model] sample_image``
 image-to-video as ``LTX2ImageToVideoPipeline`` does (the image's latents as the clean first latent frame, at time 0,
 kept through the steps). This module imports no torch, diffusers or transformers.
 """
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
     from diffpipe_core.types import SampleRequest
 
 FRAME_RATE = 24  # LTX2Pipeline's default frame_rate; videos are resampled to it (ModelSpec.video_fps)
@@ -49,6 +51,12 @@ SIZES = (
     SizeMatch("vae", "latent_channels", "in_channels", 128),
 )
 AUDIO_COMPRESSION = 4  # AutoencoderKLLTX2Audio's temporal and mel compression (LATENT_DOWNSAMPLE_FACTOR)
+# the audio stream's modules in every block: its self- and text cross-attention, its feed-forward, and the two
+# audio-video cross-attentions (the coupling); LoRA targets with [model] train_audio
+AUDIO_LORA_TARGETS = tuple(
+    f"{a}.{p}" for a in ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+    for p in ("to_q", "to_k", "to_v", "to_out.0")
+) + ("audio_ff.net.0.proj", "audio_ff.net.2")
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,31 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         return Geometry(int(temporal), int(spatial), int(self.model_folder_config(model_config)["in_channels"]),
                         per_second, int(audio.get("latent_channels", 8)), int(audio.get("mel_bins", 64)) // 4)
 
+    def default_lora_targets(self, model_config: LTX2Config) -> list[str]:
+        """The video stream's targets with ``train_video``, the audio stream's and the audio-video cross-attentions'
+        (:data:`AUDIO_LORA_TARGETS`) with ``train_audio``."""
+        return [*(self.lora_target_names if model_config.train_video else ()),
+                *(AUDIO_LORA_TARGETS if model_config.train_audio else ())]
+
+    @hookimpl
+    def audio_spec(self, model_config: LTX2Config) -> AudioSpec | None:
+        """With ``train_audio``: the audio VAE's ``sample_rate`` and input channels (stereo in LTX-2); a damaged track
+        trains without audio, as a clip without one does. None otherwise (no audio is read)."""
+        if not model_config.train_audio:
+            return None
+        from diffpipe_core import AudioSpec
+
+        audio = self.folder.config(model_config.path, "audio_vae")
+        return AudioSpec(int(audio.get("sample_rate", 16000)), min(2, int(audio.get("in_channels", 2))))
+
+    @hookimpl
+    def load_encoders(self, model_config: LTX2Config, device: Any) -> Any:
+        """The video VAE, Gemma 3, its tokenizer and the connectors; with ``train_audio`` the audio VAE too."""
+        from diffpipe_core.parts.encoders import load_components
+
+        extra = ("audio_vae",) if model_config.train_audio else ()
+        return load_components(self.folder, model_config, device, *self.encoder_components, *extra)
+
     def build_skeleton(self, model_config: LTX2Config, device: Any, dtype: torch.dtype) -> nn.Module:
         config = self.model_folder_config(model_config)
         file = model_config.path / "transformer" / "config.json"
@@ -196,9 +229,24 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
                 out["mask"] = latent_mask(batch.masks, out["latents"].shape, video=True)
             if batch.first_frames is not None:
                 out["first_frame_latents"] = encode_latents(encoders.vae, batch.first_frames, scale=False)
+            if batch.audio is not None:
+                out.update(self.encode_sound(encoders.audio_vae, batch))
         if batch.captions is not None:
             out.update(self.encode_text(encoders, batch.captions))
         return out
+
+    def encode_sound(self, audio_vae: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
+        """``audio_latents`` (B, L, C * M): the batch's sound through the audio VAE, packed and normalised as
+        ``LTX2Pipeline`` packs and normalises audio latents, ``L`` the pipeline's audio latent length for the clip's
+        frame count (:mod:`diffpipe_ltx.ltx2_audio`); ``audio_mask`` (B,): 1 where the item has sound."""
+        from diffpipe_ltx.ltx2_audio import encode_audio
+
+        config = audio_vae.config
+        frames = batch.pixels.shape[2] if batch.pixels.ndim == 5 else 1
+        per_second = config.sample_rate / config.mel_hop_length / AUDIO_COMPRESSION
+        length = round(frames / FRAME_RATE * per_second)  # LTX2Pipeline's audio_num_frames
+        return {"audio_latents": encode_audio(audio_vae, batch.audio, length),
+                "audio_mask": batch.audio_present.float().cpu()}
 
     def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """``LTX2Pipeline.encode_prompt`` (Gemma 3's hidden states of every layer, left-padded) through the
@@ -255,13 +303,26 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         x_t, frame_t, weight = c.x_t, c.frame_t, c.weight
         if "mask" in batch:
             weight = weight * batch["mask"].float()
-        audio = torch.randn(self.geometry(cfg).audio_shape(b, f), generator=generator)
-        audio = audio.transpose(1, 2).flatten(2, 3)  # LTX2Pipeline._pack_audio_latents
+        noise = torch.randn(self.geometry(cfg).audio_shape(b, f), generator=generator)
+        noise = noise.transpose(1, 2).flatten(2, 3)  # LTX2Pipeline._pack_audio_latents
+        video_weight = pack(weight).expand(-1, -1, latents.shape[1]) * float(cfg.train_video)
+        clean = batch.get("audio_latents")
+        if clean is None:  # no sound cached: the pipeline's pure noise, outside the loss
+            audio, audio_target, audio_weight = noise, torch.zeros_like(noise), torch.zeros_like(noise)
+        else:  # rectified flow at the sample's time (the audio stream's; a conditioned first frame keeps it too)
+            clean, ta = clean.float(), s.t.float().view(b, 1, 1)
+            audio, audio_target = (1 - ta) * clean + ta * noise, noise - clean
+            present = batch["audio_mask"].float().view(b, 1, 1) * float(cfg.train_audio)
+            audio_weight = present.expand_as(audio).clone()
+            if cfg.train_video and audio_weight.sum() > 0 and video_weight.sum() > 0:
+                # each stream's mean error counts the same: (video mean + audio mean) / 2
+                video_weight = video_weight / video_weight.sum()
+                audio_weight = audio_weight / audio_weight.sum()
         grid = torch.tensor([f, h, w], dtype=torch.long)
         inputs = (pack(x_t), frame_t, audio, batch["video_text"].float(), batch["audio_text"].float(),
                   batch["text_mask"].bool(), grid)
-        target = join(pack(s.target), torch.zeros_like(audio))
-        return inputs, (target, join(pack(weight).expand(-1, -1, latents.shape[1]), torch.zeros_like(audio)))
+        target = join(pack(s.target), audio_target)
+        return inputs, (target, join(video_weight, audio_weight))
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
@@ -361,6 +422,49 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         vae = load_components(self.folder, model_config, torch.device("cpu"), "vae").vae
         with torch.no_grad():
             return {"latents": encode_latents(vae, pixels.float(), scale=False).float()}
+
+    @hookimpl
+    def load_decoder(self, model_config: LTX2Config, device: Any) -> Any:
+        """The video VAE; with the ``audio_vae`` (the folder's, or ``[model] audio_vae``) and the folder's ``vocoder``
+        (``LTX2Vocoder``) held by it as ``diffpipe_audio`` when the weights of both are there (samples then have
+        sound; a config-only folder without the vocoder's weights gives silent samples), with ``latent_mel`` the audio
+        latents' mel width."""
+        from diffpipe_core.parts.encoders import torch_dtype
+
+        vae = super().load_decoder(model_config, device)
+        path = self.model_folder(model_config)
+        given = self.folder.component_files(path, model_config).get("audio_vae")
+
+        def weights(component: str) -> bool:
+            return any((path / component).glob("*.safetensors")) or any((path / component).glob("*.bin"))
+
+        if not (weights("vocoder") and (given is not None or weights("audio_vae"))):
+            return vae  # a config-only folder without them: silent samples
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+        from torch import nn
+
+        dtype = torch_dtype(model_config.encoder_dtype)
+        audio_vae = self.folder.load(path, "audio_vae", dtype, device, given)
+        vocoder = LTX2Vocoder.from_pretrained(str(path / "vocoder"), torch_dtype=dtype, local_files_only=True)
+        vae.diffpipe_audio = nn.ModuleDict({"audio_vae": audio_vae, "vocoder": vocoder.to(device).eval()})
+        vae.diffpipe_audio.latent_mel = self.geometry(model_config).audio_mel
+        return vae
+
+    @hookimpl
+    def decode_audio(self, decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The sample's audio latents through the audio VAE and vocoder, as ``LTX2Pipeline`` decodes them
+        (:func:`diffpipe_ltx.ltx2_audio.decode_audio`): ``((B, 2, S), the vocoder's output_sampling_rate)``; None when
+        the folder has no audio VAE and vocoder."""
+        from diffpipe_ltx.ltx2_audio import decode_audio
+        from diffpipe_ltx.ltx2_layers import split
+
+        parts = getattr(decoder, "diffpipe_audio", None)
+        if parts is None:
+            return None
+        f, h, w, audio_frames = self._grid(latents)
+        _, audio = split(latents.float(), f * h * w, int(decoder.config.latent_channels), audio_frames)
+        wave = decode_audio(parts["audio_vae"], parts["vocoder"], audio, parts.latent_mel)
+        return wave.clamp(-1, 1), int(parts["vocoder"].config.output_sampling_rate)
 
     @hookimpl
     def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def tiny_audio_vae(cfg: TinyLTX2Config):
     from diffusers import AutoencoderKLLTX2Audio
 
     return AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None, in_channels=2,
         resolution=32, latent_channels=cfg.audio_latent_channels, norm_type="pixel", causality_axis="height",
         dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
         mel_bins=cfg.mel_bins,
@@ -195,11 +195,13 @@ def write_tiny_ltx2(
     return folder
 
 
-def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int]) -> list[Path]:
-    """``clip_000.mp4``, ... at 24 fps (the model's rate), ``size`` = (width, height), each with its caption file."""
+def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int],
+                audio: str | None = None) -> list[Path]:
+    """``clip_000.mp4``, ... at 24 fps (the model's rate), ``size`` = (width, height), each with its caption file
+    and, with ``audio = "tone"``, a 440 Hz tone track (:func:`diffpipe_core.testing.media.write_video`)."""
     from diffpipe_core.testing.media import write_clip_dataset
 
-    return write_clip_dataset(folder, frames, captions, size, fps=FRAME_RATE)
+    return write_clip_dataset(folder, frames, captions, size, fps=FRAME_RATE, audio=audio)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,178 @@
+"""LTX-2 audio (issue 40, ``[model] train_audio`` / ``train_video``): the clips' sound cached as the audio VAE's
+latents (packed and normalised as ``LTX2Pipeline`` packs and normalises audio latents; the log-mel front-end checked
+against transformers' own spectrogram code), the joint flow-matching inputs and weights, the LoRA targets of each
+stream, and one shared tiny run of an audio-only LoRA on tone clips: its loss falls, only the audio stream's modules
+trained, its samples are MP4s with a sound track, and the LoRA loaded by ``LTX2Pipeline.load_lora_weights``
+reproduces the trained transformer's audio (and video) prediction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_ltx2_matches_pipeline import config
+from test_ltx2_train import both_outputs
+
+from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
+from diffpipe_core.schema import ConfigError
+from diffpipe_core.testing import runs
+from diffpipe_core.testing.media import tone, write_dataset_toml, write_image_dataset
+from diffpipe_ltx.ltx2 import AUDIO_LORA_TARGETS, FRAME_RATE
+from diffpipe_ltx.ltx2 import ltx2 as plugin
+from diffpipe_ltx.ltx2_audio import N_FFT
+from diffpipe_ltx.ltx2_testing import write_clips, write_tiny_ltx2
+
+CPU = torch.device("cpu")
+RATE, HOP = 16000, 160  # the tiny audio VAE's sample_rate and mel_hop_length (LTX-2's)
+
+
+def reference_mel(wave: torch.Tensor, mel_bins: int) -> torch.Tensor:
+    """The log-mel spectrogram ``(1, C, T, mel_bins)`` by transformers' numpy ``spectrogram`` (its own framing, window
+    and FFT), with the same settings as the original LTX-2 audio processor."""
+    from transformers.audio_utils import mel_filter_bank, spectrogram, window_function
+
+    bank = mel_filter_bank(num_frequency_bins=N_FFT // 2 + 1, num_mel_filters=mel_bins, min_frequency=0.0,
+                           max_frequency=RATE / 2, sampling_rate=RATE, norm="slaney", mel_scale="slaney")
+    planes = [spectrogram(channel.numpy().astype(np.float64), window_function(N_FFT, "hann"), frame_length=N_FFT,
+                          hop_length=HOP, fft_length=N_FFT, power=1.0, center=True, pad_mode="reflect",
+                          mel_filters=bank, mel_floor=1e-5, log_mel="log") for channel in wave[0]]
+    return torch.from_numpy(np.stack(planes)).float().transpose(1, 2)[None]
+
+
+def test_audio_latents_are_the_audio_vaes_encoding_as_the_pipeline_packs_it(tiny_ltx2: Path) -> None:
+    from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline
+
+    cfg = config(tiny_ltx2, train_audio=True)
+    assert plugin.audio_spec(model_config=cfg) == AudioSpec(RATE, 2)
+    assert plugin.audio_spec(model_config=config(tiny_ltx2)) is None  # video-only: no audio is read
+    encoders = plugin.load_encoders(model_config=cfg, device=CPU)
+    frames = 9
+    sound = torch.from_numpy(tone(frames / FRAME_RATE, 440.0, RATE))
+    wave = torch.stack([torch.stack([sound, 0.5 * sound]), torch.zeros(2, len(sound))])
+    pixels = torch.rand(2, 3, frames, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    out = plugin.encode_batch(encoders=encoders, batch=EncodeBatch(
+        pixels=pixels, audio=wave, audio_present=torch.tensor([True, False])))
+
+    vae = AutoencoderKLLTX2Audio.from_pretrained(tiny_ltx2 / "audio_vae").eval()
+    length = round(frames / FRAME_RATE * RATE / HOP / 4)  # LTX2Pipeline's audio_num_frames for 9 frames
+    with torch.no_grad():
+        z = vae.encode(reference_mel(wave[:1], vae.config.mel_bins)).latent_dist.mode()
+    expected = LTX2Pipeline._normalize_audio_latents(LTX2Pipeline._pack_audio_latents(z[:, :, :length]),
+                                                     vae.latents_mean, vae.latents_std)
+    assert out["audio_latents"].shape == (2, length, vae.config.latent_channels * vae.config.mel_bins // 4)
+    torch.testing.assert_close(out["audio_latents"][:1], expected, atol=2e-4, rtol=1e-4)
+    assert out["audio_mask"].tolist() == [1.0, 0.0]
+
+
+def _batch(tiny_ltx2: Path, cfg, audio: bool) -> dict:
+    g = torch.Generator().manual_seed(1)
+    batch = {"latents": torch.randn(2, 4, 2, 2, 2, generator=g), "video_text": torch.randn(2, 16, 16, generator=g),
+             "audio_text": torch.randn(2, 16, 16, generator=g), "text_mask": torch.ones(2, 16, dtype=torch.bool)}
+    if audio:
+        batch["audio_latents"] = torch.randn(2, 9, 4, generator=g)
+        batch["audio_mask"] = torch.tensor([1.0, 0.0])
+    return batch
+
+
+def test_the_joint_flow_inputs_and_weights_of_each_stream(tiny_ltx2: Path) -> None:
+    from diffpipe_ltx.ltx2_layers import split
+
+    both = config(tiny_ltx2, train_audio=True)
+    batch = _batch(tiny_ltx2, both, audio=True)
+    (x, t, audio, *_), (target, weight) = plugin.prepare_inputs(
+        batch=batch, context=TrainingContext(model_config=both), generator=torch.Generator().manual_seed(2))
+    # the same draws without sound: the audio input is the step's noise alone (the pipeline's), outside the loss
+    (_, _, noise, *_), (_, silent_weight) = plugin.prepare_inputs(
+        batch=_batch(tiny_ltx2, both, audio=False), context=TrainingContext(model_config=both),
+        generator=torch.Generator().manual_seed(2))
+    ta = t[:, -1].view(2, 1, 1)  # the audio stream's time is the sample's
+    clean = batch["audio_latents"]
+    torch.testing.assert_close(audio, (1 - ta) * clean + ta * noise)
+    video_target, audio_target = split(target, 8, 4, 9)
+    video_weight, audio_weight = split(weight, 8, 4, 9)
+    torch.testing.assert_close(audio_target, noise - clean)
+    assert audio_weight[1].abs().sum() == 0 and (audio_weight[0] > 0).all()  # the item without sound weighs 0
+    # each stream's mean error counts the same
+    torch.testing.assert_close(video_weight.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(audio_weight.sum(), torch.tensor(1.0))
+    assert split(silent_weight, 8, 4, 9)[1].abs().sum() == 0
+
+    audio_only = config(tiny_ltx2, train_audio=True, train_video=False)
+    _, (_, weight) = plugin.prepare_inputs(batch=batch, context=TrainingContext(model_config=audio_only),
+                                           generator=torch.Generator().manual_seed(2))
+    assert split(weight, 8, 4, 9)[0].abs().sum() == 0 and split(weight, 8, 4, 9)[1].abs().sum() > 0
+
+    # LoRA targets of each stream
+    assert plugin.lora_targets(model_config=audio_only) == list(AUDIO_LORA_TARGETS)
+    assert "attn1.to_q" in plugin.lora_targets(model_config=both) and "audio_ff.net.2" in plugin.lora_targets(
+        model_config=both)
+    assert not set(AUDIO_LORA_TARGETS) & set(plugin.lora_targets(model_config=config(tiny_ltx2)))
+    with pytest.raises(ConfigError, match="leave nothing to train"):
+        config(tiny_ltx2, train_video=False)
+
+
+# --------------------------------------------------------------------------------------- the shared audio run
+STEPS = 12
+SAMPLE = {"prompts": ["a bell"], "every_n_steps": STEPS, "steps": 2, "seed": 5, "resolution": 64, "frames": 9}
+
+
+@pytest.fixture(scope="module")
+def audio_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An audio-only LoRA (``train_video = false``) on 4 tone clips and 2 images (no sound), 1 process."""
+    root = tmp_path_factory.mktemp("ltx2_audio")
+    write_tiny_ltx2(root / "model")
+    data = root / "data"
+    write_clips(data, ["a bell", "a bell ringing", "a tone", "a high tone"], frames=12, size=(64, 64), audio="tone")
+    write_image_dataset(data, 2, size=(64, 64), captions=["a cat", "a dog"])
+    write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False, frame_buckets=[1, 9])
+    model = {"type": "ltx-2", "max_sequence_length": 16, "timestep_sample_method": "uniform", "train_audio": True,
+             "train_video": False}
+    top = {"output_dir": "out", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 3,
+           "checkpoint_every_n_steps": STEPS}
+    (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, SAMPLE, 4, 8.0, **top))
+    return runs.train(root, "run.toml", procs=1, timeout=500)
+
+
+@pytest.mark.slow
+def test_an_audio_only_lora_learns_the_tone_and_samples_have_sound(audio_run: Path) -> None:
+    import av
+    from safetensors.torch import load_file
+
+    runs.assert_loss_falls(audio_run, STEPS, STEPS // 4)
+    lora = load_file(str(audio_run / "saved" / "final" / "adapter_model.safetensors"))
+    modules = {k.split(".lora_")[0] for k in lora}
+    assert modules and all(any(m.endswith(t) for t in AUDIO_LORA_TARGETS) for m in modules), sorted(modules)[:4]
+    (mp4,) = sorted((audio_run / "samples").rglob("*.mp4"))
+    with av.open(str(mp4)) as container:
+        stream = container.streams.audio[0]
+        assert stream.rate == RATE and stream.codec_context.channels == 2
+        samples = sum(f.samples for f in container.decode(stream))
+    # as long as the vocoder's waveform of the sample's 9 audio latent frames (the tiny vocoder upsamples 4x, not the
+    # released 160x), within one AAC frame
+    from diffpipe_ltx.ltx2_audio import decode_audio
+
+    parts = plugin.load_decoder(model_config=config(audio_run.parent.parent / "model"), device=CPU).diffpipe_audio
+    wave = decode_audio(parts["audio_vae"], parts["vocoder"], torch.zeros(1, 9, 4), parts.latent_mel)
+    assert wave.shape[:2] == (1, 2) and 0 < samples - wave.shape[2] <= 1024, (samples, wave.shape)
+
+
+@pytest.mark.slow
+def test_the_audio_lora_loads_in_ltx2_pipeline_and_reproduces_the_trained_audio(audio_run: Path) -> None:
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    saved, model_dir = audio_run / "saved" / "final", audio_run.parent.parent / "model"
+    state, cfg = runs.read_saved_lora(saved, 4, 8.0)
+    assert "transformer.transformer_blocks.0.audio_attn1.to_q.lora_A.weight" in state
+    assert "transformer.transformer_blocks.1.video_to_audio_attn.to_v.lora_B.weight" in state
+    trained = ("transformer_blocks.1.audio_ff.net.2.lora_A.default.weight",)
+    reference = runs.trained_transformer(LTX2VideoTransformer3DModel, audio_run, model_dir, 4, 8.0,
+                                         cfg["target_modules"], trained)
+    pipe = LTX2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
+    _, untrained_audio = both_outputs(pipe.transformer)
+    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
+    video, audio = both_outputs(pipe.transformer)
+    expected_video, expected_audio = both_outputs(reference)
+    runs.assert_reproduces(audio, expected_audio, untrained_audio)
+    torch.testing.assert_close(video, expected_video, rtol=1e-5, atol=1e-5)
