@@ -163,6 +163,8 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
     from diffpipe_ltx.testing import write_tiny_ltx
     from diffpipe_lumina.testing import original_path as lumina_file
     from diffpipe_lumina.testing import write_tiny_lumina2
+    from diffpipe_omnigen.testing import comfy_path as omnigen_file
+    from diffpipe_omnigen.testing import write_tiny_omnigen2
     from diffpipe_qwenimage.testing import comfy_path, write_tiny_qwen
     from diffpipe_sd3.testing import original_path as sd3_file
     from diffpipe_sd3.testing import write_tiny_sd3
@@ -196,6 +198,7 @@ def _stand_ins(root: Path) -> dict[str, tuple[Path, Path | None]]:
         "auraflow": (write_tiny_auraflow(root / "auraflow"), auraflow_file(root / "auraflow")),
         "lumina2": (write_tiny_lumina2(root / "lumina2"), lumina_file(root / "lumina2")),
         "hidream": (write_tiny_hidream(root / "hidream"), hidream_file(root / "hidream")),
+        "omnigen2": (write_tiny_omnigen2(root / "omnigen2"), omnigen_file(root / "omnigen2")),
     }
 
 

@@ -77,6 +77,8 @@ class DiffusersFolder:
         file_optional: component -> prefixes of its tensors that a component file may leave out because diffpipe
             never runs them (a text encoder's language-model head or vision tower: ComfyUI's text encoder files hold
             the language model only); absent from a file, they load as zeros.
+        text_encoders: components a ``[model] text_encoders`` file may give besides those named ``text_encoder*``
+            and ``image_encoder*`` (OmniGen2's Qwen2.5-VL is its folder's ``mllm``).
     """
 
     model_name: str
@@ -90,6 +92,7 @@ class DiffusersFolder:
     single_file_hint: str = "give diffusion_model for an original-layout single file"
     file_layouts: Mapping[str, Callable[[Mapping[str, Any]], KeyTable]] = field(default_factory=dict)
     file_optional: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    text_encoders: tuple[str, ...] = ()
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -259,9 +262,11 @@ class DiffusersFolder:
 
     def text_encoder_names(self) -> list[str]:
         """The components a ``[model] text_encoders`` file may give: every model component named ``text_encoder*``,
-        and ``image_encoder*`` (the CLIP vision encoder of an image-to-video model, ComfyUI's ``clip_vision_*``)."""
+        and ``image_encoder*`` (the CLIP vision encoder of an image-to-video model, ComfyUI's ``clip_vision_*``), and
+        those :attr:`text_encoders` names."""
         encoders = ("text_encoder", "image_encoder")
-        return [n for n, c in self._classes.items() if n.startswith(encoders) and c[0] not in (TOKENIZER,)]
+        return [n for n, c in self._classes.items()
+                if (n.startswith(encoders) or n in self.text_encoders) and c[0] not in (TOKENIZER,)]
 
     def component_files(self, path: Path, model_config: Any) -> dict[str, Any]:
         """The components ``[model] vae``, ``audio_vae`` and ``text_encoders`` give as files, each as a

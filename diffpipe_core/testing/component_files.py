@@ -74,12 +74,13 @@ def write_component_files(
     vae_table: KeyTable | None = None,
     text_prefixes: Mapping[str, str] | None = None,
     model: str = "transformer",
+    text_components: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Every component of diffusers folder ``folder`` as one ComfyUI-style file under ``out``:
     ``diffusion_model`` (``transformer_table``'s original layout under ``model.diffusion_model.``, or diffusers' names
-    under it), ``vae`` (``vae_table``'s layout, or diffusers' names) and each ``text_encoder*`` (transformers' names,
-    under ``text_prefixes[name]`` when given). Returns ``{"diffusion_model": path, "vae": path, "text_encoders":
-    [paths]}`` in the folder's order."""
+    under it), ``vae`` (``vae_table``'s layout, or diffusers' names) and each ``text_encoder*`` and
+    ``text_components`` component (transformers' names, under ``text_prefixes[name]`` when given). Returns
+    ``{"diffusion_model": path, "vae": path, "text_encoders": [paths]}`` in the folder's order."""
     out = Path(out)
     state = component_state(folder, model)
     state = transformer_table.to_original(state) if transformer_table is not None else state
@@ -90,7 +91,8 @@ def write_component_files(
     from diffpipe_core.model_files import pipeline_index
 
     index = json.loads(pipeline_index(Path(folder)).read_text())
-    names = sorted(n for n in index if n.startswith("text_encoder") and (Path(folder) / n / "config.json").is_file())
+    names = sorted(n for n in index if (n.startswith("text_encoder") or n in text_components)
+                   and (Path(folder) / n / "config.json").is_file())
     files["text_encoders"] = []
     for name in names:
         prefix = (text_prefixes or {}).get(name, "")
@@ -213,17 +215,20 @@ def comfyui_files(
     transformer_layout: Any = None,
     vae_layout: Any = None,
     text_prefixes: Mapping[str, str] | None = None,
+    text_components: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """:func:`write_component_files` of diffusers folder ``folder`` with its key tables made from the folder's own
     configs (``transformer_layout(transformer/config.json)``, ``vae_layout(vae/config.json)``; None: diffusers'
-    names), plus ``"configs"``: the folder without weights at ``out/configs`` (:func:`config_only`)."""
+    names), plus ``"configs"``: the folder without weights at ``out/configs`` (:func:`config_only`);
+    ``text_components``: text encoders not named ``text_encoder*``."""
     folder = Path(folder)
 
     def table(layout: Any, component: str) -> KeyTable | None:
         return layout(json.loads((folder / component / "config.json").read_text())) if layout else None
 
     files = write_component_files(
-        folder, out, table(transformer_layout, "transformer"), table(vae_layout, "vae"), text_prefixes
+        folder, out, table(transformer_layout, "transformer"), table(vae_layout, "vae"), text_prefixes,
+        text_components=text_components,
     )
     files["configs"] = config_only(folder, Path(out) / "configs")
     return files

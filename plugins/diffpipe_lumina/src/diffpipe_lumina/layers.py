@@ -19,6 +19,8 @@ What flows between layers (a tuple of tensors):
 As ``Lumina2Transformer2DModel.forward``: the caption keeps only its real tokens (the mask's count, right-padded as the
 pipeline's tokenizer pads), the joint sequence is as long as the micro-batch's longest, and the attention mask is
 used only when the lengths differ. A pipeline of these layers computes the same function as the diffusers model.
+The first layer is Lumina 2's own; the refiner, main and output layers are the core's, shared with OmniGen2
+(:mod:`diffpipe_core.parts.refiner_layers`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe_core.parts.blocks import WrappedBlock
+from diffpipe_core.parts.refiner_layers import refiner_layers
 
 Tensors = tuple[torch.Tensor, ...]
-
-
-def _complex(freqs: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_complex(freqs.contiguous())
 
 
 class EmbedLayer(nn.Module):
@@ -55,77 +53,8 @@ class EmbedLayer(nn.Module):
         return self.x_embedder(patches), cap, temb, real(img_freqs), real(cap_freqs), real(freqs), text_mask, grid
 
 
-class ContextRefinerLayer(WrappedBlock):
-    """One context-refiner block (caption tokens, no modulation, the caption mask); the last one drops the caption's
-    rotary table."""
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        img, cap, temb, img_freqs, cap_freqs, freqs, text_mask, grid = inputs
-        cap = self.block(cap, text_mask, _complex(cap_freqs))
-        if self.last:
-            return img, cap, temb, img_freqs, freqs, text_mask, grid
-        return img, cap, temb, img_freqs, cap_freqs, freqs, text_mask, grid
-
-
-class NoiseRefinerLayer(WrappedBlock):
-    """One noise-refiner block (image tokens, timestep-modulated); the last one joins each sample's real caption
-    tokens and its image tokens into one sequence."""
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        img, cap, temb, img_freqs, freqs, text_mask, grid = inputs
-        img = self.block(img, None, _complex(img_freqs), temb)
-        if not self.last:
-            return img, cap, temb, img_freqs, freqs, text_mask, grid
-        lengths = text_mask.sum(dim=1).long()
-        n_img = img.shape[1]
-        longest = int(lengths.max()) + n_img
-        tokens = img.new_zeros(img.shape[0], longest, img.shape[2])
-        mask = torch.zeros(img.shape[0], longest, dtype=torch.bool, device=img.device)
-        for i, n in enumerate(lengths.tolist()):
-            mask[i, : n + n_img] = True
-            tokens[i, :n] = cap[i, :n]
-            tokens[i, n : n + n_img] = img[i]
-        return tokens, temb, freqs, mask, lengths, grid
-
-
-class MainLayer(WrappedBlock):
-    """One main block over the joint sequence (the mask only when the samples' lengths differ, as the forward)."""
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        tokens, temb, freqs, mask, lengths, grid = inputs
-        tokens = self.block(tokens, None if bool(mask.all()) else mask, _complex(freqs), temb)
-        return (tokens, temb, lengths, grid) if self.last else (tokens, temb, freqs, mask, lengths, grid)
-
-
-class FinalLayer(nn.Module):
-    """The output norm and projection, each sample's image tokens un-patched, the sign flip to the flow velocity."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.norm_out = model.norm_out
-        self.patch, self.channels = int(model.config.patch_size), int(model.out_channels)
-
-    def forward(self, inputs: Tensors) -> Tensors:
-        tokens, temb, lengths, grid = inputs
-        tokens = self.norm_out(tokens, temb)
-        p, c = self.patch, self.channels
-        h, w = grid.tolist()
-        n_img = (h // p) * (w // p)
-        out = torch.stack([tokens[i, n : n + n_img] for i, n in enumerate(lengths.tolist())])
-        out = out.reshape(out.shape[0], h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4)
-        return (-out.reshape(out.shape[0], c, h, w).float(),)
-
-
 def split_into_layers(model: nn.Module) -> list[nn.Module]:
-    """The ordered pipeline layers of a diffusers ``Lumina2Transformer2DModel`` (sharing its parameters)."""
-    contexts, noises, mains = list(model.context_refiner), list(model.noise_refiner), list(model.layers)
-    if not contexts or not noises or not mains:
-        raise ValueError("a Lumina 2 transformer without refiner or main blocks is not supported "
-                         f"(num_refiner_layers = {len(noises)}, num_layers = {len(mains)})")
-    return [
-        EmbedLayer(model),
-        *(ContextRefinerLayer(b, last=i == len(contexts) - 1) for i, b in enumerate(contexts)),
-        *(NoiseRefinerLayer(b, last=i == len(noises) - 1) for i, b in enumerate(noises)),
-        *(MainLayer(b, last=i == len(mains) - 1) for i, b in enumerate(mains)),
-        FinalLayer(model),
-    ]
+    """The ordered pipeline layers of a diffusers ``Lumina2Transformer2DModel`` (sharing its parameters):
+    :class:`EmbedLayer`, then the core's refiner, main and output layers (the joint mask only when the lengths
+    differ, as the diffusers forward)."""
+    return refiner_layers(model, EmbedLayer(model))

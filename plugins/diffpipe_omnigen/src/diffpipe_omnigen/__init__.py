@@ -1,0 +1,1 @@
+"""diffpipe model plugin: OmniGen2."""
