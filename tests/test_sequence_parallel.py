@@ -93,3 +93,12 @@ def test_world_size_must_be_a_multiple_of_stages_times_sequence_ranks() -> None:
     check_world_size(run, 8, "run.toml")
     with pytest.raises(ConfigError, match=r"pipeline_stages \(2\) x sequence_parallel \(2\) = 4 does not divide"):
         check_world_size(run, 6, "run.toml")
+
+
+def test_activation_checkpointing_is_refused_with_sequence_parallel() -> None:
+    from pydantic import ValidationError
+
+    from diffpipe_core.config import RunConfig
+
+    with pytest.raises(ValidationError, match="sequence_parallel = 2 cannot be combined with activation_checkpointing"):
+        RunConfig.model_validate({"model": {"type": "wan"}, "sequence_parallel": 2, "activation_checkpointing": True})

@@ -11,8 +11,9 @@ token sequence. What each part does:
   first block layer takes each rank's contiguous slice of the tensors the plugin declares in
   ``ModelSpec.sequence_tensors`` (the video tokens and what follows them, e.g. the rotary embedding); a forward hook
   on the last one gathers the token stream back (an autograd all-gather), so the head and the loss see the whole
-  sequence, and every rank's loss is the mean over it. Hooks, not wrappers: activation checkpointing's recompute
-  runs them again, and the layers keep their class names and parameter names.
+  sequence, and every rank's loss is the mean over it. Hooks, not wrappers: the layers keep their class names (the
+  memory savers find them) and parameter names. (With activation checkpointing a run hung in the recomputation's
+  collectives; the config refuses the combination until that is solved.)
 - Attention: every attention processor inside the block layers gets a :class:`UlyssesConfig` as its
   ``_parallel_config``, which diffusers' processors hand to ``dispatch_attention_fn`` for self- and joint attention
   (cross-attention to replicated text passes None: it runs on the local queries as it is). The registered attention

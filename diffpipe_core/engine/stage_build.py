@@ -222,7 +222,7 @@ def build_stage_module(
     )
     seeds = LayerSeeds(run.seed, own.start, layout.dp, layout.dp_rank)
     layers = seed_stage_layers(layers, own, seeds)
-    if layout.seq > 1:  # after the memory savers: the hooks sit on the block layers themselves, so recompute runs them
+    if layout.seq > 1:  # hooks on the block layers themselves, under any memory-saver wrapper
         from diffpipe_core.engine.sequence_parallel import sequence_groups, setup
 
         group = sequence_groups(layout.stages, layout.replicas, layout.seq)
