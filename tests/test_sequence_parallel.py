@@ -102,3 +102,19 @@ def test_activation_checkpointing_is_refused_with_sequence_parallel() -> None:
 
     with pytest.raises(ValidationError, match="sequence_parallel = 2 cannot be combined with activation_checkpointing"):
         RunConfig.model_validate({"model": {"type": "wan"}, "sequence_parallel": 2, "activation_checkpointing": True})
+
+
+def test_the_plan_splits_the_block_layers_activations_per_sequence_rank() -> None:
+    from diffpipe_core.engine.activations import LayerTensors
+    from diffpipe_core.engine.plan_build import sequence_split_costs
+    from diffpipe_core.engine.stage_costs import LayerCost, ModelCosts
+
+    def cost(name: str, block: bool) -> LayerCost:
+        tensors = LayerTensors(saved={1: 1000, 2: 10}, inputs={3: 400}, outputs={4: 400})
+        return LayerCost(name, 10, 40, 0, block, 0, 0, tensors)
+
+    costs = ModelCosts([cost("EmbedLayer", False), cost("BlockLayer", True), cost("HeadLayer", False)], True)
+    split = sequence_split_costs(costs, 4)
+    assert [c.tensors.saved for c in split.layers] == [{1: 1000, 2: 10}, {1: 250, 2: 3}, {1: 1000, 2: 10}]
+    assert split.layers[1].tensors.inputs == {3: 100} and split.layers[1].tensors.outputs == {4: 100}
+    assert costs.layers[1].tensors.saved == {1: 1000, 2: 10}  # the measured costs are left as they were

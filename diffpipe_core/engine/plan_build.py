@@ -70,7 +70,7 @@ def make_plan(
     ways = cfg.run.sequence_parallel
     if ways > 1:
         costs = sequence_split_costs(costs, ways)
-        label += f"; per rank of {ways} sequence ranks, the blocks' tokens split {ways} ways"
+        label += f"; per rank of {ways} sequence ranks, the blocks' tokens split {ways} ways" if inputs else ""
     gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     roles = getattr(dataset, "roles", None)
     toward_base = roles is not None and roles.any_base and not forward_only
