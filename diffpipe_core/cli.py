@@ -105,14 +105,19 @@ def validate(
     describe = getattr(get_registry().model(cfg.model_name).info.module, "model_file_lines", None)
     for line in describe(cfg.model) if describe else ():
         click.echo(line)
+    stages, seq = cfg.run.pipeline_stages, cfg.run.sequence_parallel
     if num_procs is None:
-        stages = cfg.run.pipeline_stages
-        fits = ", ".join(str(stages * k) for k in range(1, 5))
+        ways = stages * seq
+        fits = ", ".join(str(ways * k) for k in range(1, 5))
+        named = f"pipeline_stages x sequence_parallel = {stages} x {seq}" if seq > 1 else f"pipeline_stages = {stages}"
         click.echo(
-            f"pipeline_stages = {stages}: train with a multiple of {stages} processes ({fits}, ...); "
+            f"{named}: train with a multiple of {ways} processes ({fits}, ...); "
             "each group of pipeline stages is one data-parallel replica"
         )
-    if cfg.run.pipeline_stages > 1 or show_plan or budget is not None:
+    elif seq > 1:
+        click.echo(f"layout: {stages} pipeline stage(s) x {seq} sequence ranks x {num_procs // (stages * seq)} "
+                   f"data-parallel replica(s) = {num_procs} processes")
+    if cfg.run.pipeline_stages > 1 or seq > 1 or show_plan or budget is not None:
         _echo_plan(cfg)
     if budget is not None:
         from diffpipe_core.engine.gpu_fit import fit_config, format_fit

@@ -95,7 +95,7 @@ def work_problems(cfg, datasets: list, world_size: int | None = None, training: 
 
     plugin = get_registry().model(cfg.model_name)
     problems = model_file_problems(plugin, cfg.model)
-    dp = world_size // cfg.run.pipeline_stages if world_size else None
+    dp = world_size // (cfg.run.pipeline_stages * cfg.run.sequence_parallel) if world_size else None
     for i, dataset in enumerate(datasets):
         try:
             scan = scan_dataset(dataset, plugin.spec, report_skipped=primary())
@@ -128,6 +128,9 @@ def training_method_problems(cfg, dataset, dp: int | None) -> list[str]:
     if getattr(dataset, "diff_output_preservation", False) and getattr(cfg.model, "cfg", None) is not None:
         problems.append(f"{dataset.source}: diff_output_preservation cannot be combined with [model] cfg in "
                         f"{cfg.path}: the unconditional pass covers the captions, not the class prompts")
+    if cfg.run.optimizer.gradient_release and cfg.run.sequence_parallel > 1:
+        problems.append(f"{cfg.path}: optimizer.gradient_release: sequence_parallel = {cfg.run.sequence_parallel}; a "
+                        "released parameter is stepped before the sequence ranks' gradients could be summed")
     if cfg.run.optimizer.gradient_release and dp is not None and dp > 1:
         problems.append(f"{cfg.path}: optimizer.gradient_release: {dp} data-parallel replicas per stage; a released "
                         "parameter is stepped before the replicas' gradients could be averaged, so it needs as many "

@@ -267,6 +267,13 @@ class RunConfig(Strict):
         1, ge=1, description="Micro-batches per optimizer step (they flow through the pipeline together)."
     )
     pipeline_stages: int = Field(1, ge=1, description="Pipeline stages; must divide the number of processes.")
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split each micro-batch's token sequence (Ulysses: attention exchanges heads with "
+        "DeepSpeed's all-to-all, everything else runs on each rank's tokens). Processes = pipeline_stages x "
+        "sequence_parallel x data-parallel replicas; it must divide the model's attention heads.",
+    )
     partition_method: Literal["memory", "parameters", "uniform"] = Field(
         "memory",
         description="How layers are spread over stages: 'memory' balances each stage's estimated peak (weights in "
@@ -418,6 +425,16 @@ class RunConfig(Strict):
                 f"{self.gradient_accumulation_steps}): each parameter is stepped as soon as one micro-batch's backward "
                 "completes its gradient, so there is no gradient to accumulate into; use a larger "
                 "micro_batch_size_per_gpu instead, or turn gradient release off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> RunConfig:
+        if self.sequence_parallel > 1 and self.activation_checkpointing:
+            raise ValueError(
+                f"sequence_parallel = {self.sequence_parallel} cannot be combined with activation_checkpointing = "
+                f"{self.activation_checkpointing!r} yet (the recomputation's all-to-alls hung in testing); set "
+                "activation_checkpointing = false, or sequence_parallel = 1"
             )
         return self
 
@@ -721,7 +738,16 @@ def _existing(base: Path, value: Path, where: str, problems: list[str]) -> Path 
 
 
 def check_world_size(run: RunConfig, world_size: int, source: str) -> None:
-    """pipeline_stages must divide the number of processes; data parallelism takes the rest."""
+    """pipeline_stages x sequence_parallel must divide the number of processes; data parallelism takes the rest."""
+    ways = run.pipeline_stages * run.sequence_parallel
+    if run.sequence_parallel > 1 and world_size % ways != 0:
+        fits = [str(ways * k) for k in range(1, 4)]
+        raise ConfigError(
+            [
+                f"{source}: pipeline_stages ({run.pipeline_stages}) x sequence_parallel ({run.sequence_parallel}) = "
+                f"{ways} does not divide the number of processes ({world_size}); run {', '.join(fits)}, ... processes"
+            ]
+        )
     if world_size % run.pipeline_stages != 0:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(

@@ -45,7 +45,7 @@ def layer_problems(cfg: Any, plugin: Any) -> list[str]:
     """``pipeline_stages`` (or ``partition_split``) beyond the model's layers: counted on the model's meta-device
     skeleton (no weights read), for plugins that load per stage; others are checked when the model loads."""
     run = cfg.run
-    if run.pipeline_stages == 1 and not run.partition_split:
+    if run.pipeline_stages == 1 and not run.partition_split and run.sequence_parallel == 1:
         return []
     if not plugin.has("diffusion_model_weights"):
         return []
@@ -57,8 +57,15 @@ def layer_problems(cfg: Any, plugin: Any) -> list[str]:
         model = plugin.require(
             "load_diffusion_model", model_config=cfg.model, device=torch.device("meta"), dtype=torch.float32
         )
-        n = len(plugin.require("split_into_layers", model=model, model_config=cfg.model))
+        layers = plugin.require("split_into_layers", model=model, model_config=cfg.model)
+        n = len(layers)
     source = str(cfg.path)
+    if run.sequence_parallel > 1:
+        from diffpipe_core.engine.sequence_parallel import sequence_problems
+
+        problems = sequence_problems(run.sequence_parallel, layers, plugin.spec)
+        if problems:
+            return [f"{source}: {p}" for p in problems]
     if run.pipeline_stages > n:
         return [
             f"{source}: pipeline_stages: {run.pipeline_stages}, but model {plugin.name!r} splits into {n} layers; "

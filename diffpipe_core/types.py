@@ -79,6 +79,12 @@ class ModelSpec:
         block_layers: class names of the layers ``split_into_layers`` returns for the model's repeated blocks
             (e.g. ``("DoubleBlockLayer", "SingleBlockLayer")``). ``blocks_to_swap`` and activation
             checkpointing act on these; with none declared, checkpointing covers every layer and no block swaps.
+        sequence_tensors: what the block layers' input tuple holds the token sequence in, for ``sequence_parallel``:
+            ``(index, dim)`` pairs, the token stream first (its index is also the token stream's in the last block
+            layer's output), then what follows its tokens (a rotary embedding: ``((0, 1), (4, 1), (5, 1))``). The
+            core splits these over the sequence ranks before the first block, runs the blocks' self- and joint
+            attention through DeepSpeed's Ulysses all-to-all and gathers the tokens after the last block; tokens a
+            joint attention appends after the split ones (text) stay replicated. Empty: no sequence parallelism.
         adapter_formats: LoRA formats ``[adapter] save_formats`` may name for this model; ``"diffusers"``
             is always written. ``diffpipe validate`` and the start of ``train`` refuse any other name.
         model_formats: full fine-tune formats ``save_model_formats`` may name (what ``export_model`` writes).
@@ -132,6 +138,7 @@ class ModelSpec:
     supports_lora: bool = True
     encoder_settings: tuple[str, ...] = ()
     block_layers: tuple[str, ...] = ()
+    sequence_tensors: tuple[tuple[int, int], ...] = ()
     adapter_formats: tuple[str, ...] = ("diffusers",)
     model_formats: tuple[str, ...] = ()
     description: str = ""

@@ -26,6 +26,7 @@ from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import (
     cli_env,
     kill_group,
+    paused_at,
     run_diffpipe,
     start_diffpipe,
     wait_for_file,
@@ -188,50 +189,6 @@ def test_two_data_parallel_replicas_with_eval(tmp_path: Path) -> None:
     assert samples == [
         "00-one.png", "01-two.png", "02-three.png", "contact-sheet.png", "latents.safetensors", "prompts.json"
     ]
-
-
-PAUSE_PLUGIN = """
-import signal
-import time
-from pathlib import Path
-
-from diffpipe_core import hookimpl
-
-STEP, MODE, MARK = {step}, {mode!r}, Path({mark!r})
-
-
-@hookimpl
-def on_train_step_end(step, metrics):
-    # rank 0, after the step's metrics are written, before its checkpoint; the other ranks wait for it
-    if step != STEP:
-        return
-    if MODE == "hold":  # until the test kills the run
-        MARK.touch()
-        while True:
-            time.sleep(1)
-    # "signal": until this worker has the SIGTERM the test sends the launcher (which passes it on)
-    got, handler = [], signal.getsignal(signal.SIGTERM)
-
-    def noted(signum, frame):
-        got.append(signum)
-        handler(signum, frame)
-
-    signal.signal(signal.SIGTERM, noted)
-    MARK.touch()
-    while not got:
-        time.sleep(0.05)
-    signal.signal(signal.SIGTERM, handler)
-"""
-
-
-def paused_at(root: Path, step: int, mode: str) -> tuple[dict[str, str], Path]:
-    """The environment of a run whose rank 0 pauses after ``step`` (``hold``: for good; ``signal``: until it has a
-    SIGTERM), and the file it writes when it pauses: the fault lands there, however fast the machine."""
-    mark = root / f"paused-at-{step}"
-    source = PAUSE_PLUGIN.format(step=step, mode=mode, mark=str(mark))
-    site = write_plugin_distribution(root / "site", "diffpipe-pause", {"diffpipe.plugins": {"pause": "pause_at"}},
-                                     {"pause_at": source})  # fmt: skip
-    return cli_env([site]), mark
 
 
 def test_kill_and_resume_repeats_the_losses(two_stages: Path, tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ CANNOT_APPLY = {
 NEW_RUN_HINT = "start a new run (adapter.init_from_existing can start from this run's saved adapter)"
 NOTES = {
     "pipeline_stages": "the weights and the optimizer state are re-split by parameter",
+    "sequence_parallel": "the sequence ranks hold the same tensors; the data order follows the data-parallel replicas",
     "partition_split": "the weights and the optimizer state are re-split by parameter",
     "adapter.init_from_existing": "ignored: a resumed run starts from its checkpoint",
     "output_dir": "the run stays in its folder",

@@ -4,13 +4,15 @@ inputs for one micro-batch of the largest bucket. Used by the workers before loa
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from diffpipe_core.config import ResolvedConfig
-from diffpipe_core.engine.stage_costs import layer_costs, weights_only_costs
+from diffpipe_core.engine.activations import LayerTensors
+from diffpipe_core.engine.stage_costs import ModelCosts, layer_costs, weights_only_costs
 from diffpipe_core.engine.stage_plan import StagePlan, plan_stages
 from diffpipe_core.registry import ModelPlugin
 from diffpipe_core.types import TrainingContext
@@ -65,6 +67,10 @@ def make_plan(
         label = f"not estimated, nor trainable state ({type(exc).__name__}: {str(exc)[:160]})"
     if costs.failed:
         label += f"; layers from {costs.failed.split(':')[0]} on borrow a like layer's figures (meta forward failed)"
+    ways = cfg.run.sequence_parallel
+    if ways > 1:
+        costs = sequence_split_costs(costs, ways)
+        label += f"; per rank of {ways} sequence ranks, the blocks' tokens split {ways} ways" if inputs else ""
     gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     roles = getattr(dataset, "roles", None)
     toward_base = roles is not None and roles.any_base and not forward_only
@@ -72,6 +78,18 @@ def make_plan(
     passes = int(getattr(cfg.model, "cfg", None) is not None and not forward_only) + int(toward_base) + int(dop)
     return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
                        (toward_base or dop) and cfg.run.adapter is None, 2 if dop else 1)
+
+
+def sequence_split_costs(costs: ModelCosts, ways: int) -> ModelCosts:
+    """``costs`` per sequence rank of ``sequence_parallel = ways``: the block layers (``LayerCost.block``) keep,
+    take in and send on ``1/ways`` of their tensors (their tokens are split; the all-to-all'd attention holds the
+    whole sequence over ``heads / ways`` heads, the same share). The other layers run on the whole sequence."""
+    def split(tensors: LayerTensors) -> LayerTensors:
+        return LayerTensors(*({k: -(-v // ways) for k, v in part.items()}
+                              for part in (tensors.saved, tensors.inputs, tensors.outputs)), measured=tensors.measured)
+
+    layers = [replace(c, tensors=split(c.tensors)) if c.block else c for c in costs.layers]
+    return ModelCosts(layers, costs.measured, costs.failed)
 
 
 def unconditional_line(plan: StagePlan, cfg: ResolvedConfig, plugin: ModelPlugin) -> str | None:

@@ -20,7 +20,7 @@ from diffpipe_core.registry import ModelPlugin
 
 def _place(layout: Layout) -> dict[str, int]:
     """This process's place in the run, as the checkpoint and shard writers name their files by it."""
-    return {"rank": layout.rank, "stage_id": layout.stage_id, "dp_rank": layout.dp_rank}
+    return {"rank": layout.rank, "stage_id": layout.stage_id, "dp_rank": layout.replica}  # replica 0 writes
 
 
 def write_checkpoint(
@@ -45,6 +45,7 @@ def write_checkpoint(
         "sampler": sampler.state_dict(),
         "world_size": layout.world,
         "pipeline_stages": layout.stages,
+        "sequence_parallel": layout.seq,
         "total_steps": total_steps,
     }
     optim_state = {"optimizer": stage.optimizer.state_dict(), "scheduler": stage.scheduler.state_dict(),
@@ -122,7 +123,8 @@ def restore_checkpoint(
 def carried_micro_index(state: dict[str, Any], layout: Layout) -> int:
     """This rank's count of micro-batches drawn, from a checkpoint's train state: under another data-parallel degree,
     the saved ranks' micro-batches shared out over the new ones (the run's global micro-batch sequence goes on)."""
-    saved_dp = int(state.get("world_size") or layout.world) // int(state.get("pipeline_stages") or layout.stages)
+    ways = int(state.get("pipeline_stages") or layout.stages) * int(state.get("sequence_parallel") or 1)
+    saved_dp = int(state.get("world_size") or layout.world) // ways
     return int(state["micro_index"]) * saved_dp // layout.dp
 
 
@@ -216,7 +218,7 @@ def _write_trained(
     check_finite(stage.trainable, what, kept, _device(stage))
     save_dtype = DTYPES[run.save_dtype]
     if stage.lora is not None:
-        merged = gather_to_rank0(lora_state_dict(stage.model), include=layout.dp_rank == 0)
+        merged = gather_to_rank0(lora_state_dict(stage.model), include=layout.replica == 0)
         if layout.rank == 0:
             assert merged is not None
             problems = write_adapter(out, merged, plugin, stage.lora, run.adapter.save_formats, save_dtype, cfg.model)

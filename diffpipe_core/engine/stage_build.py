@@ -57,23 +57,40 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits: pipeline stage ``stage_id`` of ``stages``, data-parallel replica ``dp_rank`` of ``dp``."""
+    """Where this rank sits: pipeline stage ``stage_id`` of ``stages``, data-parallel replica ``dp_rank`` of ``dp``,
+    sequence rank ``seq_rank`` of ``seq`` (``sequence_parallel``). Ranks run ``(stage, replica, sequence rank)``,
+    the last fastest; DeepSpeed's ``data`` axis is ``replica``: the ``dp x seq`` ranks of a stage."""
 
     rank: int
     world: int
     stages: int
+    seq: int = 1
 
     @property
-    def dp(self) -> int:
+    def replicas(self) -> int:
+        """The ranks holding one stage's layers (DeepSpeed's data-parallel group: ``dp x seq``)."""
         return self.world // self.stages
 
     @property
+    def replica(self) -> int:
+        """This rank's place among :attr:`replicas`."""
+        return self.rank % self.replicas
+
+    @property
+    def dp(self) -> int:
+        return self.replicas // self.seq
+
+    @property
     def stage_id(self) -> int:
-        return self.rank // self.dp
+        return self.rank // self.replicas
 
     @property
     def dp_rank(self) -> int:
-        return self.rank % self.dp
+        return self.replica // self.seq
+
+    @property
+    def seq_rank(self) -> int:
+        return self.rank % self.seq
 
 
 class LossFunction:
@@ -160,7 +177,7 @@ def build_stage_module(
         print("diffpipe: " + "\n".join(lines), flush=True)
     own = range(parts[layout.stage_id], parts[layout.stage_id + 1])
     swapped = swapped_blocks(stage.layers, own, plugin.spec.block_layers, run.blocks_to_swap)
-    label = f"stage {layout.stage_id}" if layout.dp_rank == 0 else None  # quantize_stage prints one line
+    label = f"stage {layout.stage_id}" if layout.replica == 0 else None  # quantize_stage prints one line
 
     def load(indices: list[int]) -> None:  # swapped blocks are read straight into host memory
         for part, where in (([i for i in indices if i not in swapped], device),
@@ -206,6 +223,15 @@ def build_stage_module(
     )
     seeds = LayerSeeds(run.seed, own.start, layout.dp, layout.dp_rank)
     layers = seed_stage_layers(layers, own, seeds)
+    if layout.seq > 1:  # hooks on the block layers themselves, under any memory-saver wrapper
+        from diffpipe_core.engine.sequence_parallel import sequence_groups, setup
+
+        group = sequence_groups(layout.stages, layout.replicas, layout.seq)
+        attentions = setup(stage.layers, own, plugin.spec, layout.seq, layout.seq_rank, group)
+        if layout.replica == 0:
+            print(f"diffpipe: stage {layout.stage_id}: its blocks run on 1/{layout.seq} of the tokens on each of "
+                  f"{layout.seq} sequence ranks; {attentions} attention modules through DeepSpeed's Ulysses "
+                  "all-to-all", flush=True)
     if layout.rank == 0:
         explain_memory_savers(cfg, plugin, device, lora is not None, n_swapped)
     loss = LossFunction(plugin, TrainingContext(model_config=cfg.model, loss=run.loss))
@@ -247,7 +273,7 @@ def build_stage(
         offload_state(optimizer)  # before the LR schedule wraps its step
     release = None
     if run.optimizer.gradient_release:
-        if layout.dp > 1:
+        if layout.replicas > 1:
             raise ValueError(
                 f"optimizer.gradient_release: this run has {layout.dp} data-parallel replicas per stage "
                 f"({layout.world} processes, {layout.stages} stage(s)); a released parameter is stepped before the "
@@ -256,7 +282,7 @@ def build_stage(
             )
         release = GradientRelease(optimizer, list(trainable.values()), run.gradient_clipping)
     scheduler = LambdaLR(optimizer, run_lr_lambda(run, total_steps))
-    guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.dp, device)
+    guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.replicas, device)
     guard.release = release
     if lora is not None:
         guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id, groups)

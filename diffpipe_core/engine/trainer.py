@@ -68,7 +68,8 @@ class Trainer:
         self.cfg, self.run, self.plugin, self.dataset, self.run_dir = cfg, cfg.run, plugin, dataset, run_dir
         self.device = device
         self.eval_datasets = eval_datasets or {}
-        self.layout = Layout(dist.get_rank(), dist.get_world_size(), self.run.pipeline_stages)
+        self.layout = Layout(dist.get_rank(), dist.get_world_size(), self.run.pipeline_stages,
+                             self.run.sequence_parallel)
         self.rank, self.world, self.stages = self.layout.rank, self.layout.world, self.layout.stages
         self.dp, self.stage_id, self.dp_rank = self.layout.dp, self.layout.stage_id, self.layout.dp_rank
         groups = dataset.groups()

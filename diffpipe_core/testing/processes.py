@@ -168,3 +168,70 @@ def run_ranks(
         for p in procs:
             kill_group(p)
             p.wait()
+
+
+#: a generic plugin pausing rank 0 after a step (:func:`paused_at`)
+PAUSE_PLUGIN = """
+import signal
+import time
+from pathlib import Path
+
+from diffpipe_core import hookimpl
+
+STEP, MODE, MARK = {step}, {mode!r}, Path({mark!r})
+
+
+@hookimpl
+def on_train_step_end(step, metrics):
+    # rank 0, after the step's metrics are written, before its checkpoint; the other ranks wait for it
+    if step != STEP:
+        return
+    if MODE == "hold":  # until the test kills the run
+        MARK.touch()
+        while True:
+            time.sleep(1)
+    # "signal": until this worker has the SIGTERM the test sends the launcher (which passes it on)
+    got, handler = [], signal.getsignal(signal.SIGTERM)
+
+    def noted(signum, frame):
+        got.append(signum)
+        handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, noted)
+    MARK.touch()
+    while not got:
+        time.sleep(0.05)
+    signal.signal(signal.SIGTERM, handler)
+"""
+
+
+def paused_at(root: Path, step: int, mode: str, **env: str) -> tuple[dict[str, str], Path]:
+    """The environment of a run whose rank 0 pauses after ``step`` (``hold``: for good; ``signal``: until it has a
+    SIGTERM), and the file it writes when it pauses: the fault lands there, however fast the machine. ``env``: more
+    variables for the run (:func:`cli_env`)."""
+    mark = root / f"paused-at-{step}"
+    source = PAUSE_PLUGIN.format(step=step, mode=mode, mark=str(mark))
+    site = write_plugin_distribution(root / "site", "diffpipe-pause", {"diffpipe.plugins": {"pause": "pause_at"}},
+                                     {"pause_at": source})  # fmt: skip
+    return cli_env([site], **env), mark
+
+
+def killed_and_resumed(root: Path, config: Path | str, procs: int, kill_after: int, timeout: float = 500,
+                       **env: str) -> tuple[Path, str]:
+    """``diffpipe train --config CONFIG --num-procs PROCS`` in ``root``, every process SIGKILLed once rank 0 has
+    logged step ``kill_after``, then the same command with ``--resume`` run to its end. Returns the run folder and
+    what the resume printed."""
+    before = {p.parent for p in Path(root).rglob("run_info.json")}
+    env_run, mark = paused_at(Path(root), kill_after, "hold", **env)
+    args = ["train", "--config", str(config), "--num-procs", str(procs)]
+    proc = start_diffpipe(args, cwd=Path(root), env=env_run)
+    try:
+        wait_for_file(mark, proc, what=f"training reaching step {kill_after}", timeout=timeout)
+    finally:
+        kill_group(proc)  # SIGKILL to the launcher and every worker
+        proc.communicate()
+    result = run_diffpipe([*args, "--resume"], cwd=Path(root), timeout=timeout, env=cli_env(**env))
+    assert result.returncode == 0, result.output[-4000:]
+    made = [p.parent for p in Path(root).rglob("run_info.json") if p.parent not in before]
+    assert len(made) == 1 and "resuming run" in result.output, (made, result.output[-4000:])
+    return made[0], result.output

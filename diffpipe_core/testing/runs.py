@@ -116,6 +116,20 @@ def assert_stages_train_as_one(staged: Path, one: Path, steps: int, stages: int 
     assert losses(staged) == pytest.approx(losses(one)[:steps], rel=1e-4)
 
 
+def assert_trains_as(run: Path, reference: Path, rel: float = 1e-4, atol: float = 1e-5) -> None:
+    """``run`` (another process layout: sequence ranks, stages) logged ``reference``'s losses within ``rel`` and saved
+    its LoRA (``saved/final``, diffusers format) within ``atol``."""
+    import pytest
+
+    from diffpipe_core.adapters import read_adapter
+
+    assert losses(run) == pytest.approx(losses(reference), rel=rel), (losses(run), losses(reference))
+    got, want = read_adapter(run / "saved" / "final")[0], read_adapter(reference / "saved" / "final")[0]
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:5]
+    for key in want:
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=1e-3, atol=atol, msg=key)
+
+
 def losses(run: Path) -> list[float]:
     """The run's training losses in step order."""
     return [loss for _, loss in sorted(train_losses(run).items())]

@@ -69,6 +69,7 @@ class HunyuanVideo(DiffusersModel, FlowSampling):
         "hunyuan-video", HunyuanConfig,
         "HunyuanVideo text-to-video (diffusers folder or original single-file transformer)",
         video=(4, 1, 24.0), block_layers=("DoubleBlockLayer", "SingleBlockLayer"),
+        sequence_tensors=((0, 1), (3, 0), (4, 0)),  # the video tokens and their rotary cos / sin (layers.py)
         encoder_settings=("text_max_length", "text_crop_start", "vae_tiling", "vae_tile_size", "vae_tile_frames"),
     )
     folder = DiffusersFolder(

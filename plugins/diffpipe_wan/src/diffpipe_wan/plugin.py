@@ -160,6 +160,7 @@ class Wan(DiffusersModel, FlowSampling):
         "wan", WanConfig,
         "Wan 2.1 / 2.2 text-to-video (diffusers folder or original single-file transformer; A14B experts)",
         video=(4, 1, 16.0), encoder_settings=("text_max_length",), block_layers=("BlockLayer", "ExpertBlocks"),
+        sequence_tensors=((0, 1), (4, 1), (5, 1)),  # the video tokens and their rotary cos / sin (layers.py)
     )
     folder = DiffusersFolder(
         "wan",
