@@ -72,6 +72,7 @@ DISTRIBUTIONS = {
     "lumina2": "diffpipe-lumina",
     "ideogram4": "diffpipe-ideogram",
     "hidream": "diffpipe-hidream",
+    "ernie-image": "diffpipe-ernie",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

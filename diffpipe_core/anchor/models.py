@@ -36,12 +36,12 @@ MODEL_TYPES = {
     "ideogram4": "ideogram4",
     "hidream": "hidream",
     "hunyuan_image": "hunyuan-image-2.1",
+    "ernie_image": "ernie-image",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
     "omnigen2": "diffpipe-omnigen2",
-    "ernie_image": "diffpipe-ernie",
     "minimax_h3": "diffpipe-minimax",
 }
 
