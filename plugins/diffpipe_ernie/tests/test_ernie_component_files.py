@@ -30,7 +30,8 @@ CPU = torch.device("cpu")
 
 def comfy_files(folder: Path, out: Path) -> dict:
     """``folder`` as ComfyUI's ERNIE-Image files under ``out`` and a config-only folder ``out/configs``."""
-    vae = vae_layout(json.loads((folder / "vae" / "config.json").read_text())).to_original(component_state(folder, "vae"))
+    table = vae_layout(json.loads((folder / "vae" / "config.json").read_text()))
+    vae = table.to_original(component_state(folder, "vae"))
     lm = "language_model."
     text = {"model." + k[len(lm):]: v for k, v in component_state(folder, "text_encoder").items() if k.startswith(lm)}
     dit = {COMFY_PREFIX + k: v for k, v in component_state(folder, "transformer").items()}

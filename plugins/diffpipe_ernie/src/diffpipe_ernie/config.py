@@ -20,8 +20,9 @@ class ErnieImageConfig(DiffusersModelConfig, FlowMatchingConfig):
     text_max_length: int = Field(
         256,
         ge=1,
-        description="Ministral 3 tokens of a caption (BOS included) kept in the cache; ErnieImagePipeline.encode_prompt "
-        "takes every token, so a longer caption is refused while caching, naming it. The padding is masked.",
+        description="Ministral 3 tokens of a caption (BOS included) kept in the cache; "
+        "ErnieImagePipeline.encode_prompt takes every token, so a longer caption is refused while caching, naming it. "
+        "The padding is masked.",
     )
     shift: float = Field(
         3.0,

@@ -36,12 +36,20 @@ class EmbedLayer(nn.Module):
         self.x_embedder, self.text_proj = model.x_embedder, model.text_proj
         self.time_proj, self.time_embedding = model.time_proj, model.time_embedding
         self.pos_embed, self.adaLN_modulation = model.pos_embed, model.adaLN_modulation
+        self.head_dim = int(sum(model.pos_embed.axes_dim))
+
+    def _rope(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The rotary angles of ``ids`` ``(B, S, 3)``; on the meta device (the activation estimate) only their shape:
+        the diffusers embedding disables autocast for its device type, which meta has not."""
+        if like.is_meta:
+            return torch.empty(*ids.shape[:2], 1, self.head_dim, device="meta")
+        return self.pos_embed(ids)
 
     def forward(self, inputs: Tensors) -> Tensors:
         x, t, text, text_mask = inputs
         dtype = self.x_embedder.proj.weight.dtype
         b, _, h, w = x.shape
-        device = x.device
+        device = text_mask.device  # x's, but for the activation estimate, where the integers stay real
         img = self.x_embedder(x.to(dtype)).transpose(0, 1)
         text = text.to(dtype)
         if self.text_proj is not None and text.numel() > 0:
@@ -56,10 +64,11 @@ class EmbedLayer(nn.Module):
                                     torch.arange(w, device=device, dtype=torch.float32), indexing="ij")
         image_ids = torch.stack([rows.flatten(), cols.flatten()], dim=-1).expand(b, -1, -1)
         image_ids = torch.cat([lengths.float().view(b, 1, 1).expand(-1, h * w, -1), image_ids], dim=-1)
-        rope = self.pos_embed(torch.cat([image_ids, text_ids], dim=1))
+        rope = self._rope(torch.cat([image_ids, text_ids], dim=1), x)
 
         valid = torch.arange(n, device=device).view(1, n) < lengths.view(b, 1)
         mask = torch.cat([torch.ones(b, h * w, device=device, dtype=torch.bool), valid], dim=1)[:, None, None, :]
+        mask = mask.to(x.device)
 
         timestep = t.float() * 1000  # the scheduler's timestep, sigma * num_train_timesteps
         c = self.time_embedding(self.time_proj(timestep).to(dtype))

@@ -46,7 +46,8 @@ HEAD_DIM = Shape(weight_of("layers.0.self_attention.norm_q"), 0)  # a per-head R
 
 
 def patchify(z: torch.Tensor) -> torch.Tensor:
-    """``(B, C, H, W)`` -> ``(B, 4C, H/2, W/2)``, channel ``4c + 2dy + dx`` (``ErnieImagePipeline._patchify_latents``)."""
+    """``(B, C, H, W)`` -> ``(B, 4C, H/2, W/2)``, channel ``4c + 2dy + dx``
+    (``ErnieImagePipeline._patchify_latents``)."""
     from diffpipe_core.parts.latents import pack_2x2
 
     b, c, h, w = z.shape
