@@ -14,9 +14,11 @@ import torch
 
 from diffpipe_core.parts.flux2_vae import vae_layout
 from diffpipe_core.testing.component_files import (
+    assert_kept_quantized,
     assert_variant_loads_as_itself,
     component_state,
     config_only,
+    quantize_file,
     save,
     variant_file,
     variant_model,
@@ -73,6 +75,11 @@ def test_component_files_load_exactly_the_folders_weights(tiny_ernie: Path, comf
     model = ernie.load_diffusion_model(cfg, CPU, torch.float32).state_dict()
     reference = ernie.load_diffusion_model(tiny_config(tiny_ernie), CPU, torch.float32).state_dict()
     assert model.keys() == reference.keys() and all(torch.equal(model[k], reference[k]) for k in model)
+
+
+def test_a_quantized_transformer_stays_quantized(comfy: dict, tmp_path: Path) -> None:
+    file = quantize_file(comfy["diffusion_model"], tmp_path / "ernie-image_fp8_scaled.safetensors", "fp8_scaled")
+    assert_kept_quantized(ernie, from_files(comfy, diffusion_model=file), from_files(comfy), torch.float8_e4m3fn)
 
 
 def test_a_file_of_another_size_loads_as_itself(comfy: dict, tmp_path: Path) -> None:
