@@ -75,6 +75,7 @@ DISTRIBUTIONS = {
     "ideogram4": "diffpipe-ideogram",
     "hidream": "diffpipe-hidream",
     "omnigen2": "diffpipe-omnigen",
+    "ernie-image": "diffpipe-ernie",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

@@ -37,5 +37,6 @@ pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels
   -e diffpipe_hunyuan -e diffpipe_ltx -e diffpipe_cosmos -e plugins/diffpipe_optimizers -e plugins/diffpipe_wan \
   -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage \
   -e plugins/diffpipe_sd3 -e plugins/diffpipe_auraflow -e plugins/diffpipe_krea -e plugins/diffpipe_lumina \
-  -e plugins/diffpipe_ideogram -e plugins/diffpipe_hidream -e plugins/diffpipe_omnigen
+  -e plugins/diffpipe_ideogram -e plugins/diffpipe_hidream -e plugins/diffpipe_omnigen \
+  -e plugins/diffpipe_ernie
 echo "diffpipe: environment ready in $VENV"

@@ -10,6 +10,7 @@ PYTHON=$([ -x "$VENV/bin/python" ] && echo "$VENV/bin/python" || echo python3)
 "$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$OUT" \
   ./ ./diffpipe_flux ./diffpipe_sdxl ./diffpipe_hunyuan ./diffpipe_ltx ./diffpipe_cosmos \
   ./plugins/diffpipe_wan ./plugins/diffpipe_qwenimage ./plugins/diffpipe_zimage ./plugins/diffpipe_sd3 \
-  ./plugins/diffpipe_auraflow ./plugins/diffpipe_krea ./plugins/diffpipe_lumina ./plugins/diffpipe_ideogram ./plugins/diffpipe_hidream ./plugins/diffpipe_omnigen
+  ./plugins/diffpipe_auraflow ./plugins/diffpipe_krea ./plugins/diffpipe_lumina ./plugins/diffpipe_ideogram ./plugins/diffpipe_hidream \
+  ./plugins/diffpipe_omnigen ./plugins/diffpipe_ernie
 ls "$OUT"/*.whl
 echo "diffpipe: wheels in $OUT; install with: pip install $OUT/*.whl"

@@ -317,6 +317,7 @@ COMPONENT_SNIPPETS = [
 
 def _tiny_folder(name: str, root: Path) -> Path:
     """A tiny diffusers folder of model type ``name`` (the component snippets' models)."""
+    from diffpipe_ernie.testing import write_tiny_ernie
     from diffpipe_flux.testing import write_tiny_flux2, write_tiny_klein
     from diffpipe_hunyuan.testing15 import write_tiny_hunyuan15
     from diffpipe_ideogram.testing import write_tiny_ideogram4
@@ -327,7 +328,7 @@ def _tiny_folder(name: str, root: Path) -> Path:
     writers = {
         "z-image": write_tiny_zimage, "hunyuan-video-1.5": write_tiny_hunyuan15, "flux2": write_tiny_flux2,
         "flux2-klein": write_tiny_klein, "ltx-2": write_tiny_ltx2, "krea2": write_tiny_krea2,
-        "ideogram4": write_tiny_ideogram4,
+        "ideogram4": write_tiny_ideogram4, "ernie-image": write_tiny_ernie,
     }  # fmt: skip
     return writers[name](root / name)
 

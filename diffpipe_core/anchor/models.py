@@ -37,11 +37,11 @@ MODEL_TYPES = {
     "hidream": "hidream",
     "hunyuan_image": "hunyuan-image-2.1",
     "omnigen2": "omnigen2",
+    "ernie_image": "ernie-image",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
 PLANNED = {
-    "ernie_image": "diffpipe-ernie",
     "minimax_h3": "diffpipe-minimax",
 }
 

@@ -26,10 +26,12 @@ def vae_layout(config: Mapping[str, Any]) -> KeyTable:
     return replace(ldm, name="BFL", model="FLUX.2 VAE", renames=own + ldm.renames)
 
 
-def bn_stats(vae: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def bn_stats(vae: Any, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE's per-patch-channel mean and std, float32 on the CPU: ``bn.running_mean``, ``sqrt(bn.running_var +
-    batch_norm_eps)``."""
+    eps)``; ``eps`` defaults to the config's ``batch_norm_eps`` (ERNIE-Image's pipeline uses 1e-5, the trained value,
+    whatever the config says)."""
     import torch
 
     mean = vae.bn.running_mean.float().cpu()
-    return mean, torch.sqrt(vae.bn.running_var.float().cpu() + vae.config.batch_norm_eps)
+    eps = vae.config.batch_norm_eps if eps is None else eps
+    return mean, torch.sqrt(vae.bn.running_var.float().cpu() + eps)

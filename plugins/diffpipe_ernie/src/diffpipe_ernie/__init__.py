@@ -1,0 +1,1 @@
+"""diffpipe model plugin for ERNIE-Image (Baidu): entry point ``ernie-image``."""
