@@ -60,6 +60,8 @@ DISTRIBUTIONS = {
     "anima": "diffpipe-cosmos",
     "wan": "diffpipe-wan",
     "wan-i2v": "diffpipe-wan",
+    "wan-flf2v": "diffpipe-wan",
+    "wan-ti2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",
     "qwen-image-edit": "diffpipe-qwenimage",
     "qwen-image-2.1": "diffpipe-qwenimage",
