@@ -28,14 +28,10 @@ CPU = torch.device("cpu")
 RANK, ALPHA, STEPS = 4, 8.0, 6
 
 
-@pytest.fixture(scope="module")
-def flf2v_pipe(tiny_wan_flf2v: Path):
+def test_conditioning_is_the_pipelines_with_a_last_image(tiny_wan_flf2v: Path) -> None:
     from diffusers import WanImageToVideoPipeline
 
-    return WanImageToVideoPipeline.from_pretrained(str(tiny_wan_flf2v), local_files_only=True)
-
-
-def test_conditioning_is_the_pipelines_with_a_last_image(tiny_wan_flf2v: Path, flf2v_pipe) -> None:
+    flf2v_pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_flf2v), local_files_only=True)
     cfg = config(wan_flf2v, tiny_wan_flf2v)
     enc = wan_flf2v.load_encoders(model_config=cfg, device=CPU)
     video = frames(2, 9, 32, 48, seed=1)
@@ -63,6 +59,10 @@ def test_conditioning_is_the_pipelines_with_a_last_image(tiny_wan_flf2v: Path, f
     torch.testing.assert_close(x[:, 8:], condition[:, 4:].detach(), rtol=1e-5, atol=1e-6)
     t5 = t.view(-1, 1, 1, 1, 1)
     assert torch.allclose(x[:, :4], (1 - t5) * media["latents"] + t5 * (velocity + media["latents"]), atol=1e-6)
+
+    one = video[:, :, :1]
+    with pytest.raises(ValueError, match="wan-flf2v encodes clips with a first and a last frame; got clips of 1 frame"):
+        wan_flf2v.encode_batch(encoders=enc, batch=EncodeBatch(pixels=one, first_frames=first))
 
 
 def test_layers_compute_the_flf2v_transformer(tiny_wan_flf2v: Path) -> None:

@@ -107,6 +107,11 @@ class WanI2V(Wan):
                 f"wan-i2v encodes video clips with their first frames; got pixels of shape {tuple(batch.pixels.shape)}"
                 f" and {'no ' if batch.first_frames is None else ''}first frames"
             )
+        if self.last_frame and batch.pixels.shape[2] < 2:
+            raise ValueError(
+                f"{self.spec.name} encodes clips with a first and a last frame; got clips of {batch.pixels.shape[2]} "
+                "frame: give the dataset frame_buckets of 5 frames or more"
+            )
         last = batch.pixels[:, :, -1] if self.last_frame else None
         pixels, masks, first, last = encoding.fit_to_patches(batch.pixels, batch.masks, encoders, batch.first_frames,
                                                              last)  # fmt: skip

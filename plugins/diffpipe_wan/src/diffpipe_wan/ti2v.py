@@ -60,17 +60,14 @@ class WanTI2VConfig(WanConfig):
 class WanTI2V(SampleImageConditioning, Wan):
     """Wan 2.2 TI2V 5B image-to-video: the first latent frame clean, a time per token."""
 
+    tiny_writer = "diffpipe_wan.testing:write_tiny_wan_ti2v"  # python -m diffpipe_core.testing.tiny_models
     #: the released size (Wan 2.2 TI2V 5B) for the model page's GPU-fit table (diffpipe_core.engine.fit_table); its
     #: first layer's inputs come from text-to-video sampling (no sample image), with per-token times as in training
-    tiny_writer = "diffpipe_wan.testing:write_tiny_wan_ti2v"  # python -m diffpipe_core.testing.tiny_models
     plan_size = {
-        "transformer": {"patch_size": [1, 2, 2], "num_attention_heads": 24, "attention_head_dim": 128,
-                        "in_channels": 48, "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 14336,
-                        "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6},
+        **Wan.plan_size,
+        "transformer": {**Wan.plan_size["transformer"], "num_attention_heads": 24, "in_channels": 48,
+                        "out_channels": 48, "ffn_dim": 14336, "num_layers": 30},
         "vae": {"z_dim": 48, "scale_factor_spatial": 16, "scale_factor_temporal": 4},
-        "scheduler": {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
-                      "use_flow_sigmas": True, "flow_shift": 5.0, "num_train_timesteps": 1000},
-        "text": {"text_embeds": (512, 4096)},
     }  # fmt: skip
 
     spec = diffusers_spec(
