@@ -430,16 +430,27 @@ def run_workers(project: Project, stages: int, regime: str, threads: int, timeou
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     peaks: dict[int, int] = {}
     deadline = time.monotonic() + timeout
+    children: list[psutil.Process] = []
+    listed = 0.0
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             # every descendant: CPU workers are forked from the launcher (its command line), NCCL ones spawned;
-            # the workers' own reports name their pids, so helper processes sampled here are dropped below
-            for child in psutil.Process(proc.pid).children(recursive=True):
+            # the workers' own reports name their pids, so helper processes sampled here are dropped below. Listing
+            # descendants walks every process on the machine, so it is done twice a second, and the RSS read ten
+            # times a second: each worker samples its own RSS every 5 ms once it reports (memory_report), and both
+            # peaks are merged below
+            if time.monotonic() - listed > 0.5:
+                try:
+                    children = psutil.Process(proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    break
+                listed = time.monotonic()
+            for child in children:
                 try:
                     peaks[child.pid] = max(peaks.get(child.pid, 0), rss_anon(child.pid))
-                except psutil.NoSuchProcess:
+                except (psutil.NoSuchProcess, OSError):
                     continue
-            time.sleep(0.02)
+            time.sleep(0.1)
     finally:
         kill_group(proc)
         log.close()
@@ -449,6 +460,9 @@ def run_workers(project: Project, stages: int, regime: str, threads: int, timeou
     by_rank = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["rank"])
     if len(by_rank) != stages or any(r["pid"] not in peaks for r in by_rank):
         sys.exit(f"{stages} stages: {len(by_rank)} memory reports for {len(peaks)} sampled workers")
+    for report in by_rank:  # the worker's own 5 ms samples, phase by phase
+        own = max((p.get("peak", {}).get("rss_anon", 0) for p in report["phases"]), default=0)
+        peaks[report["pid"]] = max(peaks[report["pid"]], own, *(p["rss_anon"] for p in report["phases"]))
     return Workers([peaks[r["pid"]] for r in by_rank], by_rank)
 
 

@@ -62,6 +62,8 @@ DISTRIBUTIONS = {
     "wan-i2v": "diffpipe-wan",
     "wan-flf2v": "diffpipe-wan",
     "wan-ti2v": "diffpipe-wan",
+    "skyreels-v2": "diffpipe-wan",
+    "skyreels-v2-i2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",
     "qwen-image-edit": "diffpipe-qwenimage",
     "qwen-image-2.1": "diffpipe-qwenimage",

@@ -27,6 +27,7 @@ from diffpipe_core.engine.ds_patches import (
     keep_idle_groups_gradless,
     lean_step,
     name_gradless_boundary_tensors,
+    release_forward_inputs,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
@@ -298,6 +299,37 @@ def scenario_idle_group(rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def scenario_release_inputs(rank: int, out: Path) -> dict[str, Any]:
+    """Two stages, two micro-batches, with and without patch 11: the bytes each forward pass leaves in the stage's
+    input buffer (stage 1's first layer, a Linear, keeps its input for backward), the loss and the weights."""
+    from deepspeed.runtime.pipe import schedule
+
+    result: dict[str, Any] = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        module = ExplicitPartitionPipelineModule(
+            layers=[FirstLinear(DIM, DIM), nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)], parts=[0, 1, 4],
+            num_stages=2, loss_fn=mse, dynamic_shape=True,
+        )  # fmt: skip
+        engine = engine_for(module)
+        if patched:
+            release_forward_inputs(engine)
+        forward, kept = engine._INSTRUCTION_MAP[schedule.ForwardPass], []
+
+        def watched(self: Any, buffer_id: int, forward=forward, kept=kept) -> None:
+            forward(self, buffer_id)
+            inputs = self.pipe_buffers["inputs"][buffer_id]
+            kept.append(sum(t.untyped_storage().nbytes() for t in (inputs if isinstance(inputs, tuple) else (inputs,))
+                            if t.is_floating_point()))  # fmt: skip
+
+        engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.ForwardPass: watched}
+        losses = [float(engine.train_batch(data_iter=iter(batches(seed=step)))) for step in range(2)]
+        name = "patched" if patched else "plain"
+        result[name] = {"kept_bytes": kept, "losses": losses}
+        torch.save(local_state(module), out / f"release_inputs_{name}_rank{rank}.pt")
+    return result
+
+
 SCENARIOS = {
     "idle_group": scenario_idle_group,
     "parts": scenario_parts,
@@ -307,6 +339,7 @@ SCENARIOS = {
     "forward": scenario_forward,
     "single_replica": scenario_single_replica,
     "lean_step": scenario_lean_step,
+    "release_inputs": scenario_release_inputs,
 }
 
 

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("ds_patch_worker.py")
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
+DIM = 4  # tests/ds_patch_worker.py's layer width
 
 
 def run_ranks(scenarios: str, out: Path, timeout: float = 90, grace: float = 5) -> tuple[list[int | None], list[dict]]:
@@ -50,7 +51,7 @@ def working_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The scenarios expected to succeed, in one 2-process run (each DeepSpeed start costs seconds).
     A scenario that fails ends the run, so the tests of it and of the ones after it fail."""
     out = tmp_path_factory.mktemp("ds_ok")
-    run_ranks("parts,wrapped,forward,single_replica,lean_step", out)
+    run_ranks("parts,wrapped,forward,single_replica,lean_step,release_inputs", out)
     return out
 
 
@@ -152,6 +153,23 @@ def test_lean_step_walks_the_module_tree_only_on_a_mode_change_and_trains_the_sa
         assert plain_w.keys() == lean_w.keys() and plain_w
         for name, weight in plain_w.items():
             assert torch.equal(weight, lean_w[name]), f"rank {rank}: {name} differs with patch 9"
+
+
+def test_forward_inputs_keep_no_data_after_the_forward_and_train_the_same(working_run: Path) -> None:
+    """DeepSpeed runs each forward pass on a clone of the input buffer and keeps the buffer, data included, until
+    the backward (if it stops, patch 11 can go); patched, the buffer keeps one element's bytes, the losses and
+    every stage's weights are bit for bit the same over two steps."""
+    for rank, result in enumerate(scenario(working_run, "release_inputs")):
+        plain, patched = result["plain"], result["patched"]
+        assert len(plain["kept_bytes"]) == len(patched["kept_bytes"]) == 4  # 2 steps x 2 micro-batches
+        assert all(b == DIM * 4 for b in plain["kept_bytes"]), plain  # (1, DIM) float32, data kept
+        assert all(b == 4 for b in patched["kept_bytes"]), patched
+        assert plain["losses"] == patched["losses"]
+        before = torch.load(working_run / f"release_inputs_plain_rank{rank}.pt", weights_only=True)
+        after = torch.load(working_run / f"release_inputs_patched_rank{rank}.pt", weights_only=True)
+        assert before.keys() == after.keys() and before
+        for name, weight in before.items():
+            assert torch.equal(weight, after[name]), f"rank {rank}: {name} differs with patch 11"
 
 
 OP_START = """

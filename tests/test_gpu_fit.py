@@ -6,6 +6,7 @@ and HunyuanVideo plugins' scale: ``test_chosen_savers_fit_when_measured``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -109,6 +110,37 @@ def test_the_cheapest_fitting_savers_in_order(project: Path) -> None:
     excess = max(f.weight_bytes - q.weight_bytes for f, q in zip(full, float8) if f.block)
     assert quantized.plan.stages[0].load_bytes == excess > 0
     assert quantized.peak < sum(c.weight_bytes for c in full)
+
+
+def test_layouts_the_dataset_cannot_feed_are_not_offered(project: Path) -> None:
+    """16 images at micro-batch 2 are 8 micro-batches an epoch: with gradient_accumulation_steps = 4, 4 GPUs as 4
+    replicas of 1 stage give each replica 2 (the trainer refuses it), so the roomy fit takes 2 stages x 2 replicas
+    and says why; 8 GPUs leave 4 and 8 stages; a GAS of 16 leaves no layout, said as such."""
+    from diffpipe_core.data import BucketSampler
+    from diffpipe_core.engine.micro_batches import bucket_sizes
+
+    source = _source(project)
+    plain = _peak(source, Choice(1, False, 0, None))
+    assert source.micro_batches == 8
+    groups = source_dataset(project).groups()
+    sizes = bucket_sizes(source.cfg.run, source_dataset(project), groups)
+    assert len(BucketSampler(groups, sizes, 0, 4, 0, None)) == 2 < 4  # the trainer's own count: refused
+    four = fit_source(source, plain + 1, gpus=4)
+    assert four.fits and four.choice.stages == 2 and four.unfed == (1,), format_fit(four)
+    text = "\n".join(format_fit(four))
+    assert ("not offered: 1 stage x 4 data-parallel replicas: the dataset gives 8 full micro-batches an epoch, 2 per "
+            "replica, fewer than gradient_accumulation_steps = 4") in text, text  # fmt: skip
+    eight = fit_source(source, plain + 1, gpus=8)
+    assert eight.choice.stages == 4 and eight.unfed == (1, 2), format_fit(eight)
+    cfg = dataclasses.replace(source.cfg, run=source.cfg.run.model_copy(update={"gradient_accumulation_steps": 16}))
+    starved = fit_source(FitSource(cfg, source.plugin, source_dataset(project)), plain + 1, gpus=2)
+    assert starved.choice.stages in starved.unfed
+    assert "no layout trains on this dataset: it gives 8 full micro-batches an epoch" in "\n".join(format_fit(starved))
+
+
+def source_dataset(root: Path):
+    cfg = load_config(root / "run.toml", get_registry())
+    return open_cached(cfg.run.dataset, get_registry().model("reference"), cfg.model)
 
 
 def test_fragment_merged_into_the_config_validates(project: Path) -> None:

@@ -311,18 +311,19 @@ def test_the_memory_split_and_each_stages_estimate_worked_by_hand() -> None:
     assert estimates(plan) == [(2, 20, 2 * 18 + 4, 5, 65), (2, 10, 2 * 13 + 8, 5, 49), (1, 30, 18 + 4, 5, 57)]
 
 
-def test_a_stage_input_its_layers_keep_or_pass_on_counts_twice_per_micro_batch() -> None:
+def test_a_stage_input_counts_once_per_micro_batch_whether_its_layers_keep_it_or_not() -> None:
     """DeepSpeed's forward pass runs a stage on a clone of its input buffer and keeps the buffer until the
-    micro-batch's backward (issue 46): an input the stage's layers keep for backward (a LayerNorm's, a LoRA'd
-    linear's), or pass on to the next stage unchanged (a rotary table), is held twice per micro-batch in flight; one
-    they only read is held once (the buffer). 2 stages of one layer each, in flight 2 and 1."""
+    micro-batch's backward; ds_patches.release_forward_inputs frees the buffer's data after the forward (issue 46),
+    so an input the stage's layers keep for backward (a LoRA'd linear's), or pass on to the next stage unchanged (a
+    rotary table), is held once per micro-batch in flight, as one they only read. 2 stages of one layer each, in
+    flight 2 and 1."""
     run = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=4, pipeline_stages=2, partition_split=[1])
     keeps = chain([10, 10], [5, 5], 4)
     keeps.layers[0].tensors.saved[0] = 4  # layer 0 keeps its input (tensor 0)
     keeps.layers[1].tensors.outputs[1] = 4  # layer 1 hands its input (tensor 1) on beside its output
     plan = plan_stages(keeps, run, 2, on_gpu=False, activations="-")
-    # stage 0: 2 x (input 4 + kept 5 + output 4 + the clone 4) + send buffer 4; stage 1: 1 x (4 + 5 + 4 + 4) + 4
-    assert [s.activation_bytes for s in plan.stages] == [2 * 17 + 4, 17 + 4]
+    # stage 0: 2 x (input 4 + kept 5 + output 4) + send buffer 4; stage 1: 1 x (4 + 5 + 4) + 4
+    assert [s.activation_bytes for s in plan.stages] == [2 * 13 + 4, 13 + 4]
     reads = plan_stages(chain([10, 10], [5, 5], 4), run, 2, on_gpu=False, activations="-")
     assert [s.activation_bytes for s in reads.stages] == [2 * 13 + 4, 13 + 4]
 

@@ -54,6 +54,13 @@
    the step fell on it) then takes an optimizer step on a zero gradient: AdamW's moments move it and weight decay
    shrinks it, which a run on one replica (no gradient: no step) never does. Before the reduction the replicas agree
    which groups any of them used; after it, the groups none used get their gradients back as None.
+11. ``release_forward_inputs``: ``PipelineEngine._exec_forward_pass`` runs a stage on a clone of the micro-batch's
+   input buffer and keeps the buffer until the micro-batch's backward, which reads only its ``.grad``. A stage
+   whose first layer keeps its input for backward (a LoRA'd linear, a norm) then holds the input twice for every
+   micro-batch in flight: with S stages and gradient accumulation >= S the first stage holds S extra copies
+   (issue 46). After the forward we point each float buffer's data at a single broadcast zero of its shape:
+   the gradient still accumulates into it (autograd checks the shape only) and DeepSpeed sends it as before,
+   and the clone the layers kept is the one copy left.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -144,7 +151,21 @@ def name_gradless_boundary_tensors(engine: PipelineEngine, producer: str) -> Non
                 )
         PipelineEngine._exec_send_grads(self, buffer_id)
 
-    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, schedule.SendGrad: send_grads}
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.SendGrad: send_grads}
+
+
+def release_forward_inputs(engine: PipelineEngine) -> None:
+    """Patch 11 on this engine: after each forward pass, the input buffer's float tensors keep their shape and
+    gradient but no data (the forward ran on their clones)."""
+
+    def forward_pass(self: PipelineEngine, buffer_id: int) -> None:
+        PipelineEngine._exec_forward_pass(self, buffer_id)
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        for tensor in inputs if isinstance(inputs, tuple) else (inputs,):
+            if torch.is_tensor(tensor) and tensor.is_floating_point() and tensor.dim() > 0:
+                tensor.data = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.ForwardPass: forward_pass}
 
 
 def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: int) -> list[Any] | None:

@@ -23,6 +23,10 @@ and picks the **cheapest** that fits. Cheapest means least estimated step time f
      left when they do not fully hide, a guess until GPU timings replace it);
 3. ties: fewer stages, then no checkpointing before checkpointing before offload, then fewer swapped blocks.
 
+A layout whose data-parallel replicas (GPUs / stages) the cached dataset cannot feed a step each (fewer full
+micro-batches per replica than ``gradient_accumulation_steps``: the trainer refuses it) is not offered; the answer
+names the layouts left out and why.
+
 The estimates count what each stage holds (weights, trainable state, activations of the micro-batches in flight at
 the run's largest bucket, the checkpoint's and save's transients) and, with a quantized base, its load's transient
 (each block is read at full precision, then quantized); not the CUDA context or allocator slack: leave a margin.
@@ -103,6 +107,8 @@ class Fit:
     gas: int
     activations: str
     base: StagePlan | None = None  # the config as it is, on one stage per GPU group
+    unfed: tuple[int, ...] = ()  # stage counts left out: their replicas get less than a step of data each
+    micro_batches: int | None = None  # full micro-batches an epoch of the cached dataset gives
 
     @property
     def peak(self) -> int:
@@ -137,6 +143,11 @@ class FitSource:
             self.activations = "given inputs"
         elif dataset is not None:
             self.inputs, self.activations = example_inputs(dataset, plugin, cfg)
+        self.micro_batches: int | None = None  # full micro-batches an epoch gives (None: dataset not cached)
+        if dataset is not None:
+            from diffpipe_core.engine.micro_batches import full_micro_batches
+
+            self.micro_batches = full_micro_batches(cfg.run, dataset)
         # a quantized base loaded at full precision as a whole (merged into first, or no per-stage loading)
         self.whole_stage_load = bool(getattr(cfg.model, "merge_adapters", None)) or not plugin.has(
             "diffusion_model_weights"
@@ -260,7 +271,13 @@ def fit_source(source: FitSource, budget: int, gpus: int = 1, on_gpu: bool = Tru
     gas = cfg.run.gradient_accumulation_steps
     best: tuple[tuple, Choice, StagePlan, float] | None = None
     closest: tuple[int, Choice, StagePlan, float] | None = None
-    for raw in candidates(cfg, source.plugin, gpus, len(source.layers), on_gpu):
+    offered = candidates(cfg, source.plugin, gpus, len(source.layers), on_gpu)
+    unfed: set[int] = set()
+    if source.micro_batches is not None:  # replicas the dataset cannot give a step each: the trainer refuses them
+        unfed = {c.stages for c in offered if source.micro_batches // (gpus // c.stages) < gas}
+        if len(unfed) < len({c.stages for c in offered}):  # when none is fed, all are planned and the answer says so
+            offered = [c for c in offered if c.stages not in unfed]
+    for raw in offered:
         choice, plan = _fewest_swapped(source, raw, budget, on_gpu)
         cost = choice.step_cost(gas, -(-source.blocks // choice.stages))
         peak = _peak(plan)
@@ -277,7 +294,8 @@ def fit_source(source: FitSource, budget: int, gpus: int = 1, on_gpu: bool = Tru
     _, choice, plan, cost = best if best is not None else closest
     base = _plan(source, Choice(1, cfg.run.activation_checkpointing, cfg.run.blocks_to_swap,
                                 getattr(cfg.model, "quantize", None)), on_gpu)  # fmt: skip
-    return Fit(budget, gpus, choice, plan, best is not None, cost, gas, source.activations, base)
+    return Fit(budget, gpus, choice, plan, best is not None, cost, gas, source.activations, base,
+               tuple(sorted(unfed)), source.micro_batches)  # fmt: skip
 
 
 def fit_config(cfg: ResolvedConfig, plugin: ModelPlugin, budget: int, gpus: int = 1, on_gpu: bool = True) -> Fit:
@@ -317,6 +335,19 @@ def format_fit(fit: Fit) -> list[str]:
         lines.append("  (a quantized base's blocks are read at full precision, then quantized: that load is the peak)")
     if fit.base is not None:
         lines.append(f"  as configured, on 1 stage: estimated peak {gib(_peak(fit.base))}")
+    if fit.choice.stages in fit.unfed:
+        lines.append(
+            f"  no layout trains on this dataset: it gives {fit.micro_batches} full micro-batches an epoch, fewer than "
+            f"gradient_accumulation_steps = {fit.gas} per replica on every layout of {fit.gpus} GPUs (the trainer "
+            "refuses it); add data, or lower micro_batch_size_per_gpu or gradient_accumulation_steps"
+        )
+    for stages in () if fit.choice.stages in fit.unfed else fit.unfed:
+        replicas = fit.gpus // stages
+        lines.append(
+            f"  not offered: {stages} stage{'s' if stages > 1 else ''} x {replicas} data-parallel replicas: the "
+            f"dataset gives {fit.micro_batches} full micro-batches an epoch, {fit.micro_batches // replicas} per replica, "
+            f"fewer than gradient_accumulation_steps = {fit.gas} (more data or a smaller micro-batch would allow it)"
+        )
     if not fit.fits:
         big = max(fit.plan.stages, key=stage_peak)
         lines.append(

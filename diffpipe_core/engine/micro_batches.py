@@ -39,6 +39,14 @@ def bucket_sizes(run: RunConfig, dataset: Any, groups: list[list[int]]) -> list[
     return sizes
 
 
+def full_micro_batches(run: RunConfig, dataset: Any) -> int:
+    """How many full micro-batches an epoch of ``dataset`` gives (all data-parallel ranks together): a layout of
+    ``dp`` replicas trains when ``full_micro_batches // dp >= gradient_accumulation_steps`` (the trainer's rule,
+    through :class:`~diffpipe_core.data.BucketSampler`)."""
+    groups = [g for g in dataset.groups() if len(g)]
+    return sum(len(g) // size for g, size in zip(groups, bucket_sizes(run, dataset, groups)))
+
+
 class MicroBatches:
     """The iterator DeepSpeed pulls micro-batches from: sampler -> collate -> prepare_inputs."""
 

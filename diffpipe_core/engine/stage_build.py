@@ -30,6 +30,7 @@ from diffpipe_core.engine.ds_patches import (
     keep_idle_groups_gradless,
     lean_step,
     name_gradless_boundary_tensors,
+    release_forward_inputs,
     single_backward,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
@@ -285,6 +286,7 @@ def build_stage(
     skip_single_replica_allreduce(engine)
     keep_idle_groups_gradless(engine, [g["params"] for g in groups])
     lean_step(engine)
+    release_forward_inputs(engine)
     if release is not None:
         single_backward(engine)
     if layout.stage_id > 0:

@@ -5,8 +5,8 @@ A stage's estimated peak (bytes on its device) is
     weights (minus swapped blocks' frozen weights, which live in host memory on a GPU run)
     + trainable tensors' own bytes, gradients and optimizer state
     + activations: what its layers keep for backward (block inputs only where activation checkpointing is on,
-      none on the device with "offload"), its input and output tensors (the inputs its layers keep or pass on
-      twice: DeepSpeed runs the forward on a clone of the input buffer it keeps), times the micro-batches in flight
+      none on the device with "offload"), its input and output tensors (each once: DeepSpeed runs the forward on a
+      clone of its input buffer, whose data ds_patches releases after the forward), times the micro-batches in flight
       there (DeepSpeed's 1F1B schedule: min(stages - stage, gradient_accumulation_steps)), plus one set of receive
       buffers for the boundary tensors and their gradients
     + a transient: the largest single layer's saved activations (its backward's scratch, or its recomputation),
@@ -176,9 +176,9 @@ class Estimator:
 def _interval_tables(costs: ModelCosts, checkpointed: tuple[bool, ...], offload: bool) -> tuple[list, list]:
     """Per interval of layers [i, j): the activations one micro-batch keeps there (``union``: each storage once; a
     checkpointed layer keeps its inputs, none on the device with ``offload``; the interval's inputs, and the last
-    layer's outputs; the interval's inputs its layers keep or pass on once more: DeepSpeed's forward pass runs the
-    stage on a clone of its input buffer and keeps the buffer until the micro-batch's backward) and the largest
-    single layer's backward transient (``transient``). Made once per measurement
+    layer's outputs; each once: DeepSpeed's forward pass runs the stage on a clone of its input buffer, and
+    ``ds_patches.release_forward_inputs`` frees the buffer's data after the forward) and the largest single layer's
+    backward transient (``transient``). Made once per measurement
     and way of keeping (the GPU-fit planner plans many candidates over one measurement): O(layers^2)."""
     layers = costs.layers
     cache = costs.measurement.tables if costs.measurement is not None else {}
@@ -194,19 +194,14 @@ def _interval_tables(costs: ModelCosts, checkpointed: tuple[bool, ...], offload:
         first = layers[i].tensors.inputs
         running = dict(first)
         total, top = sum(running.values()), 0
-        held: set[int] = set()  # the interval's inputs that one of its layers keeps
         for j in range(i, n):
             for storage, size in kept[j].items():
-                held.update([storage] if storage in first else [])
                 if storage not in running:
                     running[storage] = size
                     total += size
             top = max(top, own[j])
             extra = sum(b for storage, b in layers[j].tensors.outputs.items() if storage not in running)
-            # DeepSpeed's forward runs on a clone of the stage's input buffer, which it keeps until the backward:
-            # inputs a layer keeps, or passes on to the next stage, are held twice
-            cloned = sum(first[s] for s in held.union(layers[j].tensors.outputs).intersection(first))
-            union[i][j + 1] = total + extra + cloned
+            union[i][j + 1] = total + extra
             transient[i][j + 1] = top
     cache[key] = (union, transient)
     return union, transient

@@ -62,3 +62,38 @@ def wan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("wan-run")
     return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")
+
+
+def _write_skyreels(factory: pytest.TempPathFactory, variant: str, **kw) -> Path:
+    from diffpipe_wan.skyreels_testing import write_tiny_skyreels
+
+    return write_tiny_skyreels(factory.mktemp("skyreels") / f"tiny-skyreels-{variant}", variant, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_skyreels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SkyReels V2 text-to-video (``SkyReelsV2Pipeline``)."""
+    return _write_skyreels(tmp_path_factory, "t2v")
+
+
+@pytest.fixture(scope="session")
+def tiny_skyreels_df(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SkyReels V2 diffusion forcing (``SkyReelsV2DiffusionForcingPipeline``), with the frame-rate embedding."""
+    return _write_skyreels(tmp_path_factory, "df", fps=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_skyreels_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SkyReels V2 image-to-video (``SkyReelsV2ImageToVideoPipeline``, CLIP vision encoder)."""
+    return _write_skyreels(tmp_path_factory, "i2v")
+
+
+@pytest.fixture(scope="session")
+def skyreels_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared ``skyreels-v2`` diffusion-forcing run (test_skyreels_train.py's project). Returns its run folder."""
+    from test_skyreels_train import make_project
+
+    from diffpipe_core.testing import runs
+
+    root = tmp_path_factory.mktemp("skyreels-run")
+    return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")

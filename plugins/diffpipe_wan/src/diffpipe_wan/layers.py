@@ -44,9 +44,9 @@ class EmbedLayer(nn.Module):
         grid = torch.tensor(hidden.shape[2:], dtype=torch.long)
         hidden = hidden.flatten(2).transpose(1, 2).contiguous()
         per_token = t.shape[1] if t.ndim == 2 else None  # Wan 2.2 TI2V image-to-video: a time per token
+        seq_len = {} if per_token is None else {"timestep_seq_len": per_token}  # SkyReels V2's embedder takes none
         temb, modulation, context, image_context = self.condition_embedder(
-            t.float().flatten() * 1000, text.to(dtype), self._image(image[0].to(dtype)) if image else None,
-            timestep_seq_len=per_token,
+            t.float().flatten() * 1000, text.to(dtype), self._image(image[0].to(dtype)) if image else None, **seq_len
         )
         if image_context is not None:
             context = torch.cat([image_context, context], dim=1)
@@ -79,17 +79,21 @@ class HeadLayer(OutputHead):
 
     def forward(self, inputs: Tensors) -> Tensors:
         hidden, temb, grid = inputs
-        if temb.ndim == 3:  # a time per token (Wan 2.2 TI2V image-to-video)
-            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
-            shift, scale = shift.squeeze(2), scale.squeeze(2)
-        else:
-            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = self.shift_scale(temb, grid)
         hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
         hidden = self.proj_out(hidden)
         f, h, w = (int(v) for v in grid.tolist())
         p_t, p_h, p_w = self.patch_size
         hidden = hidden.reshape(hidden.shape[0], f, h, w, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return (hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3).float(),)
+
+    def shift_scale(self, temb: torch.Tensor, grid: torch.Tensor) -> Tensors:
+        """The output norm's shift and scale from the time embedding ``(B, D)``, or per token ``(B, L, D)`` (Wan 2.2
+        TI2V image-to-video)."""
+        if temb.ndim == 3:
+            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            return shift.squeeze(2), scale.squeeze(2)
+        return (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
 
 
 def split_into_layers(model: nn.Module) -> list[nn.Module]:
