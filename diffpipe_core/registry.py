@@ -60,6 +60,8 @@ DISTRIBUTIONS = {
     "anima": "diffpipe-cosmos",
     "wan": "diffpipe-wan",
     "wan-i2v": "diffpipe-wan",
+    "wan-flf2v": "diffpipe-wan",
+    "wan-ti2v": "diffpipe-wan",
     "skyreels-v2": "diffpipe-wan",
     "skyreels-v2-i2v": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",

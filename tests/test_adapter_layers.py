@@ -93,3 +93,20 @@ def test_a_parameter_group_that_sat_the_step_out_is_not_named() -> None:
     assert lora_without_gradient(named, groups) == [
         "b_unused.lora_A.default.weight", "b_unused.lora_B.default.weight",
     ]  # fmt: skip
+
+
+def test_a_network_the_first_step_left_out_is_not_named_without_group_lr() -> None:
+    """Issue 41: Wan 2.2 A14B's two experts in one run share one optimizer group when no ``group_lr`` / ``expert_lr``
+    splits them; a first step whose samples all went to one expert leaves the other's LoRA without a gradient, which
+    is that network sitting the step out (the plugin's named groups), not a module outside the forward path."""
+    from diffpipe_core.optim import plugin_groups
+
+    high, low = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    trainable = {"blocks.0.attn1.to_q.lora_A.default.weight": high,
+                 "transformer_2.blocks.0.attn1.to_q.lora_A.default.weight": low}  # fmt: skip
+    networks = plugin_groups(trainable, {"high": [r"(?!transformer_2\.)"], "low": [r"transformer_2\."]})
+    assert [[id(p) for p in ps] for ps in networks] == [[id(high)], [id(low)]]
+    high.grad = torch.ones(2)
+    assert lora_without_gradient(trainable, networks) == []
+    assert lora_without_gradient(trainable) == ["transformer_2.blocks.0.attn1.to_q.lora_A.default.weight"]
+    assert plugin_groups(trainable, None) == []

@@ -276,6 +276,10 @@ def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
                         tmp_path / "dataset.toml")
     assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-i2v"
     assert "config.json says model_type = 'i2v'" in imported.files["run.toml"]
+    (wan / "config.json").write_text(json.dumps({"model_type": "flf2v", "dim": 5120}))  # first-last frame
+    imported = _convert(tmp_path, _in_main_example(f"[model]\ntype = 'wan'\nckpt_path = '{wan}'\n"),
+                        tmp_path / "dataset.toml")
+    assert tomllib.loads(imported.files["run.toml"])["model"]["type"] == "wan-flf2v"
 
 
 def test_max_sequence_length_becomes_text_max_length(tmp_path: Path) -> None:

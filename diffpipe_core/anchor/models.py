@@ -50,7 +50,7 @@ EDIT_VARIANTS = {"flux": "flux-kontext", "qwen-image": "qwen-image-edit"}
 # words in a model file or folder name that mark the edit variant's weights, as its releases name them
 EDIT_WORDS = {"flux": "kontext", "qwen-image": "edit"}
 # Wan's config.json model_type values that diffusion-pipe trains image-to-video
-WAN_I2V = ("i2v", "flf2v")
+WAN_I2V = ("i2v",)
 # what diffpipe's model reads as [model] path where diffusion-pipe took another model's folder
 PATH_NOTES = {
     "qwen-image-edit": "path must be a Qwen-Image-Edit diffusers folder (its processor prepares the control images); "
@@ -95,6 +95,9 @@ def diffpipe_model(anchor_type: str, table: dict[str, Any], uses_control: bool, 
         if variant in WAN_I2V:
             return ModelChoice("wan-i2v", f"the checkpoint's config.json says model_type = {variant!r}: "
                                           "diffpipe's 'wan-i2v' trains it on each clip's first frame")
+        if variant == "flf2v":
+            return ModelChoice("wan-flf2v", "the checkpoint's config.json says model_type = 'flf2v': diffpipe's "
+                                            "'wan-flf2v' trains it on each clip's first and last frame")
     if name == "flux2":
         named = _file_naming(table, "klein")
         if named:

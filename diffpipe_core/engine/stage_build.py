@@ -44,7 +44,14 @@ from diffpipe_core.engine.regularization import FrozenBase, needs_base
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.merge_adapters import merge_into, native_targets
-from diffpipe_core.optim import build_optimizer, forced_lr, freeze_zero_lr_groups, parameter_groups, run_lr_lambda
+from diffpipe_core.optim import (
+    build_optimizer,
+    forced_lr,
+    freeze_zero_lr_groups,
+    parameter_groups,
+    plugin_groups,
+    run_lr_lambda,
+)
 from diffpipe_core.optim.gradient_release import GradientRelease
 from diffpipe_core.optim.offload import offload_state
 from diffpipe_core.quantize import load_quantized, quantize_stage
@@ -265,7 +272,8 @@ def build_stage(
             f"pipeline stage {layout.stage_id} (layers {own.start}..{own.stop - 1}) has no trainable parameters; "
             "change partition_split or the adapter's target_modules"
         )
-    groups = parameter_groups(run.optimizer, trainable, plugin.call("parameter_groups", model_config=cfg.model))
+    named_groups = plugin.call("parameter_groups", model_config=cfg.model)
+    groups = parameter_groups(run.optimizer, trainable, named_groups)
     for group in groups:
         group["lr"] = forced_lr(run.optimizer, group["lr"])
     optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
@@ -285,7 +293,8 @@ def build_stage(
     guard = OptimizerGuard(optimizer, list(trainable.values()), run.gradient_clipping, layout.replicas, device)
     guard.release = release
     if lora is not None:
-        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id, groups)
+        networks = [g["params"] for g in groups] if len(groups) > 1 else plugin_groups(trainable, named_groups)
+        guard.first_step_check = lambda: _check_lora_gradients(trainable, layout.stage_id, networks)
     ds_config = {
         "train_micro_batch_size_per_gpu": run.default_micro_batch_size,  # bookkeeping only: sizes may vary
         "gradient_accumulation_steps": run.gradient_accumulation_steps,
@@ -394,10 +403,10 @@ def init_adapter_from(model: nn.Module, plugin: ModelPlugin, path: Path, config:
         raise ValueError(f"adapter.init_from_existing: {path} has no keys matching this model's adapter layers")
 
 
-def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int, groups: list[dict]) -> None:
+def _check_lora_gradients(trainable: dict[str, torch.Tensor], stage_id: int, networks: list[list]) -> None:
     """After the first step's backward: an adapter tensor without a gradient is not in the forward path (unless its
-    whole parameter group got none: that group's network sat the step out)."""
-    unused = lora_without_gradient(trainable, [g["params"] for g in groups] if len(groups) > 1 else None)
+    whole parameter group, the optimizer's or the plugin's, got none: that group's network sat the step out)."""
+    unused = lora_without_gradient(trainable, networks if len(networks) > 1 else None)
     if unused:
         shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
         raise ValueError(

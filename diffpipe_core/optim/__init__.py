@@ -78,9 +78,28 @@ def parameter_groups(
 
     if not cfg.group_lr:
         return [{"name": DEFAULT_GROUP, "params": list(trainable.values()), "lr": cfg.lr}]
-    named = named or {DEFAULT_GROUP: []}
-    patterns = {g: [re.compile(p) for p in pats] for g, pats in named.items()}
     globs = [key for key in cfg.group_lr if is_lr_pattern(key)]
+    members = _members(trainable, named or {DEFAULT_GROUP: []}, globs)
+    return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
+
+
+def plugin_groups(
+    trainable: dict[str, torch.nn.Parameter], named: dict[str, list[str]] | None
+) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters of each group the plugin names (its ``parameter_groups`` hook), with or without
+    ``group_lr``: the networks a step may leave out (Wan 2.2 A14B's two experts), though they share one optimizer
+    group at one learning rate. Empty without named groups."""
+    if not named:
+        return []
+    return [ps for ps in _members(trainable, named, []).values() if ps]
+
+
+def _members(
+    trainable: dict[str, torch.nn.Parameter], named: dict[str, list[str]], globs: list[str]
+) -> dict[str, list[torch.nn.Parameter]]:
+    """Each parameter in the group of the first glob of ``globs`` it matches, else of the first named group a
+    pattern of which matches it, else of the first named group."""
+    patterns = {g: [re.compile(p) for p in pats] for g, pats in named.items()}
     members: dict[str, list[torch.nn.Parameter]] = {g: [] for g in [*named, *globs]}
     first = next(iter(named))
     for name, param in trainable.items():
@@ -88,7 +107,7 @@ def parameter_groups(
         if group is None:
             group = next((g for g, pats in patterns.items() if any(p.match(name) for p in pats)), first)
         members[group].append(param)
-    return [{"name": g, "params": ps, "lr": cfg.group_lr.get(g, cfg.lr)} for g, ps in members.items() if ps]
+    return members
 
 
 def freeze_zero_lr_groups(

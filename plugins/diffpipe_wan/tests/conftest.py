@@ -35,6 +35,18 @@ def tiny_wan_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_flf2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 first-last-frame-to-video (CLIP vision, the image embedder's two-image ``pos_embed``)."""
+    return _write(tmp_path_factory, "tiny-wan-flf2v", i2v=True, clip=True, flf2v=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_a14b_i2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.2 I2V A14B: two image-to-video experts (no CLIP), ``boundary_ratio`` 0.9."""
+    return _write(tmp_path_factory, "tiny-wan-a14b-i2v", i2v=True, boundary_ratio=0.9)
+
+
+@pytest.fixture(scope="session")
 def tiny_wan_ti2v(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wan 2.2 TI2V: the 16x VAE, ``expand_timesteps``."""
     return _write(tmp_path_factory, "tiny-wan-ti2v", vae22=True)

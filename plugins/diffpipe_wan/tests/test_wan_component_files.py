@@ -31,13 +31,16 @@ from diffpipe_core.testing.component_files import (
     variant_model,
     write_component_files,
 )
+from diffpipe_wan.flf2v import wan_flf2v
 from diffpipe_wan.i2v import wan_i2v
 from diffpipe_wan.original import layout_for_config
 from diffpipe_wan.plugin import wan
+from diffpipe_wan.ti2v import wan_ti2v
 from diffpipe_wan.umt5 import umt5_table
 
 CPU = torch.device("cpu")
-VARIANTS = [("tiny_wan", wan), ("tiny_wan_ti2v", wan), ("tiny_wan_i2v", wan_i2v)]
+VARIANTS = [("tiny_wan", wan), ("tiny_wan_ti2v", wan), ("tiny_wan_i2v", wan_i2v), ("tiny_wan_flf2v", wan_flf2v),
+            ("tiny_wan_ti2v", wan_ti2v)]
 
 
 def comfy_files(folder: Path, out: Path) -> dict:
@@ -83,7 +86,7 @@ def test_component_files_load_exactly_the_folders_weights(request, tmp_path: Pat
         plugin.load_encoders(cfg, CPU),
         plugin.load_encoders(folder_cfg.model_copy(update=dict(encoder_dtype="float32")), CPU),
     )
-    names = ["vae", "text_encoder"] + (["image_encoder"] if fixture == "tiny_wan_i2v" else [])
+    names = ["vae", "text_encoder"] + (["image_encoder"] if fixture in ("tiny_wan_i2v", "tiny_wan_flf2v") else [])
     for name in names:
         same_state(getattr(got, name), getattr(expected, name))
     same_state(
@@ -187,6 +190,7 @@ def test_component_files_train_as_the_folder(wan_run: Path, tmp_path: Path) -> N
     [
         ("tiny_wan", wan, {"num_layers": 3, "num_attention_heads": 3, "ffn_dim": 24}),  # 1.3B folder, 14B-like file
         ("tiny_wan_i2v", wan_i2v, {"num_layers": 1, "image_dim": None, "added_kv_proj_dim": None}),  # 2.1 / 2.2 i2v
+        ("tiny_wan_i2v", wan_flf2v, {"pos_embed_seq_len": 10}),  # an FLF2V file (img_emb.emb_pos) beside 2.1 i2v
     ],
 )
 def test_a_file_of_another_variant_loads_as_itself(request, tmp_path: Path, fixture: str, plugin, read: dict) -> None:

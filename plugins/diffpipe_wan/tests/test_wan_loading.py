@@ -145,7 +145,7 @@ def test_bad_folders_and_settings_are_named(
     index = json.loads((ti2v_as_i2v / "model_index.json").read_text())
     (ti2v_as_i2v / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
     (problem,) = wan_i2v.validate_model_files(config(wan_i2v, ti2v_as_i2v))
-    assert "expand_timesteps is set: a Wan 2.2 TI2V folder" in problem and 'type = "wan"' in problem
+    assert "expand_timesteps is set: a Wan 2.2 TI2V folder" in problem and 'type = "wan-ti2v"' in problem
     shutil.rmtree(ti2v_as_i2v / "vae")
     (problem,) = wan_i2v.validate_model_files(config(wan_i2v, ti2v_as_i2v))
     assert problem == f"{ti2v_as_i2v / 'vae'}: missing; expected the vae ('AutoencoderKLWan')"

@@ -91,25 +91,48 @@ def latent_shape(vae: dict[str, Any], transformer: dict[str, Any], request: Any)
 
 
 # ---------------------------------------------------------------------------------------------- image-to-video
-def first_frame_latents(vae: Any, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
-    """``(B, z, F', h, w)``: the normalised latents of each clip ``[first frame, zeros, ...]`` of ``frames`` frames
-    (``WanImageToVideoPipeline.prepare_latents``' ``latent_condition``)."""
+def first_frame_latents(
+    vae: Any, first_frames: torch.Tensor, frames: int, last_frames: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B, z, F', h, w)``: the normalised latents of each clip ``[first frame, zeros, ...]`` of ``frames`` frames,
+    or with ``last_frames`` ``[first frame, zeros, ..., last frame]`` (``WanImageToVideoPipeline.prepare_latents``'
+    ``latent_condition``, without and with its ``last_image``)."""
     image = first_frames.unsqueeze(2)
     b, c, _, h, w = image.shape
-    video = torch.cat([image, image.new_zeros(b, c, frames - 1, h, w)], dim=2)
+    last = () if last_frames is None else (last_frames.unsqueeze(2),)
+    video = torch.cat([image, image.new_zeros(b, c, frames - 1 - len(last), h, w), *last], dim=2)
     return latents(vae, video)
 
 
-def first_frame_mask(batch: int, latent_frames: int, h: int, w: int, temporal: int = 4) -> torch.Tensor:
-    """``(B, temporal, F', h, w)``: 1 on the latent frame of the given first frame, 0 on the generated ones, laid out as
-    ``WanImageToVideoPipeline.prepare_latents`` lays out its mask (the first pixel frame repeated ``temporal`` times,
-    then ``temporal`` pixel frames per latent frame)."""
+def first_frame_mask(
+    batch: int, latent_frames: int, h: int, w: int, temporal: int = 4, last: bool = False
+) -> torch.Tensor:
+    """``(B, temporal, F', h, w)``: 1 on the latent frame of the given first frame (and with ``last`` on the pixel
+    frame of the given last one), 0 on the generated ones, laid out as ``WanImageToVideoPipeline.prepare_latents`` lays
+    out its mask (the first pixel frame repeated ``temporal`` times, then ``temporal`` pixel frames per latent
+    frame)."""
     frames = temporal * (latent_frames - 1) + 1
     mask = torch.ones(batch, 1, frames, h, w)
-    mask[:, :, 1:] = 0
+    mask[:, :, 1 : frames - 1 if last else frames] = 0
     first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=temporal)
     mask = torch.cat([first, mask[:, :, 1:]], dim=2)
     return mask.view(batch, -1, temporal, h, w).transpose(1, 2)
+
+
+def sample_images(files: list[Any], vae_config: dict[str, Any], h: int, w: int) -> list[tuple[Any, torch.Tensor]]:
+    """Each image file as ``(PIL RGB image, pixels (1, 3, H, W))``, resized to the ``h`` x ``w`` latent grid's pixels
+    as the Wan pipelines' ``video_processor.preprocess`` resizes them."""
+    from diffusers.video_processor import VideoProcessor
+    from PIL import Image
+
+    spatial = int(vae_config.get("scale_factor_spatial", 8))
+    out = []
+    for file in files:
+        with Image.open(file) as opened:
+            image = opened.convert("RGB")
+        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, height=h * spatial, width=w * spatial)
+        out.append((image, pixels.float()))
+    return out
 
 
 def to_images(first_frames: torch.Tensor) -> list[Any]:
@@ -118,6 +141,15 @@ def to_images(first_frames: torch.Tensor) -> list[Any]:
 
     arr = ((first_frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
     return [Image.fromarray(a) for a in arr]
+
+
+def clip_embeds(image_encoder: Any, image_processor: Any, first: list[Any], last: list[Any] | None) -> torch.Tensor:
+    """``(B, n, d)`` :func:`image_embeds` of the first frames, or with ``last`` ``(B, 2n, d)``: each sample's first and
+    last frame's side by side (``WanImageToVideoPipeline.encode_image([image, last_image])``, one sample's two rows)."""
+    if last is None:
+        return image_embeds(image_encoder, image_processor, first)
+    pairs = image_embeds(image_encoder, image_processor, [im for pair in zip(first, last, strict=True) for im in pair])
+    return pairs.reshape(len(first), -1, pairs.shape[-1])
 
 
 @torch.no_grad()

@@ -20,6 +20,8 @@ from diffpipe_wan.config import WanI2VConfig
 from diffpipe_wan.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, Wan, _folder_facts, sampling_timestep
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from diffpipe_core import EncodeBatch, TrainingContext
@@ -33,6 +35,7 @@ class WanI2V(Wan):
     #: no GPU-fit table (diffpipe_core.engine.fit_table) yet: its first layer's inputs need a first frame encoded by the
     #: VAE and CLIP, which a config-only folder cannot do (its blocks are Wan 14B's plus the image cross-attention)
     plan_size = None
+    last_frame = False  # conditioned on the clip's last frame too (diffpipe_wan.flf2v)
     tiny_writer = "diffpipe_wan.testing:write_tiny_wan_i2v"  # python -m diffpipe_core.testing.tiny_models
 
     spec = replace(
@@ -61,9 +64,9 @@ class WanI2V(Wan):
         if _folder_facts(str(model_config.path))["index"].get("expand_timesteps"):
             found.append(
                 f"{model_config.path / 'model_index.json'}: expand_timesteps is set: a Wan 2.2 TI2V folder, whose "
-                "image-to-video keeps the first latent frame clean instead of conditioning on it; train it with "
-                "[model] type = \"wan\" (text-to-video), wan-i2v takes WanImageToVideoPipeline folders of Wan 2.1 / "
-                "2.2 I2V"
+                "image-to-video keeps the first latent frame clean instead of conditioning on it; train that with "
+                "[model] type = \"wan-ti2v\" (text-to-video: \"wan\"), wan-i2v takes WanImageToVideoPipeline "
+                "folders of Wan 2.1 / 2.2 I2V"
             )
         config = self.model_folder_config(model_config)
         if config.get("image_dim") is not None and model_config.text_max_length != TEXT_TOKENS:
@@ -104,12 +107,19 @@ class WanI2V(Wan):
                 f"wan-i2v encodes video clips with their first frames; got pixels of shape {tuple(batch.pixels.shape)}"
                 f" and {'no ' if batch.first_frames is None else ''}first frames"
             )
-        pixels, masks, first = encoding.fit_to_patches(batch.pixels, batch.masks, encoders, batch.first_frames)
+        if self.last_frame and batch.pixels.shape[2] < 2:
+            raise ValueError(
+                f"{self.spec.name} encodes clips with a first and a last frame; got clips of {batch.pixels.shape[2]} "
+                "frame: give the dataset frame_buckets of 5 frames or more"
+            )
+        last = batch.pixels[:, :, -1] if self.last_frame else None
+        pixels, masks, first, last = encoding.fit_to_patches(batch.pixels, batch.masks, encoders, batch.first_frames,
+                                                             last)  # fmt: skip
         out = super().encode_media(encoders, replace(batch, pixels=pixels, masks=masks))
-        out["first_frame_latents"] = encoding.first_frame_latents(encoders.vae, first, pixels.shape[2])
+        out["first_frame_latents"] = encoding.first_frame_latents(encoders.vae, first, pixels.shape[2], last)
         if encoders.image_encoder is not None:
-            images = encoding.to_images(first)
-            out["image_embeds"] = encoding.image_embeds(encoders.image_encoder, encoders.image_processor, images)
+            images = [encoding.to_images(first), None if last is None else encoding.to_images(last)]
+            out["image_embeds"] = encoding.clip_embeds(encoders.image_encoder, encoders.image_processor, *images)
         return out
 
     # ------------------------------------------------------------------------------------------ training
@@ -125,7 +135,7 @@ class WanI2V(Wan):
 
         f = self.noisy(batch, context, generator)
         b, _, frames, h, w = f.x_t.shape
-        mask = first_frame_mask(b, frames, h, w, self.temporal(context.model_config))
+        mask = first_frame_mask(b, frames, h, w, self.temporal(context.model_config), self.last_frame)
         x = torch.cat([f.x_t, mask, batch["first_frame_latents"].float()], dim=1)
         image = (batch["image_embeds"].float(),) if "image_embeds" in batch else ()
         inputs = self.with_expert((x, f.t, batch["text_embeds"].float(), *image), f.t, context.model_config)
@@ -163,39 +173,40 @@ class WanI2V(Wan):
         """``condition`` (1, 4 + z, F', h, w): the first-frame mask and latents of ``[model] sample_image`` resized to
         the sample size (``WanImageToVideoPipeline.prepare_latents``), and ``image_embeds`` of the image for Wan 2.1
         (``encode_image``); cached per image and size."""
-        image_file = model_config.sample_image
-        if image_file is None:
-            raise ValueError(
-                "wan-i2v samples are generated from a first frame: set [model] sample_image to an image file"
-            )
-        key = (str(model_config.path), str(image_file), request.width, request.height, request.frames)
+        files = tuple(map(str, self.sample_images(model_config)))
+        key = (str(model_config.path), files, request.width, request.height, request.frames)
         if key not in self._conditions:
             self._conditions[key] = self._encode_sample_image(model_config, request)
         return self._conditions[key]
 
     def _encode_sample_image(self, model_config: WanI2VConfig, request: SampleRequest) -> dict[str, torch.Tensor]:
         import torch
-        from diffusers.video_processor import VideoProcessor
-        from PIL import Image
 
         from diffpipe_core.parts.encoders import load_components
         from diffpipe_wan import encoding
 
         vae_config = self.folder.config(model_config.path, "vae")
         _, _, frames, h, w = encoding.latent_shape(vae_config, self.model_folder_config(model_config), request)
-        spatial = int(vae_config.get("scale_factor_spatial", 8))
-        with Image.open(model_config.sample_image) as opened:
-            image = opened.convert("RGB")
-        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, height=h * spatial, width=w * spatial)
+        images, pixels = zip(*encoding.sample_images(self.sample_images(model_config), vae_config, h, w), strict=True)
         names = ("vae", "image_encoder", "image_processor") if self.image_encoder(model_config) else ("vae",)
         enc = load_components(self.folder, model_config, torch.device("cpu"), *names)
         temporal = int(vae_config.get("scale_factor_temporal", 4))
         with torch.no_grad():
-            latents = encoding.first_frame_latents(enc.vae, pixels.float(), temporal * (frames - 1) + 1)
-        out = {"condition": torch.cat([encoding.first_frame_mask(1, frames, h, w, temporal), latents], dim=1)}
+            latents = encoding.first_frame_latents(enc.vae, pixels[0], temporal * (frames - 1) + 1, *pixels[1:])
+        mask = encoding.first_frame_mask(1, frames, h, w, temporal, self.last_frame)
+        out = {"condition": torch.cat([mask, latents], dim=1)}
         if len(names) > 1:
-            out["image_embeds"] = encoding.image_embeds(enc.image_encoder, enc.image_processor, [image])
+            out["image_embeds"] = encoding.clip_embeds(enc.image_encoder, enc.image_processor, list(images[:1]),
+                                                       list(images[1:]) or None)  # fmt: skip
         return out
+
+    def sample_images(self, model_config: WanI2VConfig) -> list[Path]:
+        """The images samples are conditioned on: ``[model] sample_image`` (the first frame)."""
+        if model_config.sample_image is None:
+            raise ValueError(
+                f"{self.spec.name} samples are generated from a first frame: set [model] sample_image to an image file"
+            )
+        return [model_config.sample_image]
 
 
 wan_i2v = WanI2V()

@@ -4,11 +4,13 @@ What flows between layers (a tuple of tensors; every float tensor is used downst
 
 - into the first layer: ``(x, t, text[, image_embeds])``: the latents ``(B, C, F, h, w)`` (image-to-video: the noisy
   latents, the first-frame mask and the first-frame latents along the channels), the flow time ``(B,)`` in (0, 1)
-  (the transformer sees ``1000 t``), the UMT5 embeddings ``(B, L, d)`` and, for Wan 2.1 image-to-video, the CLIP
-  vision embeddings ``(B, n, d_image)``;
+  (Wan 2.2 TI2V image-to-video: one per video token, ``(B, L)``; the transformer sees ``1000 t``), the UMT5
+  embeddings ``(B, L, d)`` and, for Wan 2.1 image-to-video, the CLIP vision embeddings ``(B, n, d_image)`` (first-last
+  frame: both images', ``(B, 2n, d_image)``);
 - between blocks: ``(hidden, context, modulation, temb, rope_cos, rope_sin, grid)``: the video tokens, the text
-  (after the image) tokens, the blocks' time modulation ``(B, 6, D)``, the time embedding the head uses, the rotary
-  embedding (computed once, carried between stages) and the token grid ``(F', h', w')`` as an integer tensor;
+  (after the image) tokens, the blocks' time modulation ``(B, 6, D)`` (per token ``(B, L, 6, D)``), the time
+  embedding the head uses, the rotary embedding (computed once, carried between stages) and the token grid
+  ``(F', h', w')`` as an integer tensor;
 - the last block passes on ``(hidden, temb, grid)``; the head returns ``(prediction,)`` ``(B, C, F, h, w)``, float32.
 
 The layers wrap the model's own submodules and call them as ``WanTransformer3DModel.forward`` does, so chained they
@@ -41,12 +43,21 @@ class EmbedLayer(nn.Module):
         hidden = self.patch_embedding(x.to(dtype))
         grid = torch.tensor(hidden.shape[2:], dtype=torch.long)
         hidden = hidden.flatten(2).transpose(1, 2).contiguous()
+        per_token = t.shape[1] if t.ndim == 2 else None  # Wan 2.2 TI2V image-to-video: a time per token
+        seq_len = {} if per_token is None else {"timestep_seq_len": per_token}  # SkyReels V2's embedder takes none
         temb, modulation, context, image_context = self.condition_embedder(
-            t.float() * 1000, text.to(dtype), image[0].to(dtype) if image else None
+            t.float().flatten() * 1000, text.to(dtype), self._image(image[0].to(dtype)) if image else None, **seq_len
         )
         if image_context is not None:
             context = torch.cat([image_context, context], dim=1)
-        return hidden, context, modulation.unflatten(1, (6, -1)), temb, cos, sin, grid
+        return hidden, context, modulation.unflatten(1 if per_token is None else 2, (6, -1)), temb, cos, sin, grid
+
+    def _image(self, embeds: torch.Tensor) -> torch.Tensor:
+        """``(B, n, d)`` image embeddings as the transformer takes them: first-last-frame models (an image embedder
+        with ``pos_embed``) get each sample's two images' ``(B, 2m, d)`` as the pipeline passes them, ``(2B, m, d)``."""
+        if getattr(self.condition_embedder.image_embedder, "pos_embed", None) is None:
+            return embeds
+        return embeds.reshape(-1, embeds.shape[1] // 2, embeds.shape[2])
 
 
 class BlockLayer(WrappedBlock):
@@ -77,7 +88,11 @@ class HeadLayer(OutputHead):
         return (hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3).float(),)
 
     def shift_scale(self, temb: torch.Tensor, grid: torch.Tensor) -> Tensors:
-        """The output norm's shift and scale from the time embedding ``(B, D)``."""
+        """The output norm's shift and scale from the time embedding ``(B, D)``, or per token ``(B, L, D)`` (Wan 2.2
+        TI2V image-to-video)."""
+        if temb.ndim == 3:
+            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            return shift.squeeze(2), scale.squeeze(2)
         return (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
 
 

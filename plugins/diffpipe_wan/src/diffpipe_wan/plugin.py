@@ -193,6 +193,7 @@ class Wan(DiffusersModel, FlowSampling):
         "text_dim": Shape(weight_of("text_embedding.0", "condition_embedder.text_embedder.linear_1"), 1),
         "image_dim": Shape(weight_of("img_emb.proj.0", "condition_embedder.image_embedder.norm1"), 0, absent=None),
         "added_kv_proj_dim": Shape(weight_of("blocks.0.cross_attn.k_img", "blocks.0.attn2.add_k_proj"), 1, absent=None),
+        "pos_embed_seq_len": Shape(r"(?:^|\.)(?:img_emb\.emb_pos|image_embedder\.pos_embed)$", 1, absent=None),  # FLF2V
     }
     key_tables = "diffpipe_wan.original"  # layout_for_config / lora_layout: the original Wan single-file layout
     # the attention (self, cross, and the image-to-video cross-attention's image keys/values) and feed-forward linears

@@ -41,6 +41,7 @@ class TinyWanConfig(tiny.TinySizes):
     clip: bool = False
     boundary_ratio: float | None = None
     vae22: bool = False
+    flf2v: bool = False  # Wan 2.1 FLF2V: the image embedder's pos_embed over a first and a last frame (with clip)
     shift: float = 5.0  # the scheduler's: Wan's 480p-class default
 
     @property
@@ -61,7 +62,9 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
     inner = cfg.num_attention_heads * cfg.attention_head_dim
     z = cfg.latent_channels
     image = {"image_dim": 16, "added_kv_proj_dim": inner} if cfg.clip else {}
-    return WanTransformer3DModel(
+    if cfg.clip and cfg.flf2v:
+        image["pos_embed_seq_len"] = 2 * 5  # two images of the tiny CLIP's 5 tokens
+    model = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=cfg.num_attention_heads,
         attention_head_dim=cfg.attention_head_dim,
@@ -74,6 +77,10 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
         rope_max_seq_len=64,
         **image,
     )
+    if cfg.clip and cfg.flf2v:  # diffusers starts pos_embed at zeros: random, so the two images' order shows
+        with torch.no_grad():
+            model.condition_embedder.image_embedder.pos_embed.normal_()
+    return model
 
 
 def tiny_vae(cfg: TinyWanConfig):
@@ -161,6 +168,16 @@ def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int
 def write_tiny_wan_i2v(folder: Path) -> Path:
     """The tiny Wan 2.1 image-to-video folder (``wan-i2v``: ``WanImageToVideoPipeline`` with its CLIP image encoder)."""
     return write_tiny_wan(folder, TinyWanConfig(i2v=True, clip=True))
+
+
+def write_tiny_wan_flf2v(folder: Path) -> Path:
+    """The tiny Wan 2.1 first-last-frame-to-video folder (``wan-flf2v``: CLIP vision, the two-image ``pos_embed``)."""
+    return write_tiny_wan(folder, TinyWanConfig(i2v=True, clip=True, flf2v=True))
+
+
+def write_tiny_wan_ti2v(folder: Path) -> Path:
+    """The tiny Wan 2.2 TI2V folder (``wan-ti2v``: the 16x VAE, ``expand_timesteps``)."""
+    return write_tiny_wan(folder, TinyWanConfig(vae22=True))
 
 
 def main(argv: list[str] | None = None) -> None:
