@@ -50,3 +50,9 @@ def wan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("wan-run")
     return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_vace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 VACE (``WanVACEPipeline``): VACE blocks at layers 0 and 2 of 3."""
+    return _write(tmp_path_factory, "tiny-wan-vace", vace=True)

@@ -76,3 +76,24 @@ class WanI2VConfig(WanConfig):
         description="The first frame every sample during training (and `diffpipe sample`) is generated from; "
         "required for [sample]. Resized to the sample size as WanImageToVideoPipeline does.",
     )
+
+
+class WanVACEConfig(WanConfig):
+    """``[model]`` keys of Wan VACE (``WanVACEPipeline`` folders: Wan 2.1 VACE 1.3B / 14B)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "Wan-AI/Wan2.1-VACE-1.3B-diffusers",
+        "Wan-AI/Wan2.1-VACE-14B-diffusers",
+    )
+
+    sample_control: Path | None = Field(
+        None,
+        description="The control video every sample during training (and `diffpipe sample`) is generated from; "
+        "required for [sample]. Its first frames at the model's frame rate, resized to cover the sample size and "
+        "center-cropped, are encoded as WanVACEPipeline encodes its video.",
+    )
+    sample_mask: Path | None = Field(
+        None,
+        description="A mask video for sample_control (white: generate, black: keep), read alike; default all white "
+        "(WanVACEPipeline's default mask).",
+    )

@@ -278,7 +278,7 @@ class Wan(DiffusersModel, FlowSampling):
         from dataclasses import replace
 
         index = _folder_facts(str(model_config.path))["index"]
-        table = {k: v for k, v in COMPONENTS.items() if k not in OPTIONAL or present(index, k)}
+        table = {k: v for k, v in self.folder.components.items() if k not in OPTIONAL or present(index, k)}
         return replace(self.folder, components=table)
 
     @hookimpl

@@ -19,12 +19,14 @@ import torch
 
 from diffpipe_core.testing import tiny
 from diffpipe_wan.original import layout_for_config
+from diffpipe_wan.vace_original import layout_for_config as vace_layout_for_config
 
 WORDS = (
     "a photo of cat dog red blue green house tree sky with on in the caption image clip video small large "
     "bright dark river mountain city car person walking running moving slowly camera pans 0 1 2 3 4 5 6 7 8 9"
 ).split()
-T2V, I2V = "WanPipeline", "WanImageToVideoPipeline"
+T2V, I2V, VACE = "WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline"
+VACE_LAYERS = (0, 2)  # of the tiny VACE's 3 blocks: block 1 adds no hint
 
 
 @dataclass
@@ -41,11 +43,12 @@ class TinyWanConfig(tiny.TinySizes):
     clip: bool = False
     boundary_ratio: float | None = None
     vae22: bool = False
+    vace: bool = False  # a WanVACEPipeline (WanVACETransformer3DModel, VACE_LAYERS of 3 blocks)
     shift: float = 5.0  # the scheduler's: Wan's 480p-class default
 
     @property
     def pipeline(self) -> str:
-        return I2V if self.i2v else T2V
+        return VACE if self.vace else I2V if self.i2v else T2V
 
 
 def tokenizer():
@@ -55,13 +58,16 @@ def tokenizer():
 
 def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
     """The random-weight diffusers ``WanTransformer3DModel`` of ``cfg`` (``seed``: another expert's weights)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
     torch.manual_seed(cfg.seed if seed is None else seed)
     inner = cfg.num_attention_heads * cfg.attention_head_dim
     z = cfg.latent_channels
     image = {"image_dim": 16, "added_kv_proj_dim": inner} if cfg.clip else {}
-    return WanTransformer3DModel(
+    if cfg.vace:  # the conditioning: inactive and reactive latents, the 8x8 mask pixels (vace_encoding.context)
+        image = {"vace_layers": list(VACE_LAYERS), "vace_in_channels": 2 * z + 64}
+    model_class = WanVACETransformer3DModel if cfg.vace else WanTransformer3DModel
+    return model_class(
         patch_size=(1, 2, 2),
         num_attention_heads=cfg.num_attention_heads,
         attention_head_dim=cfg.attention_head_dim,
@@ -70,7 +76,7 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
         text_dim=cfg.text_dim,
         freq_dim=16,
         ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
+        num_layers=3 if cfg.vace else cfg.num_layers,
         rope_max_seq_len=64,
         **image,
     )
@@ -143,7 +149,8 @@ def write_tiny_wan(folder: Path, cfg: TinyWanConfig | None = None) -> Path:
     for component in ("transformer", "transformer_2"):
         model = getattr(pipe, component, None)
         if model is not None:
-            original = layout_for_config(model.config).to_original(model.state_dict())
+            table = (vace_layout_for_config if cfg.vace else layout_for_config)(model.config)
+            original = table.to_original(model.state_dict())
             tiny.save_single_file(original, single_file_path(folder, component))
     return folder
 
@@ -161,6 +168,11 @@ def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int
 def write_tiny_wan_i2v(folder: Path) -> Path:
     """The tiny Wan 2.1 image-to-video folder (``wan-i2v``: ``WanImageToVideoPipeline`` with its CLIP image encoder)."""
     return write_tiny_wan(folder, TinyWanConfig(i2v=True, clip=True))
+
+
+def write_tiny_wan_vace(folder: Path) -> Path:
+    """The tiny Wan VACE folder (``wan-vace``: ``WanVACEPipeline``, VACE blocks at :data:`VACE_LAYERS`)."""
+    return write_tiny_wan(folder, TinyWanConfig(vace=True))
 
 
 def main(argv: list[str] | None = None) -> None:
