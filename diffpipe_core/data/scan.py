@@ -428,6 +428,7 @@ def _paired_controls(
     video) of a target, or raise _Skip naming the control file that is missing or cannot be read."""
     found = []
     what = "control video" if videos else "control image"
+    short = "control video" if videos else "control"  # the image controls' reasons as they always were
     for folder, control in controls:
         if control is None:
             raise _Skip(f"no {what}: {folder.expected(target_stem(path, settings.path))} not found "
@@ -435,9 +436,9 @@ def _paired_controls(
         try:
             _, facts = index.media(control, VIDEO if videos else IMAGE)  # probed only if new or changed
         except (MediaError, OSError) as exc:
-            raise _Skip(f"unreadable {what}: {exc}") from None  # the probe's message names the control file
+            raise _Skip(f"unreadable {short}: {exc}") from None  # the probe's message names the control file
         if facts is None:
-            raise _Skip(f"unreadable {what}: {control}: empty file (0 bytes)")
+            raise _Skip(f"unreadable {short}: {control}: empty file (0 bytes)")
         size = (facts.width, facts.height) if videos else facts
         found.append((control, size, index.content_key(control), facts if videos else None))
     return found
