@@ -123,3 +123,31 @@ def test_sampling_without_a_control_video_says_what_to_set(tiny_wan_vace: Path) 
     cfg = validate(wan_vace.spec.config_schema, {**TABLE, "path": tiny_wan_vace}, "test")
     with pytest.raises(ValueError, match=r"set \[model\] sample_control to a video file"):
         wan_vace.denoise_init(SampleRequest(width=W, height=H, frames=FRAMES), cfg, noise_generator(SEED, 0))
+
+
+def test_the_original_vace_file_loads_as_the_folder_whole_and_per_stage(tiny_wan_vace: Path) -> None:
+    """ComfyUI's ``wan2.1_vace_*`` layout (the Wan repositories' ``VaceWanModel``): the single file loads to the
+    folder's weights, is what diffusers' own converter reads, and each of 2 stages reads only its own tensors."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from safetensors.torch import load_file
+
+    from diffpipe_core.registry import Registry
+    from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+    from diffpipe_wan.testing import single_file_path
+
+    file = single_file_path(tiny_wan_vace)
+    original = load_file(str(file))
+    assert {"vace_patch_embedding.weight", "vace_blocks.0.before_proj.weight", "vace_blocks.1.after_proj.weight",
+            "vace_blocks.1.self_attn.q.weight", "vace_blocks.0.modulation", "blocks.2.ffn.0.weight"} <= set(original)
+    folder = load_file(str(tiny_wan_vace / "transformer" / "diffusion_pytorch_model.safetensors"))
+    theirs = convert_wan_transformer_to_diffusers(dict(original))
+    assert theirs.keys() == folder.keys() and all(torch.equal(theirs[k], folder[k]) for k in folder)
+
+    cfg = validate(wan_vace.spec.config_schema, {**TABLE, "path": tiny_wan_vace, "diffusion_model": file}, "test")
+    assert wan_vace.validate_model_files(cfg) == []
+    single = wan_vace.load_diffusion_model(cfg, CPU, torch.float32).state_dict()
+    assert single.keys() == folder.keys() and all(torch.equal(single[k], folder[k]) for k in folder)
+    registry = Registry()
+    assert registry.register_model("wan-vace", wan_vace).ok
+    stages = assert_stages_read_their_own(registry.model("wan-vace"), cfg, stages=2)
+    assert "vace_blocks.0.before_proj.weight" in stages[0].reads and "head.modulation" in stages[1].reads

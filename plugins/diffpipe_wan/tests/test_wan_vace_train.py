@@ -114,3 +114,19 @@ def test_an_image_in_the_dataset_is_an_error_naming_it(tmp_path: Path) -> None:
     (tmp_path / "control").mkdir()
     with pytest.raises(DatasetError, match=f"trains video-to-video only .*: {image}"):
         scan_dataset(load_dataset_config(toml), wan_vace_spec(), progress=False, report_skipped=False)
+
+
+def test_comfyui_lora_names_the_original_vace_modules(vace_run: Path) -> None:
+    """The ComfyUI file's modules are ``diffusion_model.<original module>`` of the VACE layout (``before_proj``,
+    ``after_proj``, ``vace_blocks.N.self_attn.q``, ...), every one a key ComfyUI's key map makes for the model."""
+    from safetensors.torch import load_file
+
+    from diffpipe_core.testing import comfy
+    from diffpipe_wan.testing import single_file_path
+
+    file = load_file(str(vace_run / "saved" / "final" / "adapter_model.comfyui.safetensors"))
+    modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in file}
+    original = load_file(str(single_file_path(vace_run.parent.parent / "model")))
+    assert {"diffusion_model.vace_blocks.0.before_proj", "diffusion_model.vace_blocks.1.after_proj",
+            "diffusion_model.vace_blocks.1.self_attn.q", "diffusion_model.blocks.2.ffn.2"} <= modules
+    assert modules <= set(comfy.generic_key_map(original))
