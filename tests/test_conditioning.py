@@ -492,8 +492,9 @@ def test_control_videos_are_decoded_at_each_clips_frames_and_missing_ones_stop_t
     recorder.reset()
     with pytest.raises(DatasetError) as info:
         _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v", path=model_dir))
-    assert str(info.value) == (f"{tmp_path / 'clips' / 'clip1.mp4'}: no control video: "
-                               f"{tmp_path / 'control' / 'clip1'}.<video extension> not found (directory[0].control_path)")
+    missing = f"{tmp_path / 'control' / 'clip1'}.<video extension>"
+    assert str(info.value) == (f"{tmp_path / 'clips' / 'clip1.mp4'}: no control video: {missing} not found "
+                               "(directory[0].control_path)")
     assert recorder.batches == []
 
 
