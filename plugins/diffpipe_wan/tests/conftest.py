@@ -56,3 +56,11 @@ def wan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_wan_vace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Wan 2.1 VACE (``WanVACEPipeline``): VACE blocks at layers 0 and 2 of 3."""
     return _write(tmp_path_factory, "tiny-wan-vace", vace=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_fun(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 Fun-Control: a ``WanPipeline`` whose transformer takes 3z channels."""
+    from diffpipe_wan.testing import write_tiny_wan_fun
+
+    return write_tiny_wan_fun(tmp_path_factory.mktemp("wan") / "tiny-wan-fun")

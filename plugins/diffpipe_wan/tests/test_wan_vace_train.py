@@ -21,17 +21,17 @@ MODEL = {"type": "wan-vace", "text_max_length": 8, "timestep_sample_method": "un
 CAPTIONS = ["a red car moving", "a river in a city", "a dog running", "a bright sky"]
 
 
-def make_project(root: Path) -> Path:
-    """The tiny Wan VACE, 4 mp4 clips of 5 frames at 16 fps, 32x32, each with a control video of the same stem
-    (longer and larger: decoded at the clip's frames and bucket)."""
-    write_tiny_wan_vace(root / "model")
+def make_project(root: Path, model: dict | None = None, writer=write_tiny_wan_vace, steps: int = STEPS) -> Path:
+    """The tiny Wan VACE (or ``writer``'s model, ``model`` its table), 4 mp4 clips of 5 frames at 16 fps, 32x32,
+    each with a control video of the same stem (longer and larger: decoded at the clip's frames and bucket)."""
+    writer(root / "model")
     clips = write_clips(root / "media", CAPTIONS, frames=5, size=(32, 32))
     for i, clip in enumerate(clips):
         write_video(root / "control" / clip.name, 7, fps=16, size=(40, 40), seed=100 + i)
     write_dataset_toml(root / "dataset.toml", root / "media", {"control_path": str(root / "control")},
                        resolutions=[32], enable_ar_bucket=False, frame_buckets=[5])
-    top = {"max_steps": STEPS, "pipeline_stages": 1, "checkpoint_every_n_steps": STEPS, "seed": 3}
-    (root / "run.toml").write_text(runs.lora_run_toml(MODEL, 1e-2, None, RANK, ALPHA, **top))
+    top = {"max_steps": steps, "pipeline_stages": 1, "checkpoint_every_n_steps": steps, "seed": 3}
+    (root / "run.toml").write_text(runs.lora_run_toml(model or MODEL, 1e-2, None, RANK, ALPHA, **top))
     return root / "run.toml"
 
 

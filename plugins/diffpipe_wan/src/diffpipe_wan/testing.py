@@ -44,6 +44,7 @@ class TinyWanConfig(tiny.TinySizes):
     boundary_ratio: float | None = None
     vae22: bool = False
     vace: bool = False  # a WanVACEPipeline (WanVACETransformer3DModel, VACE_LAYERS of 3 blocks)
+    fun: int = 0  # Wan Fun-Control: the channels after the noisy latents (2z: Wan 2.1's, 2z + 4: Wan 2.2's)
     shift: float = 5.0  # the scheduler's: Wan's 480p-class default
 
     @property
@@ -71,7 +72,7 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
         patch_size=(1, 2, 2),
         num_attention_heads=cfg.num_attention_heads,
         attention_head_dim=cfg.attention_head_dim,
-        in_channels=2 * z + 4 if cfg.i2v else z,
+        in_channels=2 * z + 4 if cfg.i2v else z + cfg.fun,
         out_channels=z,
         text_dim=cfg.text_dim,
         freq_dim=16,
@@ -173,6 +174,11 @@ def write_tiny_wan_i2v(folder: Path) -> Path:
 def write_tiny_wan_vace(folder: Path) -> Path:
     """The tiny Wan VACE folder (``wan-vace``: ``WanVACEPipeline``, VACE blocks at :data:`VACE_LAYERS`)."""
     return write_tiny_wan(folder, TinyWanConfig(vace=True))
+
+
+def write_tiny_wan_fun(folder: Path) -> Path:
+    """The tiny Wan 2.1 Fun-Control folder (``wan-fun``: a ``WanPipeline`` whose transformer takes 3z channels)."""
+    return write_tiny_wan(folder, TinyWanConfig(fun=2 * TinyWanConfig().latent_channels))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,13 +12,13 @@ are conditioned on ``[model] sample_control`` (and ``sample_mask``). This module
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core import hookimpl
 from diffpipe_core.parts.file_variant import Shape, weight_of
 from diffpipe_core.parts.folder import DiffusersFolder
 from diffpipe_wan.config import WanVACEConfig
+from diffpipe_wan.control_video import ControlVideoSampling, read_clip
 from diffpipe_wan.plugin import COMPONENTS, FILE_LAYOUTS, SIZES, Wan, boundary_ratio
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 CONTROL = "control_0_context"  # the cached VACE conditioning of an item's control video (core.types.control_key)
 
 
-class WanVACE(Wan):
+class WanVACE(ControlVideoSampling, Wan):
     """Wan VACE: clips with control videos (``control_path``); images and clips without a control are refused."""
     plan_size = None  # no GPU-fit table yet: the VACE blocks' memory is not in Wan's plan
     tiny_writer = "diffpipe_wan.testing:write_tiny_wan_vace"  # python -m diffpipe_core.testing.tiny_models
@@ -61,9 +61,6 @@ class WanVACE(Wan):
         "vace_in_channels": Shape(weight_of("vace_patch_embedding"), 1),
     }
     key_tables = "diffpipe_wan.vace_original"  # the original VACE layout (ComfyUI's wan2.1_vace_* files)
-
-    def __init__(self) -> None:
-        self._conditions: dict[tuple, torch.Tensor] = {}  # sample conditioning, per control video and size
 
     def folder_problems(self, model_config: WanVACEConfig) -> list[str]:
         """Wan's, and: a two-expert (Wan 2.2 A14B) VACE folder is not trained yet."""
@@ -134,47 +131,16 @@ class WanVACE(Wan):
         t = schedule_time(schedule, index).float().expand(b)
         return latents.float(), t, text["text_embeds"].float(), control.expand(b, -1, -1, -1, -1)
 
-    def sample_condition(self, model_config: WanVACEConfig, request: SampleRequest) -> torch.Tensor:
-        """``(1, 2z + 64, F', h, w)``: the VACE conditioning of ``[model] sample_control`` (and ``sample_mask``)
-        decoded at the sample's size and frames; cached per file and size."""
-        if model_config.sample_control is None:
-            raise ValueError("wan-vace samples are generated from a control video: set [model] sample_control to a "
-                             "video file")
-        key = (str(model_config.path), str(model_config.sample_control), str(model_config.sample_mask),
-               request.width, request.height, request.frames)
-        if key not in self._conditions:
-            self._conditions[key] = self._encode_sample_control(model_config, request)
-        return self._conditions[key]
+    def encode_sample_control(self, model_config: WanVACEConfig, request: SampleRequest,
+                              size: tuple[int, int, int]) -> torch.Tensor:
+        """``(1, 2z + 64, F', h, w)``: the VACE conditioning of ``[model] sample_control`` and ``sample_mask``."""
+        from diffpipe_wan import vace_encoding
 
-    def _encode_sample_control(self, model_config: WanVACEConfig, request: SampleRequest) -> torch.Tensor:
-        import torch
-
-        from diffpipe_core.parts.encoders import load_components
-        from diffpipe_wan import encoding, vace_encoding
-
-        vae_config = self.folder.config(model_config.path, "vae")
-        _, _, frames, h, w = encoding.latent_shape(vae_config, self.model_folder_config(model_config), request)
-        spatial = int(vae_config.get("scale_factor_spatial", 8))
-        temporal = int(vae_config.get("scale_factor_temporal", 4))
-        size = (w * spatial, h * spatial, temporal * (frames - 1) + 1)
         video = read_clip(model_config.sample_control, size, self.spec)[None]
         mask = None
         if model_config.sample_mask is not None:
             mask = ((read_clip(model_config.sample_mask, size, self.spec)[None, :1] + 1) / 2).clamp(0, 1)
-        enc = load_components(self.folder, model_config, torch.device("cpu"), "vae")
-        return vace_encoding.context(enc.vae, video, mask)
-
-
-def read_clip(path: Path, size: tuple[int, int, int], spec: Any) -> torch.Tensor:
-    """``(3, F, H, W)`` in [-1, 1]: the first ``F`` frames of video ``path`` at the model's frame rate, resized to
-    cover ``W x H`` and center-cropped (the core's decoder, as training decodes clips)."""
-    from diffpipe_core.data.decode import load_media
-    from diffpipe_core.data.items import Bucket, MediaItem
-
-    width, height, frames = size
-    item = MediaItem(id=str(path), path=Path(path), caption="", bucket=Bucket(width, height, frames),
-                     content_key="", clip_start=0.0)
-    return load_media(item, spec).pixels
+        return vace_encoding.context(self.sample_vae(model_config), video, mask)
 
 
 wan_vace = WanVACE()
