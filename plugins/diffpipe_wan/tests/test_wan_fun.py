@@ -115,9 +115,9 @@ def test_sample_equals_wan_pipeline_with_the_condition_concatenated(tiny_wan_fun
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_the_original_fun_file_loads_as_the_folder_and_other_layouts_are_named(tiny_wan_fun: Path,
-                                                                                tiny_wan: Path) -> None:
-    from safetensors.torch import load_file
+def test_the_original_fun_file_loads_as_the_folder_and_other_layouts_are_named(tiny_wan_fun: Path, tiny_wan: Path,
+                                                                                tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
 
     file = single_file_path(tiny_wan_fun)
     original = load_file(str(file))
@@ -136,3 +136,9 @@ def test_the_original_fun_file_loads_as_the_folder_and_other_layouts_are_named(t
     # a Fun file beside the text-to-video folder's configs builds as the file says (in_channels from its tensors)
     beside = validate(wan_fun.spec.config_schema, {**TABLE, "path": tiny_wan, "diffusion_model": file}, "test")
     assert wan_fun.validate_model_files(beside) == []
+    v11 = tmp_path / "fun_v1.1.safetensors"  # Fun V1.1's reference-image conv, which diffusers' model lacks
+    save_file({**original, "ref_conv.weight": torch.zeros(24, 4, 2, 2)}, str(v11))
+    cfg = validate(wan_fun.spec.config_schema, {**TABLE, "path": tiny_wan_fun, "diffusion_model": v11}, "test")
+    assert wan_fun.validate_model_files(cfg) == [f"{v11}: a Wan Fun V1.1 transformer (ref_conv: its reference image "
+                                                 "or camera control); wan-fun trains Fun-Control files without them "
+                                                 "(V1.0: Wan2.1-Fun-*-Control, ComfyUI's wan2.1_fun_control_*)"]

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from diffpipe_core import EncodeBatch, TrainingContext
     from diffpipe_core.types import SampleRequest
 
+V11_MODULES = ("ref_conv", "control_adapter")  # Fun V1.1's reference-image conv and camera adapter
 CONTROL = "control_0_latents"  # the cached latents of an item's control video (core.types.control_key)
 
 
@@ -78,7 +79,22 @@ class WanFun(ControlVideoSampling, Wan):
             found.append(f"{where}: in_channels {channels} is not a Wan Fun-Control transformer's ({3 * z}: Wan 2.1 "
                          f"Fun-Control, {3 * z + 4}: Wan 2.2 Fun-Control, for {z} latent channels); a text-to-video "
                          "transformer trains as 'wan', an image-to-video / Fun-InP one as 'wan-i2v'")
-        return found
+        return found or self.file_problems(model_config)
+
+    def file_problems(self, model_config: WanFunConfig) -> list[str]:
+        """A ``diffusion_model`` with Fun V1.1's reference-image or camera modules, which ``WanTransformer3DModel``
+        lacks, named (read from the file's header only)."""
+        from diffpipe_core.model_files import safetensors_keys
+
+        if model_config.diffusion_model is None:
+            return []
+        keys, _ = safetensors_keys(model_config.diffusion_model)
+        extra = sorted({k.split(".")[0] for k in keys or () if k.split(".")[0] in V11_MODULES})
+        if not extra:
+            return []
+        return [f"{model_config.diffusion_model}: a Wan Fun V1.1 transformer ({', '.join(extra)}: its reference image "
+                "or camera control); wan-fun trains Fun-Control files without them (V1.0: Wan2.1-Fun-*-Control, "
+                "ComfyUI's wan2.1_fun_control_*)"]
 
     def in_channels(self, model_config: WanFunConfig) -> int:
         """The transformer's input channels (its config, or the ``diffusion_model`` file's)."""

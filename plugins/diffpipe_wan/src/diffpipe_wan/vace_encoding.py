@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from diffpipe_core.parts.latents import vae_mode
 from diffpipe_wan.encoding import normalize
 
 MASK_CHANNELS = 64  # the 8x8 pixels under each latent pixel (Wan 2.1's VAE)
@@ -22,9 +23,8 @@ MASK_CHANNELS = 64  # the 8x8 pixels under each latent pixel (Wan 2.1's VAE)
 def video_latents(vae: Any, video: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[inactive | reactive]`` (B, 2z, F', h, w): ``prepare_video_latents`` without reference images."""
     m = torch.where(mask > 0.5, 1.0, 0.0).to(video.dtype)
-    inactive = vae.encode(video * (1 - m)).latent_dist.mode()
-    reactive = vae.encode(video * m).latent_dist.mode()
-    return torch.cat([normalize(inactive.float(), vae), normalize(reactive.float(), vae)], dim=1)
+    inactive, reactive = vae_mode(vae, video * (1 - m), video=True), vae_mode(vae, video * m, video=True)
+    return torch.cat([normalize(inactive, vae), normalize(reactive, vae)], dim=1)
 
 
 def mask_latents(mask: torch.Tensor, spatial: int, temporal: int, patch: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def with_references(latents: torch.Tensor, masks: torch.Tensor, vae: Any, refere
     if references is None or references.shape[1] == 0:
         return latents, masks
     for r in range(references.shape[1]):
-        ref = normalize(vae.encode(references[:, r, :, None]).latent_dist.mode().float(), vae)
+        ref = normalize(vae_mode(vae, references[:, r], video=True), vae)
         latents = torch.cat([torch.cat([ref, torch.zeros_like(ref)], dim=1), latents], dim=2)
     padding = masks.new_zeros(masks.shape[0], masks.shape[1], references.shape[1], *masks.shape[3:])
     return latents, torch.cat([padding, masks], dim=2)
@@ -61,5 +61,5 @@ def context(
     temporal = int(vae.config.scale_factor_temporal)
     latents = video_latents(vae, video, mask)
     masks = mask_latents(mask, spatial, temporal, patch).to(latents.dtype)
-    latents, masks = with_references(latents, masks, vae, references)
+    latents, masks = with_references(latents, masks.to(latents.device), vae, references)
     return torch.cat([latents, masks], dim=1).float().cpu()
