@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diffpipe_core import hookimpl
+
 if TYPE_CHECKING:
     import torch
 
@@ -20,6 +22,12 @@ class ControlVideoSampling:
 
     def __init__(self) -> None:
         self._conditions: dict[tuple, torch.Tensor] = {}  # sample conditioning, per control video and size
+
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: WanControlConfig, generator: torch.Generator):
+        """Wan's noise and schedule; the conditioning of ``[model] sample_control`` is computed here once per size."""
+        self.sample_condition(model_config, request)
+        return super().denoise_init(request, model_config, generator)
 
     def encode_sample_control(self, model_config: WanControlConfig, request: SampleRequest,
                               size: tuple[int, int, int]) -> torch.Tensor:

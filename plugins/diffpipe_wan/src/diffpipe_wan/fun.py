@@ -135,12 +135,6 @@ class WanFun(ControlVideoSampling, Wan):
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
-    def denoise_init(self, request: SampleRequest, model_config: WanFunConfig, generator: torch.Generator):
-        """Wan's noise and schedule; the conditioning of ``[model] sample_control`` is computed here once per size."""
-        self.sample_condition(model_config, request)
-        return super().denoise_init(request, model_config, generator)
-
-    @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
         """``(x, t, text_embeds)``, ``x`` the latents and the sample control video's conditioning."""
         import torch

@@ -116,12 +116,6 @@ class WanVACE(ControlVideoSampling, Wan):
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
-    def denoise_init(self, request: SampleRequest, model_config: WanVACEConfig, generator: torch.Generator):
-        """Wan's noise and schedule; the conditioning of ``[model] sample_control`` is computed here once per size."""
-        self.sample_condition(model_config, request)
-        return super().denoise_init(request, model_config, generator)
-
-    @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):
         """``(x_t, t, text_embeds, control)`` with the sample control video's conditioning."""
         from diffpipe_core.sampling.schedules import schedule_time
