@@ -103,6 +103,11 @@ class ModelSpec:
             (their aspect ratio kept, sides rounded to 32 as diffusers' edit pipelines round them) where the
             model's pipeline fixes one whatever the output size (Qwen-Image-Edit's references: 1024*1024); None:
             the sample's pixel count. Training's control images keep their buckets.
+        control_videos: ``control_path`` holds control videos instead of images (a video model with
+            ``control_images`` set: Wan VACE): each clip pairs with the video of the same relative path and stem,
+            decoded at the clip's own frames (the same start, frame rate, count and bucket); ``encode_batch`` gets
+            them as ``(B, 3, F, H, W)`` with ``control_index`` set. An image in the dataset, or a clip whose
+            control video is missing, unreadable or too short, is an error naming the files before any work.
         control_in_captions: the model's text encoder looks at the control images (a vision-language encoder:
             Qwen-Image-Edit). Caption batches of items with control images then carry them
             (``EncodeBatch.control_pixels``) and are cached per caption and control images.
@@ -147,6 +152,7 @@ class ModelSpec:
     control_size: Literal["target", "own"] = "target"
     control_sample_area: int | None = None
     control_in_captions: bool = False
+    control_videos: bool = False
     first_frame: Literal["none", "optional", "required"] = "none"
     guidance_in_one_batch: bool = True
     unconditional_model: str | None = None
@@ -164,6 +170,9 @@ class ModelSpec:
                              f"32*32 pixels (it is {self.control_sample_area}, control_size {self.control_size!r})")
         if self.max_control_images < 1:
             raise ValueError(f"ModelSpec {self.name!r}: max_control_images must be at least 1")
+        if self.control_videos and (self.modality != "video" or self.control_images == "none"):
+            raise ValueError(f"ModelSpec {self.name!r}: control_videos is for video models with control_images set "
+                             f"(modality {self.modality!r}, control_images {self.control_images!r})")
         if self.first_frame != "none" and self.modality != "video":
             raise ValueError(f"ModelSpec {self.name!r}: first_frame conditioning is for video models "
                              f"(modality is {self.modality!r})")

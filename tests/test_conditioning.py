@@ -441,6 +441,63 @@ def test_an_image_in_an_image_to_video_only_dataset_is_refused_naming_it(tmp_pat
         "clip0.mp4", "clip1.mp4", "still.png"}
 
 
+class ControlVideos:
+    """The reference i2v model's spec as a video-to-video model (``control_videos``): the encoders record the pixels
+    of every batch (targets, control videos, captions) as the cached tensors."""
+
+    spec = dataclasses.replace(i2v_plugin.I2V_SPEC, name="reference-v2v", first_frame="none",
+                               control_images="required", control_videos=True)
+
+    @hookimpl
+    def model_spec(self):
+        return self.spec
+
+    @hookimpl
+    def load_encoders(self, model_config, device):
+        return object()
+
+    @hookimpl
+    def encode_batch(self, encoders, batch):
+        if batch.captions is not None:
+            return {"text": torch.zeros(len(batch.captions), 2)}
+        return {"pixels": batch.pixels.clone()}
+
+
+def test_control_videos_are_decoded_at_each_clips_frames_and_missing_ones_stop_the_scan(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``ModelSpec.control_videos``: each clip's control video (paired by stem, larger, longer) reaches
+    ``encode_batch`` as a control batch of the clip's frames at its bucket, decoded from the clip's start; keys
+    differ per clip start; a clip without its control video is an error naming both files before any work."""
+    from diffpipe_core.data.cache_keys import control_key as cache_control_key
+
+    dataset = _clips(tmp_path)
+    for i in range(2):
+        write_video(tmp_path / "control" / f"clip{i}.mov", frames=8, fps=8, size=(48, 40), seed=10 + i)
+    text = dataset.read_text().replace('path = "clips"\n', 'path = "clips"\ncontrol_path = "control"\n')
+    dataset.write_text(text, encoding="utf-8")
+    plugin, recorder = registered("reference-v2v", ControlVideos())
+    items = scan_dataset(load_dataset_config(dataset), plugin.spec).items
+    assert [(i.controls[0].path.name, i.controls[0].bucket, i.controls[0].clip_start) for i in items] == [
+        ("clip0.mov", Bucket(32, 32, 5), 0.0), ("clip1.mov", Bucket(32, 32, 5), 0.0)]
+    _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v", path=model_dir))
+    (batch,) = recorder.controls()
+    assert batch.control_index == 0 and batch.pixels.shape == (2, 3, 5, 32, 32)
+    want = [load_media(control_work("k", item, 0).item, plugin.spec).pixels for item in items]
+    assert sorted(bytes(p.numpy().tobytes()) for p in batch.pixels) == sorted(bytes(w.numpy().tobytes()) for w in want)
+    later = dataclasses.replace(items[0].controls[0], clip_start=0.25)
+    assert cache_control_key(later, 0, "fp") != cache_control_key(items[0].controls[0], 0, "fp")
+
+    (tmp_path / "control" / "clip1.mov").unlink()
+    recorder.reset()
+    with pytest.raises(DatasetError) as info:
+        _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v", path=model_dir))
+    missing = f"{tmp_path / 'control' / 'clip1'}.<video extension>"
+    assert str(info.value) == (f"{tmp_path / 'clips' / 'clip1.mp4'}: no control video: {missing} not found "
+                               "(directory[0].control_path)")
+    assert recorder.batches == []
+
+
 # ------------------------------------------------------------------------------------- first-frame conditioning
 def ltx_first_frame_today(latents, x_t, t, p, generator, evaluating):
     """A copy of LTX-Video's first-frame conditioning as ``diffpipe_ltx/inputs.py`` has it (before it calls the
@@ -488,3 +545,5 @@ def test_model_spec_conditioning_fields_are_checked() -> None:
         dataclasses.replace(edit_plugin.EDIT_SPEC, first_frame="required")
     with pytest.raises(ValueError, match="max_control_images must be at least 1"):
         dataclasses.replace(edit_plugin.EDIT_SPEC, max_control_images=0)
+    with pytest.raises(ValueError, match="control_videos is for video models with control_images set"):
+        dataclasses.replace(edit_plugin.EDIT_SPEC, control_videos=True)

@@ -196,6 +196,7 @@ def test_the_command_line_writes_every_installed_types_tiny_model_its_plugin_val
 
     from diffpipe_core.registry import get_registry
     from diffpipe_core.sampling.loop import noise_generator
+    from diffpipe_core.testing.media import write_video
     from diffpipe_core.testing.tiny_models import main
     from diffpipe_core.types import SampleRequest
 
@@ -205,6 +206,7 @@ def test_the_command_line_writes_every_installed_types_tiny_model_its_plugin_val
     registry = get_registry()
     image = tmp_path / "first-frame.png"
     Image.new("RGB", (64, 64), (200, 30, 30)).save(image)
+    control_video = write_video(tmp_path / "control.mp4", 9, fps=16, size=(64, 64))
     for model_type in types:
         folder = tmp_path / model_type
         assert main([model_type, str(folder)]) == 0, model_type
@@ -212,6 +214,8 @@ def test_the_command_line_writes_every_installed_types_tiny_model_its_plugin_val
         table = {"type": model_type, "path": folder}
         if "sample_image" in plugin.spec.config_schema.model_fields:
             table["sample_image"] = image
+        if "sample_control" in plugin.spec.config_schema.model_fields:  # video-to-video: Wan VACE, Fun-Control
+            table["sample_control"] = control_video
         config = plugin.spec.config_schema.model_validate(table)
         assert plugin.has("validate_model_files"), model_type
         results = plugin.call("validate_model_files", model_config=config)  # one list per implementation

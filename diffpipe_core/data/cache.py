@@ -696,11 +696,16 @@ def dop_inputs(cfg: Any) -> list[Any] | None:
 def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skipped: list[tuple[str, str]],
                  plan: str | None = None, dop: list[Any] | None = None) -> None:
     rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
-            + ([list(e.control_keys), [[c.width, c.height] for c in e.controls]] if e.control_keys else [])
+            + ([list(e.control_keys), [_size(c) for c in e.controls]] if e.control_keys else [])
             + ([{"directory": e.directory, "class": list(e.class_keys)}] if e.directory or e.class_keys else [])
             for e in entries]
     _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
                               "skipped": [list(s) for s in skipped], "dop": dop})
+
+
+def _size(bucket: Bucket) -> list[int]:
+    """A control's bucket in the index: ``[width, height]``, and its frames for a control video."""
+    return [bucket.width, bucket.height, *([bucket.frames] if bucket.frames > 1 else [])]
 
 
 def gone_since_index(path: Path, fingerprint: str, entries: list[CacheEntry], anchor: Path) -> list[str]:
@@ -740,7 +745,7 @@ def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...], int, tup
     if not rest:
         return (), (), directory, class_keys
     keys, sizes = rest
-    return tuple(keys), tuple(Bucket(w, h) for w, h in sizes), directory, class_keys
+    return tuple(keys), tuple(Bucket(*size) for size in sizes), directory, class_keys
 
 
 def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,

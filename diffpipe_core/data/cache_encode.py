@@ -35,8 +35,9 @@ def control_work(key: str, target: MediaItem, index: int) -> MediaWork:
     """The work of encoding control image ``index`` of ``target``: the control file decoded at its own bucket,
     named after both files in error messages."""
     control = target.controls[index]
-    item = MediaItem(id=f"control image {index} of {target.id}", path=control.path, caption="",
-                     bucket=control.bucket, content_key=control.content_key)
+    what = "image" if control.clip_start is None else "video"
+    item = MediaItem(id=f"control {what} {index} of {target.id}", path=control.path, caption="",
+                     bucket=control.bucket, content_key=control.content_key, clip_start=control.clip_start)
     return MediaWork(key, item, index)
 
 

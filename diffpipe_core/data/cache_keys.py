@@ -175,7 +175,10 @@ def media_key(item: MediaItem, mask_key: str, fingerprint: str, first_frame: boo
 def control_key(control: ControlImage, index: int, fingerprint: str) -> str:
     """Cache key of the tensors of one control image, encoded as control number ``index`` at its bucket's size."""
     b = control.bucket
-    return _digest(["control", fingerprint, str(control.path), control.content_key, [b.width, b.height], index])
+    payload = ["control", fingerprint, str(control.path), control.content_key, [b.width, b.height], index]
+    if control.clip_start is not None:  # a control video's clip (appended only then: image keys stay as they were)
+        payload.append([b.frames, control.clip_start])
+    return _digest(payload)
 
 
 def caption_key(text: str, fingerprint: str, controls: tuple[str, ...] = ()) -> str:

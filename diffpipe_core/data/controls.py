@@ -22,8 +22,9 @@ log = logging.getLogger("diffpipe.data")
 class ControlFolder:
     """The image files of one control folder, by relative folder and stem (``"a/b"``), listed once."""
 
-    def __init__(self, root: Path, number: int, many: bool, directory: int, image_exts: frozenset[str]) -> None:
-        self.root = root
+    def __init__(self, root: Path, number: int, many: bool, directory: int, image_exts: frozenset[str],
+                 what: str = "image") -> None:
+        self.root, self.what = root, what
         self.number = number  # position in control_path
         self.directory = directory
         self.label = f"directory[{directory}].control_path" + (f"[{number}]" if many else "")
@@ -50,13 +51,14 @@ class ControlFolder:
 
     def expected(self, stem: str) -> str:
         """How a missing control file would be named, for the skip reason."""
-        return str(self.root / stem) + ".<image extension>"
+        return str(self.root / stem) + f".<{self.what} extension>"
 
 
-def control_folders(settings: DirectorySettings, image_exts: frozenset[str]) -> list[ControlFolder]:
-    """The listed control folders of one ``[[directory]]`` (empty without ``control_path``)."""
+def control_folders(settings: DirectorySettings, exts: frozenset[str], what: str = "image") -> list[ControlFolder]:
+    """The listed control folders of one ``[[directory]]`` (empty without ``control_path``); ``exts``: the control
+    files' suffixes (images, or videos for ``ModelSpec.control_videos``, ``what`` = ``"video"``)."""
     many = len(settings.control_paths) > 1
-    return [ControlFolder(p, k, many, settings.index, image_exts) for k, p in enumerate(settings.control_paths)]
+    return [ControlFolder(p, k, many, settings.index, exts, what) for k, p in enumerate(settings.control_paths)]
 
 
 def target_stem(path: Path, root: Path) -> str:
@@ -96,8 +98,21 @@ def no_pair_problems(folders: list[ControlFolder]) -> list[str]:
 
 
 def first_frame_problems(images: list[Path], spec: ModelSpec) -> str:
-    """The error for images in the dataset of an image-to-video-only model, naming the files."""
+    """The error for images in the dataset of an image-to-video-only model (or one trained on control videos,
+    ``ModelSpec.control_videos``), naming the files."""
     shown = ", ".join(map(str, images[:5])) + (f" and {len(images) - 5} more" if len(images) > 5 else "")
+    what = ("video-to-video only (each item is a video clip paired with its control video)" if spec.control_videos
+            else "image-to-video only (each item is a video clip conditioned on its first frame)")
     return (f"{len(images)} image{'s' if len(images) != 1 else ''} in the dataset, but model {spec.name!r} trains "
-            f"image-to-video only (each item is a video clip conditioned on its first frame): {shown}; remove "
-            f"{'them' if len(images) != 1 else 'it'} or use videos")
+            f"{what}: {shown}; remove {'them' if len(images) != 1 else 'it'} or use videos")
+
+
+def unpaired_video_problems(skipped: list, spec: ModelSpec) -> list[str]:
+    """A model trained on control videos cannot train a clip without its control video: each clip left out for
+    its control (missing, unreadable, too short), naming both files; empty for other models."""
+    if not spec.control_videos:
+        return []
+    return [f"{s.path}: {s.reason}" for s in skipped if CONTROL_REASON in s.reason]
+
+
+CONTROL_REASON = "control video"  # in every reason a clip is left out for its control video

@@ -205,7 +205,9 @@ class DirectoryConfig(_Overridable):
         "order. Buckets follow the target; each control image is resized and center-cropped to the target's "
         "bucket (or to its own, where the model says so). A target without its control image, or with one that "
         "cannot be decoded, is left out with a warning (diffpipe data lists them). Only for models that train "
-        "on control images (diffpipe models).",
+        "on control images (diffpipe models). Video-to-video models (wan-vace, wan-fun) pair each clip with a "
+        "control video instead, decoded at the clip's own frames and bucket; there a clip without its control video "
+        "(missing, unreadable, too short) is an error naming both files.",
     )
 
     regularization: bool = Field(

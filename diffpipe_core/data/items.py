@@ -30,6 +30,7 @@ class ControlImage:
     path: Path
     bucket: Bucket
     content_key: str
+    clip_start: float | None = None  # a control video (ModelSpec.control_videos): the target clip's start, seconds
 
 
 @dataclass(frozen=True)

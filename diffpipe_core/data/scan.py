@@ -34,9 +34,10 @@ from diffpipe_core.data.controls import (
     no_pair_problems,
     spec_problems,
     target_stem,
+    unpaired_video_problems,
 )
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
-from diffpipe_core.data.decode import MediaError
+from diffpipe_core.data.decode import MediaError, VideoInfo
 from diffpipe_core.data.items import Bucket, ControlImage, MediaItem, ScanResult, SkippedFile
 from diffpipe_core.data.scan_index import IMAGE, TEXT, VIDEO, ScanIndex, gc_paused, index_path
 from diffpipe_core.schema import ConfigError
@@ -317,7 +318,7 @@ def _scan_file(
         except (MediaError, OSError) as exc:
             raise _Skip(f"unreadable mask: {exc}") from None
 
-    paired = _paired_controls(path, settings, index, controls)
+    paired = _paired_controls(path, settings, index, controls, spec.control_videos)
 
     frames = 1
     starts: list[float | None] = [None]
@@ -376,9 +377,11 @@ def _scan_file(
         item_controls = tuple(
             ControlImage(Path(c), _own_bucket(cw, ch, settings, res, buckets) if spec.control_size == "own"
                          else Bucket(spatial.width, spatial.height), ckey)
-            for c, (cw, ch), ckey in paired
+            for c, (cw, ch), ckey, _ in paired
         )
         for k, start in enumerate(starts):
+            if spec.control_videos:  # each clip's control video: the same frames of the paired file
+                item_controls = _control_clips(paired, bucket, start or 0.0, spec)
             item_id = (
                 id_base
                 + (f"#{k}" if len(starts) > 1 else "")
@@ -419,23 +422,41 @@ def _too_far(width: int, height: int, bucket: Bucket, crop: float, settings: Dir
 
 
 def _paired_controls(
-    path: Path, settings: DirectorySettings, index: ScanIndex, controls: list[tuple[ControlFolder, str | None]]
-) -> list[tuple[str, tuple[int, int], str]]:
-    """``(control file, (width, height), content key)`` of each control image of a target, or raise _Skip naming
-    the control file that is missing or cannot be read."""
+    path: Path, settings: DirectorySettings, index: ScanIndex, controls: list[tuple[ControlFolder, str | None]],
+    videos: bool = False,
+) -> list[tuple[str, tuple[int, int], str, VideoInfo | None]]:
+    """``(control file, (width, height), content key, video info)`` of each control image (``videos``: control
+    video) of a target, or raise _Skip naming the control file that is missing or cannot be read."""
     found = []
+    what = "control video" if videos else "control image"
+    short = "control video" if videos else "control"  # the image controls' reasons as they always were
     for folder, control in controls:
         if control is None:
-            raise _Skip(f"no control image: {folder.expected(target_stem(path, settings.path))} not found "
+            raise _Skip(f"no {what}: {folder.expected(target_stem(path, settings.path))} not found "
                         f"({folder.label})")
         try:
-            _, size = index.media(control, IMAGE)  # probed only if new or changed
+            _, facts = index.media(control, VIDEO if videos else IMAGE)  # probed only if new or changed
         except (MediaError, OSError) as exc:
-            raise _Skip(f"unreadable control: {exc}") from None  # the probe's message names the control file
-        if size is None:
-            raise _Skip(f"unreadable control: {control}: empty file (0 bytes)")
-        found.append((control, size, index.content_key(control)))
+            raise _Skip(f"unreadable {short}: {exc}") from None  # the probe's message names the control file
+        if facts is None:
+            raise _Skip(f"unreadable {short}: {control}: empty file (0 bytes)")
+        size = (facts.width, facts.height) if videos else facts
+        found.append((control, size, index.content_key(control), facts if videos else None))
     return found
+
+
+def _control_clips(paired: list, bucket: Bucket, start: float, spec: ModelSpec) -> tuple[ControlImage, ...]:
+    """The control videos of one clip (``ModelSpec.control_videos``): each paired file at the clip's bucket and
+    start, or raise _Skip naming a control video too short to hold the clip's frames."""
+    out = []
+    for control, _, ckey, info in paired:
+        fps = float(spec.video_fps) if spec.video_fps else info.fps
+        needed = start + (bucket.frames - 1) / fps
+        if needed > info.duration + 0.5 / info.fps:
+            raise _Skip(f"control video too short: {control} is {info.duration:.2f}s, the clip needs its frames "
+                        f"{start:.2f}s..{needed:.2f}s at {fps:g} fps")
+        out.append(ControlImage(Path(control), bucket, ckey, start))
+    return tuple(out)
 
 
 def _id_base(path: Path, settings: DirectorySettings, anchor: Path | None) -> str:
@@ -491,7 +512,8 @@ def _scan(
     unreadable: list[SkippedFile] = []  # archives that cannot be listed
     for s in settings:
         captions = _Captions(s.path, index)
-        folders[s.index] = control_folders(s, IMAGE_EXTS)
+        folders[s.index] = (control_folders(s, VIDEO_EXTS, "video") if spec.control_videos
+                            else control_folders(s, IMAGE_EXTS))
         exclude = excluded | (roots - {s.path.resolve()})
         for folder, names in _walk(s.path, exclude):
             present = set(names)
@@ -511,12 +533,13 @@ def _scan(
                     continue
                 txt = name[: len(name) - len(ext)] + ".txt"
                 jobs.append((folder / name, where + name, ext, s, captions, rel + name, where + txt, txt in present))
-    if spec.first_frame == "required":  # before any file is read: the model cannot train on these at all
+    if spec.first_frame == "required" or spec.control_videos:  # before any file is read: the model cannot train these
         images = [job[0] for job in jobs if job[2] in IMAGE_EXTS]
         if images:
             raise DatasetError(first_frame_problems(images, spec))
     pairs = _pair(jobs, folders, spec) if any(folders.values()) else {}
-    _prefetch(index, jobs, spec, workers, progress, [(c, IMAGE) for found in pairs.values() for _, c in found if c])
+    kind = VIDEO if spec.control_videos else IMAGE
+    _prefetch(index, jobs, spec, workers, progress, [(c, kind) for found in pairs.values() for _, c in found if c])
 
     result = ScanResult(skipped=list(unreadable))
     seen_ids: set[str] = set()
@@ -556,7 +579,8 @@ def _scan(
         summary += f"; subsample_ratio = {cfg.subsample_ratio:g} keeps {len(kept)} of the {len(result.items)} items"
         result.items = kept
     log.info(summary)
-    unpaired = no_pair_problems([f for fs in folders.values() for f in fs])
+    unpaired = no_pair_problems([f for fs in folders.values() for f in fs]) + unpaired_video_problems(
+        result.skipped, spec)
     if unpaired:  # a control_path that pairs with nothing is a wrong folder, not a dataset to train on
         raise DatasetError("\n".join(unpaired), result)
     if not result.items:

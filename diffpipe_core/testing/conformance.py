@@ -5,7 +5,8 @@
                        pixels=torch.rand(2, 3, 64, 64) * 2 - 1, captions=["a cat", "a dog"])
 
 A video model gets ``pixels`` of shape ``(B, 3, F, H, W)``; the kit also runs its first frame as an image
-batch (not for a model that requires first frames; a first-frame model gets it as the clips' ``first_frames``).
+batch (not for a model that requires first frames; a first-frame model gets it as the clips' ``first_frames``; a model
+trained on control videos, ``ModelSpec.control_videos``, gets the clips reversed in time as their control videos).
 What is checked: that the entry module, ``model_spec`` and the schema import no torch, diffusers or
 transformers (in a fresh interpreter); the spec and ``[model]`` schema; ``validate_model_files`` on the tiny
 model; ``encode_batch`` on media (with masks) and on
@@ -35,7 +36,7 @@ from diffpipe_core.registry import Registry
 from diffpipe_core.schema import validate
 from diffpipe_core.testing.contract_changes import since
 from diffpipe_core.testing.imports import check_light_imports
-from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext
+from diffpipe_core.types import EncodeBatch, ModelConfigBase, ModelSpec, SampleRequest, TrainingContext, control_key
 
 
 def _check_encoded(out: Any, batch_size: int, hook: str) -> dict[str, torch.Tensor]:
@@ -230,7 +231,7 @@ def _media_batches(spec: ModelSpec, pixels: torch.Tensor, generator: torch.Gener
             f"for a video model give pixels as (B, 3, F, H, W), got {tuple(pixels.shape)}; the kit also tries frame 0"
             + since("video_pixels")
         )
-        media = [pixels] if spec.first_frame == "required" else [pixels[:, :, 0], pixels]
+        media = [pixels] if spec.first_frame == "required" or spec.control_videos else [pixels[:, :, 0], pixels]
         first = pixels[:, :, 0] if spec.first_frame != "none" else None
     else:
         assert pixels.dim() == 4, "for an image model give pixels as (B, 3, H, W)"
@@ -284,6 +285,11 @@ def check_model_plugin(
     for batch in _media_batches(spec, pixels, generator):
         kind = f"encode_batch(pixels {tuple(batch.pixels.shape)}, masks)"
         medias.append(_check_encoded(plugin.require("encode_batch", encoders=encoders, batch=batch), n, kind))
+    if spec.control_videos:  # its items are clips paired with control videos: each gets its control's tensors
+        control = EncodeBatch(pixels=pixels.flip(2), control_index=0)  # the clips reversed in time as the controls
+        encoded = _check_encoded(plugin.require("encode_batch", encoders=encoders, batch=control), n,
+                                 f"encode_batch(control videos {tuple(pixels.shape)})")
+        medias = [{**m, **{control_key(0, k): v for k, v in encoded.items()}} for m in medias]
     text = _check_encoded(
         plugin.require("encode_batch", encoders=encoders, batch=EncodeBatch(captions=captions)),
         n,

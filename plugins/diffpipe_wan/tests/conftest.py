@@ -97,3 +97,15 @@ def skyreels_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("skyreels-run")
     return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")
+@pytest.fixture(scope="session")
+def tiny_wan_vace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 VACE (``WanVACEPipeline``): VACE blocks at layers 0 and 2 of 3."""
+    return _write(tmp_path_factory, "tiny-wan-vace", vace=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_wan_fun(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Wan 2.1 Fun-Control: a ``WanPipeline`` whose transformer takes 3z channels."""
+    from diffpipe_wan.testing import write_tiny_wan_fun
+
+    return write_tiny_wan_fun(tmp_path_factory.mktemp("wan") / "tiny-wan-fun")

@@ -76,3 +76,34 @@ class WanI2VConfig(WanConfig):
         description="The first frame every sample during training (and `diffpipe sample`) is generated from; "
         "required for [sample]. Resized to the sample size as WanImageToVideoPipeline does.",
     )
+
+
+class WanControlConfig(WanConfig):
+    """``[model]`` keys of the Wan models trained on control videos (``wan-fun``, and ``wan-vace``'s with its mask)."""
+
+    sample_control: Path | None = Field(
+        None,
+        description="The control video every sample during training (and `diffpipe sample`) is generated from; "
+        "required for [sample]. Its first frames at the model's frame rate, resized to cover the sample size and "
+        "center-cropped, are encoded as in training.",
+    )
+
+
+class WanFunConfig(WanControlConfig):
+    """``[model]`` keys of Wan Fun-Control (a ``WanPipeline`` folder whose transformer takes the control latents on
+    its channels, or the Wan 2.1 T2V configs beside a Fun-Control single file in ``diffusion_model``)."""
+
+
+class WanVACEConfig(WanControlConfig):
+    """``[model]`` keys of Wan VACE (``WanVACEPipeline`` folders: Wan 2.1 VACE 1.3B / 14B)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = (
+        "Wan-AI/Wan2.1-VACE-1.3B-diffusers",
+        "Wan-AI/Wan2.1-VACE-14B-diffusers",
+    )
+
+    sample_mask: Path | None = Field(
+        None,
+        description="A mask video for sample_control (white: generate, black: keep), read alike; default all white "
+        "(WanVACEPipeline's default mask).",
+    )

@@ -19,12 +19,14 @@ import torch
 
 from diffpipe_core.testing import tiny
 from diffpipe_wan.original import layout_for_config
+from diffpipe_wan.vace_original import layout_for_config as vace_layout_for_config
 
 WORDS = (
     "a photo of cat dog red blue green house tree sky with on in the caption image clip video small large "
     "bright dark river mountain city car person walking running moving slowly camera pans 0 1 2 3 4 5 6 7 8 9"
 ).split()
-T2V, I2V = "WanPipeline", "WanImageToVideoPipeline"
+T2V, I2V, VACE = "WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline"
+VACE_LAYERS = (0, 2)  # of the tiny VACE's 3 blocks: block 1 adds no hint
 
 
 @dataclass
@@ -42,11 +44,13 @@ class TinyWanConfig(tiny.TinySizes):
     boundary_ratio: float | None = None
     vae22: bool = False
     flf2v: bool = False  # Wan 2.1 FLF2V: the image embedder's pos_embed over a first and a last frame (with clip)
+    vace: bool = False  # a WanVACEPipeline (WanVACETransformer3DModel, VACE_LAYERS of 3 blocks)
+    fun: int = 0  # Wan Fun-Control: the channels after the noisy latents (2z: Wan 2.1's, 2z + 4: Wan 2.2's)
     shift: float = 5.0  # the scheduler's: Wan's 480p-class default
 
     @property
     def pipeline(self) -> str:
-        return I2V if self.i2v else T2V
+        return VACE if self.vace else I2V if self.i2v else T2V
 
 
 def tokenizer():
@@ -56,7 +60,7 @@ def tokenizer():
 
 def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
     """The random-weight diffusers ``WanTransformer3DModel`` of ``cfg`` (``seed``: another expert's weights)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
     torch.manual_seed(cfg.seed if seed is None else seed)
     inner = cfg.num_attention_heads * cfg.attention_head_dim
@@ -64,16 +68,19 @@ def tiny_transformer(cfg: TinyWanConfig, seed: int | None = None):
     image = {"image_dim": 16, "added_kv_proj_dim": inner} if cfg.clip else {}
     if cfg.clip and cfg.flf2v:
         image["pos_embed_seq_len"] = 2 * 5  # two images of the tiny CLIP's 5 tokens
-    model = WanTransformer3DModel(
+    if cfg.vace:  # the conditioning: inactive and reactive latents, the 8x8 mask pixels (vace_encoding.context)
+        image = {"vace_layers": list(VACE_LAYERS), "vace_in_channels": 2 * z + 64}
+    model_class = WanVACETransformer3DModel if cfg.vace else WanTransformer3DModel
+    model = model_class(
         patch_size=(1, 2, 2),
         num_attention_heads=cfg.num_attention_heads,
         attention_head_dim=cfg.attention_head_dim,
-        in_channels=2 * z + 4 if cfg.i2v else z,
+        in_channels=2 * z + 4 if cfg.i2v else z + cfg.fun,
         out_channels=z,
         text_dim=cfg.text_dim,
         freq_dim=16,
         ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers,
+        num_layers=3 if cfg.vace else cfg.num_layers,
         rope_max_seq_len=64,
         **image,
     )
@@ -150,7 +157,8 @@ def write_tiny_wan(folder: Path, cfg: TinyWanConfig | None = None) -> Path:
     for component in ("transformer", "transformer_2"):
         model = getattr(pipe, component, None)
         if model is not None:
-            original = layout_for_config(model.config).to_original(model.state_dict())
+            table = (vace_layout_for_config if cfg.vace else layout_for_config)(model.config)
+            original = table.to_original(model.state_dict())
             tiny.save_single_file(original, single_file_path(folder, component))
     return folder
 
@@ -178,6 +186,16 @@ def write_tiny_wan_flf2v(folder: Path) -> Path:
 def write_tiny_wan_ti2v(folder: Path) -> Path:
     """The tiny Wan 2.2 TI2V folder (``wan-ti2v``: the 16x VAE, ``expand_timesteps``)."""
     return write_tiny_wan(folder, TinyWanConfig(vae22=True))
+
+
+def write_tiny_wan_vace(folder: Path) -> Path:
+    """The tiny Wan VACE folder (``wan-vace``: ``WanVACEPipeline``, VACE blocks at :data:`VACE_LAYERS`)."""
+    return write_tiny_wan(folder, TinyWanConfig(vace=True))
+
+
+def write_tiny_wan_fun(folder: Path) -> Path:
+    """The tiny Wan 2.1 Fun-Control folder (``wan-fun``: a ``WanPipeline`` whose transformer takes 3z channels)."""
+    return write_tiny_wan(folder, TinyWanConfig(fun=2 * TinyWanConfig().latent_channels))
 
 
 def main(argv: list[str] | None = None) -> None:
