@@ -281,3 +281,19 @@ def test_a_changed_plan_size_makes_its_fit_table_stale(monkeypatch: pytest.Monke
     stale = manual.stale_fit_tables(REPO)
     assert stale.get("flux") == REPO / "diffpipe_flux" and "chroma" not in stale
     assert REPO / "diffpipe_flux" / "fit-tables.json" in manual.stale(REPO)
+
+
+def test_a_fit_table_fingerprint_follows_code_not_docstrings_or_layout(tmp_path: Path) -> None:
+    """A module's docstrings, comments and line wrapping do not enter a table's fingerprint (rebuilding every table
+    costs tens of CPU minutes); a changed statement or constant does."""
+    from diffpipe_core.engine.fit_table import _code_of
+
+    def code(text: str) -> str:
+        path = tmp_path / "module.py"
+        path.write_text(text)
+        return _code_of(path)
+
+    base = code('"""Doc."""\n\ndef f(x):\n    """Doc."""\n    return x * 2  # twice\n')
+    assert base == code('"""Other words."""\n\n\ndef f(x):\n    # a comment\n    return (\n        x * 2\n    )\n')
+    assert base != code('"""Doc."""\n\ndef f(x):\n    """Doc."""\n    return x * 3\n')
+    assert base != code('"""Doc."""\n\ndef f(y):\n    """Doc."""\n    return y * 2\n')

@@ -345,8 +345,9 @@ def format_fit(fit: Fit) -> list[str]:
         replicas = fit.gpus // stages
         lines.append(
             f"  not offered: {stages} stage{'s' if stages > 1 else ''} x {replicas} data-parallel replicas: the "
-            f"dataset gives {fit.micro_batches} full micro-batches an epoch, {fit.micro_batches // replicas} per replica, "
-            f"fewer than gradient_accumulation_steps = {fit.gas} (more data or a smaller micro-batch would allow it)"
+            f"dataset gives {fit.micro_batches} full micro-batches an epoch, {fit.micro_batches // replicas} per "
+            f"replica, fewer than gradient_accumulation_steps = {fit.gas} (more data or a smaller micro-batch would "
+            "allow it)"
         )
     if not fit.fits:
         big = max(fit.plan.stages, key=stage_peak)
