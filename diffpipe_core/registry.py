@@ -64,6 +64,8 @@ DISTRIBUTIONS = {
     "wan-ti2v": "diffpipe-wan",
     "skyreels-v2": "diffpipe-wan",
     "skyreels-v2-i2v": "diffpipe-wan",
+    "wan-vace": "diffpipe-wan",
+    "wan-fun": "diffpipe-wan",
     "qwen-image": "diffpipe-qwenimage",
     "qwen-image-edit": "diffpipe-qwenimage",
     "qwen-image-2.1": "diffpipe-qwenimage",

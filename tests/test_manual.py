@@ -212,8 +212,9 @@ def test_the_command_line_writes_every_installed_types_tiny_model_its_plugin_val
         assert main([model_type, str(folder)]) == 0, model_type
         plugin = registry.model(model_type)
         table = {"type": model_type, "path": folder}
-        if "sample_image" in plugin.spec.config_schema.model_fields:
-            table["sample_image"] = image
+        for key in ("sample_image", "sample_last_image"):  # image-to-video; first-last frame (Wan FLF2V)
+            if key in plugin.spec.config_schema.model_fields:
+                table[key] = image
         if "sample_control" in plugin.spec.config_schema.model_fields:  # video-to-video: Wan VACE, Fun-Control
             table["sample_control"] = control_video
         config = plugin.spec.config_schema.model_validate(table)

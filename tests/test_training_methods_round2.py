@@ -330,8 +330,9 @@ def test_combinations_that_cannot_run_are_refused_before_work() -> None:
 
     from diffpipe_core.cli_common import training_method_problems
 
-    def cfg(guidance=None, release=False):
-        return NS(model=NS(cfg=guidance), run=NS(optimizer=NS(gradient_release=release)), path="run.toml")
+    def cfg(guidance=None, release=False, seq=1):
+        run = NS(optimizer=NS(gradient_release=release), sequence_parallel=seq)
+        return NS(model=NS(cfg=guidance), run=run, path="run.toml")
 
     dop, plain = NS(diff_output_preservation=True, source="d.toml"), NS(diff_output_preservation=False, source="d")
     assert training_method_problems(cfg(3.0), plain, 1) == [] and training_method_problems(cfg(), dop, 1) == []
@@ -340,3 +341,5 @@ def test_combinations_that_cannot_run_are_refused_before_work() -> None:
     assert training_method_problems(cfg(release=True), plain, 1) == []
     (problem,) = training_method_problems(cfg(release=True), plain, 2)
     assert problem.startswith("run.toml: optimizer.gradient_release: 2 data-parallel replicas")
+    (problem,) = training_method_problems(cfg(release=True, seq=2), plain, 1)
+    assert problem.startswith("run.toml: optimizer.gradient_release: sequence_parallel = 2")
