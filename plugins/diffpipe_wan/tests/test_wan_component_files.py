@@ -200,3 +200,43 @@ def test_a_file_of_another_variant_loads_as_itself(request, tmp_path: Path, fixt
     variant = variant_model(plugin, files["configs"], **read)
     file = variant_file(plugin, variant, tmp_path / "wan.safetensors")
     assert_variant_loads_as_itself(plugin, from_files(plugin, files, diffusion_model=file), variant, read)
+
+
+def test_a_fun_inp_file_trains_as_wan_i2v(tiny_wan_i2v: Path, tmp_path: Path) -> None:
+    """A Wan 2.1 Fun-InP transformer (alibaba-pai's ``Wan2.1-Fun-*-InP``, ComfyUI's ``wan2.1_fun_inp_*``: the original
+    i2v layout, ``patch_embedding`` over ``2z + 4`` channels and the CLIP ``img_emb``, at another size than the I2V
+    14B) beside the I2V folder's configs loads as itself under ``wan-i2v``, and its first layer gets the layout the
+    README documents: ``[x_t | 4 mask channels | first-frame latents]`` as ``WanImageToVideoPipeline.prepare_latents``
+    builds them (what ComfyUI's ``WanFunInpaintToVideo`` gives with a start image only); layers chained = forward."""
+    from diffusers import WanImageToVideoPipeline
+    from test_wan_encoding import frames
+    from test_wan_loading import run_layers
+
+    from diffpipe_core import EncodeBatch, TrainingContext
+
+    files = comfy_files(tiny_wan_i2v, tmp_path)
+    read = {"num_layers": 3, "num_attention_heads": 3, "ffn_dim": 24, "added_kv_proj_dim": 36}  # a 1.3B-like file
+    variant = variant_model(wan_i2v, files["configs"], **read)
+    file = variant_file(wan_i2v, variant, tmp_path / "wan2.1_fun_inp.safetensors")
+    original = {k.removeprefix("model.diffusion_model."): v for k, v in load_file(str(file)).items()}
+    z = variant.config["out_channels"]
+    assert original["patch_embedding.weight"].shape[1] == 2 * z + 4 and "img_emb.proj.0.weight" in original
+    cfg = from_files(wan_i2v, files, diffusion_model=file)
+    assert_variant_loads_as_itself(wan_i2v, cfg, variant, read)
+
+    enc = wan_i2v.load_encoders(model_config=cfg, device=CPU)
+    video = frames(2, 9, 32, 48, seed=4)
+    media = wan_i2v.encode_batch(encoders=enc, batch=EncodeBatch(pixels=video, first_frames=video[:, :, 0]))
+    batch = {**media, "text_embeds": torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(5))}
+    (x, t, text, image), _ = wan_i2v.prepare_inputs(batch=batch, context=TrainingContext(cfg),
+                                                    generator=torch.Generator().manual_seed(6))
+    pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_i2v), local_files_only=True)
+    noise = torch.randn(1, z, 3, 4, 6)
+    want = torch.cat([pipe.prepare_latents(f[None], 1, z, 32, 48, 9, torch.float32, CPU, latents=noise)[1]
+                      for f in video[:, :, 0]])
+    assert torch.equal(x[:, z:z + 4], want[:, :4])  # the mask: 1 on the given first frame, 0 after
+    torch.testing.assert_close(x[:, z + 4:], want[:, 4:].detach(), rtol=1e-5, atol=1e-6)
+    model = wan_i2v.load_diffusion_model(cfg, CPU, torch.float32)
+    with torch.no_grad():
+        forward = model(x, t * 1000, text, encoder_hidden_states_image=image).sample
+        assert torch.equal(run_layers(wan_i2v, model, cfg, (x, t, text, image)), forward)
