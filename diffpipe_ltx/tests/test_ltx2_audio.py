@@ -3,7 +3,8 @@ latents (packed and normalised as ``LTX2Pipeline`` packs and normalises audio la
 against transformers' own spectrogram code), the joint flow-matching inputs and weights, the LoRA targets of each
 stream, and one shared tiny run of an audio-only LoRA on tone clips: its loss falls, only the audio stream's modules
 trained, its samples are MP4s with a sound track, and the LoRA loaded by ``LTX2Pipeline.load_lora_weights``
-reproduces the trained transformer's audio (and video) prediction."""
+reproduces the trained transformer's audio (and video) prediction; its ComfyUI file has the keys ComfyUI's key map
+accepts for the native ``LTXAVModel`` and applies as the diffusers LoRA merged."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_ltx2_matches_pipeline import config
-from test_ltx2_train import both_outputs
+from test_ltx2_train import assert_comfyui_file, both_outputs
 
 from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
 from diffpipe_core.schema import ConfigError
@@ -113,6 +114,47 @@ def test_the_joint_flow_inputs_and_weights_of_each_stream(tiny_ltx2: Path) -> No
         config(tiny_ltx2, train_video=False)
 
 
+def test_the_audio_crosses_a_stage_boundary_as_the_forward_with_audio(tiny_ltx2: Path) -> None:
+    """Two stages loaded each with only its own layers' weights (as 2 ranks load them), chained in-process through
+    the tensors a pipeline boundary passes (detached copies): the audio stream crosses it, and the output equals
+    ``LTX2VideoTransformer3DModel``'s forward on the same noisy video and audio latents."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from diffpipe_core.engine import model_loading
+    from diffpipe_core.engine.partition import stage_parts
+    from diffpipe_core.registry import Registry
+    from diffpipe_ltx.ltx2_layers import split
+
+    registry = Registry()
+    assert registry.register_model("ltx-2", plugin).ok
+    registered = registry.model("ltx-2")
+    cfg = config(tiny_ltx2, train_audio=True)
+    inputs, _ = plugin.prepare_inputs(batch=_batch(tiny_ltx2, cfg, audio=True), context=TrainingContext(
+        model_config=cfg), generator=torch.Generator().manual_seed(2))
+    stages = [model_loading.load_for_stages(registered, cfg, CPU, torch.float32) for _ in range(2)]
+    parts = stage_parts(stages[0].layers, 2)
+    x = inputs
+    with torch.no_grad():
+        for i, stage in enumerate(stages):
+            own = range(parts[i], parts[i + 1])
+            model_loading.materialise_layers(registered, cfg, stage, own, CPU)
+            if i:  # what crosses the boundary: the audio stream among the tensors
+                assert any(t.shape[:2] == (2, 9) and t.is_floating_point() for t in x)
+                x = tuple(t.detach().clone() for t in x)
+            for k in own:
+                x = stage.layers[k](x)
+        video, audio = split(x[0], 8, 4, 9)
+        model = LTX2VideoTransformer3DModel.from_pretrained(str(tiny_ltx2 / "transformer")).eval()
+        timestep = inputs[1][:, -1] * 1000
+        expected_video, expected_audio = model(
+            hidden_states=inputs[0], audio_hidden_states=inputs[2], encoder_hidden_states=inputs[3],
+            audio_encoder_hidden_states=inputs[4], timestep=timestep, sigma=timestep,
+            encoder_attention_mask=inputs[5].float(), audio_encoder_attention_mask=inputs[5].float(), num_frames=2,
+            height=2, width=2, fps=float(FRAME_RATE), audio_num_frames=9, use_cross_timestep=True, return_dict=False)
+    torch.testing.assert_close(audio, expected_audio, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(video, expected_video, atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------- the shared audio run
 STEPS = 12
 SAMPLE = {"prompts": ["a bell"], "every_n_steps": STEPS, "steps": 2, "seed": 5, "resolution": 64, "frames": 9}
@@ -176,3 +218,10 @@ def test_the_audio_lora_loads_in_ltx2_pipeline_and_reproduces_the_trained_audio(
     expected_video, expected_audio = both_outputs(reference)
     runs.assert_reproduces(audio, expected_audio, untrained_audio)
     torch.testing.assert_close(video, expected_video, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_audio_loras_comfyui_file_has_the_keys_comfyui_maps_and_applies_like_diffusers(audio_run: Path) -> None:
+    modules = assert_comfyui_file(audio_run, 4)
+    # every audio-stream module of both blocks, under its native LTXAVModel name (comfy/ldm/lightricks/av_model.py)
+    assert modules == {f"transformer_blocks.{i}.{t}" for i in range(2) for t in AUDIO_LORA_TARGETS}

@@ -109,21 +109,30 @@ def test_diffusers_lora_loads_in_ltx2_pipeline_and_reproduces(ltx2_run: Path) ->
 
 
 def test_comfyui_file_has_the_keys_comfyui_maps_and_applies_like_diffusers(ltx2_run: Path) -> None:
-    saved, model_dir = ltx2_run / "saved" / "final", ltx2_run.parent.parent / "model"
+    modules = assert_comfyui_file(ltx2_run, RANK)
+    assert len(modules) == 2 * (2 * 4 + 2)  # 2 blocks x (attn1 + attn2 q/k/v/out, ff in/out)
+
+
+def assert_comfyui_file(run: Path, rank: int) -> set[str]:
+    """The run's ComfyUI file holds, for each module of its diffusers LoRA, ``diffusion_model.<module>``'s
+    ``lora_A`` / ``lora_B`` weights and ``.alpha`` (= rank: the trained strength is folded in); ComfyUI's key map for
+    the native LTXAVModel (every weight's module under ``diffusion_model.``) takes each stem, and patched into the
+    original-layout weights they equal the diffusers LoRA merged into the folder's weights. Returns the modules."""
+    saved, model_dir = run / "saved" / "final", run.parent.parent / "model"
     comfy = load_file(str(saved / "adapter_model.comfyui.safetensors"))
     diffusers_file = load_file(str(saved / "adapter_model.safetensors"))
     modules = {k[len("transformer.") : -len(".lora_A.weight")] for k in diffusers_file if k.endswith(".lora_A.weight")}
-    assert len(modules) == 2 * (2 * 4 + 2)  # 2 blocks x (attn1 + attn2 q/k/v/out, ff in/out)
     expected = {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
     assert set(comfy) == expected
-    assert all(float(comfy[f"diffusion_model.{m}.alpha"]) == RANK for m in modules)
+    assert all(float(comfy[f"diffusion_model.{m}.alpha"]) == rank for m in modules)
 
-    # ComfyUI's key map for the native LTXAVModel (every weight's module under diffusion_model.) takes each stem;
-    # patched into the original-layout weights they equal the diffusers LoRA merged into the folder's weights
     base = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
     native = {f"diffusion_model.{k}": v for k, v in to_original(base).items()}
-    applied = apply_file(native, comfy, generic_key_map(to_original(base)))
+    key_map = generic_key_map(to_original(base))
+    assert all(f"diffusion_model.{m}" in key_map for m in modules)
+    applied = apply_file(native, comfy, key_map)
     peft = {k.replace("transformer.", "", 1).replace(".lora_A.weight", ".lora_A.default.weight")
              .replace(".lora_B.weight", ".lora_B.default.weight"): v for k, v in diffusers_file.items()}
     merged = runs.merge_peft(base, peft, 1.0)  # the saved file has the trained alpha / rank folded in
     runs.assert_state_close({diffusers_name(k[len("diffusion_model."):], 2): v for k, v in applied.items()}, merged)
+    return modules
