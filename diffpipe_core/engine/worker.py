@@ -151,8 +151,13 @@ def _main(argv: list[str] | None) -> int:
 
     ds_patches.use_environment_extensions_dir()
     ds_patches.guard_op_builds()
+    backend = _backend()
+    if backend == "gloo":
+        from diffpipe_core.engine.gloo_interface import choose_gloo_interface
+
+        choose_gloo_interface()  # workers on other machines must reach this one's address, not its loopback
     with library_prints():
-        ds_patches.init_distributed(_backend())
+        ds_patches.init_distributed(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     code, agreed = 0, False
     try:
