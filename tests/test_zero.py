@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from diffpipe_core.engine.checkpoint import read_optimizer_state, read_params
+from diffpipe_core.engine.run_dir import read_metrics
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, run_diffpipe
 from diffpipe_core.testing.runs import assert_trains_as, losses, run_toml, train
@@ -82,6 +83,9 @@ def test_zero1_trains_as_unsharded_with_half_the_state_per_rank(runs: tuple[Path
     plain, zero = runs
     assert len(losses(zero)) == STEPS
     assert losses(zero) == pytest.approx(losses(plain), rel=1e-5, abs=1e-6)
+    # the logged (and clipping) gradient norm is the global one: the replicas' partitions add up to the whole
+    norms = [[r["grad_norm"] for r in read_metrics(run) if "loss" in r] for run in (plain, zero)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
     ckpt = f"checkpoints/step-{STEPS:07d}"
     want, got = read_params(plain / ckpt), read_params(zero / ckpt)
     assert got.keys() == want.keys()
