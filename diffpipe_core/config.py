@@ -274,6 +274,13 @@ class RunConfig(Strict):
         "DeepSpeed's all-to-all, everything else runs on each rank's tokens). Processes = pipeline_stages x "
         "sequence_parallel x data-parallel replicas; it must divide the model's attention heads.",
     )
+    zero_stage: Literal[0, 1] = Field(
+        0,
+        description="1: DeepSpeed's ZeRO stage 1, the optimizer state sharded over the data-parallel replicas of "
+        "each pipeline stage (each keeps 1/N of it, on a float32 copy of its share of the trainable weights); full "
+        "fine-tunes and adapters alike. Optimizers 'adamw' and 'sgd', one parameter group (no group_lr), without "
+        "offload or gradient_release. Checkpoints hold the whole state, so a run resumes on any layout. 0: off.",
+    )
     partition_method: Literal["memory", "parameters", "uniform"] = Field(
         "memory",
         description="How layers are spread over stages: 'memory' balances each stage's estimated peak (weights in "
@@ -426,6 +433,28 @@ class RunConfig(Strict):
                 "completes its gradient, so there is no gradient to accumulate into; use a larger "
                 "micro_batch_size_per_gpu instead, or turn gradient release off"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_zero_stage(self) -> RunConfig:
+        from diffpipe_core.optimizer_names import ZERO_OPTIMIZERS
+
+        if not self.zero_stage:
+            return self
+        opt, why = self.optimizer, None
+        if opt.type not in ZERO_OPTIMIZERS:
+            why = (f"optimizer.type = {opt.type!r}: DeepSpeed's ZeRO optimizer steps a flat float32 partition of the "
+                   f"weights, which only elementwise optimizers take unchanged; use "
+                   f"{' or '.join(repr(n) for n in ZERO_OPTIMIZERS)}")
+        elif opt.offload or opt.gradient_release:
+            key = "offload" if opt.offload else "gradient_release"
+            why = (f"optimizer.{key} = true: the sharded state lives in DeepSpeed's flat partitions, which diffpipe's "
+                   f"{key} cannot step one parameter at a time; turn {key} off (ZeRO already divides the state)")
+        elif opt.group_lr:
+            why = (f"optimizer.group_lr = {dict(opt.group_lr)}: the optimizer step's global gradient norm is taken "
+                   "over one parameter group's partition; leave group_lr out")
+        if why:
+            raise ValueError(f"zero_stage = {self.zero_stage} (valid: 0 or 1) cannot work with {why}")
         return self
 
     @model_validator(mode="after")

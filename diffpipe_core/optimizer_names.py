@@ -8,6 +8,8 @@ BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adamw8bit_kahan", "sgd")
 # whose update of one parameter reads only that parameter's state: [optimizer] offload steps them one at a time
 # (not optimi's: their step counter is the group's, so stepping one parameter at a time would count it once each)
 OFFLOADABLE_OPTIMIZERS = (*BUILTIN_OPTIMIZERS, "automagic", "muon")
+# elementwise optimizers whose state keeps its meaning on DeepSpeed's flat float32 partition ([run] zero_stage = 1)
+ZERO_OPTIMIZERS = ("adamw", "sgd")
 
 
 def optimizer_names(pm: Any) -> list[str]:

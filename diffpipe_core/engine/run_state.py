@@ -15,6 +15,7 @@ from diffpipe_core.engine import checkpoint as ckpt_io
 from diffpipe_core.engine.finite_weights import check_finite
 from diffpipe_core.engine.saving import export_model_formats, gather_to_rank0, write_adapter, write_model_shards
 from diffpipe_core.engine.stage_build import DTYPES, Layout, Stage
+from diffpipe_core.engine.zero import full_state_dict, load_full_state_dict, model_params
 from diffpipe_core.registry import ModelPlugin
 
 
@@ -48,7 +49,7 @@ def write_checkpoint(
         "sequence_parallel": layout.seq,
         "total_steps": total_steps,
     }
-    optim_state = {"optimizer": stage.optimizer.state_dict(), "scheduler": stage.scheduler.state_dict(),
+    optim_state = {"optimizer": optimizer_state_dict(stage), "scheduler": stage.scheduler.state_dict(),
                    "param_names": optimizer_param_names(stage)}
     ckpt_io.write_checkpoint(
         run_dir,
@@ -87,6 +88,8 @@ def restore_checkpoint(
                     f"checkpoint {ckpt}: {name} has shape {tuple(saved.shape)}, the model's is {tuple(p.shape)}"
                 )
             p.copy_(saved.to(p.dtype))
+    if stage.zero is not None:  # the weights are views of ZeRO's flat buffer; its float32 partition follows them
+        stage.zero.refresh_fp32_params()
     if stage.ema is not None and not stage.ema.load(params) and layout.rank == 0:
         print(f"diffpipe: {ckpt.name} holds no EMA ([ema] is new in this run); the average starts from its weights",
               flush=True)
@@ -104,7 +107,7 @@ def restore_checkpoint(
                   f"{how}", flush=True)
     if optim is not None:
         built = configured_hyperparameters(stage.optimizer)
-        stage.optimizer.load_state_dict(optim["optimizer"])
+        load_optimizer_state(stage, optim["optimizer"])
         stage.scheduler.load_state_dict(optim["scheduler"])
         apply_optimizer_config(stage, optimizer_cfg, built)
     sampler.load_state_dict(state["sampler"])
@@ -137,9 +140,25 @@ def _continue_schedule(
     apply_optimizer_config(stage, optimizer_cfg)
 
 
+def optimizer_state_dict(stage: Stage) -> dict[str, Any]:
+    """The optimizer's state dict; under ZeRO the replicas' shards gathered into an unsharded optimizer's
+    (collective over the replicas: :func:`~diffpipe_core.engine.zero.full_state_dict`)."""
+    return full_state_dict(stage.zero) if stage.zero is not None else stage.optimizer.state_dict()
+
+
+def load_optimizer_state(stage: Stage, saved: dict[str, Any]) -> None:
+    """Load an :func:`optimizer_state_dict`; under ZeRO this replica's share of it."""
+    if stage.zero is not None:
+        load_full_state_dict(stage.zero, saved)
+    else:
+        stage.optimizer.load_state_dict(saved)
+
+
 def optimizer_param_names(stage: Stage) -> list[str]:
     """The model names of the optimizer's parameters, in the order its state dict numbers them."""
     names = {id(p): n for n, p in stage.trainable.items()}
+    if stage.zero is not None:
+        return [names[id(p)] for p in model_params(stage.zero)]
     return [names[id(p)] for group in stage.optimizer.param_groups for p in group["params"]]
 
 
@@ -159,7 +178,7 @@ def resharded_optimizer_state(ckpt: Path, saved_stages: int, stage: Stage) -> di
         states = saved["optimizer"]["state"]
         by_name.update({name: states[i] for name, i in zip(names, numbers, strict=True) if i in states})
         scheduler = scheduler or saved["scheduler"]
-    own = stage.optimizer.state_dict()
+    own = optimizer_state_dict(stage)
     numbers = [i for group in own["param_groups"] for i in group["params"]]
     names = optimizer_param_names(stage)
     if any(name not in by_name for name in names):

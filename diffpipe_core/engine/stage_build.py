@@ -42,6 +42,7 @@ from diffpipe_core.engine.optimizer_guard import OptimizerGuard
 from diffpipe_core.engine.plan_build import make_plan, unconditional_line
 from diffpipe_core.engine.regularization import FrozenBase, needs_base
 from diffpipe_core.engine.stage_plan import StagePlan, format_plan
+from diffpipe_core.engine.zero import ds_config as zero_config
 from diffpipe_core.memory import stage_blocks, swapped_blocks, wrap_stage_layers
 from diffpipe_core.merge_adapters import merge_into, native_targets
 from diffpipe_core.optim import (
@@ -143,6 +144,7 @@ class Stage:
     seeds: LayerSeeds | None = None  # the layers' random streams (:mod:`diffpipe_core.engine.layer_rng`)
     ema: EmaWeights | None = None  # [ema]: the average of ``trainable``
     base: FrozenBase | None = None  # regularization_target = "base": how this stage computes the base model
+    zero: Any = None  # zero_stage = 1: DeepSpeed's ZeRO optimizer around ``optimizer`` (:mod:`.zero`)
 
 
 @dataclass
@@ -301,6 +303,7 @@ def build_stage(
         "gradient_clipping": 0.0,  # done by OptimizerGuard
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        **zero_config(run.zero_stage),
     }
     engine, _, _, _ = deepspeed.initialize(
         model=built.module,
@@ -309,6 +312,7 @@ def build_stage(
         config=ds_config,
         model_parameters=list(trainable.values()),
     )
+    zero = shard_optimizer_state(engine, guard) if run.zero_stage else None
     skip_single_replica_allreduce(engine)
     keep_idle_groups_gradless(engine, [g["params"] for g in groups])
     lean_step(engine)
@@ -322,8 +326,35 @@ def build_stage(
     base = FrozenBase(model, trainable, lora is not None) if needs_base(dataset) else None
     return Stage(
         model, built.layer_names, built.parts, built.lora, trainable, optimizer, scheduler, guard, engine, built.loss,
-        built.plan, built.seeds, ema, base,
+        built.plan, built.seeds, ema, base, zero,
     )
+
+
+def shard_optimizer_state(engine: Any, guard: OptimizerGuard) -> Any:
+    """``zero_stage = 1``: point the guard at what DeepSpeed's ZeRO optimizer hands the client optimizer, this
+    replica's float32 partition, whose gradient is the replicas' average of its share (the replicas' squared norms
+    add up to the stage's, so none is divided out), and check the adapter's gradients before the reduction frees
+    them. Returns the ZeRO optimizer."""
+    import warnings
+
+    # DeepSpeed all-gathers the updated weights with a torch call that warns of its deprecation every step
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    zero = engine.optimizer
+    guard.params = [p for group in guard.optimizer.param_groups for p in group["params"]]
+    guard.dp = 1
+    check, guard.first_step_check = guard.first_step_check, None
+    if check is not None:
+        reduce = engine.allreduce_gradients
+
+        def allreduce_gradients(*args: Any, **kwargs: Any) -> Any:
+            nonlocal check
+            if check is not None:
+                check, run = None, check
+                run()
+            return reduce(*args, **kwargs)
+
+        engine.allreduce_gradients = allreduce_gradients
+    return zero
 
 
 def build_inference_engine(cfg: ResolvedConfig, plugin: ModelPlugin, layout: Layout, device: torch.device) -> Any:
