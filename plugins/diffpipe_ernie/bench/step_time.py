@@ -46,7 +46,7 @@ def plain_times(model_dir: Path, args) -> list[float]:
 
 
 def main() -> None:
-    args = bench.overhead_args(bench.bench_parser())
+    args = bench.overhead_args(bench.bench_parser(threads=True))
     write = lambda model_dir: write_tiny_ernie(model_dir, MODEL)  # noqa: E731
     pairs = bench.measure_overhead(args, write, diffpipe_times, plain_times, args.pairs)
     tokens = (SIZE // 16) ** 2
