@@ -31,7 +31,7 @@ def test_ulysses_attention_equals_whole_sequence_attention_with_joint_text(tmp_p
     codes = processes.run_ranks([sys.executable, str(WORKER), str(tmp_path)], envs, tmp_path, timeout=90)
     logs = "\n".join((tmp_path / f"log{r}.txt").read_text()[-3000:] for r in range(world))
     assert codes == [0, 0], logs
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     ref, ref_grads = results[0]["ref"], results[0]["ref_grads"]
     s = ref.shape[1] - 3  # 3 replicated text tokens after the video ones
     n = s // world
