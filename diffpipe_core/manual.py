@@ -252,6 +252,17 @@ def anchor_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def anchor_defaults() -> str:
+    """The ``[model]`` keys the importer writes when the anchor config leaves them out (the defaults differ)."""
+    from diffpipe_core.anchor.keys import toml_value
+    from diffpipe_core.anchor.models import ANCHOR_DEFAULTS
+
+    rows = ["| diffpipe model | key written | why |", "|---|---|---|"]
+    rows += [f"| `{model}` | `{key} = {toml_value(value)}` | {why} |"
+             for model, keys in sorted(ANCHOR_DEFAULTS.items()) for key, (value, why) in keys.items()]
+    return "\n".join(rows) + "\n"
+
+
 def dataset_keys() -> str:
     """Every dataset TOML key, as the config reference lists it."""
     from diffpipe_core.docs import config_reference_markdown
@@ -282,7 +293,8 @@ def model_table(repo: Path = REPO) -> str:
 
 REGIONS = {
     "docs/index.md": {"model-table": model_table},
-    "docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned},
+    "docs/diffusion-pipe.md": {"anchor-keys": anchor_table, "anchor-planned": anchor_planned,
+                               "anchor-defaults": anchor_defaults},
     "docs/datasets.md": {"dataset-keys": dataset_keys},
 }
 

@@ -409,3 +409,13 @@ def test_sdxl_learning_rates_per_part_become_group_lr_with_the_text_encoders_tra
 @pytest.mark.parametrize(("anchor", "ours"), [("qwen_image", "qwen-image"), ("z_image", "z-image"), ("wan", "wan")])
 def test_the_anchors_model_types_name_diffpipes(tmp_path: Path, anchor: str, ours: str) -> None:
     assert _imported_run(tmp_path, f"type = '{anchor}'")["model"]["type"] == ours
+
+
+def test_omnigen2_keeps_the_anchors_shift_where_diffpipes_default_differs(tmp_path: Path) -> None:
+    """diffusion-pipe's OmniGen2 shifts by resolution only with flux_shift = true, and never when shift is set;
+    diffpipe's default is on, so the importer writes the anchor's choice."""
+    assert _imported_run(tmp_path, "type = 'omnigen2'")["model"]["flux_shift"] is False
+    assert _imported_run(tmp_path, "type = 'omnigen2'\nflux_shift = true")["model"]["flux_shift"] is True
+    run = _imported_run(tmp_path, "type = 'omnigen2'\nflux_shift = true\nshift = 3.0")
+    assert run["model"]["flux_shift"] is False and run["model"]["shift"] == 3.0
+    assert "flux_shift" not in _imported_run(tmp_path, "type = 'flux'")["model"]

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from diffpipe_core.anchor.keys import (
-    SDXL_TEXT_ENCODERS,
     Change,
     Context,
     changes_for,
@@ -26,7 +25,7 @@ from diffpipe_core.anchor.keys import (
     toml_key,
     toml_value,
 )
-from diffpipe_core.anchor.models import diffpipe_model
+from diffpipe_core.anchor.models import ANCHOR_DEFAULTS, diffpipe_model
 from diffpipe_core.schema import ConfigError, read_toml
 
 TABLES = ("model", "adapter", "optimizer")  # the anchor's tables that keep their name
@@ -181,10 +180,10 @@ class _Converter:
                 note = "diffusion-pipe's default: the model's dtype (diffpipe's: float32)"
                 run["adapter"].put("dtype", dtype, [note])
                 self.counts["changed"] += 1
-        if model_name == "sdxl" and not run["model"].has("train_text_encoders"):
-            # diffusion-pipe trains SDXL's text encoders even without their learning rates (at the optimizer's)
-            run["model"].put("train_text_encoders", True, [SDXL_TEXT_ENCODERS])
-            self.counts["changed"] += 1
+        for key, (value, why) in ANCHOR_DEFAULTS.get(model_name or "", {}).items():
+            if key not in model_table and not run["model"].has(key):
+                run["model"].put(key, value, [why])
+                self.counts["changed"] += 1
         self._required_model_keys(model_name, run["model"])
         if DATASET_FILE not in self.datasets:
             note = "TODO: diffusion-pipe's config names no dataset; fill this one in"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffpipe_core.anchor.models import ANCHOR_DEFAULTS
+
 RUN_FILE_SECTIONS = ("run", "model", "adapter", "optimizer", "logging")
 FLOAT8 = ("float8", "float8_e4m3fn", "float8_e5m2")
 SECRET_WORDS = ("key", "token", "password", "secret")
@@ -358,6 +360,7 @@ MODEL_RULES: dict[str, Rule] = {
     **{key: lambda key, value, ctx: _pattern_lr(key, value) for key in BLOCK_PART_LRS},
     "llm_adapter_lr": _same("model", "the LLM adapter's rate (its parameter group's group_lr; 0 freezes it)"),
     "freeze_llm_adapter": lambda key, value, ctx: _freeze_llm_adapter(value, ctx),
+    "flux_shift": lambda key, value, ctx: _flux_shift(value, ctx),
 }
 
 def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
@@ -371,7 +374,16 @@ def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
     return changes
 
 
-SDXL_TEXT_ENCODERS = "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead"
+SDXL_TEXT_ENCODERS = ANCHOR_DEFAULTS["sdxl"]["train_text_encoders"][1]
+
+
+def _flux_shift(value: Any, ctx: Context) -> list[Change]:
+    """diffusion-pipe shifts by ``shift`` when it is set and only otherwise by ``flux_shift``; diffpipe refuses both
+    at once, so a set ``shift`` turns ``flux_shift`` off."""
+    model = ctx.anchor.get("model", {}) if isinstance(ctx.anchor.get("model"), dict) else {}
+    if value and model.get("shift") and ctx.has("model", "flux_shift"):
+        return [Change("model", "flux_shift", False, "diffusion-pipe ignores flux_shift when shift is set")]
+    return _same("model")("flux_shift", value, ctx)
 
 
 def _pattern_lr(key: str, value: Any) -> list[Change]:

@@ -57,6 +57,14 @@ PATH_NOTES = {
     "diffusion-pipe also took Qwen-Image's folder with an edit transformer file",
     "chroma": "path must be a Chroma diffusers folder; diffusion-pipe took FLUX.1-dev's for Chroma's VAE and T5",
 }
+# [model] keys whose diffpipe default differs from diffusion-pipe's, per diffpipe model: written with the anchor's
+# value when its config leaves the key out (value, why)
+ANCHOR_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
+    "sdxl": {"train_text_encoders": (
+        True, "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead")},
+    "omnigen2": {"flux_shift": (
+        False, "diffusion-pipe's default: no resolution shift (diffpipe's is true, as OmniGen2's own training)")},
+}
 MODEL_FILE_KEYS = ("diffusers_path", "transformer_path", "ckpt_path", "diffusion_model", "checkpoint_path")
 
 
