@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffpipe_core.data import BucketSampler
+from diffpipe_core.data.sampler import data_key
 
 # Three buckets of 10, 7 and 5 samples.
 GROUPS = [list(range(0, 10)), list(range(10, 17)), list(range(17, 22))]
@@ -104,3 +105,12 @@ def test_another_data_parallel_degree_goes_on_in_the_epochs_global_order(saved_d
     rest = [list(s) for s in new]
     taken = len(new[0]) * new_dp  # the epoch's micro-batches the new ranks share (a whole number each)
     assert [rest[i % new_dp][i // new_dp] for i in range(taken - 8)] == order[8:taken]
+
+
+def test_the_data_key_holds_across_a_moved_project_but_not_a_renamed_item():
+    """A project copied elsewhere with its data resumes where it stopped; a changed item is still a changed dataset."""
+    ids = ["/home/a/run/data/cats/1.png", "/home/a/run/data/dogs/2.mp4#0", "/home/a/run/data/dogs/2.mp4#1"]
+    moved = [i.replace("/home/a/run", "/mnt/b/copy") for i in ids]
+    assert data_key(moved) == data_key(ids)
+    assert data_key([*ids[:2], "/home/a/run/data/dogs/3.mp4#1"]) != data_key(ids)
+    assert data_key(["/home/a/run/data/cats/1.png"]) == data_key(["/x/cats/1.png"]) != data_key(["/x/cats/2.png"])

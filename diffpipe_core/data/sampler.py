@@ -128,8 +128,16 @@ class BucketSampler:
 
 def data_key(sample_ids: Sequence[str]) -> str:
     """``"<count>:<sha256>"`` of a dataset's samples (their ids, in index order): what a checkpoint's sampler state
-    was made for."""
+    was made for. The ids' common folder is left out, so a project moved or copied with its data elsewhere resumes
+    where it stopped."""
     import hashlib
+    import os
 
-    digest = hashlib.sha256("\0".join(sample_ids).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    folders = [os.path.dirname(i) for i in sample_ids]
+    try:
+        common = os.path.commonpath(folders) if folders else ""
+    except ValueError:  # absolute and relative ids mixed, or other drives
+        common = ""
+    relative = [i[len(common):] for i in sample_ids]
+    digest = hashlib.sha256("\0".join(relative).encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{len(sample_ids)}:{digest}"
