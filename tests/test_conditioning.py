@@ -584,6 +584,16 @@ def test_paired_files_are_decoded_with_their_control_keyed_by_content_and_missin
                                f"{tmp_path / 'refs2' / 'clip0'}.<image extension> not found "
                                "(directory[0].reference_path[1])")
     assert recorder.batches == []
+    broken = tmp_path / "refs2" / "clip0.png"
+    broken.write_bytes(b"not a png")  # unreadable: named with the clip
+    clip0 = tmp_path / "clips" / "clip0.mp4"
+    with pytest.raises(DatasetError, match=f"{clip0}: unreadable reference image: .*{broken}"):
+        scan_dataset(load_dataset_config(dataset), plugin.spec)
+    write_png(broken, 20, 30)
+    write_png(mask, 40, 40)  # a mask of another size than its control video
+    with pytest.raises(DatasetError, match=f"control mask size: {mask} is 40x40 but its control video .*clip1.mov is "
+                                           "48x40"):
+        scan_dataset(load_dataset_config(dataset), plugin.spec)
 
     other, _ = registered("reference-v2v", ControlVideos())
     with pytest.raises(ConfigError, match=r"directory\[0\].control_mask_path: model 'reference-v2v' does not read "

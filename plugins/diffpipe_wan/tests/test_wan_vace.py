@@ -127,14 +127,20 @@ def test_wan_vace_conforms(tiny_wan_vace: Path, tmp_path: Path) -> None:
     check_model_plugin(wan_vace, "wan-vace", table, pixels=pixels, captions=["a red cat", "a photo of a dog"])
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, masked: bool) -> None:
+@pytest.mark.parametrize(("masked", "referenced"), [(False, False), (True, False), (True, True)])
+def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, masked: bool, referenced: bool) -> None:
     """The core's loop over the layers from the same noise, prompt embeddings and control video (decoded by the
-    core at the sample's size and frame rate, given to the pipeline as that tensor) equals ``WanVACEPipeline``."""
+    core at the sample's size and frame rate, given to the pipeline as that tensor) equals ``WanVACEPipeline``; with a
+    ``sample_reference`` image (another aspect ratio) too, its latent frame in front, dropped when decoding."""
+    from PIL import Image
+
+    from diffpipe_core.testing.media import write_png
+
     control = write_control(tmp_path, 2)
     mask = write_control(tmp_path, 3) if masked else None
-    cfg = validate(wan_vace.spec.config_schema,
-                   {**TABLE, "path": tiny_wan_vace, "sample_control": control, "sample_mask": mask}, "test")
+    reference = write_png(tmp_path / "reference.png", 24, 40, seed=4) if referenced else None
+    cfg = validate(wan_vace.spec.config_schema, {**TABLE, "path": tiny_wan_vace, "sample_control": control,
+                                                 "sample_mask": mask, "sample_reference": reference}, "test")
     handle = registered(wan_vace)
     (texts,) = encode_prompts(handle, cfg, ["a red cat walks"], "blurry", CPU)
     request = SampleRequest(width=W, height=H, frames=FRAMES, steps=STEPS)
@@ -144,12 +150,15 @@ def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, 
     kwargs = {}
     if masked:  # the pipeline's masks are in [-1, 1] images: (mask + 1) / 2 after preprocessing
         kwargs["mask"] = [read_clip(mask, (W, H, FRAMES), wan_vace.spec)[:1].expand(3, -1, -1, -1).transpose(0, 1)]
+    if referenced:
+        with Image.open(reference) as opened:
+            kwargs["reference_images"] = [opened.convert("RGB")]
     expected = pipe(
         video=[video.transpose(0, 1)],
         prompt_embeds=texts.cond["text_embeds"],
         negative_prompt_embeds=texts.uncond["text_embeds"],
         guidance_scale=2.0,
-        latents=torch.randn((1, 4, 2, H // 8, W // 8), generator=noise_generator(SEED, 0)),
+        latents=torch.randn((1, 4, 2 + referenced, H // 8, W // 8), generator=noise_generator(SEED, 0)),
         num_inference_steps=STEPS,
         height=H,
         width=W,
@@ -158,6 +167,9 @@ def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, 
         **kwargs,
     ).frames
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    if referenced:  # decoded without the reference frame, as the pipeline decodes
+        decoded = wan_vace.decode_latents(decoder=pipe.vae, latents=ours)
+        assert decoded.shape == (1, 3, FRAMES, H, W)
 
 
 def test_sampling_without_a_control_video_says_what_to_set(tiny_wan_vace: Path) -> None:

@@ -141,14 +141,43 @@ class WanVACE(ControlVideoSampling, Wan):
 
     def encode_sample_control(self, model_config: WanVACEConfig, request: SampleRequest,
                               size: tuple[int, int, int]) -> torch.Tensor:
-        """``(1, 2z + 64, F', h, w)``: the VACE conditioning of ``[model] sample_control`` and ``sample_mask``."""
+        """``(1, 2z + 64, R + F', h, w)``: the VACE conditioning of ``[model] sample_control``, ``sample_mask`` and the
+        R ``sample_reference`` images (fitted as the pipeline fits its ``reference_images``)."""
+        from PIL import Image
+
         from diffpipe_wan import vace_encoding
 
         video = read_clip(model_config.sample_control, size, self.spec)[None]
         mask = None
         if model_config.sample_mask is not None:
             mask = ((read_clip(model_config.sample_mask, size, self.spec)[None, :1] + 1) / 2).clamp(0, 1)
-        return vace_encoding.context(self.sample_vae(model_config), video, mask)
+        vae = self.sample_vae(model_config)
+        references = None
+        if sample_references(model_config):
+            images = []
+            for file in sample_references(model_config):
+                with Image.open(file) as opened:
+                    images.append(opened.convert("RGB"))
+            spatial = int(vae.config.scale_factor_spatial)
+            references = vace_encoding.fit_references([tuple(images)], size[1], size[0], spatial)
+        return vace_encoding.context(vae, video, mask, references)
+
+    def sample_shape(self, shape: tuple[int, ...], model_config: WanVACEConfig) -> tuple[int, ...]:
+        """One more latent frame in front for each ``sample_reference`` image (the pipeline's ``num_frames + R *
+        temporal``), which :meth:`decode_latents` drops again."""
+        self._trim = len(sample_references(model_config))  # the sample's reference frames, dropped when decoding
+        return (*shape[:2], shape[2] + self._trim, *shape[3:])
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Wan's decoding of the latents after the reference frames (``WanVACEPipeline`` drops them likewise)."""
+        return super().decode_latents(decoder, latents[:, :, getattr(self, "_trim", 0):])
+
+
+def sample_references(model_config: WanVACEConfig) -> list[Any]:
+    """``[model] sample_reference`` as a list of files (empty without)."""
+    value = model_config.sample_reference
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 wan_vace = WanVACE()

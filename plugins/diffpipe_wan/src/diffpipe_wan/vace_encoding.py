@@ -49,10 +49,11 @@ def with_references(latents: torch.Tensor, masks: torch.Tensor, vae: Any, refere
     return latents, torch.cat([padding, masks], dim=2)
 
 
-def fit_references(references: list[tuple[torch.Tensor, ...]], height: int, width: int, spatial: int) -> torch.Tensor:
-    """``(B, R, 3, height, width)``: each item's reference images (``(3, h, w)`` in [-1, 1] at their own size, as
-    decoded from 8-bit files) as ``WanVACEPipeline.preprocess_conditions`` prepares them: ``video_processor.preprocess``
-    of the image, resized (bilinear) to fit inside the video keeping its aspect ratio, centered on a white canvas."""
+def fit_references(references: list[tuple[Any, ...]], height: int, width: int, spatial: int) -> torch.Tensor:
+    """``(B, R, 3, height, width)``: each item's reference images (PIL images, or ``(3, h, w)`` in [-1, 1] at their own
+    size as decoded from 8-bit files) as ``WanVACEPipeline.preprocess_conditions`` prepares them:
+    ``video_processor.preprocess`` of the image, resized (bilinear) to fit inside the video keeping its aspect ratio,
+    centered on a white canvas."""
     from diffusers.video_processor import VideoProcessor
 
     from diffpipe_wan.encoding import to_images
@@ -61,7 +62,7 @@ def fit_references(references: list[tuple[torch.Tensor, ...]], height: int, widt
     out = []
     for item in references:
         fitted = []
-        for image in (to_images(r[None])[0] for r in item):
+        for image in (to_images(r[None])[0] if isinstance(r, torch.Tensor) else r for r in item):
             pixels = processor.preprocess(image, None, None).float()
             h, w = pixels.shape[-2:]
             scale = min(height / h, width / w)
