@@ -20,7 +20,7 @@ def micro_batches_per_rank(scan: ScanResult, run: Any, dp: int) -> int:
 
     return sum(
         n // run.micro_batch_size_for(bucket.width, bucket.height, bucket.frames)
-        for (bucket, _), n in group_counts(scan).items()
+        for (bucket, *_), n in group_counts(scan).items()
     ) // max(1, dp)
 
 

@@ -62,6 +62,11 @@ class ModelConfigBase(BaseModel):
     )
 
 
+#: The files a model may read paired with each item (``ModelSpec.paired_files``) -> the ``[[directory]]`` key giving
+#: their folder.
+PAIRED_ROLES = {"control_mask": "control_mask_path", "reference": "reference_path", "last_frame": "last_frame_path"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the core needs to know about a model before loading anything.
@@ -108,6 +113,17 @@ class ModelSpec:
             decoded at the clip's own frames (the same start, frame rate, count and bucket); ``encode_batch`` gets
             them as ``(B, 3, F, H, W)`` with ``control_index`` set. An image in the dataset, or a clip whose
             control video is missing, unreadable or too short, is an error naming the files before any work.
+        paired_files: the files paired with each item the model reads (:data:`PAIRED_ROLES`), each from a
+            ``[[directory]]`` key of its own and paired by relative path and stem as ``control_path`` is:
+            ``"control_mask"`` (``control_mask_path``: a mask video, or one mask image for every frame, of the
+            control video, same size; for ``control_videos`` models; decoded at the control clip's frames and
+            bucket; ``EncodeBatch.control_masks``), ``"reference"`` (``reference_path``, one folder or a list: images
+            at their own size; ``EncodeBatch.references``, in the control batch of a model with control images, else
+            in the target's), ``"last_frame"`` (``last_frame_path``: an image at its own size, in the target's batch;
+            ``EncodeBatch.last_frames``). They are decoded and encoded with the item (or its control) they join and
+            cached under its key, which holds their content. A directory giving a key the model does not read, or
+            an item whose paired file is missing or unreadable, is an error naming the key or the files before any
+            work. Items are batched apart by the paired files they have.
         control_in_captions: the model's text encoder looks at the control images (a vision-language encoder:
             Qwen-Image-Edit). Caption batches of items with control images then carry them
             (``EncodeBatch.control_pixels``) and are cached per caption and control images.
@@ -153,6 +169,7 @@ class ModelSpec:
     control_sample_area: int | None = None
     control_in_captions: bool = False
     control_videos: bool = False
+    paired_files: tuple[str, ...] = ()
     first_frame: Literal["none", "optional", "required"] = "none"
     guidance_in_one_batch: bool = True
     unconditional_model: str | None = None
@@ -173,6 +190,12 @@ class ModelSpec:
         if self.control_videos and (self.modality != "video" or self.control_images == "none"):
             raise ValueError(f"ModelSpec {self.name!r}: control_videos is for video models with control_images set "
                              f"(modality {self.modality!r}, control_images {self.control_images!r})")
+        unknown = [r for r in self.paired_files if r not in PAIRED_ROLES]
+        if unknown or len(set(self.paired_files)) != len(self.paired_files):
+            raise ValueError(f"ModelSpec {self.name!r}: paired_files {self.paired_files!r}: each once, of "
+                             + ", ".join(map(repr, PAIRED_ROLES)))
+        if "control_mask" in self.paired_files and not self.control_videos:
+            raise ValueError(f"ModelSpec {self.name!r}: paired_files 'control_mask' is for models with control_videos")
         if self.first_frame != "none" and self.modality != "video":
             raise ValueError(f"ModelSpec {self.name!r}: first_frame conditioning is for video models "
                              f"(modality is {self.modality!r})")
@@ -252,6 +275,15 @@ class EncodeBatch:
         audio_present: ``(B,)`` bool beside ``audio``: which items have sound. What an item without gets (silence,
             noise, a zero loss weight for its audio) is the model's rule: return what ``prepare_inputs`` needs to
             apply it (e.g. an ``"audio_mask"``).
+        control_masks: ``(B, 1, F, H, W)`` in [0, 1] (white = 1), in a control-video batch of a model reading
+            ``"control_mask"`` (``ModelSpec.paired_files``) whose items have ``control_mask_path`` files: each control
+            video's mask, decoded at its frames and crop (the first channel; a mask image held over every frame).
+            None otherwise.
+        references: per item, its ``reference_path`` images (one per folder, in order), each ``(3, h, w)`` in
+            [-1, 1] at the file's own size, for a model reading ``"reference"``: in its control batch (a model with
+            control images) or its target batch; None when the items have none.
+        last_frames: per item, its ``last_frame_path`` image ``(3, h, w)`` in [-1, 1] at the file's own size, in a
+            target batch of a model reading ``"last_frame"``; None when the items have none.
         negative_prompt: True for a caption batch holding a sample's negative prompt alone (``[sample]
             negative_prompt``, encoded on its own for sampling with classifier-free guidance), for a model whose
             pipeline encodes its negative prompt differently from its prompts (Lumina 2 leaves out its system
@@ -268,6 +300,9 @@ class EncodeBatch:
     control_pixels: list[tuple[torch.Tensor, ...]] | None = None
     audio: torch.Tensor | None = None
     audio_present: torch.Tensor | None = None
+    control_masks: torch.Tensor | None = None
+    references: list[tuple[torch.Tensor, ...]] | None = None
+    last_frames: list[torch.Tensor] | None = None
     negative_prompt: bool = False
 
 

@@ -498,6 +498,109 @@ def test_control_videos_are_decoded_at_each_clips_frames_and_missing_ones_stop_t
     assert recorder.batches == []
 
 
+class PairedVideos(ControlVideos):
+    """:class:`ControlVideos` reading control masks and reference images (``ModelSpec.paired_files``)."""
+
+    spec = dataclasses.replace(ControlVideos.spec, name="reference-v2v-paired",
+                               paired_files=("control_mask", "reference"))
+
+    @hookimpl
+    def model_spec(self):
+        return self.spec
+
+    @hookimpl
+    def encode_batch(self, encoders, batch):
+        if batch.captions is not None:
+            return {"text": torch.zeros(len(batch.captions), 2)}
+        out = {"pixels": batch.pixels.clone()}
+        if batch.control_masks is not None:
+            out["mask"] = batch.control_masks.clone()
+        return out
+
+
+def _paired_dataset(root: Path) -> Path:
+    """Two clips, their control videos, a mask video and a mask image, two folders of reference images."""
+    dataset = _clips(root)
+    for i in range(2):
+        write_video(root / "control" / f"clip{i}.mov", frames=8, fps=8, size=(48, 40), seed=10 + i)
+    write_video(root / "masks" / "clip0.mp4", frames=8, fps=8, size=(48, 40), seed=20)
+    write_png(root / "masks" / "clip1.png", 48, 40, seed=21)  # one mask image for every frame
+    for folder, sizes in (("refs", [(20, 30), (24, 24)]), ("refs2", [(40, 16), (16, 16)])):
+        (root / folder).mkdir()
+        for i, (w, h) in enumerate(sizes):
+            write_png(root / folder / f"clip{i}.png", w, h, seed=30 + i)
+    keys = 'control_path = "control"\ncontrol_mask_path = "masks"\nreference_path = ["refs", "refs2"]\n'
+    dataset.write_text(dataset.read_text().replace('path = "clips"\n', 'path = "clips"\n' + keys), encoding="utf-8")
+    return dataset
+
+
+def test_paired_files_are_decoded_with_their_control_keyed_by_content_and_missing_ones_stop_the_scan(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """``ModelSpec.paired_files``: each clip's control mask (a video at the control clip's frames and crop, or an image
+    held over them) and reference images (at their own size, in reference_path order) reach ``encode_batch`` with its
+    control video; ``diffpipe data`` counts them per bucket; changing only one mask re-encodes that control alone; a
+    missing reference image is an error naming both files before any work, and a key the model does not read is a
+    config error naming it."""
+    from diffpipe_core.data.decode import load_paired
+
+    dataset = _paired_dataset(tmp_path)
+    plugin, recorder = registered("reference-v2v-paired", PairedVideos())
+    scan = scan_dataset(load_dataset_config(dataset), plugin.spec)
+    assert [(i.controls[0].path.name, [(f.role, f.path.name) for f in i.controls[0].paired]) for i in scan.items] == [
+        ("clip0.mov", [("control_mask", "clip0.mp4"), ("reference", "clip0.png"), ("reference", "clip0.png")]),
+        ("clip1.mov", [("control_mask", "clip1.png"), ("reference", "clip1.png"), ("reference", "clip1.png")])]
+    report = format_report(scan, 1, 1)
+    assert "with control mask  with references" in report and report.splitlines()[-5].split()[-4:] == [
+        "2", "2", "2", "0"], report
+
+    ds = _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v-paired", path=model_dir))
+    (batch,) = recorder.controls()
+    assert batch.control_masks.shape == (2, 1, 5, 32, 32) and 0 <= batch.control_masks.min() < batch.control_masks.max()
+    assert [[tuple(r.shape) for r in refs] for refs in batch.references] == [[(3, 30, 20), (3, 16, 40)],
+                                                                              [(3, 24, 24), (3, 16, 16)]]
+    work = {control_work("k", item, 0).item.path.name: control_work("k", item, 0).item for item in scan.items}
+    for j, name in enumerate(["clip0.mov", "clip1.mov"]):
+        item = work[name]
+        want = [load_paired(item, f, plugin.spec) for f in item.paired]
+        torch.testing.assert_close(batch.control_masks[j], want[0], rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(batch.references[j], want[1:], strict=True))
+    assert torch.equal(batch.control_masks[1, :, 0], batch.control_masks[1, :, 4])  # the image: every frame
+    assert rows_by_id(ds)["clips/clip0.mp4"]["control_0_mask"].shape == (1, 5, 32, 32)
+
+    mask = tmp_path / "masks" / "clip1.png"
+    write_png(mask, 48, 40, seed=99)
+    touch_later(mask)
+    recorder.reset()
+    ds = _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v-paired", path=model_dir))
+    (again,) = recorder.controls()
+    assert again.control_masks.shape[0] == 1 and ds.summary["encoded_controls"] == 1 and not recorder.media()
+
+    (tmp_path / "refs2" / "clip0.png").unlink()
+    recorder.reset()
+    with pytest.raises(DatasetError) as info:
+        _cache(dataset, plugin, plugin.spec.config_schema(type="reference-v2v-paired", path=model_dir))
+    assert str(info.value) == (f"{tmp_path / 'clips' / 'clip0.mp4'}: no reference image: "
+                               f"{tmp_path / 'refs2' / 'clip0'}.<image extension> not found "
+                               "(directory[0].reference_path[1])")
+    assert recorder.batches == []
+    broken = tmp_path / "refs2" / "clip0.png"
+    broken.write_bytes(b"not a png")  # unreadable: named with the clip
+    clip0 = tmp_path / "clips" / "clip0.mp4"
+    with pytest.raises(DatasetError, match=f"{clip0}: unreadable reference image: .*{broken}"):
+        scan_dataset(load_dataset_config(dataset), plugin.spec)
+    write_png(broken, 20, 30)
+    write_png(mask, 40, 40)  # a mask of another size than its control video
+    with pytest.raises(DatasetError, match=f"control mask size: {mask} is 40x40 but its control video .*clip1.mov is "
+                                           "48x40"):
+        scan_dataset(load_dataset_config(dataset), plugin.spec)
+
+    other, _ = registered("reference-v2v", ControlVideos())
+    with pytest.raises(ConfigError, match=r"directory\[0\].control_mask_path: model 'reference-v2v' does not read "
+                                          "control masks"):
+        scan_dataset(load_dataset_config(dataset), other.spec)
+
+
 # ------------------------------------------------------------------------------------- first-frame conditioning
 def ltx_first_frame_today(latents, x_t, t, p, generator, evaluating):
     """A copy of LTX-Video's first-frame conditioning as ``diffpipe_ltx/inputs.py`` has it (before it calls the

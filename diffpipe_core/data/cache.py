@@ -86,11 +86,13 @@ class CacheEntry:
     controls: tuple[Bucket, ...] = ()
     directory: int = 0  # index of its [[directory]] (its loss weight and regularisation target)
     class_keys: tuple[str, ...] = ()  # diff_output_preservation: its class prompts' caption keys, one per variant
+    paired: tuple[str, ...] = ()  # the roles of its paired files (MediaItem.paired_roles): a reference adds a frame
 
     @property
-    def group(self) -> tuple[Bucket, tuple[Bucket, ...]]:
-        """What samples of one micro-batch share: the bucket and the control images' sizes."""
-        return self.bucket, self.controls
+    def group(self) -> tuple[Bucket, tuple[Bucket, ...]] | tuple[Bucket, tuple[Bucket, ...], tuple[str, ...]]:
+        """What samples of one micro-batch share: the bucket, the control images' sizes and the paired files'
+        roles."""
+        return (self.bucket, self.controls, self.paired) if self.paired else (self.bucket, self.controls)
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ class CachedDataset:
         items = [int(self._item_of[i]) for i in indices]
         groups = {self.entries[i].group for i in items}
         if len(groups) > 1:
-            shown = ", ".join(str(b) + "".join(f"+control {c}" for c in cs) for b, cs in sorted(groups))
+            shown = ", ".join(str(b) + "".join(f"+control {c}" for c in cs) for b, cs, *_ in sorted(groups))
             raise ValueError(f"collate: samples from {len(groups)} buckets ({shown}) "
                              f"cannot be stacked: {', '.join(self.sample_ids(indices))}")
         media = [tuple(self._media[i]) for i in items]
@@ -456,7 +458,8 @@ def prepare_cache(
             seen_by_caption.update(dict.fromkeys(class_keys, seen) if seen else {})
         seen_by_caption.update(dict.fromkeys(keys, seen) if seen else {})
         entries.append(CacheEntry(item.id, item.bucket, item.repeats, key, keys, controls,
-                                  tuple(c.bucket for c in item.controls), item.directory, class_keys))
+                                  tuple(c.bucket for c in item.controls), item.directory, class_keys,
+                                  item.paired_roles()))
     if empty_key is not None:
         texts[empty_key] = ""
 
@@ -697,7 +700,9 @@ def _write_index(path: Path, fingerprint: str, entries: list[CacheEntry], skippe
                  plan: str | None = None, dop: list[Any] | None = None) -> None:
     rows = [[e.id, e.bucket.width, e.bucket.height, e.bucket.frames, e.repeats, e.media_key, list(e.caption_keys)]
             + ([list(e.control_keys), [_size(c) for c in e.controls]] if e.control_keys else [])
-            + ([{"directory": e.directory, "class": list(e.class_keys)}] if e.directory or e.class_keys else [])
+            + ([{"directory": e.directory, "class": list(e.class_keys), **({"paired": list(e.paired)} if e.paired
+                                                                             else {})}]
+               if e.directory or e.class_keys or e.paired else [])
             for e in entries]
     _atomic_write_json(path, {"format": INDEX_FORMAT, "fingerprint": fingerprint, "plan": plan, "entries": rows,
                               "skipped": [list(s) for s in skipped], "dop": dop})
@@ -736,16 +741,17 @@ def _read_index(path: Path, fingerprint: str) -> dict[str, Any] | None:
             "plan_inputs": data.get("dop")}
 
 
-def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...], int, tuple[str, ...]]:
+def _controls(rest: list) -> tuple[tuple[str, ...], tuple[Bucket, ...], int, tuple[str, ...], tuple[str, ...]]:
     """An index row's control keys and sizes (rows of items without control images have none), its
-    ``[[directory]]`` and its class prompts' keys (a trailing ``{"directory": n, "class": [...]}``, absent for 0 and
-    none)."""
+    ``[[directory]]``, its class prompts' keys and its paired files' roles (a trailing ``{"directory": n, "class":
+    [...], "paired": [...]}``, absent for 0 and none)."""
     extra = rest.pop() if rest and isinstance(rest[-1], dict) else {}
     directory, class_keys = extra.get("directory", 0), tuple(extra.get("class", ()))
+    paired = tuple(extra.get("paired", ()))
     if not rest:
-        return (), (), directory, class_keys
+        return (), (), directory, class_keys, paired
     keys, sizes = rest
-    return tuple(keys), tuple(Bucket(*size) for size in sizes), directory, class_keys
+    return tuple(keys), tuple(Bucket(*size) for size in sizes), directory, class_keys, paired
 
 
 def _open_if_fresh(index_path: Path, fingerprint: str, plan: str, fp_dir: Path, uncond_fraction: float,

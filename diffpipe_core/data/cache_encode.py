@@ -37,7 +37,8 @@ def control_work(key: str, target: MediaItem, index: int) -> MediaWork:
     control = target.controls[index]
     what = "image" if control.clip_start is None else "video"
     item = MediaItem(id=f"control {what} {index} of {target.id}", path=control.path, caption="",
-                     bucket=control.bucket, content_key=control.content_key, clip_start=control.clip_start)
+                     bucket=control.bucket, content_key=control.content_key, clip_start=control.clip_start,
+                     paired=control.paired)
     return MediaWork(key, item, index)
 
 
@@ -144,6 +145,8 @@ class _Collate:
                 out["audio"] = torch.stack([d.audio for _, d in ok])
                 out["audio_present"] = torch.tensor([d.audio_present for _, d in ok])
                 out["audio_notes"] = [(i, d.audio_note) for i, d in ok if d.audio_note]
+            if ok[0][1].paired:  # the items' paired files (one set of roles per batch: media_batches)
+                out["paired"] = {role: [d.paired[role] for _, d in ok] for role in ok[0][1].paired}
         return out
 
 
@@ -151,7 +154,7 @@ def media_batches(work: list[MediaWork], batch_size: int) -> list[list[int]]:
     """Indices into ``work`` grouped by bucket and control number (first-seen order) and cut into batches."""
     by_bucket: dict[Any, list[int]] = {}
     for i, w in enumerate(work):
-        by_bucket.setdefault((w.item.bucket, w.control_index), []).append(i)
+        by_bucket.setdefault((w.item.bucket, w.control_index, tuple(f.role for f in w.item.paired)), []).append(i)
     return [idx[s : s + batch_size] for idx in by_bucket.values() for s in range(0, len(idx), batch_size)]
 
 
@@ -217,6 +220,7 @@ def encode_media(
             control_index=control,
             first_frames=pixels[:, :, 0].contiguous() if first_frames and pixels.ndim == 5 else None,
         )
+        _with_paired(batch, decoded.get("paired"), device)
         for i, note in decoded.get("audio_notes", ()):
             log.warning("%s: %s", work[i].item.id, note)
         audio = decoded.get("audio") if control is None else None
@@ -234,6 +238,19 @@ def encode_media(
     if control_buffer is not None:
         control_buffer.flush()
     return encoded, failures
+
+
+def _with_paired(batch: EncodeBatch, paired: dict[str, list[list[torch.Tensor]]] | None, device: torch.device
+                 ) -> None:
+    """Set the batch's paired files (``ModelSpec.paired_files``): each role's decoded files per item."""
+    if not paired:
+        return
+    if "control_mask" in paired:
+        batch.control_masks = torch.stack([m[0] for m in paired["control_mask"]]).to(device)
+    if "reference" in paired:
+        batch.references = [tuple(r.to(device) for r in refs) for refs in paired["reference"]]
+    if "last_frame" in paired:
+        batch.last_frames = [f[0].to(device) for f in paired["last_frame"]]
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ def plan_digest(scan: ScanResult, *inputs: Any) -> str:
         for c in item.controls:  # edit pairs: a changed control image changes the plan
             h.update(f"\3{c.path}\0{c.content_key}\0{c.bucket.width},{c.bucket.height}\n".encode(
                 "utf-8", "surrogatepass"))
+        for f in (*item.paired, *(f for c in item.controls for f in c.paired)):  # paired files likewise
+            h.update(f"\4{f.role}\0{f.path}\0{f.content_key}\n".encode("utf-8", "surrogatepass"))
     h.update(b"\2skipped\n")
     for s in scan.skipped:
         h.update(f"{s.path}\0{s.reason}\n".encode("utf-8", "surrogatepass"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from diffpipe_core.data import archives
-from diffpipe_core.data.items import ControlImage, MediaItem
+from diffpipe_core.data.items import ControlImage, MediaItem, PairedFile
 from diffpipe_core.types import AudioSpec, ModelConfigBase
 
 KEY_FORMAT = 2  # bump when the cached layout or key recipe changes
@@ -169,7 +169,14 @@ def media_key(item: MediaItem, mask_key: str, fingerprint: str, first_frame: boo
         payload.append("first_frame")
     if audio is not None:
         payload.append(["audio", audio.sample_rate, audio.channels, audio.damaged])
+    if item.paired:  # files encoded with the item (a last frame): their content (appended only then)
+        payload.append(paired_payload(item.paired))
     return _digest(payload)
+
+
+def paired_payload(files: tuple[PairedFile, ...]) -> list[Any]:
+    """What an item's (or control's) paired files add to its cache key: each file's role, path and content key."""
+    return ["paired", *([f.role, str(f.path), f.content_key] for f in files)]
 
 
 def control_key(control: ControlImage, index: int, fingerprint: str) -> str:
@@ -178,6 +185,8 @@ def control_key(control: ControlImage, index: int, fingerprint: str) -> str:
     payload = ["control", fingerprint, str(control.path), control.content_key, [b.width, b.height], index]
     if control.clip_start is not None:  # a control video's clip (appended only then: image keys stay as they were)
         payload.append([b.frames, control.clip_start])
+    if control.paired:  # a control mask, reference images: encoded with the control (appended only then)
+        payload.append(paired_payload(control.paired))
     return _digest(payload)
 
 

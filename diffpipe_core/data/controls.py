@@ -23,11 +23,11 @@ class ControlFolder:
     """The image files of one control folder, by relative folder and stem (``"a/b"``), listed once."""
 
     def __init__(self, root: Path, number: int, many: bool, directory: int, image_exts: frozenset[str],
-                 what: str = "image") -> None:
-        self.root, self.what = root, what
-        self.number = number  # position in control_path
+                 what: str = "image", key: str = "control_path") -> None:
+        self.root, self.what, self.key = root, what, key
+        self.number = number  # position in control_path (or the paired files' key)
         self.directory = directory
-        self.label = f"directory[{directory}].control_path" + (f"[{number}]" if many else "")
+        self.label = f"directory[{directory}].{key}" + (f"[{number}]" if many else "")
         self.paired = 0  # targets that found a control file here (decodable or not)
         self.by_stem: dict[str, str] = {}
         for folder, dirs, files in os.walk(root):
@@ -89,12 +89,48 @@ def spec_problems(cfg: DatasetConfig, settings: list[DirectorySettings], spec: M
 
 
 def no_pair_problems(folders: list[ControlFolder]) -> list[str]:
-    """A control folder that pairs with no target at all: the config points at the wrong folder."""
+    """A control (or paired-file) folder that pairs with no target at all: the config points at the wrong folder."""
     return [
         f"{f.label}: {f.root} has no control image paired with a target of directory[{f.directory}] "
         "(controls pair by relative path and stem: a/b.png in the media folder <-> a/b.jpg in the control folder)"
+        if f.key == "control_path" else
+        f"{f.label}: {f.root} has no file paired with a target of directory[{f.directory}] (files pair by relative "
+        "path and stem: a/b.mp4 in the media folder <-> a/b.png in this folder)"
         for f in folders if f.paired == 0
     ]
+
+
+# ---------------------------------------------------------------------------------------------- paired files
+#: what a paired file of each role is called in messages, and the suffixes its folder is listed for
+PAIRED_WHAT = {"control_mask": "control mask", "reference": "reference image", "last_frame": "last frame"}
+
+
+def paired_folders(settings: DirectorySettings, image_exts: frozenset[str], video_exts: frozenset[str]
+                   ) -> list[tuple[str, ControlFolder]]:
+    """``(role, folder)`` of each paired-file folder of one ``[[directory]]`` (``ModelSpec.paired_files``), in
+    role and list order."""
+    out = []
+    for role, folders in settings.paired_paths:
+        exts, what = (image_exts | video_exts, "video or image") if role == "control_mask" else (image_exts, "image")
+        out += [(role, ControlFolder(p, k, len(folders) > 1, settings.index, exts, what, f"{role}_path"))
+                for k, p in enumerate(folders)]
+    return out
+
+
+def paired_spec_problems(cfg: DatasetConfig, settings: list[DirectorySettings], spec: ModelSpec) -> list[str]:
+    """A paired-file key the model does not read, naming the key and what the model reads."""
+    where = cfg.source or "dataset"
+    reads = ", ".join(f"{r}_path" for r in spec.paired_files) or "none"
+    return [f"{where}: directory[{s.index}].{role}_path: model {spec.name!r} does not read {PAIRED_WHAT[role]}s "
+            f"(paired-file keys it reads: {reads}); remove the key or use a model that reads them"
+            for s in settings for role, _ in s.paired_paths if role not in spec.paired_files]
+
+
+def paired_problems(skipped: list) -> list[str]:
+    """An item left out for a paired file (missing, unreadable, of another size, too short) is an error: each,
+    naming the item and the file."""
+    whats = tuple(PAIRED_WHAT.values())
+    return [f"{s.path}: {s.reason}" for s in skipped if any(w in s.reason.split(":", 1)[0] for w in whats)]
 
 
 def first_frame_problems(images: list[Path], spec: ModelSpec) -> str:

@@ -209,6 +209,27 @@ class DirectoryConfig(_Overridable):
         "control video instead, decoded at the clip's own frames and bucket; there a clip without its control video "
         "(missing, unreadable, too short) is an error naming both files.",
     )
+    control_mask_path: Path | None = Field(
+        None,
+        description="Models that read control masks (wan-vace): a folder of mask videos (or one mask image for "
+        "every frame) paired with the targets by relative path and stem like control_path, each the size of its "
+        "control video and decoded at the same frames and crop (white = the part to generate). Every item of the "
+        "directory needs one: a missing or unreadable mask is an error naming the files.",
+    )
+    reference_path: Path | list[Path] | None = Field(
+        None,
+        description="Models that read reference images (wan-vace): a folder of images paired with the targets by "
+        "relative path and stem, or a list of folders for several per item, in order; each is handed to the model "
+        "at its own size (the model fits it as its pipeline does). Every item of the directory needs one per "
+        "folder: a missing or unreadable one is an error naming the files.",
+    )
+    last_frame_path: Path | None = Field(
+        None,
+        description="Models that read a last frame (wan-flf2v): a folder of images paired with the clips by "
+        "relative path and stem, each the last frame its clip is conditioned on (instead of the clip's own last "
+        "frame), at its own size (resized as the model's pipeline resizes it). Every clip of the directory needs "
+        "one: a missing or unreadable image is an error naming the files.",
+    )
 
     regularization: bool = Field(
         False,
@@ -245,12 +266,12 @@ class DirectoryConfig(_Overridable):
         """Whether this folder's items train toward the frozen base model's prediction."""
         return self.regularization and self.regularization_target == "base"
 
-    @field_validator("control_path")
+    @field_validator("control_path", "reference_path")
     @classmethod
     def _check_control_path(cls, value: Path | list[Path] | None) -> Path | list[Path] | None:
         if isinstance(value, list):
             if not value:
-                raise ValueError("give at least one control folder, or leave control_path out")
+                raise ValueError("give at least one folder, or leave the key out")
             if len(set(value)) != len(value):
                 raise ValueError("the same control folder is listed twice")
         return value
@@ -261,6 +282,16 @@ class DirectoryConfig(_Overridable):
         if self.control_path is None:
             return ()
         return tuple(self.control_path) if isinstance(self.control_path, list) else (self.control_path,)
+
+    def paired_paths(self) -> dict[str, tuple[Path, ...]]:
+        """The folders of the paired files given (``ModelSpec.paired_files``' roles: ``control_mask``,
+        ``reference``, ``last_frame``), in order; roles without a folder left out."""
+        out: dict[str, tuple[Path, ...]] = {}
+        for role, value in (("control_mask", self.control_mask_path), ("reference", self.reference_path),
+                            ("last_frame", self.last_frame_path)):
+            if value is not None:
+                out[role] = tuple(value) if isinstance(value, list) else (value,)
+        return out
 
 
 class DatasetConfig(_Overridable):
@@ -399,6 +430,7 @@ class DatasetConfig(_Overridable):
             num_repeats=d.num_repeats,
             mask_path=d.mask_path,
             control_paths=d.control_paths,
+            paired_paths=tuple(d.paired_paths().items()),
             resolutions=tuple(pick("resolutions")),
             enable_ar_bucket=pick("enable_ar_bucket"),
             min_ar=float(min_ar),
@@ -448,6 +480,7 @@ class DirectorySettings:
     cache_shuffle_num: int
     allow_empty_captions: bool
     control_paths: tuple[Path, ...] = ()  # edit pairs: the control image folders, in order
+    paired_paths: tuple[tuple[str, tuple[Path, ...]], ...] = ()  # (role, its folders) of the paired files given
     size_buckets: tuple[tuple[int, int, int], ...] | None = None  # exact (width, height, frames) sizes
     default_mask_file: Path | None = None  # the mask of items without their own
     max_upscale: float = 8.0
@@ -482,11 +515,12 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
                 for key in ("mask_path", "default_mask_file"):
                     if entry[key] is None:
                         del entry[key]
-                control = entry.get("control_path")
-                if isinstance(control, list):
-                    entry["control_path"] = [_resolve(c, base) for c in control]
-                elif control is not None:
-                    entry["control_path"] = _resolve(control, base)
+                for key in ("control_path", "control_mask_path", "reference_path", "last_frame_path"):
+                    folders = entry.get(key)
+                    if isinstance(folders, list):
+                        entry[key] = [_resolve(c, base) for c in folders]
+                    elif folders is not None:
+                        entry[key] = _resolve(folders, base)
                 if entry["path"] is None:
                     del entry["path"]
             entries.append(entry)
@@ -516,6 +550,17 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
                 problems.append(f"{where}: directory not found: {folder}")
             elif folder.resolve() == d.path.resolve():
                 problems.append(f"{where}: is the media folder itself; control images go in a folder of their own")
+        for role, folders in d.paired_paths().items():
+            key = f"{role}_path"
+            for k, folder in enumerate(folders):
+                where = f"{source}: directory[{i}].{key}" + (f"[{k}]" if len(folders) > 1 else "")
+                if not folder.is_dir():
+                    problems.append(f"{where}: directory not found: {folder}")
+                elif folder.resolve() == d.path.resolve():
+                    problems.append(f"{where}: is the media folder itself; paired files go in a folder of their own")
+        if d.control_mask_path is not None and not d.control_paths:
+            problems.append(f"{source}: directory[{i}].control_mask_path: masks of control videos need control_path "
+                            "(the control videos they mask)")
         s = cfg.settings_for(i)
         where = "" if (d.min_ar is None and d.max_ar is None) else f"directory[{i}]."
         if s.enable_ar_bucket and s.min_ar > s.max_ar:

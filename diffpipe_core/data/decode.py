@@ -7,7 +7,7 @@ center-cropped. Every failure is a :class:`MediaError` that names the file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from PIL import Image, ImageOps
 
 from diffpipe_core.data.archives import open_media
-from diffpipe_core.data.items import DecodedMedia, MediaItem
+from diffpipe_core.data.items import DecodedMedia, MediaItem, PairedFile
 from diffpipe_core.types import AudioSpec, ModelSpec
 
 if TYPE_CHECKING:  # imported where used: `diffpipe validate` scans image datasets, and should start at once
@@ -247,11 +247,36 @@ def load_media(item: MediaItem, spec: ModelSpec, audio: AudioSpec | None = None)
     :class:`~diffpipe_core.types.AudioSpec`), the sound of the frames' span (:func:`load_audio`; zeros marked absent
     for an image). Raises :class:`MediaError`."""
     if item.bucket.frames > 1 or item.clip_start is not None:
-        return _load_video(item, spec, audio)
-    decoded = _load_image(item)
-    if audio is not None:
-        decoded.audio = _silence(audio, 1, float(spec.video_fps or 1.0))
+        decoded = _load_video(item, spec, audio)
+    else:
+        decoded = _load_image(item)
+        if audio is not None:
+            decoded.audio = _silence(audio, 1, float(spec.video_fps or 1.0))
+    for file in item.paired:
+        decoded.paired.setdefault(file.role, []).append(load_paired(item, file, spec))
     return decoded
+
+
+def load_paired(item: MediaItem, file: PairedFile, spec: ModelSpec) -> torch.Tensor:
+    """One paired file of ``item`` (``ModelSpec.paired_files``): a control mask ``(1, F, H, W)`` in [0, 1] at the
+    item's frames, bucket and crop (its first channel; a mask image held over every frame); a reference image or last
+    frame ``(3, h, w)`` in [-1, 1] at the file's own size (EXIF orientation applied). Raises :class:`MediaError`
+    naming the item and the file."""
+    what = file.role.replace("_", " ")
+    if file.role == "control_mask":
+        source = replace(item, id=f"{what} of {item.id}", path=file.path, mask_path=None, paired=())
+        if file.video:
+            plane = _load_video(source, spec).pixels[:1]
+        else:
+            still = _load_image(replace(source, bucket=replace(item.bucket, frames=1), clip_start=None)).pixels[:1]
+            plane = still[:, None].expand(-1, item.bucket.frames, -1, -1).contiguous()
+        return ((plane + 1) / 2).clamp_(0.0, 1.0)
+    try:
+        im, _ = _open_oriented(file.path)  # a plain file: paired folders are listed on disk, not in archives
+        flat, scale = _flatten(im)
+        return _to_tensor(flat, scale).clamp_(-1.0, 1.0)
+    except Exception as exc:
+        raise MediaError(f"{item.id}: cannot decode its {what} {file.path} ({type(exc).__name__}: {exc})") from None
 
 
 def _silence(audio: AudioSpec, frames: int, fps: float) -> torch.Tensor:

@@ -23,6 +23,18 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class PairedFile:
+    """A file paired with an item by relative path and stem from a ``[[directory]]`` key of its role
+    (``ModelSpec.paired_files``: ``control_mask_path``, ``reference_path``, ``last_frame_path``), decoded and encoded
+    with the item or control it joins and part of that one's cache key (``content_key``, like a target's)."""
+
+    role: str  # "control_mask", "reference", "last_frame"
+    path: Path
+    content_key: str
+    video: bool = False  # a mask video (else an image)
+
+
+@dataclass(frozen=True)
 class ControlImage:
     """One control image of an edit pair: its file, the size it is decoded at (the target's bucket, or its own
     with ``ModelSpec.control_size = "own"``) and its content key (like a target's)."""
@@ -31,6 +43,7 @@ class ControlImage:
     bucket: Bucket
     content_key: str
     clip_start: float | None = None  # a control video (ModelSpec.control_videos): the target clip's start, seconds
+    paired: tuple[PairedFile, ...] = ()  # the item's paired files that join its control (a mask, references)
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,12 @@ class MediaItem:
     controls: tuple[ControlImage, ...] = ()
     mask_stretched: bool = False  # the directory's default_mask_file: stretched to the media's size, then cropped
     has_audio: bool = False  # a video with an audio track (the scan's probe; whether it decodes is seen when caching)
+    paired: tuple[PairedFile, ...] = ()  # paired files encoded with the item itself (ModelSpec.paired_files)
+
+    def paired_roles(self) -> tuple[str, ...]:
+        """The roles of every paired file of the item, its controls' included, in order (items are batched apart by
+        them: a reference image adds a latent frame)."""
+        return tuple(f.role for f in (*self.paired, *(f for c in self.controls for f in c.paired)))
 
 
 @dataclass(frozen=True)
@@ -96,3 +115,4 @@ class DecodedMedia:
     audio: torch.Tensor | None = None
     audio_present: bool = False
     audio_note: str | None = None
+    paired: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # role -> decoded paired files, in order

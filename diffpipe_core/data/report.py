@@ -24,21 +24,41 @@ def bucket_counts(scan: ScanResult) -> dict[Bucket, int]:
     return dict(sorted(counts.items()))
 
 
-def group_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], int]:
-    """Samples per epoch in each micro-batch group: bucket and control image sizes (edit pairs batch apart)."""
-    counts: dict[tuple[Bucket, tuple[Bucket, ...]], int] = defaultdict(int)
+def _group(item: Any) -> tuple:
+    """An item's micro-batch group: bucket, control image sizes (edit pairs batch apart) and paired files' roles."""
+    return item.bucket, tuple(c.bucket for c in item.controls), item.paired_roles()
+
+
+def group_counts(scan: ScanResult) -> dict[tuple, int]:
+    """Samples per epoch in each micro-batch group: bucket, control image sizes (edit pairs batch apart) and the
+    paired files' roles (``ModelSpec.paired_files``: items with and without reference images batch apart)."""
+    counts: dict[tuple, int] = defaultdict(int)
     for item in scan.items:
-        counts[(item.bucket, tuple(c.bucket for c in item.controls))] += item.repeats
+        counts[_group(item)] += item.repeats
     return dict(sorted(counts.items()))
 
 
-def sound_counts(scan: ScanResult) -> dict[tuple[Bucket, tuple[Bucket, ...]], int]:
+def sound_counts(scan: ScanResult) -> dict[tuple, int]:
     """Samples per epoch with sound (a video with an audio track) in each micro-batch group of :func:`group_counts`."""
-    counts: dict[tuple[Bucket, tuple[Bucket, ...]], int] = defaultdict(int)
+    counts: dict[tuple, int] = defaultdict(int)
     for item in scan.items:
         if item.has_audio:
-            counts[(item.bucket, tuple(c.bucket for c in item.controls))] += item.repeats
+            counts[_group(item)] += item.repeats
     return dict(counts)
+
+
+PAIRED_COLUMNS = {"control_mask": "with control mask", "reference": "with references", "last_frame": "with last frame"}
+
+
+def paired_counts(scan: ScanResult) -> dict[str, dict[tuple, int]]:
+    """Per paired-file role (``ModelSpec.paired_files``) that any item has: samples per epoch having such a file in
+    each micro-batch group of :func:`group_counts`."""
+    counts: dict[str, dict[tuple, int]] = {}
+    for item in scan.items:
+        for role in dict.fromkeys(item.paired_roles()):
+            per = counts.setdefault(role, defaultdict(int))
+            per[_group(item)] += item.repeats
+    return {role: dict(counts[role]) for role in PAIRED_COLUMNS if role in counts}
 
 
 def regularization_lines(scan: ScanResult, dataset: Any) -> list[str]:
@@ -104,12 +124,14 @@ def format_report(
     per_bucket = callable(micro_batch_size)
     groups = group_counts(scan)
     counts = bucket_counts(scan)
-    edits = any(controls for _, controls in groups)
+    edits = any(controls for _, controls, _ in groups)
     sound = sound_counts(scan)
+    paired = paired_counts(scan)
     rows = []
     total_batches = total_rest = 0
     empty = []
-    for (bucket, controls), n in groups.items():
+    for group, n in groups.items():
+        bucket, controls, _ = group
         size = size_of(bucket)
         batches, rest = divmod(n, size * dp_world_size)
         total_batches += batches
@@ -118,14 +140,17 @@ def format_report(
             empty.append(str(bucket) + "".join(f" + control {c}" for c in controls))
         row = [f"{bucket.width}x{bucket.height}", str(bucket.frames)]
         row += [" + ".join(f"{c.width}x{c.height}" for c in controls) or "-"] if edits else []
-        rows.append([*row, str(n), *([str(sound.get((bucket, controls), 0))] if sound else []),
+        rows.append([*row, str(n), *([str(sound.get(group, 0))] if sound else []),
+                     *(str(per.get(group, 0)) for per in paired.values()),
                      *([str(size)] if per_bucket else []), str(batches), str(rest)])
     shown = "" if per_bucket else f"micro_batch_size={micro_batch_size}, "
     header = ["resolution", "frames", *(["control images"] if edits else []), "items"]
     header += ["with sound"] if sound else []
+    header += [PAIRED_COLUMNS[role] for role in paired]
     header += [*(["micro-batch"] if per_bucket else []), "micro-batches/rank", "remainder"]
     total = ["total", "", *([""] if edits else []), str(sum(groups.values())), *([str(sum(sound.values()))] if sound
                                                                                   else [])]
+    total += [str(sum(per.values())) for per in paired.values()]
     total += [*([""] if per_bucket else []), str(total_batches), str(total_rest)]
     right = {i for i, name in enumerate(header) if name not in ("resolution", "control images")}
     lines = [f"Buckets ({shown}data-parallel ranks={dp_world_size}):", *_table(header, [*rows, total], right=right)]
@@ -137,10 +162,10 @@ def format_report(
     if empty:
         lines.append("buckets too small for even one micro-batch: " + ", ".join(empty))
     lines += regularization_lines(scan, dataset)
-    paired = sum(1 for item in scan.items if item.controls)
-    if paired:
-        lines.append(f"Edit pairs: {_n(paired, 'item')} with control images, {_n(len(scan.items) - paired, 'item')} "
-                     "without.")
+    with_controls = sum(1 for item in scan.items if item.controls)
+    if with_controls:
+        lines.append(f"Edit pairs: {_n(with_controls, 'item')} with control images, "
+                     f"{_n(len(scan.items) - with_controls, 'item')} without.")
     lines.append("")
     if scan.skipped:
         lines.append(f"Left out ({_n(len(scan.skipped), 'file')}):")

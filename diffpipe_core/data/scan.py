@@ -14,6 +14,7 @@ import random
 import tarfile
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from diffpipe_core.data import archives, captions
@@ -28,17 +29,21 @@ from diffpipe_core.data.buckets import (
     video_frame_bucket,
 )
 from diffpipe_core.data.controls import (
+    PAIRED_WHAT,
     ControlFolder,
     control_folders,
     first_frame_problems,
     no_pair_problems,
+    paired_folders,
+    paired_problems,
+    paired_spec_problems,
     spec_problems,
     target_stem,
     unpaired_video_problems,
 )
 from diffpipe_core.data.dataset_config import DatasetConfig, DirectorySettings
 from diffpipe_core.data.decode import MediaError, VideoInfo
-from diffpipe_core.data.items import Bucket, ControlImage, MediaItem, ScanResult, SkippedFile
+from diffpipe_core.data.items import Bucket, ControlImage, MediaItem, PairedFile, ScanResult, SkippedFile
 from diffpipe_core.data.scan_index import IMAGE, TEXT, VIDEO, ScanIndex, gc_paused, index_path
 from diffpipe_core.schema import ConfigError
 from diffpipe_core.types import ModelSpec
@@ -253,9 +258,11 @@ def _scan_file(
     buckets: _Buckets,
     txt: str,
     controls: list[tuple[ControlFolder, str | None]],
+    files: list[tuple[str, ControlFolder, str | None]] = (),  # type: ignore[assignment]
 ) -> list[MediaItem]:
     """The items of one file (``key``: its path as a string, ``ext``: its suffix, lower case), or raise
-    _Skip(reason). ``controls``: each control folder of its directory with the file paired there (or None)."""
+    _Skip(reason). ``controls``: each control folder of its directory with the file paired there (or None);
+    ``files``: each paired-file folder's role, the folder and the file paired there (``ModelSpec.paired_files``)."""
     is_video = ext in VIDEO_EXTS
     if ext not in IMAGE_EXTS and not is_video:
         raise _Skip(
@@ -319,6 +326,7 @@ def _scan_file(
             raise _Skip(f"unreadable mask: {exc}") from None
 
     paired = _paired_controls(path, settings, index, controls, spec.control_videos)
+    extra = _paired_files(path, settings, index, files, paired)
 
     frames = 1
     starts: list[float | None] = [None]
@@ -382,6 +390,7 @@ def _scan_file(
         for k, start in enumerate(starts):
             if spec.control_videos:  # each clip's control video: the same frames of the paired file
                 item_controls = _control_clips(paired, bucket, start or 0.0, spec)
+            own, item_controls = _join(extra, item_controls, bucket, start or 0.0, spec)
             item_id = (
                 id_base
                 + (f"#{k}" if len(starts) > 1 else "")
@@ -392,7 +401,7 @@ def _scan_file(
                     id=item_id, path=path, caption=full_caption, bucket=bucket, content_key=content, mask_path=mask,
                     clip_start=start, repeats=settings.num_repeats, directory=settings.index,
                     caption_variants=variants, crop_fraction=crop, controls=item_controls, mask_stretched=stretched,
-                    has_audio=bool(is_video and info.audio_streams),
+                    has_audio=bool(is_video and info.audio_streams), paired=own,
                 )
             )
     if not items and beyond:
@@ -445,6 +454,53 @@ def _paired_controls(
     return found
 
 
+def _paired_files(path: Path, settings: DirectorySettings, index: ScanIndex,
+                  files: Sequence[tuple[str, ControlFolder, str | None]], controls: list) -> list[tuple]:
+    """``(role, file, content key, video info or None)`` of each paired file of a target, or raise _Skip naming the
+    file that is missing, unreadable, or (a control mask) not the size of its control video."""
+    found = []
+    for role, folder, file in files:
+        what = PAIRED_WHAT[role]
+        if file is None:
+            raise _Skip(f"no {what}: {folder.expected(target_stem(path, settings.path))} not found ({folder.label})")
+        video = os.path.splitext(file)[1].lower() in VIDEO_EXTS
+        try:
+            _, facts = index.media(file, VIDEO if video else IMAGE)  # probed only if new or changed
+        except (MediaError, OSError) as exc:
+            raise _Skip(f"unreadable {what}: {exc}") from None  # the probe's message names the file
+        if facts is None:
+            raise _Skip(f"unreadable {what}: {file}: empty file (0 bytes)")
+        if role == "control_mask" and controls:
+            size = (facts.width, facts.height) if video else facts
+            control, control_size = controls[0][0], controls[0][1]
+            if tuple(size) != tuple(control_size):
+                raise _Skip(f"{what} size: {file} is {size[0]}x{size[1]} but its control video {control} is "
+                            f"{control_size[0]}x{control_size[1]}")
+        found.append((role, file, index.content_key(file), facts if video else None))
+    return found
+
+
+def _join(extra: list[tuple], controls: tuple[ControlImage, ...], bucket: Bucket, start: float, spec: ModelSpec
+          ) -> tuple[tuple[PairedFile, ...], tuple[ControlImage, ...]]:
+    """An item's paired files split into those encoded with the item itself and those that join its first control
+    (a control mask; reference images of a model with control images), or raise _Skip naming a mask video too short
+    for the clip."""
+    own: list[PairedFile] = []
+    joined: list[PairedFile] = []
+    for role, file, ckey, info in extra:
+        if info is not None:  # a mask video: the clip's frames
+            fps = float(spec.video_fps) if spec.video_fps else info.fps
+            needed = start + (bucket.frames - 1) / fps
+            if needed > info.duration + 0.5 / info.fps:
+                raise _Skip(f"{PAIRED_WHAT[role]} too short: {file} is {info.duration:.2f}s, the clip needs its "
+                            f"frames {start:.2f}s..{needed:.2f}s at {fps:g} fps")
+        joins = role == "control_mask" or (role == "reference" and spec.control_images != "none")
+        (joined if joins and controls else own).append(PairedFile(role, Path(file), ckey, info is not None))
+    if joined:
+        controls = (replace(controls[0], paired=tuple(joined)), *controls[1:])
+    return tuple(own), controls
+
+
 def _control_clips(paired: list, bucket: Bucket, start: float, spec: ModelSpec) -> tuple[ControlImage, ...]:
     """The control videos of one clip (``ModelSpec.control_videos``): each paired file at the clip's bucket and
     start, or raise _Skip naming a control video too short to hold the clip's frames."""
@@ -490,7 +546,7 @@ def _scan(
     cfg: DatasetConfig, spec: ModelSpec, strict: bool, workers: int | None, progress: bool, report_skipped: bool
 ) -> ScanResult:
     settings = [cfg.settings_for(i) for i in range(len(cfg.directory))]
-    problems = spec_problems(cfg, settings, spec)
+    problems = spec_problems(cfg, settings, spec) + paired_spec_problems(cfg, settings, spec)
     if spec.modality == "video":
         for s in settings:
             key = "size_buckets" if s.size_buckets else "frame_buckets"  # the key the frame counts came from
@@ -503,17 +559,20 @@ def _scan(
     roots = {s.path.resolve() for s in settings}
     excluded = {s.mask_path.resolve() for s in settings if s.mask_path is not None}
     excluded |= {c.resolve() for s in settings for c in s.control_paths}
+    excluded |= {c.resolve() for s in settings for _, folders in s.paired_paths for c in folders}
     if cfg.cache_dir is not None:
         excluded.add(cfg.cache_dir.resolve())
 
     index = ScanIndex(index_path(cfg.cache_dir, cfg.source, sorted(roots)), strict)
     jobs: list[tuple] = []  # (path, key, ext, settings, captions, id_base, txt key, txt listed): see _prefetch
     folders: dict[int, list[ControlFolder]] = {}
+    file_folders: dict[int, list[tuple[str, ControlFolder]]] = {}  # paired-file folders, by role
     unreadable: list[SkippedFile] = []  # archives that cannot be listed
     for s in settings:
         captions = _Captions(s.path, index)
         folders[s.index] = (control_folders(s, VIDEO_EXTS, "video") if spec.control_videos
                             else control_folders(s, IMAGE_EXTS))
+        file_folders[s.index] = paired_folders(s, IMAGE_EXTS, VIDEO_EXTS)
         exclude = excluded | (roots - {s.path.resolve()})
         for folder, names in _walk(s.path, exclude):
             present = set(names)
@@ -539,7 +598,11 @@ def _scan(
             raise DatasetError(first_frame_problems(images, spec))
     pairs = _pair(jobs, folders, spec) if any(folders.values()) else {}
     kind = VIDEO if spec.control_videos else IMAGE
-    _prefetch(index, jobs, spec, workers, progress, [(c, kind) for found in pairs.values() for _, c in found if c])
+    files = _pair_files(jobs, file_folders, spec) if any(file_folders.values()) else {}
+    extra = [(c, kind) for found in pairs.values() for _, c in found if c]
+    extra += [(c, VIDEO if os.path.splitext(c)[1].lower() in VIDEO_EXTS else IMAGE)
+              for found in files.values() for _, _, c in found if c]
+    _prefetch(index, jobs, spec, workers, progress, extra)
 
     result = ScanResult(skipped=list(unreadable))
     seen_ids: set[str] = set()
@@ -549,7 +612,7 @@ def _scan(
         path, key, ext, s, captions, id_base, txt, _ = job
         try:
             return _scan_file(path, s, spec, strict, captions, id_base, index, key, ext, buckets, txt,
-                              pairs.get(key, []))
+                              pairs.get(key, []), files.get(key, []))
         except _Skip as exc:
             return SkippedFile(path, str(exc))
         except Exception as exc:  # anything unexpected still leaves the run going, named
@@ -581,6 +644,7 @@ def _scan(
     log.info(summary)
     unpaired = no_pair_problems([f for fs in folders.values() for f in fs]) + unpaired_video_problems(
         result.skipped, spec)
+    unpaired += no_pair_problems([f for fs in file_folders.values() for _, f in fs]) + paired_problems(result.skipped)
     if unpaired:  # a control_path that pairs with nothing is a wrong folder, not a dataset to train on
         raise DatasetError("\n".join(unpaired), result)
     if not result.items:
@@ -624,6 +688,23 @@ def _pair(jobs: list[tuple], folders: dict[int, list[ControlFolder]], spec: Mode
         found = [(f, f.find(stem)) for f in here]
         for f, control in found:
             f.paired += control is not None
+        pairs[key] = found
+    return pairs
+
+
+def _pair_files(jobs: list[tuple], folders: dict[int, list[tuple[str, ControlFolder]]], spec: ModelSpec
+                ) -> dict[str, list[tuple[str, ControlFolder, str | None]]]:
+    """Each candidate target of a directory with paired-file folders: ``(role, folder, its file there or None)``
+    for every folder, by the target's path string. Counts every folder's pairs."""
+    pairs: dict[str, list[tuple[str, ControlFolder, str | None]]] = {}
+    for path, key, ext, s, *_ in jobs:
+        here = folders.get(s.index)
+        if not here or not (ext in IMAGE_EXTS or (spec.modality == "video" and ext in VIDEO_EXTS)):
+            continue
+        stem = target_stem(path, s.path)
+        found = [(role, f, f.find(stem)) for role, f in here]
+        for _, f, file in found:
+            f.paired += file is not None
         pairs[key] = found
     return pairs
 

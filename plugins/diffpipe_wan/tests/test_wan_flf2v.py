@@ -65,6 +65,36 @@ def test_conditioning_is_the_pipelines_with_a_last_image(tiny_wan_flf2v: Path) -
         wan_flf2v.encode_batch(encoders=enc, batch=EncodeBatch(pixels=one, first_frames=first))
 
 
+def test_a_last_frame_file_is_the_pipelines_last_image(tiny_wan_flf2v: Path) -> None:
+    """``last_frame_path`` (``EncodeBatch.last_frames``, images at their own size): the cached conditioning is what
+    ``WanImageToVideoPipeline`` computes with that PIL image as ``last_image`` (resized by its ``video_processor``
+    to the clip's size; CLIP sees the image itself)."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipe = WanImageToVideoPipeline.from_pretrained(str(tiny_wan_flf2v), local_files_only=True)
+    cfg = config(wan_flf2v, tiny_wan_flf2v)
+    enc = wan_flf2v.load_encoders(model_config=cfg, device=CPU)
+    video = frames(2, 9, 32, 48, seed=1)
+    first = video[:, :, 0]
+    g = torch.Generator().manual_seed(6)
+    lasts = [torch.randint(0, 256, (3, h, w), generator=g).float() / 127.5 - 1 for h, w in ((40, 64), (24, 24))]
+    media = wan_flf2v.encode_batch(encoders=enc, batch=EncodeBatch(pixels=video, first_frames=first, last_frames=lasts))
+    own = wan_flf2v.encode_batch(encoders=enc, batch=EncodeBatch(pixels=video, first_frames=first))
+    assert not torch.allclose(media["first_frame_latents"], own["first_frame_latents"])
+
+    noise = torch.randn(1, 4, 3, 4, 6, generator=torch.Generator().manual_seed(2))
+    images = [to_images(la[None])[0] for la in lasts]
+    condition = torch.cat([
+        pipe.prepare_latents(f[None], 1, 4, 32, 48, 9, torch.float32, CPU, latents=noise,
+                             last_image=pipe.video_processor.preprocess(im, height=32, width=48))[1]
+        for f, im in zip(first, images, strict=True)
+    ])
+    torch.testing.assert_close(media["first_frame_latents"], condition[:, 4:].detach(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        pairs = [pipe.encode_image([a, b], CPU) for a, b in zip(to_images(first), images, strict=True)]
+    torch.testing.assert_close(media["image_embeds"], torch.stack(pairs).flatten(1, 2), rtol=1e-5, atol=1e-6)
+
+
 def test_layers_compute_the_flf2v_transformer(tiny_wan_flf2v: Path) -> None:
     from test_wan_loading import run_layers
 
@@ -134,12 +164,17 @@ def test_samples_equal_the_pipeline_with_a_last_image(request, tmp_path: Path, f
 
 @pytest.fixture(scope="module")
 def flf2v_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared ``wan-flf2v`` run: the tiny Wan 2.1 FLF2V, 4 clips of 5 frames, LoRA, 1 stage in 1 process."""
+    """The shared ``wan-flf2v`` run: the tiny Wan 2.1 FLF2V, 4 clips of 5 frames, each with its last frame from a file
+    of its own (``last_frame_path``, 48x32 images), LoRA, 1 stage in 1 process."""
     root = tmp_path_factory.mktemp("wan-flf2v")
     write_tiny_wan(root / "model", TinyWanConfig(i2v=True, clip=True, flf2v=True))
-    write_clips(root / "media", ["a red car moving", "a river in a city", "a dog running", "a bright sky"], 5, (32, 32))
-    write_dataset_toml(root / "dataset.toml", root / "media", resolutions=[32], enable_ar_bucket=False,
-                       frame_buckets=[5])  # fmt: skip
+    clips = write_clips(root / "media", ["a red car moving", "a river in a city", "a dog running", "a bright sky"], 5,
+                        (32, 32))
+    (root / "last").mkdir()
+    for i, clip in enumerate(clips):
+        write_png(root / "last" / f"{clip.stem}.png", 48, 32, seed=40 + i)
+    write_dataset_toml(root / "dataset.toml", root / "media", {"last_frame_path": str(root / "last")},
+                       resolutions=[32], enable_ar_bucket=False, frame_buckets=[5])
     model = {"type": "wan-flf2v", "path": "model", "dtype": "float32", "encoder_dtype": "float32"}
     top = {"max_steps": STEPS, "micro_batch_size_per_gpu": 2, "pipeline_stages": 1, "seed": 3}
     (root / "run.toml").write_text(runs.lora_run_toml(model, 1e-2, None, RANK, ALPHA, **top))
@@ -157,6 +192,7 @@ def test_flf2v_trains_and_its_lora_reproduces_in_the_pipeline(flf2v_run: Path) -
     cache = flf2v_run.parent.parent / "cache"
     shapes = {shard.columns["image_embeds"][0] for media in cache.rglob("media") for shard in list_shards(media)}
     assert shapes == {(10, 16)}, shapes  # both frames' CLIP tokens cached with each clip
+    assert_cached_with_last_frame_files(flf2v_run.parent.parent)
     model = flf2v_run.parent.parent / "model"
     g = torch.Generator().manual_seed(0)
     inputs = {
@@ -170,3 +206,28 @@ def test_flf2v_trains_and_its_lora_reproduces_in_the_pipeline(flf2v_run: Path) -
     reference = runs.with_trained_lora(fresh, flf2v_run, RANK, ALPHA, adapter["target_modules"])
     pipe = WanImageToVideoPipeline.from_pretrained(str(model), local_files_only=True)
     runs.assert_lora_reproduces(pipe, flf2v_run / "saved" / "final" / "adapter_model.safetensors", reference, inputs)
+
+
+def assert_cached_with_last_frame_files(root: Path) -> None:
+    """Each clip's cached conditioning is ``encode_batch`` of the clip with its ``last_frame_path`` image."""
+    from diffpipe_core.config import load_config
+    from diffpipe_core.data.cache import open_cached
+    from diffpipe_core.data.dataset_config import load_dataset_config
+    from diffpipe_core.data.decode import load_media
+    from diffpipe_core.data.scan import scan_dataset
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.testing.cache import rows_by_id
+
+    run = load_config(root / "run.toml", get_registry())
+    cfg = run.model
+    rows = rows_by_id(open_cached(run.run.dataset, get_registry().model("wan-flf2v"), cfg))
+    items = scan_dataset(load_dataset_config(root / "dataset.toml"), wan_flf2v.spec, progress=False).items
+    assert len(rows) == len(items) == 4 and all(i.paired[0].path.parent == root / "last" for i in items)
+    decoded = [load_media(item, wan_flf2v.spec) for item in items]
+    pixels = torch.stack([d.pixels for d in decoded])
+    batch = EncodeBatch(pixels=pixels, first_frames=pixels[:, :, 0], last_frames=[d.paired["last_frame"][0]
+                                                                                  for d in decoded])
+    want = wan_flf2v.encode_batch(encoders=wan_flf2v.load_encoders(model_config=cfg, device=CPU), batch=batch)
+    for j, item in enumerate(items):
+        torch.testing.assert_close(rows[item.id]["first_frame_latents"], want["first_frame_latents"][j], rtol=1e-5,
+                                   atol=1e-5)

@@ -53,6 +53,47 @@ def test_conditioning_equals_the_pipelines(pipe) -> None:
         torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+def eight_bit(generator: torch.Generator, height: int, width: int) -> torch.Tensor:
+    """An RGB image ``(3, H, W)`` in [-1, 1] as the core decodes an 8-bit file."""
+    return torch.randint(0, 256, (3, height, width), generator=generator).float() / 127.5 - 1
+
+
+def test_dataset_masks_and_reference_images_give_the_pipelines_conditioning(tiny_wan_vace: Path, pipe) -> None:
+    """A control batch with ``control_masks`` (``control_mask_path``) and ``references`` (``reference_path``, images
+    at their own sizes, tall and wide) caches what ``WanVACEPipeline`` computes from that video, mask and those PIL
+    images: ``preprocess_conditions``' fitted references, ``prepare_video_latents``, ``prepare_masks``; and
+    ``prepare_inputs`` puts the reference frames before the clip's, each trained toward its own latent."""
+    from diffpipe_core import EncodeBatch, TrainingContext
+    from diffpipe_wan.encoding import to_images
+    from diffpipe_wan.vace import CONTROL
+
+    cfg = validate(wan_vace.spec.config_schema, {**TABLE, "path": tiny_wan_vace}, "test")
+    enc = wan_vace.load_encoders(model_config=cfg, device=CPU)
+    g = torch.Generator().manual_seed(4)
+    video = torch.rand(2, 3, FRAMES, H, W, generator=g) * 2 - 1
+    masks = (torch.rand(2, 1, FRAMES, H, W, generator=g) > 0.5).float()
+    refs = [(eight_bit(g, 40, 24), eight_bit(g, 16, 56)), (eight_bit(g, 32, 32), eight_bit(g, 24, 40))]
+    batch = EncodeBatch(pixels=video, control_index=0, control_masks=masks, references=refs)
+    context = wan_vace.encode_batch(encoders=enc, batch=batch)["context"]
+    assert context.shape == (2, 72, 2 + 2, H // 8, W // 8)
+    for i in range(2):
+        images = [to_images(r[None])[0] for r in refs[i]]
+        _, _, listed = pipe.preprocess_conditions(None, None, images, 1, H, W, FRAMES, torch.float32, CPU)
+        mask3 = masks[i : i + 1].expand(-1, 3, -1, -1, -1)
+        with torch.no_grad():
+            expected = torch.cat([pipe.prepare_video_latents(video[i : i + 1], mask3, listed, device=CPU),
+                                  pipe.prepare_masks(mask3, listed)], dim=1)
+        torch.testing.assert_close(context[i : i + 1], expected, rtol=1e-5, atol=1e-6)
+
+    latents = torch.randn(2, 4, 2, H // 8, W // 8, generator=g)
+    train = {"latents": latents, "text_embeds": torch.randn(2, 8, 32), CONTROL: context}
+    (x, t, _, control), (velocity,) = wan_vace.prepare_inputs(train, TrainingContext(cfg), torch.Generator())
+    clean = torch.cat([context[:, :4, :2], latents], dim=2)  # the reference frames first, as the pipeline's latents
+    t5 = t.view(-1, 1, 1, 1, 1)
+    assert x.shape == control.shape[:1] + (4,) + control.shape[2:]
+    torch.testing.assert_close(x, (1 - t5) * clean + t5 * (velocity + clean), rtol=1e-5, atol=1e-5)
+
+
 def test_layers_chained_equal_the_forward(pipe) -> None:
     """Every VACE block before the transformer blocks; block ``vace_layers[i]`` adds hint ``i`` (block 1 adds none),
     the hints carried between layers; with reference frames the control is as long as the video."""
@@ -86,14 +127,20 @@ def test_wan_vace_conforms(tiny_wan_vace: Path, tmp_path: Path) -> None:
     check_model_plugin(wan_vace, "wan-vace", table, pixels=pixels, captions=["a red cat", "a photo of a dog"])
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, masked: bool) -> None:
+@pytest.mark.parametrize(("masked", "referenced"), [(False, False), (True, False), (True, True)])
+def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, masked: bool, referenced: bool) -> None:
     """The core's loop over the layers from the same noise, prompt embeddings and control video (decoded by the
-    core at the sample's size and frame rate, given to the pipeline as that tensor) equals ``WanVACEPipeline``."""
+    core at the sample's size and frame rate, given to the pipeline as that tensor) equals ``WanVACEPipeline``; with a
+    ``sample_reference`` image (another aspect ratio) too, its latent frame in front, dropped when decoding."""
+    from PIL import Image
+
+    from diffpipe_core.testing.media import write_png
+
     control = write_control(tmp_path, 2)
     mask = write_control(tmp_path, 3) if masked else None
-    cfg = validate(wan_vace.spec.config_schema,
-                   {**TABLE, "path": tiny_wan_vace, "sample_control": control, "sample_mask": mask}, "test")
+    reference = write_png(tmp_path / "reference.png", 24, 40, seed=4) if referenced else None
+    cfg = validate(wan_vace.spec.config_schema, {**TABLE, "path": tiny_wan_vace, "sample_control": control,
+                                                 "sample_mask": mask, "sample_reference": reference}, "test")
     handle = registered(wan_vace)
     (texts,) = encode_prompts(handle, cfg, ["a red cat walks"], "blurry", CPU)
     request = SampleRequest(width=W, height=H, frames=FRAMES, steps=STEPS)
@@ -103,12 +150,15 @@ def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, 
     kwargs = {}
     if masked:  # the pipeline's masks are in [-1, 1] images: (mask + 1) / 2 after preprocessing
         kwargs["mask"] = [read_clip(mask, (W, H, FRAMES), wan_vace.spec)[:1].expand(3, -1, -1, -1).transpose(0, 1)]
+    if referenced:
+        with Image.open(reference) as opened:
+            kwargs["reference_images"] = [opened.convert("RGB")]
     expected = pipe(
         video=[video.transpose(0, 1)],
         prompt_embeds=texts.cond["text_embeds"],
         negative_prompt_embeds=texts.uncond["text_embeds"],
         guidance_scale=2.0,
-        latents=torch.randn((1, 4, 2, H // 8, W // 8), generator=noise_generator(SEED, 0)),
+        latents=torch.randn((1, 4, 2 + referenced, H // 8, W // 8), generator=noise_generator(SEED, 0)),
         num_inference_steps=STEPS,
         height=H,
         width=W,
@@ -117,6 +167,9 @@ def test_sample_equals_the_pipelines(tiny_wan_vace: Path, tmp_path: Path, pipe, 
         **kwargs,
     ).frames
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+    if referenced:  # decoded without the reference frame, as the pipeline decodes
+        decoded = wan_vace.decode_latents(decoder=pipe.vae, latents=ours)
+        assert decoded.shape == (1, 3, FRAMES, H, W)
 
 
 def test_sampling_without_a_control_video_says_what_to_set(tiny_wan_vace: Path) -> None:

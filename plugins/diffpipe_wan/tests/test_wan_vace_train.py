@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffpipe_core.testing import runs
-from diffpipe_core.testing.media import write_dataset_toml, write_video
+from diffpipe_core.testing.media import write_dataset_toml, write_png, write_video
 from diffpipe_wan.testing import write_clips, write_tiny_wan_vace
 
 pytestmark = pytest.mark.slow
@@ -21,15 +21,25 @@ MODEL = {"type": "wan-vace", "text_max_length": 8, "timestep_sample_method": "un
 CAPTIONS = ["a red car moving", "a river in a city", "a dog running", "a bright sky"]
 
 
-def make_project(root: Path, model: dict | None = None, writer=write_tiny_wan_vace, steps: int = STEPS) -> Path:
+def make_project(root: Path, model: dict | None = None, writer=write_tiny_wan_vace, steps: int = STEPS,
+                 vace_files: bool = False) -> Path:
     """The tiny Wan VACE (or ``writer``'s model, ``model`` its table), 4 mp4 clips of 5 frames at 16 fps, 32x32,
-    each with a control video of the same stem (longer and larger: decoded at the clip's frames and bucket)."""
+    each with a control video of the same stem (longer and larger: decoded at the clip's frames and bucket);
+    ``vace_files``: each also with a mask video (``control_mask_path``) and a 24x40 reference image
+    (``reference_path``)."""
     writer(root / "model")
     clips = write_clips(root / "media", CAPTIONS, frames=5, size=(32, 32))
+    keys = {"control_path": str(root / "control")}
     for i, clip in enumerate(clips):
         write_video(root / "control" / clip.name, 7, fps=16, size=(40, 40), seed=100 + i)
-    write_dataset_toml(root / "dataset.toml", root / "media", {"control_path": str(root / "control")},
-                       resolutions=[32], enable_ar_bucket=False, frame_buckets=[5])
+        if vace_files:
+            write_video(root / "masks" / clip.name, 7, fps=16, size=(40, 40), seed=200 + i)
+            (root / "refs").mkdir(exist_ok=True)
+            write_png(root / "refs" / f"{clip.stem}.png", 24, 40, seed=300 + i)
+    if vace_files:
+        keys.update(control_mask_path=str(root / "masks"), reference_path=str(root / "refs"))
+    write_dataset_toml(root / "dataset.toml", root / "media", keys, resolutions=[32], enable_ar_bucket=False,
+                       frame_buckets=[5])
     top = {"max_steps": steps, "pipeline_stages": 1, "checkpoint_every_n_steps": steps, "seed": 3}
     (root / "run.toml").write_text(runs.lora_run_toml(model or MODEL, 1e-2, None, RANK, ALPHA, **top))
     return root / "run.toml"
@@ -38,16 +48,21 @@ def make_project(root: Path, model: dict | None = None, writer=write_tiny_wan_va
 @pytest.fixture(scope="module")
 def vace_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wan-vace-run")
-    return runs.train(root, make_project(root), procs=1, timeout=600, OMP_NUM_THREADS="1")
+    return runs.train(root, make_project(root, vace_files=True), procs=1, timeout=600, OMP_NUM_THREADS="1")
 
 
-def test_loss_falls_on_clips_with_control_videos(vace_run: Path) -> None:
+def test_loss_falls_on_clips_with_control_videos_masks_and_references(vace_run: Path) -> None:
+    """Each clip's cached context holds its reference image's latent frame before the clip's two, and its mask
+    video's channels (not the all-ones mask of a clip without one)."""
     from diffpipe_core.data.cache_store import list_shards
 
     runs.assert_loss_falls(vace_run, STEPS, 8)
     cache = vace_run.parent.parent / "cache"
     shards = [s for folder in cache.rglob("controls") for s in list_shards(folder)]
-    assert shards and all(s.columns["context"][0] == (72, 2, 4, 4) for s in shards), [s.columns for s in shards]
+    assert shards and all(s.columns["context"][0] == (72, 3, 4, 4) for s in shards), [s.columns for s in shards]
+    contexts = torch.cat([torch.from_numpy(s.arrays()["context"].astype("float32")) for s in shards])
+    assert contexts.shape[0] == 4 and contexts[:, 8:, 0].abs().max() == 0  # the reference frame: a zero mask
+    assert 0 < contexts[:, 8:, 1:].mean() < 1, contexts[:, 8:, 1:].mean()  # the mask videos, not all ones
 
 
 def transformer_inputs() -> dict[str, torch.Tensor]:

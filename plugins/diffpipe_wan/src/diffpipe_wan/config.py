@@ -107,3 +107,9 @@ class WanVACEConfig(WanControlConfig):
         description="A mask video for sample_control (white: generate, black: keep), read alike; default all white "
         "(WanVACEPipeline's default mask).",
     )
+    sample_reference: Path | list[Path] | None = Field(
+        None,
+        description="A reference image (or a list of them) every sample is generated with, as WanVACEPipeline's "
+        "reference_images: fitted on a white canvas of the sample size, one latent frame each in front of the video, "
+        "dropped before decoding.",
+    )

@@ -41,6 +41,7 @@ class ControlVideoSampling:
             raise ValueError(f"{self.spec.name} samples are generated from a control video: set [model] "
                              "sample_control to a video file")
         key = (str(model_config.path), str(model_config.sample_control), str(getattr(model_config, "sample_mask", "")),
+               str(getattr(model_config, "sample_reference", "")),
                request.width, request.height, request.frames)
         if key not in self._conditions:
             self._conditions[key] = self.encode_sample_control(model_config, request, self.pixel_size(model_config,

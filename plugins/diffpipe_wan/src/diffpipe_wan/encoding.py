@@ -122,7 +122,6 @@ def first_frame_mask(
 def sample_images(files: list[Any], vae_config: dict[str, Any], h: int, w: int) -> list[tuple[Any, torch.Tensor]]:
     """Each image file as ``(PIL RGB image, pixels (1, 3, H, W))``, resized to the ``h`` x ``w`` latent grid's pixels
     as the Wan pipelines' ``video_processor.preprocess`` resizes them."""
-    from diffusers.video_processor import VideoProcessor
     from PIL import Image
 
     spatial = int(vae_config.get("scale_factor_spatial", 8))
@@ -130,9 +129,16 @@ def sample_images(files: list[Any], vae_config: dict[str, Any], h: int, w: int) 
     for file in files:
         with Image.open(file) as opened:
             image = opened.convert("RGB")
-        pixels = VideoProcessor(vae_scale_factor=spatial).preprocess(image, height=h * spatial, width=w * spatial)
-        out.append((image, pixels.float()))
+        out.append((image, pipeline_pixels(image, h * spatial, w * spatial, spatial)))
     return out
+
+
+def pipeline_pixels(image: Any, height: int, width: int, spatial: int) -> torch.Tensor:
+    """``(1, 3, height, width)`` in [-1, 1]: a PIL image resized as the Wan pipelines' ``video_processor.preprocess``
+    resizes their ``image`` and ``last_image`` (to exactly that size)."""
+    from diffusers.video_processor import VideoProcessor
+
+    return VideoProcessor(vae_scale_factor=spatial).preprocess(image, height=height, width=width).float()
 
 
 def to_images(first_frames: torch.Tensor) -> list[Any]:

@@ -53,6 +53,7 @@ class WanFLF2V(WanI2V):
         config_schema=WanFLF2VConfig,
         description="Wan 2.1 FLF2V / Wan 2.2 I2V A14B first-last-frame-to-video (diffusers folder or original single "
         "file; A14B experts)",
+        paired_files=("last_frame",),
     )
     folder = DiffusersFolder(
         "wan-flf2v",

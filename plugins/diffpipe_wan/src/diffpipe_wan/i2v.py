@@ -99,7 +99,10 @@ class WanI2V(Wan):
     def encode_media(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Wan's ``latents`` (and ``mask``) of the clips, ``first_frame_latents`` (B, z, F', h, w) and, for Wan 2.1,
         ``image_embeds`` (B, n, d) of their first frames, as ``WanImageToVideoPipeline`` computes them from its
-        ``image``."""
+        ``image``; ``wan-flf2v`` also of the last frames, the clips' own or ``last_frame_path``'s images
+        (``batch.last_frames``, resized as the pipeline resizes its ``last_image``)."""
+        import torch
+
         from diffpipe_wan import encoding
 
         if batch.pixels.dim() != 5 or batch.first_frames is None:
@@ -115,10 +118,16 @@ class WanI2V(Wan):
         last = batch.pixels[:, :, -1] if self.last_frame else None
         pixels, masks, first, last = encoding.fit_to_patches(batch.pixels, batch.masks, encoders, batch.first_frames,
                                                              last)  # fmt: skip
+        last_images = None if last is None else encoding.to_images(last)
+        if self.last_frame and batch.last_frames is not None:  # last_frame_path: images of their own, at their size
+            last_images = [encoding.to_images(f[None])[0] for f in batch.last_frames]
+            spatial = int(encoders.vae.config.scale_factor_spatial)
+            last = torch.cat([encoding.pipeline_pixels(im, *pixels.shape[-2:], spatial) for im in last_images])
         out = super().encode_media(encoders, replace(batch, pixels=pixels, masks=masks))
-        out["first_frame_latents"] = encoding.first_frame_latents(encoders.vae, first, pixels.shape[2], last)
+        out["first_frame_latents"] = encoding.first_frame_latents(encoders.vae, first, pixels.shape[2],
+                                                                  None if last is None else last.to(first))
         if encoders.image_encoder is not None:
-            images = [encoding.to_images(first), None if last is None else encoding.to_images(last)]
+            images = [encoding.to_images(first), last_images]
             out["image_embeds"] = encoding.clip_embeds(encoders.image_encoder, encoders.image_processor, *images)
         return out
 

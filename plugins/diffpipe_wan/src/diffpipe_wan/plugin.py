@@ -416,8 +416,12 @@ class Wan(DiffusersModel, FlowSampling):
         from diffpipe_wan.encoding import latent_shape
 
         vae = self.folder.config(model_config.path, "vae")
-        shape = latent_shape(vae, self.model_folder_config(model_config), request)
+        shape = self.sample_shape(latent_shape(vae, self.model_folder_config(model_config), request), model_config)
         return torch.randn(shape, generator=generator), stepped_schedule(model_config.path, request.steps)
+
+    def sample_shape(self, shape: tuple[int, ...], model_config: WanConfig) -> tuple[int, ...]:
+        """The noise's shape for a sample whose video's latents are ``shape`` (``wan-vace`` adds reference frames)."""
+        return shape
 
     @hookimpl
     def denoise_inputs(self, latents, schedule, index, text, request, model_config):

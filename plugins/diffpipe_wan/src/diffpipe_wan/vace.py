@@ -44,6 +44,7 @@ class WanVACE(ControlVideoSampling, Wan):
         control_videos=True,
         description="Wan 2.1 VACE (WanVACEPipeline folder): video-to-video from control videos paired by file name",
         block_layers=("VaceBlockLayer", "VaceTransformerBlockLayer"),
+        paired_files=("control_mask", "reference"),
     )
     folder = DiffusersFolder(
         "wan-vace",
@@ -81,7 +82,9 @@ class WanVACE(ControlVideoSampling, Wan):
     # ------------------------------------------------------------------------------------------ caching
     def encode_media(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
         """Targets: Wan's ``latents`` (and ``mask``). Control videos (``batch.control_index`` 0): ``context``
-        (B, 2z + 64, F', h, w), the VACE conditioning (module docstring)."""
+        (B, 2z + 64, R + F', h, w), the VACE conditioning (module docstring) of the control video with its mask
+        (``batch.control_masks``, ``control_mask_path``; none: all ones) and its R reference images
+        (``batch.references``, ``reference_path``), each fitted on a white canvas as ``WanVACEPipeline`` fits them."""
         if batch.control_index is None:
             if batch.pixels.dim() != 5:
                 raise ValueError(f"wan-vace trains video clips with control videos; got pixels of shape "
@@ -89,10 +92,14 @@ class WanVACE(ControlVideoSampling, Wan):
             return super().encode_media(encoders, batch)
         from diffpipe_wan import encoding, vace_encoding
 
-        pixels, _ = encoding.fit_to_patches(batch.pixels, None, encoders)
+        pixels, masks = encoding.fit_to_patches(batch.pixels, batch.control_masks, encoders)
         if pixels.dim() != 5:
             raise ValueError(f"wan-vace control videos must be clips; got pixels of shape {tuple(pixels.shape)}")
-        return {"context": vace_encoding.context(encoders.vae, pixels)}
+        references = None
+        if batch.references:
+            spatial = int(encoders.vae.config.scale_factor_spatial)
+            references = vace_encoding.fit_references(batch.references, *pixels.shape[-2:], spatial).to(pixels)
+        return {"context": vace_encoding.context(encoders.vae, pixels, masks, references)}
 
     # ------------------------------------------------------------------------------------------ training
     @hookimpl
@@ -110,6 +117,13 @@ class WanVACE(ControlVideoSampling, Wan):
         if CONTROL not in batch:
             raise ValueError("wan-vace: a micro-batch without control videos (every item needs its control_path "
                              "video)")
+        import torch
+
+        latents, control = batch["latents"], batch[CONTROL]
+        refs = control.shape[2] - latents.shape[2]
+        if refs > 0:  # reference frames lead the video: each trains toward its own latent (DiffSynth-Studio's VACE)
+            ref = control[:, : latents.shape[1], :refs].to(latents.dtype)
+            batch = {**batch, "latents": torch.cat([ref, latents], dim=2)}
         f = self.noisy(batch, context, generator)
         inputs = (f.x_t, f.t, batch["text_embeds"].float(), batch[CONTROL].float())
         return inputs, with_mask((f.target,), batch)
@@ -127,14 +141,43 @@ class WanVACE(ControlVideoSampling, Wan):
 
     def encode_sample_control(self, model_config: WanVACEConfig, request: SampleRequest,
                               size: tuple[int, int, int]) -> torch.Tensor:
-        """``(1, 2z + 64, F', h, w)``: the VACE conditioning of ``[model] sample_control`` and ``sample_mask``."""
+        """``(1, 2z + 64, R + F', h, w)``: the VACE conditioning of ``[model] sample_control``, ``sample_mask`` and the
+        R ``sample_reference`` images (fitted as the pipeline fits its ``reference_images``)."""
+        from PIL import Image
+
         from diffpipe_wan import vace_encoding
 
         video = read_clip(model_config.sample_control, size, self.spec)[None]
         mask = None
         if model_config.sample_mask is not None:
             mask = ((read_clip(model_config.sample_mask, size, self.spec)[None, :1] + 1) / 2).clamp(0, 1)
-        return vace_encoding.context(self.sample_vae(model_config), video, mask)
+        vae = self.sample_vae(model_config)
+        references = None
+        if sample_references(model_config):
+            images = []
+            for file in sample_references(model_config):
+                with Image.open(file) as opened:
+                    images.append(opened.convert("RGB"))
+            spatial = int(vae.config.scale_factor_spatial)
+            references = vace_encoding.fit_references([tuple(images)], size[1], size[0], spatial)
+        return vace_encoding.context(vae, video, mask, references)
+
+    def sample_shape(self, shape: tuple[int, ...], model_config: WanVACEConfig) -> tuple[int, ...]:
+        """One more latent frame in front for each ``sample_reference`` image (the pipeline's ``num_frames + R *
+        temporal``), which :meth:`decode_latents` drops again."""
+        self._trim = len(sample_references(model_config))  # the sample's reference frames, dropped when decoding
+        return (*shape[:2], shape[2] + self._trim, *shape[3:])
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Wan's decoding of the latents after the reference frames (``WanVACEPipeline`` drops them likewise)."""
+        return super().decode_latents(decoder, latents[:, :, getattr(self, "_trim", 0):])
+
+
+def sample_references(model_config: WanVACEConfig) -> list[Any]:
+    """``[model] sample_reference`` as a list of files (empty without)."""
+    value = model_config.sample_reference
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 wan_vace = WanVACE()

@@ -49,6 +49,34 @@ def with_references(latents: torch.Tensor, masks: torch.Tensor, vae: Any, refere
     return latents, torch.cat([padding, masks], dim=2)
 
 
+def fit_references(references: list[tuple[Any, ...]], height: int, width: int, spatial: int) -> torch.Tensor:
+    """``(B, R, 3, height, width)``: each item's reference images (PIL images, or ``(3, h, w)`` in [-1, 1] at their own
+    size as decoded from 8-bit files) as ``WanVACEPipeline.preprocess_conditions`` prepares them:
+    ``video_processor.preprocess`` of the image, resized (bilinear) to fit inside the video keeping its aspect ratio,
+    centered on a white canvas."""
+    from diffusers.video_processor import VideoProcessor
+
+    from diffpipe_wan.encoding import to_images
+
+    processor = VideoProcessor(vae_scale_factor=spatial)
+    out = []
+    for item in references:
+        fitted = []
+        for image in (to_images(r[None])[0] if isinstance(r, torch.Tensor) else r for r in item):
+            pixels = processor.preprocess(image, None, None).float()
+            h, w = pixels.shape[-2:]
+            scale = min(height / h, width / w)
+            new_h, new_w = int(h * scale), int(w * scale)
+            resized = torch.nn.functional.interpolate(pixels, size=(new_h, new_w), mode="bilinear",
+                                                      align_corners=False)[0]
+            top, left = (height - new_h) // 2, (width - new_w) // 2
+            canvas = torch.ones(3, height, width)
+            canvas[:, top : top + new_h, left : left + new_w] = resized
+            fitted.append(canvas)
+        out.append(torch.stack(fitted))
+    return torch.stack(out)
+
+
 @torch.no_grad()
 def context(
     vae: Any, video: torch.Tensor, mask: torch.Tensor | None = None, references: torch.Tensor | None = None,
