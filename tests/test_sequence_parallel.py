@@ -95,15 +95,6 @@ def test_world_size_must_be_a_multiple_of_stages_times_sequence_ranks() -> None:
         check_world_size(run, 6, "run.toml")
 
 
-def test_activation_checkpointing_is_refused_with_sequence_parallel() -> None:
-    from pydantic import ValidationError
-
-    from diffpipe_core.config import RunConfig
-
-    with pytest.raises(ValidationError, match="sequence_parallel = 2 cannot be combined with activation_checkpointing"):
-        RunConfig.model_validate({"model": {"type": "wan"}, "sequence_parallel": 2, "activation_checkpointing": True})
-
-
 def test_the_plan_splits_the_block_layers_activations_per_sequence_rank() -> None:
     from diffpipe_core.engine.activations import LayerTensors
     from diffpipe_core.engine.plan_build import sequence_split_costs
