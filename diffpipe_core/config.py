@@ -458,16 +458,6 @@ class RunConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_sequence_parallel(self) -> RunConfig:
-        if self.sequence_parallel > 1 and self.activation_checkpointing:
-            raise ValueError(
-                f"sequence_parallel = {self.sequence_parallel} cannot be combined with activation_checkpointing = "
-                f"{self.activation_checkpointing!r} yet (the recomputation's all-to-alls hung in testing); set "
-                "activation_checkpointing = false, or sequence_parallel = 1"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _check_split(self) -> RunConfig:
         if self.partition_split is not None:
             if len(self.partition_split) != self.pipeline_stages - 1:

@@ -93,3 +93,36 @@ def test_swapped_weights_stay_out_of_module_to() -> None:
     assert all(p.dtype == torch.float32 for p in frozen), "module.to() reached a swapped weight"
     assert lora and all(p.dtype == torch.float64 for p in lora), "module.to() must still move the LoRA weights"
     assert all(any(p is q for q in block.parameters()) for p in frozen), "swapped weights left the module"
+
+
+class _PassThrough(torch.nn.Module):
+    """A block that hands one of its inputs (``context``, needing no gradient) on unchanged, as Wan's and
+    HunyuanVideo's block layers hand on the text tokens and the rotary embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.attend = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.proj.requires_grad_(False)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, context = inputs
+        return hidden + self.attend(self.proj(context)), context
+
+
+def test_a_checkpointed_block_ending_a_stage_recomputes_what_its_forward_saved() -> None:
+    """The stage boundary (OutputsRequireGrad) makes a handed-on tensor require a gradient; it must not do so on the
+    block's own input object, which the checkpoint keeps for the recomputation: the recomputation would then save
+    what the forward did not (torch's CheckpointError, the cause of sequence_parallel x activation_checkpointing
+    runs failing on 2 stages)."""
+    from diffpipe_core.engine.ds_patches import OutputsRequireGrad
+
+    torch.manual_seed(0)
+    block = _PassThrough()
+    hidden, context = torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 3, 4)
+    plain = block((hidden, context))
+    want = torch.autograd.grad(plain[0].sum(), [hidden, block.attend.weight])
+    out = OutputsRequireGrad(CheckpointedLayer(block, offload=False))((hidden, context))
+    got = torch.autograd.grad(out[0].sum(), [hidden, block.attend.weight])
+    assert out[1].requires_grad and not context.requires_grad  # the next stage gets a gradient-taking tensor
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

@@ -72,3 +72,7 @@ def test_the_low_precision_warning_on_a_lora_run_names_the_adapter_dtype_fix(cap
     build_optimizer(OptimizerConfig(type="adamw", lr=1e-4), lora, Registry().pm)  # a full fine-tune's weights
     said = capsys.readouterr().out
     assert "a full fine-tune of a bfloat16 model" in said and "adamw8bit_kahan" in said
+    build_optimizer(OptimizerConfig(type="adamw", lr=1e-4), lora, Registry().pm, zero=True)  # DeepSpeed's fp32 copy
+    said = capsys.readouterr().out
+    assert "steps a float32 copy of this replica's share of the bfloat16 weights" in said
+    assert "are lost" not in said and "adamw8bit_kahan" not in said

@@ -15,7 +15,7 @@ from torch import nn
 
 from diffpipe_core.config import ConfigError, check_world_size
 from diffpipe_core.engine.launcher import free_port, local_rank_env
-from diffpipe_core.engine.sequence_parallel import check_heads, sequence_problems
+from diffpipe_core.engine.sequence_parallel import UlyssesConfig, check_heads, sequence_problems, shard
 from diffpipe_core.engine.stage_build import Layout
 from diffpipe_core.testing import processes
 from diffpipe_core.testing.processes import cli_env
@@ -80,6 +80,15 @@ def test_heads_not_divisible_are_refused_naming_the_count() -> None:
         check_heads(2, [("layer 1: attn", layers[1].attn)], "tiny")
 
 
+def test_a_token_count_the_ranks_do_not_divide_is_named_with_the_keys_that_set_it() -> None:
+    """A micro-batch's or a [sample]'s latents (the sampling forward runs the same split blocks)."""
+    config = UlyssesConfig(group=None, size=2, rank=1)
+    torch.testing.assert_close(shard(torch.arange(8.0).view(1, 4, 2), 1, config), torch.tensor([[[4.0, 5], [6, 7]]]))
+    with pytest.raises(ValueError, match=r"has 5 tokens along dimension 1 .* which 2 does not divide") as err:
+        shard(torch.zeros(1, 5, 2), 1, config)
+    assert "frame buckets and resolutions (and [sample] resolution and frames)" in str(err.value)
+
+
 def test_layout_orders_stage_replica_sequence_rank() -> None:
     places = [(lay.stage_id, lay.dp_rank, lay.seq_rank, lay.replica)
               for lay in (Layout(r, 8, 2, 2) for r in range(8))]
@@ -93,15 +102,6 @@ def test_world_size_must_be_a_multiple_of_stages_times_sequence_ranks() -> None:
     check_world_size(run, 8, "run.toml")
     with pytest.raises(ConfigError, match=r"pipeline_stages \(2\) x sequence_parallel \(2\) = 4 does not divide"):
         check_world_size(run, 6, "run.toml")
-
-
-def test_activation_checkpointing_is_refused_with_sequence_parallel() -> None:
-    from pydantic import ValidationError
-
-    from diffpipe_core.config import RunConfig
-
-    with pytest.raises(ValidationError, match="sequence_parallel = 2 cannot be combined with activation_checkpointing"):
-        RunConfig.model_validate({"model": {"type": "wan"}, "sequence_parallel": 2, "activation_checkpointing": True})
 
 
 def test_the_plan_splits_the_block_layers_activations_per_sequence_rank() -> None:

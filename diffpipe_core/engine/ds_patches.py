@@ -118,7 +118,10 @@ def _require_grad(x: Any) -> Any:
         return x
     x = x.contiguous()  # gloo sends only contiguous tensors
     if x.is_floating_point() and not x.requires_grad:
-        return x.requires_grad_(True)
+        # a new tensor object: a tensor the last block hands on unchanged is also its input, which activation
+        # checkpointing keeps for the recomputation; made to require a gradient in place, the recomputation would
+        # save what the forward did not (torch's CheckpointError)
+        return x.detach().requires_grad_(True)
     return x
 
 

@@ -12,8 +12,9 @@ token sequence. What each part does:
   ``ModelSpec.sequence_tensors`` (the video tokens and what follows them, e.g. the rotary embedding); a forward hook
   on the last one gathers the token stream back (an autograd all-gather), so the head and the loss see the whole
   sequence, and every rank's loss is the mean over it. Hooks, not wrappers: the layers keep their class names (the
-  memory savers find them) and parameter names. (With activation checkpointing a run hung in the recomputation's
-  collectives; the config refuses the combination until that is solved.)
+  memory savers find them) and parameter names. Under activation checkpointing the hooks sit inside the checkpointed
+  call, so a block's recomputation in backward slices its input again and repeats its all-to-alls, in the same order
+  on every rank of the group.
 - Attention: every attention processor inside the block layers gets a :class:`UlyssesConfig` as its
   ``_parallel_config``, which diffusers' processors hand to ``dispatch_attention_fn`` for self- and joint attention
   (cross-attention to replicated text passes None: it runs on the local queries as it is). The registered attention
@@ -132,9 +133,10 @@ def shard(x: torch.Tensor, dim: int, config: UlyssesConfig) -> torch.Tensor:
     """This rank's contiguous ``1/size`` of ``x`` along ``dim`` (refused unless it divides evenly)."""
     n = x.shape[dim]
     if n % config.size:
-        raise ValueError(f"sequence_parallel = {config.size}: a micro-batch has {n} tokens along dimension {dim} of "
-                         f"a sequence tensor {tuple(x.shape)}, which {config.size} does not divide; choose frame "
-                         "buckets and resolutions whose latent token count is a multiple of it")
+        raise ValueError(f"sequence_parallel = {config.size}: a micro-batch (or a [sample]'s latents) has {n} tokens "
+                         f"along dimension {dim} of a sequence tensor {tuple(x.shape)}, which {config.size} does not "
+                         "divide; choose frame buckets and resolutions (and [sample] resolution and frames) whose "
+                         "latent token count is a multiple of it")
     step = n // config.size
     return x.narrow(dim, config.rank * step, step).contiguous()
 

@@ -278,7 +278,7 @@ def build_stage(
     groups = parameter_groups(run.optimizer, trainable, named_groups)
     for group in groups:
         group["lr"] = forced_lr(run.optimizer, group["lr"])
-    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None)
+    optimizer = build_optimizer(run.optimizer, groups, plugin.registry.pm, lora is not None, run.zero_stage > 0)
     if run.optimizer.offload:
         offload_state(optimizer)  # before the LR schedule wraps its step
     release = None

@@ -134,15 +134,18 @@ def unmatched_lr_patterns(group_lr: dict[str, float], names: Iterable[str]) -> l
     return [g for g in group_lr if is_lr_pattern(g) and not any(fnmatch.fnmatchcase(n, g) for n in names)]
 
 
-def build_optimizer(cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig, groups: list[Any], pm: Any, lora: bool = False, zero: bool = False
+) -> torch.optim.Optimizer:
     """The optimizer ``cfg.type`` names over ``groups`` (:func:`parameter_groups`; or a plain list of parameters:
     one group at ``cfg.lr``). One group is passed as a plain parameter list, so its state is laid out as before
-    groups existed. ``lora``: the parameters are an adapter's (for the low-precision warning)."""
+    groups existed. ``lora``: the parameters are an adapter's; ``zero``: DeepSpeed's ZeRO will hand it a float32
+    copy of them instead (both for the low-precision warning)."""
     if groups and not isinstance(groups[0], dict):
         groups = [{"name": DEFAULT_GROUP, "params": list(groups), "lr": cfg.lr}]
     factory, from_family = find_optimizer(available_optimizers(pm), cfg.type)
     params = [p for g in groups for p in g["params"]]
-    _warn_low_precision_adamw(cfg.type, params, lora)
+    _warn_low_precision_adamw(cfg.type, params, lora, zero)
     lr = groups[0]["lr"] if len(groups) == 1 else cfg.lr
     given: Any = params if len(groups) == 1 else groups
     try:
@@ -235,9 +238,12 @@ def evaluation_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter], lora: bool = False) -> None:
+def _warn_low_precision_adamw(
+    name: str, params: list[torch.nn.Parameter], lora: bool = False, zero: bool = False
+) -> None:
     """Plain AdamW on bf16/fp16 weights (LoRA weights in ``[adapter] dtype = 'bfloat16'``, or a full fine-tune of a
-    bf16 model) rounds away every update below the weights' resolution; say so once, on rank 0, with the fix."""
+    bf16 model) rounds away every update below the weights' resolution; say so once, on rank 0, with the fix. Under
+    ZeRO (``zero``) it steps DeepSpeed's float32 copy of the weights instead, which keeps such updates: say that."""
     if name not in ("adamw", "adamw8bit") or not any(p.dtype in LOW_PRECISION for p in params):
         return
     import torch.distributed as dist
@@ -245,6 +251,14 @@ def _warn_low_precision_adamw(name: str, params: list[torch.nn.Parameter], lora:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     dtype = str(next(p.dtype for p in params if p.dtype in LOW_PRECISION)).removeprefix("torch.")
+    if zero:
+        print(
+            f"diffpipe: note: zero_stage = 1: optimizer {name!r} steps a float32 copy of this replica's share of the "
+            f"{dtype} weights, so updates smaller than the weights' resolution add up there instead of being lost; "
+            f"the {dtype} weights are rounded from the copy after each step",
+            flush=True,
+        )
+        return
     if lora:
         what = f"the {dtype} LoRA weights ([adapter] dtype = {dtype!r})"
         fix = ("leave [adapter] dtype out (its default 'float32' costs little memory: LoRA weights are small), or "
