@@ -1,7 +1,9 @@
 """End to end through the real CLI (DeepSpeed on gloo, the real cache and audio path, peft), on the one shared run
 (conftest's ``minimax_run``: video and audio trained, CFG-augmented): the loss falls; the LoRA leaves the AdaLN
 projections alone; the saved diffusers LoRA loads through the modular pipeline's ``load_lora_weights`` and reproduces
-the trained transformer's video and audio outputs."""
+the trained transformer's video and audio outputs; the ComfyUI file is in the reference layout (fused ``qkv_proj``,
+``mlp.fc1`` halves swapped), applies as ComfyUI applies it to the trained weights, and diffusers' own converter of
+such files loads it to the same outputs."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def make_project(root: Path) -> Path:
     top = {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7,
            "micro_batch_size_per_gpu": 1}
     model = {"path": "model", "dtype": "float32", "encoder_dtype": "float32", **MODEL}
-    adapter = {"rank": RANK, "alpha": ALPHA, "save_formats": ["diffusers"]}
+    adapter = {"rank": RANK, "alpha": ALPHA, "save_formats": ["diffusers", "comfyui"]}
     (root / "run.toml").write_text(runs.run_toml(model, {"lr": 2e-2}, adapter, None, **top))
     return root
 
@@ -80,3 +82,34 @@ def test_lora_leaves_adaln_out_and_loads_in_the_modular_pipeline(minimax_run: Pa
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
     # trained with alpha != rank, saved folded: reproducing both streams proves the strength arrives
     runs.assert_reproduces(both(pipe.transformer), both(reference), untrained)
+
+
+def test_comfyui_lora_is_the_reference_layout_and_loads_in_diffusers(minimax_run: Path) -> None:
+    from diffusers import MiniMaxH3Transformer3DModel
+    from safetensors.torch import load_file
+
+    from diffpipe_minimax.original import layout_for_config
+    from diffpipe_minimax.testing import modular_pipeline
+
+    saved, model_dir = minimax_run / "saved" / "final", minimax_run.parent.parent / "model"
+    file = load_file(str(saved / "adapter_model.comfyui.safetensors"))
+    modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in file}
+    expected = {f"diffusion_model.{b}.{m}" for b in ("blocks.0", "blocks.1", "token_refiner.blocks.0")
+                for m in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
+    assert modules == expected, sorted(modules ^ expected)
+    assert float(file["diffusion_model.blocks.0.attn.qkv_proj.alpha"]) == 3 * RANK  # fused: ranks add, alpha too
+
+    base_model = MiniMaxH3Transformer3DModel.from_pretrained(str(model_dir / "transformer"))
+    table = layout_for_config(dict(base_model.config))
+    base = base_model.state_dict()
+    applied = runs.apply_comfyui(table.to_original(base), file)
+    trained = table.to_original(runs.merge_peft(base, runs.checkpoint_params(minimax_run), ALPHA / RANK))
+    runs.assert_state_close(applied, trained, atol=1e-5)
+
+    _, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
+    reference = runs.with_trained_lora(MiniMaxH3Transformer3DModel.from_pretrained(str(model_dir / "transformer")),
+                                       minimax_run, RANK, ALPHA, cfg["target_modules"])
+    pipe = modular_pipeline(model_dir)
+    untrained = both(pipe.transformer)
+    pipe.load_lora_weights(str(saved), weight_name="adapter_model.comfyui.safetensors", adapter_name="comfy")
+    runs.assert_reproduces(both(pipe.transformer), both(reference), untrained, atol=1e-4)

@@ -64,7 +64,7 @@ class MiniMaxH3(DiffusersModel):
         single_file_example="minimax_h3_transformer.safetensors", title="MiniMax H3",
     )
     model_class = "MiniMaxH3Transformer3DModel"
-    single_file_markers = ("transformer_blocks.0.adaln_proj.linear.weight", "audio_proj_in.weight")
+    single_file_markers = ("blocks.0.attn.qkv_proj.weight", "audio_patch_proj.weight")
     single_file_name = "minimax_h3_transformer.safetensors"
     file_config = {  # block count and widths from the file itself (diffusers' names)
         "num_layers": blocks("transformer_blocks"),
@@ -76,6 +76,7 @@ class MiniMaxH3(DiffusersModel):
         "audio_in_channels": Shape(weight_of("audio_proj_in"), 1),
     }
     lora_target_names = BLOCK_LINEARS
+    key_tables = "diffpipe_minimax.original"  # the reference layout: ComfyUI's and the published single files'
 
     def patch_size(self, model_config: MiniMaxH3Config) -> tuple[int, int, int]:
         """The transformer's ``(t, h, w)`` patch."""
