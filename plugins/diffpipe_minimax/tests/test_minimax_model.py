@@ -117,11 +117,14 @@ def forward(model, video, audio, text, times, text_len, shape, audio_len):
 
 
 def run_layers(model, inputs):
+    """The layers chained: the video and the audio rows of the head's joined output."""
+    from diffpipe_minimax.layers import split
+
     x = inputs
     with torch.no_grad():
         for layer in minimax.split_into_layers(model, None):
             x = layer(x)
-    return x
+    return split(x[0], tuple(inputs[0].shape[1:]), tuple(inputs[1].shape[1:]))
 
 
 def test_layers_compute_the_diffusers_forward() -> None:

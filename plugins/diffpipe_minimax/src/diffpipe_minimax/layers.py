@@ -12,7 +12,8 @@ What flows between layers (a tuple of tensors):
   audio rows sit in the sequence.
 - through the blocks: ``(x (B, S, D), temb (B, T, E), cos, sin, adaln_indices (S,), key_mask (B, S),
   timestep_indices, video_indices, audio_indices)``; the last block hands on no rotary angles.
-- out of the head: ``(video (B, Nv, C p), audio (B, Na, Ca))`` float32, the model's data-ward velocities.
+- out of the head: ``(velocity (B, Nv C p + Na Ca),)`` float32, the model's data-ward velocities of the video rows
+  then the audio rows, flattened side by side (:func:`join`; one tensor, as the sampler steps the first output).
 
 The batch of ``MiniMaxH3Transformer3DModel.forward`` only repeats one layout at one set of times; here every item
 has its own times and caption, so the blocks and the head run item by item (one call at batch size 1, the usual
@@ -103,7 +104,18 @@ class HeadLayer(OutputHead):
         x = (torch.cat(rows) if len(rows) > 1 else rows[0]).to(get_parameter_dtype(self.proj_out))
         video = self.proj_out(x).index_select(1, vidx)
         audio = self.audio_proj_out(x).index_select(1, aidx)
-        return video.float(), audio.float()
+        return (join(video.float(), audio.float()),)
+
+
+def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
+    """Video rows ``(B, Nv, C p)`` and audio rows ``(B, Na, Ca)`` flattened side by side: ``(B, Nv C p + Na Ca)``."""
+    return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
+
+
+def split(joined: torch.Tensor, video_shape: tuple[int, int], audio_shape: tuple[int, int]) -> Tensors:
+    """Inverse of :func:`join`: the video rows ``(B, *video_shape)`` and the audio rows ``(B, *audio_shape)``."""
+    b, cut = joined.shape[0], video_shape[0] * video_shape[1]
+    return joined[:, :cut].reshape(b, *video_shape), joined[:, cut:].reshape(b, *audio_shape)
 
 
 def split_into_layers(model: nn.Module) -> list[nn.Module]:

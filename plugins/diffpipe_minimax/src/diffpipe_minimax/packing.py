@@ -55,7 +55,9 @@ def patchify(latents: torch.Tensor, patch_size: tuple[int, int, int]) -> torch.T
     return rows.view(latents.shape[0], -1, rows.shape[-1])
 
 
-def unpatchify(rows: torch.Tensor, latent_shape: tuple[int, int, int], patch_size: tuple[int, int, int]) -> torch.Tensor:
+def unpatchify(
+    rows: torch.Tensor, latent_shape: tuple[int, int, int], patch_size: tuple[int, int, int]
+) -> torch.Tensor:
     """Inverse of :func:`patchify` (``MiniMaxH3AfterDenoiseStep``): ``(B, N, C p)`` -> ``(B, C, F, H, W)``."""
     pt, ph, pw = patch_size
     f, h, w = latent_shape

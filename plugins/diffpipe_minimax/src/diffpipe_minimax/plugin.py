@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
+    from diffpipe_core.types import SampleRequest
 
 PIPELINES = ("MiniMaxH3ModularPipeline",)
 COMPONENTS = {
@@ -76,6 +77,9 @@ class MiniMaxH3(DiffusersModel):
         "audio_in_channels": Shape(weight_of("audio_proj_in"), 1),
     }
     lora_target_names = BLOCK_LINEARS
+
+    def __init__(self) -> None:
+        self._grids: dict[int, Any] = {}  # a sample's joined latents' size -> its geometry (sampling.Grid)
     key_tables = "diffpipe_minimax.original"  # the reference layout: ComfyUI's and the published single files'
 
     def patch_size(self, model_config: MiniMaxH3Config) -> tuple[int, int, int]:
@@ -114,7 +118,6 @@ class MiniMaxH3(DiffusersModel):
         ``audio_latents`` (B, 2 L, Ca) and ``audio_mask`` (:func:`diffpipe_minimax.audio.encode_audio`). Captions:
         ``text_embeds`` (B, text_max_length, d) and ``text_mask``: each caption's tokens (verbatim, no special
         tokens) through ``get_qwen3vl_prompt_embeds`` at layer 50, as ``MiniMaxH3TextEncoderStep`` runs it."""
-        import torch
 
         from diffpipe_core.parts.latents import latent_mask
 
@@ -199,6 +202,65 @@ class MiniMaxH3(DiffusersModel):
         from diffpipe_minimax.training import joint_loss
 
         return joint_loss(outputs, targets, context)
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def _grid(self, latents: torch.Tensor) -> Any:
+        if latents.shape[1] not in self._grids:
+            raise ValueError(f"minimax-h3: latents of {latents.shape[1]} values were not made by its denoise_init")
+        return self._grids[latents.shape[1]]
+
+    @hookimpl
+    def denoise_init(self, request: SampleRequest, model_config: MiniMaxH3Config, generator: torch.Generator):
+        """The pipeline's noise (video latents, then audio rows) joined, and the video sigmas of the folder's
+        ``scheduler`` (``[sample] steps`` model evaluations; the audio sigmas of ``audio_scheduler`` go with them)."""
+        from diffpipe_minimax import sampling
+
+        folder = self.model_folder(model_config)
+        latents, sigmas, grid = sampling.init(
+            self.folder.config(folder, "vae"), self.folder.config(folder, "audio_vae"),
+            self.model_folder_config(model_config), folder, request.frames, request.height, request.width,
+            request.steps, generator)
+        self._grids[latents.shape[1]] = grid
+        return latents, sigmas
+
+    @hookimpl
+    def denoise_inputs(self, latents, schedule, index, text, request, model_config):
+        """The first layer's inputs at step ``index`` (both streams at their own levels)."""
+        from diffpipe_minimax import sampling
+
+        return sampling.inputs(latents, schedule, index, text, self._grid(latents))
+
+    @hookimpl
+    def denoise_step(self, latents, prediction, schedule, index, model_config):
+        """``MiniMaxH3Scheduler.step`` for the video rows and the audio rows, each down its own schedule."""
+        from diffpipe_minimax import sampling
+
+        return sampling.step(latents, prediction, schedule, index, self._grid(latents))
+
+    @hookimpl
+    def load_decoder(self, model_config: MiniMaxH3Config, device: Any) -> Any:
+        """The video VAE, holding the audio VAE as ``diffpipe_audio`` (samples then have sound)."""
+        from diffpipe_core.parts.encoders import load_components
+
+        enc = load_components(self.folder, model_config, device, "vae", "audio_vae")
+        enc.vae.diffpipe_audio = enc.audio_vae
+        return enc.vae
+
+    @hookimpl
+    def decode_latents(self, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The video rows decoded as the pipeline decodes them: float RGB in [-1, 1], ``(B, 3, F, H, W)``."""
+        from diffpipe_minimax import sampling
+
+        return sampling.decode_video(decoder, latents, self._grid(latents))
+
+    @hookimpl
+    def decode_audio(self, decoder: Any, latents: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The audio rows through the audio VAE as the pipeline decodes them: ``((B, 2, S), sampling_rate)``."""
+        from diffpipe_minimax import sampling
+
+        audio_vae = decoder.diffpipe_audio
+        wave = sampling.decode_audio(audio_vae, latents, self._grid(latents))
+        return wave.clamp(-1, 1), int(audio_vae.config.sampling_rate)
 
 
 plugin = MiniMaxH3()

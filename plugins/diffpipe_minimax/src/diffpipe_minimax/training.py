@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from diffpipe_core.types import TrainingContext
+from diffpipe_minimax.layers import join
 from diffpipe_minimax.packing import audio_sigma, layout, model_times, patchify
 
 Tensors = tuple[torch.Tensor, ...]
@@ -64,10 +65,7 @@ def joint_loss(outputs: Tensors, targets: Tensors, context: TrainingContext) -> 
     (the anchor's rule), in float32."""
     from diffpipe_core.diffusion import training_loss
 
-    video, audio = outputs[:2]
     video_target, audio_target, video_weight, audio_weight = targets
-    b = video.shape[0]
-    pred = torch.cat([video.reshape(b, -1), audio.reshape(b, -1)], dim=1)
-    target = torch.cat([video_target.reshape(b, -1), audio_target.reshape(b, -1)], dim=1)
-    weight = torch.cat([video_weight.reshape(b, -1), audio_weight.reshape(b, -1)], dim=1)
-    return training_loss(pred, target.to(pred.device), weight.to(pred.device), context)
+    target = join(video_target, audio_target).to(outputs[0].device)
+    weight = join(video_weight, audio_weight).to(outputs[0].device)
+    return training_loss(outputs[0], target, weight, context)
