@@ -218,3 +218,17 @@ def test_the_modular_folder_validates_and_a_wrong_one_is_named(tiny_minimax: Pat
     (problem,) = minimax.validate_model_files(config(wrong))
     assert "modular_model_index.json: the pipeline is 'AnimaModularPipeline'" in problem
     assert "'MiniMaxH3ModularPipeline'" in problem
+
+
+def test_the_reference_key_table_is_diffusers_converter_inverted() -> None:
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+    from diffpipe_minimax.original import layout_for_config
+
+    model = tiny_transformer(TinyMiniMaxConfig())
+    state = model.state_dict()
+    original = layout_for_config(dict(model.config)).to_original(state)
+    assert "blocks.0.attn.qkv_proj.weight" in original and "token_refiner.blocks.0.mlp.fc1.weight" in original
+    back = convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(original), dict(model.config))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)

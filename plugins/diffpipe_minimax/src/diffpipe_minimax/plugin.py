@@ -49,8 +49,22 @@ class MiniMaxH3(DiffusersModel):
     """MiniMax H3 text-to-video-and-audio: video (images as one frame) at 24 fps, 17k + 5 frames, sizes in multiples
     of 32 pixels; with ``train_audio`` the clips' stereo sound."""
 
-    #: no GPU-fit table yet: the model cannot sample here yet, and the table's first-layer inputs come from sampling
-    plan_size = None
+    #: the released size (MiniMaxAI/MiniMax-H3; 33 B parameters as built) for the GPU-fit table
+    #: (diffpipe_core.engine.fit_table): diffusers 0.42.1's MiniMaxH3Transformer3DModel defaults, which its
+    #: docstring gives as the release's (50 blocks of 5376, 56 heads of 128, SwiGLU 14336, 2 refiner blocks, text
+    #: 5120 = Qwen3-VL's hidden state); the video VAE's 24 channels at 16x, the audio VAE's 32 at 40 per second; a
+    #: caption at text_max_length's 512 tokens
+    plan_size = {
+        "transformer": {"num_attention_heads": 56, "attention_head_dim": 128, "hidden_size": 5376, "num_layers": 50,
+                        "num_refiner_layers": 2, "ffn_dim": 14336, "in_channels": 24, "audio_in_channels": 32,
+                        "patch_size": [1, 2, 2], "text_dim": 5120, "freq_dim": 256, "time_embed_hidden_dim": 5376,
+                        "time_embed_dim": 2688, "rope_freq_dim": 16},
+        "vae": {"latent_channels": 24, "spatial_downsample_factors": [2, 2, 2, 2, 1, 1]},
+        "audio_vae": {"latent_channels": 32, "sampling_rate": 32000},
+        "text": {"text_embeds": (512, 5120), "text_mask": (512,)},
+    }  # fmt: skip
+    #: 5-second clips (124 frames: the pipeline's shortest) at 512 x 512 and at the release's 1344 x 768 canvas
+    plan_resolutions = [(512, 512, 124), (1344, 768, 124)]
     tiny_writer = "diffpipe_minimax.testing:write_tiny_minimax"  # python -m diffpipe_core.testing.tiny_models
 
     spec = diffusers_spec(
@@ -194,7 +208,9 @@ class MiniMaxH3(DiffusersModel):
         cached sound the audio noise at the paired audio level; targets are the data-ward velocity ``x0 - noise``."""
         from diffpipe_minimax.training import training_inputs
 
-        return training_inputs(batch, context, generator, self.patch_size(context.model_config))
+        config = self.model_folder_config(context.model_config)
+        return training_inputs(batch, context, generator, self.patch_size(context.model_config),
+                               int(config.get("audio_in_channels", 32)))
 
     @hookimpl
     def compute_loss(self, outputs, targets, context: TrainingContext) -> torch.Tensor:

@@ -18,6 +18,10 @@ from diffpipe_minimax.layers import join, split
 from diffpipe_minimax.packing import AUDIO_CHANNELS, audio_latent_count, layout, patchify, unpatchify
 
 
+#: ``AutoencoderKLMiniMaxH3.decode`` fails on fewer latent frames (an image's 1, 5 frames' 2): 22 frames and up decode
+MIN_DECODED_LATENT_FRAMES = 7
+
+
 @dataclass(frozen=True)
 class Grid:
     """A sample's geometry: its latent ``(F, H, W)``, patch, audio latents per channel, and the audio sigmas."""
@@ -46,8 +50,9 @@ def schedules(folder: Path, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     from diffusers import MiniMaxH3Scheduler
 
     out = []
-    for name in ("scheduler", "audio_scheduler"):
-        scheduler = MiniMaxH3Scheduler.from_pretrained(str(folder / name))
+    for name, shift in (("scheduler", 12.0), ("audio_scheduler", 3.0)):  # the pipeline's where a folder has none
+        own = (folder / name / "scheduler_config.json").is_file()
+        scheduler = MiniMaxH3Scheduler.from_pretrained(str(folder / name)) if own else MiniMaxH3Scheduler(shift)
         scheduler.set_timesteps(steps + 1)
         out.append(scheduler.sigmas.float())
     return out[0], out[1]
@@ -115,6 +120,9 @@ def decode_video(vae: Any, latents: torch.Tensor, grid: Grid) -> torch.Tensor:
     decoded, the VAE's ImageNet-normalised RGB reverted; float RGB in [-1, 1], ``(B, 3, F, H, W)``."""
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as Pipe
 
+    if grid.shape[0] < MIN_DECODED_LATENT_FRAMES:
+        raise ValueError(f"minimax-h3: the video VAE decodes at least {MIN_DECODED_LATENT_FRAMES} latent frames "
+                         f"(22 frames); this sample has {grid.shape[0]}: set [sample] frames to 17 k + 5 with k >= 1")
     video, _ = split(latents.float(), grid.video_rows, grid.audio_rows)
     param = next(vae.parameters())
     z = unpatchify(video, grid.shape, grid.patch).to(param.device)

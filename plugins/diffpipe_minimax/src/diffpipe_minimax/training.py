@@ -27,9 +27,10 @@ def trim_text(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def training_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, generator: torch.Generator,
-                    patch: tuple[int, int, int]) -> tuple[Tensors, Tensors]:
+                    patch: tuple[int, int, int], audio_channels: int) -> tuple[Tensors, Tensors]:
     """``(inputs, (video target, audio target, video weight, audio weight))``; see
-    :meth:`diffpipe_minimax.plugin.MiniMaxH3.prepare_inputs`. Draws the video noise, the times, then (with audio
+    :meth:`diffpipe_minimax.plugin.MiniMaxH3.prepare_inputs` (``audio_channels``: the transformer's audio latent
+    channels, for a micro-batch without audio rows). Draws the video noise, the times, then (with audio
     rows) the audio noise, all from ``generator``."""
     from diffpipe_core.parts.flow import flow_sample
 
@@ -44,8 +45,7 @@ def training_inputs(batch: dict[str, torch.Tensor], context: TrainingContext, ge
     clean = batch.get("audio_latents")
     present = batch.get("audio_mask")
     if clean is None or present is None or not bool(present.bool().any()):  # no sound: no audio rows (the anchor's)
-        width = int(clean.shape[-1]) if clean is not None else 1
-        audio = torch.zeros(b, 0, width)
+        audio = torch.zeros(b, 0, audio_channels)
         audio_target, audio_weight = audio.clone(), audio.clone()
     else:
         clean = clean.float()
