@@ -1,6 +1,7 @@
 """The plugin passes the core's conformance kit (a 22-frame clip batch with masks and its first frame as images:
 encoding, whole and per-stage loading, the layers' stage boundaries, LoRA gradients, samples of the clip's size and
-frame count: 22, the fewest the video VAE decodes). Samples against the modular pipeline are compared in test_minimax_sampling."""
+frame count: 22, the fewest the video VAE decodes). Samples against the modular pipeline are compared in
+test_minimax_sampling."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import torch
 from diffpipe_minimax.layers import join, split
 from diffpipe_minimax.packing import AUDIO_CHANNELS, audio_latent_count, layout, patchify, unpatchify
 
-
 #: ``AutoencoderKLMiniMaxH3.decode`` fails on fewer latent frames (an image's 1, 5 frames' 2): 22 frames and up decode
 MIN_DECODED_LATENT_FRAMES = 7
 
