@@ -45,5 +45,5 @@ def test_minimax_sample_with_sound_equals_the_modular_pipeline(tiny_minimax: Pat
     torch.testing.assert_close((pixels + 1) / 2, want.permute(1, 0, 2, 3), rtol=1e-4, atol=1e-4)
     decoder = plugin.require("load_decoder", model_config=cfg, device=torch.device("cpu"))
     wave, rate = plugin.require("decode_audio", decoder=decoder, latents=ours)
-    assert rate == 800 and wave.shape[:2] == (1, 2)
+    assert rate == 8000 and wave.shape[:2] == (1, 2)
     torch.testing.assert_close(wave[0], state["audio"][0].clamp(-1, 1), rtol=1e-4, atol=1e-4)

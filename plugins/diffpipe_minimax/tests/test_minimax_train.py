@@ -1,5 +1,6 @@
 """End to end through the real CLI (DeepSpeed on gloo, the real cache and audio path, peft), on the one shared run
-(conftest's ``minimax_run``: video and audio trained, CFG-augmented): the loss falls; the LoRA leaves the AdaLN
+(conftest's ``minimax_run``: video and audio trained, CFG-augmented): the loss falls and the run's 22-frame sample is
+an mp4 with a stereo sound track; the LoRA leaves the AdaLN
 projections alone; the saved diffusers LoRA loads through the modular pipeline's ``load_lora_weights`` and reproduces
 the trained transformer's video and audio outputs; the ComfyUI file is in the reference layout (fused ``qkv_proj``,
 ``mlp.fc1`` halves swapped), applies as ComfyUI applies it to the trained weights, and diffusers' own converter of
@@ -19,6 +20,7 @@ from diffpipe_minimax.testing import write_tiny_minimax
 pytestmark = pytest.mark.slow
 
 RANK, ALPHA, STEPS = 4, 8.0, 12
+SAMPLE = {"prompts": ["a bell rings"], "every_n_steps": STEPS, "steps": 2, "seed": 5, "resolution": 64, "frames": 22}
 MODEL = {"type": "minimax-h3", "text_max_length": 16, "train_audio": True, "cfg": 2.0,
          "timestep_sample_method": "uniform", "shift": 1.0}
 
@@ -34,13 +36,20 @@ def make_project(root: Path) -> Path:
            "micro_batch_size_per_gpu": 1}
     model = {"path": "model", "dtype": "float32", "encoder_dtype": "float32", **MODEL}
     adapter = {"rank": RANK, "alpha": ALPHA, "save_formats": ["diffusers", "comfyui"]}
-    (root / "run.toml").write_text(runs.run_toml(model, {"lr": 2e-2}, adapter, None, **top))
+    (root / "run.toml").write_text(runs.run_toml(model, {"lr": 2e-2}, adapter, SAMPLE, **top))
     return root
 
 
-def test_loss_falls(minimax_run: Path) -> None:
+def test_loss_falls_and_the_sample_has_sound(minimax_run: Path) -> None:
+    import av
+
     runs.assert_loss_falls(minimax_run, STEPS, window=3)
     assert runs.stage_files(minimax_run) == ["params-stage0.safetensors"]
+    (mp4,) = sorted((minimax_run / "samples").rglob("*.mp4"))
+    with av.open(str(mp4)) as container:
+        assert container.streams.video[0].frames in (0, 22) and sum(1 for _ in container.decode(video=0)) == 22
+        stream = container.streams.audio[0]
+        assert stream.rate == 8000 and stream.codec_context.channels == 2  # the tiny audio VAE's rate, stereo
 
 
 def transformer_inputs(text_len: int = 3, audio_len: int = 8) -> dict:

@@ -3,7 +3,7 @@
 :func:`write_tiny_minimax` saves a ``MiniMaxH3ModularPipeline`` folder as ``ModularPipeline.save_pretrained`` lays it
 out (``modular_model_index.json`` naming the components): ``transformer/`` (``MiniMaxH3Transformer3DModel``),
 ``vae/`` (``AutoencoderKLMiniMaxH3``, 16x spatial, 17 frames to 5 latent frames, non-trivial latent statistics),
-``audio_vae/`` (``AutoencoderKLMiniMaxH3Audio`` at 800 Hz with a hop of 20 samples: the model's 40 latents per
+``audio_vae/`` (``AutoencoderKLMiniMaxH3Audio`` at 8 kHz with a hop of 200 samples: the model's 40 latents per
 second), ``text_encoder/`` (the core's tiny ``Qwen3VLForConditionalGeneration`` of 51 layers, so the pipeline's
 ``hidden_states[50]`` exists), ``tokenizer/`` and ``processor/`` (the tiny Qwen3-VL processor, saved without its
 video half), ``scheduler/`` and ``audio_scheduler/`` (``MiniMaxH3Scheduler`` at the pipeline's shifts 12 and 3).
@@ -23,7 +23,7 @@ from diffpipe_core.testing import tiny
 
 #: the pipeline reads the text encoder's hidden state after this many layers (``text_encoder_layer``)
 TEXT_LAYER = 50
-AUDIO_RATE = 800  # Hz: with encoder rates (4, 5) a hop of 20 samples, the model's 40 audio latents per second
+AUDIO_RATE = 8000  # Hz (one AAC takes): encoder rates (4, 5, 10), a hop of 200 samples: 40 audio latents a second
 
 
 @dataclass
@@ -78,8 +78,8 @@ def tiny_audio_vae(channels: int) -> Any:
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
     return AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, encoder_rates=(4, 5), latent_dim=16, latent_channels=channels, num_attention_heads=2,
-        decoder_dim=16, decoder_rates=(5, 4), decoder_kernel_sizes=(10, 8), resblock_kernel_sizes=(3,),
+        encoder_dim=4, encoder_rates=(4, 5, 10), latent_dim=16, latent_channels=channels, num_attention_heads=2,
+        decoder_dim=16, decoder_rates=(10, 5, 4), decoder_kernel_sizes=(20, 10, 8), resblock_kernel_sizes=(3,),
         resblock_dilation_sizes=((1,),), sampling_rate=AUDIO_RATE,
         latents_mean=[0.05 * i for i in range(channels)], latents_std=[0.8 + 0.1 * i for i in range(channels)],
     )
