@@ -80,6 +80,7 @@ DISTRIBUTIONS = {
     "hidream": "diffpipe-hidream",
     "omnigen2": "diffpipe-omnigen",
     "ernie-image": "diffpipe-ernie",
+    "minimax-h3": "diffpipe-minimax",
 }
 """The distribution each model type diffpipe ships comes in (several types share one family's distribution), for
 the hint an unknown model type gets; any other name is guessed as ``diffpipe-<name>``."""

@@ -38,5 +38,5 @@ pip_quietly install --config-settings editable_mode=compat -c bench/proof_wheels
   -e plugins/diffpipe_qwenimage -e plugins/diffpipe_zimage \
   -e plugins/diffpipe_sd3 -e plugins/diffpipe_auraflow -e plugins/diffpipe_krea -e plugins/diffpipe_lumina \
   -e plugins/diffpipe_ideogram -e plugins/diffpipe_hidream -e plugins/diffpipe_omnigen \
-  -e plugins/diffpipe_ernie
+  -e plugins/diffpipe_ernie -e plugins/diffpipe_minimax
 echo "diffpipe: environment ready in $VENV"

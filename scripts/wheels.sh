@@ -11,6 +11,6 @@ PYTHON=$([ -x "$VENV/bin/python" ] && echo "$VENV/bin/python" || echo python3)
   ./ ./diffpipe_flux ./diffpipe_sdxl ./diffpipe_hunyuan ./diffpipe_ltx ./diffpipe_cosmos \
   ./plugins/diffpipe_wan ./plugins/diffpipe_qwenimage ./plugins/diffpipe_zimage ./plugins/diffpipe_sd3 \
   ./plugins/diffpipe_auraflow ./plugins/diffpipe_krea ./plugins/diffpipe_lumina ./plugins/diffpipe_ideogram ./plugins/diffpipe_hidream \
-  ./plugins/diffpipe_omnigen ./plugins/diffpipe_ernie
+  ./plugins/diffpipe_omnigen ./plugins/diffpipe_ernie ./plugins/diffpipe_minimax
 ls "$OUT"/*.whl
 echo "diffpipe: wheels in $OUT; install with: pip install $OUT/*.whl"

@@ -16,8 +16,9 @@
    ``assert buffer.grad is not None`` in ``_exec_send_grads``. We check first and raise
    :class:`StageBoundaryError` naming the layer that produced the tensor and its index.
 4. ``forward_outputs``: ``PipelineEngine.eval_batch(compute_loss=False)`` adds each micro-batch's outputs
-   to ``total_loss``, which still holds the last ``train_batch``'s scalar loss, and fails indexing it. We
-   clear it for the call and put it back (used by diffpipe_core.sampling.pipeline).
+   to ``total_loss``, which still holds the last ``train_batch``'s scalar loss, and fails indexing it; and adds
+   the outputs of micro-batches of different buckets (shapes) to each other, which fails too. We clear it before
+   each micro-batch and put it back after the call (used by diffpipe_core.sampling.pipeline and CFG training).
 5. ``init_distributed``: on a CPU machine ``deepspeed.init_distributed`` JIT-compiles DeepSpeed's
    ``deepspeed_shm_comm`` op with g++ (``TorchBackend.__init__`` calls ``deepspeed.comm.torch.build_shm_op``;
    about 80 s, under a lock in the per-user ``~/.cache/torch_extensions`` that every environment shares and a
@@ -174,7 +175,14 @@ def release_forward_inputs(engine: PipelineEngine) -> None:
 def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: int) -> list[Any] | None:
     """A forward-only pass of ``num_micro_batches`` through the pipeline (no loss): on the last stage each
     micro-batch's outputs (a list of tensors), elsewhere None."""
-    saved = engine.total_loss
+    saved, own_map = engine.total_loss, engine.__dict__.get("_INSTRUCTION_MAP")
+    run_forward = engine._INSTRUCTION_MAP[schedule.ForwardPass]
+
+    def forward_pass(self: PipelineEngine, buffer_id: int) -> None:
+        self.total_loss = None  # the previous micro-batch's outputs: another bucket's may have another shape
+        run_forward(self, buffer_id)
+
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, schedule.ForwardPass: forward_pass}
     engine.total_loss = None
     try:
         return engine.eval_batch(
@@ -182,6 +190,10 @@ def forward_outputs(engine: PipelineEngine, data_iter: Any, num_micro_batches: i
         )
     finally:
         engine.total_loss = saved
+        if own_map is None:
+            del engine._INSTRUCTION_MAP
+        else:
+            engine._INSTRUCTION_MAP = own_map
 
 
 @contextlib.contextmanager

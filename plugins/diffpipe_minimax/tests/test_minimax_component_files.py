@@ -1,0 +1,51 @@
+"""MiniMax H3's transformer from the single file ComfyUI users keep (the reference layout under
+``model.diffusion_model.``: fused ``attn.qkv_proj``, ``mlp.fc1`` halves swapped, ``video_patch_proj`` ...): it loads
+exactly the folder's weights, whole and per stage, and as an int8 file (ComfyUI's ``int8_tensorwise``) its linears stay
+quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpipe_core.testing.component_files import assert_kept_quantized, component_state, quantize_file, save
+from diffpipe_minimax.original import layout_for_config
+from diffpipe_minimax.plugin import plugin as minimax
+
+CPU = torch.device("cpu")
+
+
+def config(folder: Path, **keys: object):
+    return minimax.spec.config_schema(type="minimax-h3", path=folder, dtype="float32", encoder_dtype="float32", **keys)
+
+
+@pytest.fixture(scope="module")
+def reference_file(tiny_minimax: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    state = component_state(tiny_minimax, "transformer")
+    config_json = minimax.model_folder_config(config(tiny_minimax))
+    original = layout_for_config(config_json).to_original(state)
+    assert "blocks.0.attn.qkv_proj.weight" in original
+    out = tmp_path_factory.mktemp("comfy") / "minimax_h3.safetensors"
+    return save({f"model.diffusion_model.{k}": v for k, v in original.items()}, out)
+
+
+def test_the_reference_layout_file_loads_the_folders_weights(tiny_minimax: Path, reference_file: Path) -> None:
+    from diffpipe_core.registry import Registry
+    from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
+
+    cfg = config(tiny_minimax, diffusion_model=reference_file)
+    assert minimax.validate_model_files(cfg) == []
+    got = minimax.load_diffusion_model(cfg, CPU, torch.float32).state_dict()
+    expected = minimax.load_diffusion_model(config(tiny_minimax), CPU, torch.float32).state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    registry = Registry()
+    assert registry.register_model("minimax-h3", minimax).ok
+    assert_stages_read_their_own(registry.model("minimax-h3"), cfg)
+
+
+def test_an_int8_file_stays_quantized(tiny_minimax: Path, reference_file: Path, tmp_path: Path) -> None:
+    file = quantize_file(reference_file, tmp_path / "minimax_h3_int8.safetensors", "int8")
+    assert_kept_quantized(minimax, config(tiny_minimax, diffusion_model=file),
+                          config(tiny_minimax, diffusion_model=reference_file), torch.int8)
