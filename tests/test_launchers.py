@@ -48,10 +48,11 @@ def run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path, 
         for p in procs:
             kill_group(p)
         for p, log in zip(procs, logs, strict=False):
-            if isinstance(p, subprocess.Popen):
-                p.wait()
-            elif p.poll() is not None:  # a forked command: what it printed
-                log.write_text("".join(p.communicate(0)))
+            if isinstance(p, WarmProcess):
+                if p.poll() is not None:  # a forked command: what it printed
+                    log.write_text("".join(p.communicate(0)))
+            elif (printed := p.communicate()) != (None, None):  # a fresh diffpipe (DIFFPIPE_TEST_FRESH_PROCESSES)
+                log.write_text("".join(printed))
     texts = [log.read_text() if log.exists() else "" for log in logs]
     assert codes == [0] * len(commands), "\n".join(f"--- node {i}\n{t[-3000:]}" for i, t in enumerate(texts))
     return texts
