@@ -40,11 +40,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from diffpipe_core.engine.memory_report import ENV as REPORT_ENV
 from diffpipe_core.engine.memory_report import rss_anon
+from diffpipe_core.testing import warm_cli
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_core.testing.processes import cli_env, kill_group, run_diffpipe
 
@@ -416,18 +418,27 @@ class Workers:
     reports: list[dict]  # the workers' memory reports, by stage
 
 
-def run_workers(project: Project, stages: int, regime: str, threads: int, timeout: float = 1800) -> Workers:
+def run_workers(
+    project: Project, stages: int, regime: str, threads: int, timeout: float = 1800, warm: bool = False
+) -> Workers:
     """One `diffpipe train` of ``stages`` stages on as many processes in ``regime``; each worker's peak anonymous
-    RSS by stage."""
+    RSS by stage. A fresh process, or with ``warm`` forked from the tests' warm server (``testing.warm_cli``: the
+    libraries imported once, as the launcher imports them before it forks its CPU workers), which the suite's
+    measured tests use: their runs then skip the imports, and the baseline run they subtract starts the same way."""
     config = project.config(stages, regime)
     reports = project.root / f"reports-{regime}-{stages}"
     for old in reports.glob("*.json"):
         old.unlink()
     env = cli_env(**{REPORT_ENV: str(reports), "OMP_NUM_THREADS": str(threads)})
-    log = (project.root / f"train-{regime}-{stages}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "diffpipe_core.cli", "train", "--config", str(config),
-                             "--num-procs", str(stages)], cwd=project.root, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    log_path = project.root / f"train-{regime}-{stages}.log"
+    log = log_path.open("w")
+    args = ["train", "--config", str(config), "--num-procs", str(stages)]
+    server = warm_cli.server_for(args, env) if warm else None  # None also where only a fresh process would do
+    if server is not None:
+        proc: Any = server.start(args, project.root, env)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "diffpipe_core.cli", *args], cwd=project.root, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     peaks: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     children: list[psutil.Process] = []
@@ -453,9 +464,11 @@ def run_workers(project: Project, stages: int, regime: str, threads: int, timeou
             time.sleep(0.1)
     finally:
         kill_group(proc)
+        if server is not None and proc.returncode is not None:  # what the forked command printed, into the same log
+            log.write("".join(proc.communicate(0)))
         log.close()
     if proc.returncode != 0:
-        tail = (project.root / f"train-{regime}-{stages}.log").read_text()[-3000:]
+        tail = log_path.read_text()[-3000:]
         sys.exit(f"diffpipe train ({project.model}, {stages} stages) failed:\n{tail}")
     by_rank = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["rank"])
     if len(by_rank) != stages or any(r["pid"] not in peaks for r in by_rank):

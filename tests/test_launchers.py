@@ -19,17 +19,24 @@ from diffpipe_core.engine.gloo_interface import choose_gloo_interface, ipv4_addr
 from diffpipe_core.engine.launcher import free_port, hostfile_slots
 from diffpipe_core.engine.run_dir import read_metrics
 from diffpipe_core.testing import netns
-from diffpipe_core.testing.processes import cli_env, kill_group
+from diffpipe_core.testing.processes import cli_env, kill_group, start_diffpipe
+from diffpipe_core.testing.warm_cli import WarmProcess
 
 pytestmark = pytest.mark.slow
 
 
 def run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path, timeout: float = 400) -> list[str]:
     """Start one command per node (each in its own session, its output to ``node<i>.log``), wait for all of them
-    (at most ``timeout`` seconds), kill what is left, and assert every node exited 0; returns the nodes' logs."""
-    procs, logs = [], [cwd / f"node{i}.log" for i in range(len(commands))]
+    (at most ``timeout`` seconds), kill what is left, and assert every node exited 0; returns the nodes' logs.
+    A command that is ``diffpipe`` arguments (``["train", ...]``) is forked from the tests' warm server, as a fresh
+    ``diffpipe`` would run (``start_diffpipe``); any other is started as it is."""
+    procs: list[subprocess.Popen | WarmProcess] = []
+    logs = [cwd / f"node{i}.log" for i in range(len(commands))]
     try:
         for command, env, log in zip(commands, envs, logs, strict=True):
+            if command[0] == "train":
+                procs.append(start_diffpipe(command, cwd, env))
+                continue
             with log.open("w") as out:
                 procs.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                               start_new_session=True))  # fmt: skip
@@ -40,8 +47,13 @@ def run_nodes(commands: list[list[str]], envs: list[dict[str, str]], cwd: Path, 
     finally:
         for p in procs:
             kill_group(p)
-            p.wait()
-    texts = [log.read_text() for log in logs]
+        for p, log in zip(procs, logs, strict=False):
+            if isinstance(p, WarmProcess):
+                if p.poll() is not None:  # a forked command: what it printed
+                    log.write_text("".join(p.communicate(0)))
+            elif (printed := p.communicate()) != (None, None):  # a fresh diffpipe (DIFFPIPE_TEST_FRESH_PROCESSES)
+                log.write_text("".join(printed))
+    texts = [log.read_text() if log.exists() else "" for log in logs]
     assert codes == [0] * len(commands), "\n".join(f"--- node {i}\n{t[-3000:]}" for i, t in enumerate(texts))
     return texts
 
@@ -50,12 +62,13 @@ TRAIN = [sys.executable, "-m", "diffpipe_core.cli", "train", "--config"]
 
 
 def test_two_nodes_started_by_a_scheduler_train_two_stages(tmp_path: Path) -> None:
-    """What a SLURM script does: one `diffpipe train` per node, with node ranks 0 and 1 and one worker each."""
+    """What a SLURM script does: one `diffpipe train` per node, with node ranks 0 and 1 and one worker each (each
+    forked from the warm server with its node's environment, as a fresh `diffpipe train` runs)."""
     config = make_project(tmp_path, stages=2, max_steps=4, ckpt=100)
     port = str(free_port())
     envs = [cli_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             for r in (0, 1)]  # fmt: skip
-    logs = run_nodes([[*TRAIN, str(config)]] * 2, envs, tmp_path)
+    logs = run_nodes([["train", "--config", str(config)]] * 2, envs, tmp_path)
     runs = run_dirs(tmp_path)
     assert len(runs) == 1, f"the nodes made {len(runs)} run folders\n{logs}"
     assert [r["step"] for r in read_metrics(runs[0]) if "loss" in r] == [1, 2, 3, 4]

@@ -37,6 +37,8 @@ def test_only_what_is_read_at_run_time_shares_a_server() -> None:
     base = cli_env()
     key = warm_cli._import_time_env
     assert key(base) == key({**base, "OMP_NUM_THREADS": "2", "DIFFPIPE_DEBUG": "1", "PYTEST_CURRENT_TEST": "x"})
+    node = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert key(base) == key({**base, **node})  # an external launcher's node: its rank is read as the command starts
     for read_at_import in ("HF_HOME", "TRANSFORMERS_VERBOSITY", "DIFFPIPE_VERBOSE"):
         assert key(base) != key({**base, read_at_import: "elsewhere"}), read_at_import
     assert warm_cli.server_for(["train", "--verbose"], base) is None  # the server silenced the libraries

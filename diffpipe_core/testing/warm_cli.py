@@ -38,9 +38,11 @@ from diffpipe_core.engine.forked_workers import ForkedWorker
 FRESH_ENV = "DIFFPIPE_TEST_FRESH_PROCESSES"
 _READY = "ready"
 _IMPORTED = "imported.txt"  # the top-level modules the server imported, one a line
-_RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_", "WANDB_")
+_DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_RUN_TIME_ENV = ("DIFFPIPE_", "OMP_NUM_THREADS", "PYTEST_", "WANDB_", *_DISTRIBUTED_ENV)
 # diffpipe's own and the thread count are read at run time, PYTEST_CURRENT_TEST not at all, and wandb is imported by
-# the W&B logger at run time, never by the server
+# the W&B logger at run time, never by the server; a node's rank and its master, set by an external launcher, are
+# read when the command starts or joins the process group (the server is started without them)
 """Environment variables that a warm server's child may take from the command: the others (``PYTHONPATH``,
 ``HF_HOME``, the libraries' verbosity and offline settings) are read when the libraries are imported, so each
 setting of them gets its own server."""
@@ -206,15 +208,15 @@ class WarmProcess:
         """The server's next line, or None after ``timeout`` seconds (None: wait as long as it takes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._received:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            ready, _, _ = select.select([self._conn], [], [], left)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._conn], [], [], left)  # looked at once even at timeout 0 (poll)
             if ready:
                 chunk = self._conn.recv(64)
                 if not chunk:
                     raise RuntimeError(f"the warm diffpipe server died while running diffpipe {' '.join(self.args)}")
                 self._received += chunk
+            elif left == 0:
+                return None
         line, self._received = self._received.split(b"\n", 1)
         return line.decode()
 
@@ -313,7 +315,7 @@ def server_for(args: list[str], env: dict[str, str]) -> _Server | None:
     if warm is None or not warm.alive():
         if len(_servers) >= _MAX_SERVERS:
             _servers.pop(next(iter(_servers))).stop()  # the least recently used
-        own = {k: v for k, v in env.items() if not k.startswith("PYTEST_") and k != "PYTHONPATH"}
+        own = {k: v for k, v in env.items() if not k.startswith(("PYTEST_", *_DISTRIBUTED_ENV)) and k != "PYTHONPATH"}
         if os.environ.get("PYTHONPATH"):
             own["PYTHONPATH"] = os.environ["PYTHONPATH"]
         warm = _Server(own)
