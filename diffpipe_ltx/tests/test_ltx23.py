@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_ltx2_matches_pipeline import CALL, captured_call
+from test_ltx2_sampling import assert_pipeline_sample
 
 from diffpipe_core import EncodeBatch
 from diffpipe_core.sampling.loop import noise_generator
@@ -199,13 +200,4 @@ def test_ltx23_sample_equals_ltx2_pipeline(tiny_ltx23: Path) -> None:
     pipe = LTX2Pipeline.from_pretrained(str(tiny_ltx23), local_files_only=True)
     video_latents, audio_latents = pipe(**{**CALL, "prompt": PROMPT, "num_inference_steps": STEPS},
                                         generator=noise_generator(SEED, 0), return_dict=False)
-    f, h, w = 2, 2, 2
-    video, audio = split(ours, f * h * w, 4, audio_latents.shape[2])
-    vae = pipe.vae
-    expected = LTX2Pipeline._normalize_latents(video_latents, vae.latents_mean, vae.latents_std,
-                                               vae.config.scaling_factor)
-    noise = torch.randn((1, 4, f, h, w), generator=noise_generator(SEED, 0))
-    assert_same_sample(unpack(video, f, h, w), expected, noise)
-    packed = audio_latents.transpose(1, 2).flatten(2, 3)
-    sound = LTX2Pipeline._normalize_audio_latents(packed, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
-    torch.testing.assert_close(audio, sound, rtol=1e-4, atol=1e-4)
+    assert_pipeline_sample(ours, pipe, video_latents, audio_latents)

@@ -9,51 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_ltx2_train import assert_comfyui_file
+from test_ltx2_audio import STEPS, tone_run
+from test_ltx2_train import assert_comfyui_file, lora_outputs, transformer_inputs
 
 from diffpipe_core.testing import runs
-from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
 from diffpipe_ltx.ltx2 import AUDIO_LORA_TARGETS
-from diffpipe_ltx.ltx2_testing import write_clips, write_tiny_ltx23
+from diffpipe_ltx.ltx2_testing import write_tiny_ltx23
 
 pytestmark = pytest.mark.slow
 
-RANK, ALPHA, STEPS = 4, 8.0, 12
-SAMPLE = {"prompts": ["a bell"], "every_n_steps": STEPS, "steps": 2, "seed": 5, "resolution": 64, "frames": 9}
+RANK, ALPHA = 4, 8.0  # tone_run's
 
 
 @pytest.fixture(scope="module")
 def ltx23_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("ltx23_run")
-    write_tiny_ltx23(root / "model")
-    data = root / "data"
-    write_clips(data, ["a bell", "a bell ringing", "a tone", "a high tone"], frames=12, size=(64, 64), audio="tone")
-    write_image_dataset(data, 2, size=(64, 64), captions=["a cat", "a dog"])
-    write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False, frame_buckets=[1, 9])
-    model = {"type": "ltx-2.3", "max_sequence_length": 16, "timestep_sample_method": "uniform", "train_audio": True}
-    top = {"output_dir": "out", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 3,
-           "checkpoint_every_n_steps": STEPS}
-    (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, SAMPLE, RANK, ALPHA, **top))
-    return runs.train(root, "run.toml", procs=1, timeout=500)
-
-
-def transformer_inputs() -> dict:
-    """One call of the tiny LTX-2.3 transformer: each stream's text at its own width (32 video, 16 audio)."""
-    g = torch.Generator().manual_seed(0)
-    return {
-        "hidden_states": torch.randn(1, 8, 4, generator=g), "audio_hidden_states": torch.randn(1, 9, 4, generator=g),
-        "encoder_hidden_states": torch.randn(1, 16, 32, generator=g),
-        "audio_encoder_hidden_states": torch.randn(1, 16, 16, generator=g),
-        "timestep": torch.tensor([400.0]), "sigma": torch.tensor([400.0]), "encoder_attention_mask": torch.ones(1, 16),
-        "audio_encoder_attention_mask": torch.ones(1, 16), "num_frames": 2, "height": 2, "width": 2, "fps": 24.0,
-        "audio_num_frames": 9, "use_cross_timestep": True,
-    }
-
-
-def outputs(model) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        return model(**transformer_inputs(), return_dict=False)
+    return tone_run(tmp_path_factory.mktemp("ltx23_run"), write_tiny_ltx23, {"type": "ltx-2.3"}, procs=1)
 
 
 def test_ltx23_trains_video_and_audio_and_the_loss_falls(ltx23_run: Path) -> None:
@@ -66,23 +36,14 @@ def test_ltx23_trains_video_and_audio_and_the_loss_falls(ltx23_run: Path) -> Non
 
 
 def test_the_ltx23_lora_loads_in_ltx2_pipeline_and_reproduces_both_streams(ltx23_run: Path) -> None:
-    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
-
-    saved, model_dir = ltx23_run / "saved" / "final", ltx23_run.parent.parent / "model"
-    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
+    trained = ("transformer_blocks.1.audio_ff.net.2.lora_A.default.weight",
+               "transformer_blocks.1.attn2.to_k.lora_A.default.weight")
+    (untrained_video, untrained_audio), (video, audio), (expected_video, expected_audio), state = lora_outputs(
+        ltx23_run, RANK, ALPHA, trained, transformer_inputs(32, 16))  # each stream's text width
     for key in ("transformer_blocks.0.attn1.to_q", "transformer_blocks.1.ff.net.2",
                 "transformer_blocks.0.audio_attn2.to_k", "transformer_blocks.1.video_to_audio_attn.to_v"):
         assert f"transformer.{key}.lora_A.weight" in state, key
     assert not any("to_gate_logits" in k for k in state)  # off by default, as the anchor leaves it
-    trained = ("transformer_blocks.1.audio_ff.net.2.lora_A.default.weight",
-               "transformer_blocks.1.attn2.to_k.lora_A.default.weight")
-    reference = runs.trained_transformer(LTX2VideoTransformer3DModel, ltx23_run, model_dir, RANK, ALPHA,
-                                         cfg["target_modules"], trained)
-    pipe = LTX2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
-    untrained_video, untrained_audio = outputs(pipe.transformer)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    video, audio = outputs(pipe.transformer)
-    expected_video, expected_audio = outputs(reference)
     runs.assert_reproduces(video, expected_video, untrained_video)
     runs.assert_reproduces(audio, expected_audio, untrained_audio)
 
