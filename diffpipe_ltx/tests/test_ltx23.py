@@ -1,6 +1,7 @@
 """LTX-2.3 (``ltx-2.3``) and LTX-2.5 (``ltx-2.5``), issue 40: tiny folders with LTX-2.3's switches on
 (``cross_attn_mod``, prompt adaLN, gated attention, per-stream connector projections, no caption projection; LTX-2.5:
-static prompt tables, an ``LTX25ModularPipeline`` folder read from ``modular_model_index.json``).
+static prompt tables, an ``LTX25ModularPipeline`` folder read from ``modular_model_index.json``, a Gemma 4 text
+encoder).
 
 The text is what ``LTX2Pipeline`` feeds the transformer and the layers chained equal its call with audio; the single
 file (9-row tables, ``prompt_adaln_single``, ``to_gate_logits``, the per-stream ``*_aggregate_embed`` projections)
@@ -166,6 +167,8 @@ def test_ltx25_folder_and_sample_equal_ltx25_modular_pipeline(tiny_ltx25: Path) 
     assert (tiny_ltx25 / "modular_model_index.json").is_file() and not (tiny_ltx25 / "model_index.json").exists()
     cfg = config(ltx25, tiny_ltx25)
     assert ltx25.validate_model_files(model_config=cfg) == []
+    # LTX-2.5's text encoder generation, named by the folder's index: the text below goes through Gemma 4
+    assert ltx25.folder.component_class("text_encoder", tiny_ltx25) == "Gemma4ForConditionalGeneration"
     plugin = registered(ltx25)
     (texts,) = encode_prompts(plugin, cfg, [PROMPT], None, CPU)
     request = SampleRequest(width=SIZE, height=SIZE, frames=FRAMES, steps=STEPS)

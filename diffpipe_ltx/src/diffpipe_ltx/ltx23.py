@@ -39,9 +39,15 @@ SIZES = (
 )
 
 
-def _folder(name: str, pipelines: tuple[str, ...], example: str) -> LTX2Folder:
+#: LTX-2.5's text encoder is Gemma 4 (diffusers' ``resolve_default_image_crf``: ``gemma4`` / ``gemma4_unified``); the
+#: folder's index names which one is built (``DiffusersFolder.component_class``)
+GEMMA4 = ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "Gemma3ForConditionalGeneration")
+
+
+def _folder(name: str, pipelines: tuple[str, ...], example: str, components: dict[str, Any] = COMPONENTS
+            ) -> LTX2Folder:
     return LTX2Folder(
-        name, pipelines, COMPONENTS, sizes=SIZES, single_file_example=example,
+        name, pipelines, components, sizes=SIZES, single_file_example=example, by_index=("text_encoder",),
         file_layouts={"vae": ltx2_vae_table, "audio_vae": ltx2_audio_vae_table},
         file_optional={"text_encoder": ("model.vision_tower.", "model.multi_modal_projector.")},
     )
@@ -75,7 +81,8 @@ class LTX25(LTX23):
     tiny_writer = "diffpipe_ltx.ltx2_testing:write_tiny_ltx25"
     spec = ltx2_spec("ltx-2.5", LTX25Config, "LTX-2.5 video and audio (diffusers LTX25ModularPipeline folder or "
                      "original Lightricks single-file transformer)")
-    folder = _folder("ltx-2.5", ("LTX25ModularPipeline",), "ltx-2.5.safetensors")
+    folder = _folder("ltx-2.5", ("LTX25ModularPipeline",), "ltx-2.5.safetensors",
+                     {**COMPONENTS, "text_encoder": GEMMA4})
 
 
 ltx23 = LTX23()

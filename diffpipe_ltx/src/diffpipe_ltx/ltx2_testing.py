@@ -38,6 +38,7 @@ class TinyLTX2Config(tiny.TinySizes):
     #: projection (the connectors project per stream); ``prompt_adaln`` False is LTX-2.5's static prompt tables
     ltx23: bool = False
     prompt_adaln: bool = True
+    gemma4: bool = False  #: LTX-2.5's text encoder generation (Gemma 4) in place of Gemma 3
 
 
 def tokenizer(max_length: int = 1024):
@@ -64,6 +65,20 @@ def gemma3(tok, cfg: TinyLTX2Config):
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                           image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"))
     return Gemma3ForConditionalGeneration(config)
+
+
+def gemma4(tok, cfg: TinyLTX2Config):
+    """A random ``Gemma4ForConditionalGeneration`` (LTX-2.5's text encoder generation), its language model alone."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = Gemma4TextConfig(
+        vocab_size=len(tok), hidden_size=cfg.text_dim, intermediate_size=2 * cfg.text_dim,
+        num_hidden_layers=cfg.text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        max_position_embeddings=1024, sliding_window=16, vocab_size_per_layer_input=len(tok),
+        hidden_size_per_layer_input=0, layer_types=["sliding_attention"] * (cfg.text_layers - 1) + ["full_attention"],
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
 
 
 def tiny_transformer(cfg: TinyLTX2Config):
@@ -176,7 +191,7 @@ def parts(cfg: TinyLTX2Config) -> dict[str, tiny.Part]:
         "vae": tiny.Part(lambda: tiny_vae(cfg), seed=cfg.seed + 1),
         "audio_vae": tiny.Part(lambda: tiny_audio_vae(cfg), seed=cfg.seed + 2),
         "vocoder": tiny.Part(lambda: tiny_vocoder(cfg), seed=cfg.seed + 3),
-        "text_encoder": tiny.Part(lambda: gemma3(tok, cfg), seed=cfg.seed + 4),
+        "text_encoder": tiny.Part(lambda: (gemma4 if cfg.gemma4 else gemma3)(tok, cfg), seed=cfg.seed + 4),
         "tokenizer": tiny.Part(lambda: tok),
         "connectors": tiny.Part(lambda: tiny_connectors(cfg), seed=cfg.seed + 5),
         # LTX-2's own scheduler settings (scheduler/scheduler_config.json of Lightricks/LTX-2)
@@ -230,11 +245,12 @@ def write_tiny_ltx23(folder: Path, single_file: Path | None = None) -> Path:
 def write_tiny_ltx25(folder: Path, single_file: Path | None = None) -> Path:
     """A tiny LTX-2.5 ``LTX25ModularPipeline`` folder (``modular_model_index.json``, as
     ``ModularPipeline.save_pretrained`` writes it): LTX-2.3's layout with ``use_prompt_adaln_single = false`` (static
-    prompt tables), the convolutional VAE kept for encoding and decoding (no diffusion decoder), and its single file."""
+    prompt tables), a Gemma 4 text encoder, the convolutional VAE kept for encoding and decoding (no diffusion
+    decoder), and its single file."""
     from diffusers.modular_pipelines import LTX25AutoBlocks
 
     folder = Path(folder)
-    built = tiny.build_components(parts(TinyLTX2Config(ltx23=True, prompt_adaln=False)))
+    built = tiny.build_components(parts(TinyLTX2Config(ltx23=True, prompt_adaln=False, gemma4=True)))
     pipe = LTX25AutoBlocks().init_pipeline()
     pipe.update_components(**built)
     pipe.save_pretrained(str(folder), overwrite_modular_index=True)
