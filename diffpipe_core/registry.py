@@ -54,6 +54,8 @@ DISTRIBUTIONS = {
     "hunyuan-image-2.1": "diffpipe-hunyuan",
     "ltx-video": "diffpipe-ltx",
     "ltx-2": "diffpipe-ltx",
+    "ltx-2.3": "diffpipe-ltx",
+    "ltx-2.5": "diffpipe-ltx",
     "cosmos": "diffpipe-cosmos",
     "cosmos-predict2": "diffpipe-cosmos",
     "cosmos-predict2.5": "diffpipe-cosmos",

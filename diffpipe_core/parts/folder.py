@@ -26,6 +26,7 @@ from diffpipe_core.model_files import (
     WEIGHT_STEMS,
     check_diffusers_folder,
     diffusers_weight_files,
+    pipeline_index,
     read_json,
     safetensors_keys,
 )
@@ -79,6 +80,9 @@ class DiffusersFolder:
             the language model only); absent from a file, they load as zeros.
         text_encoders: components a ``[model] text_encoders`` file may give besides those named ``text_encoder*``
             and ``image_encoder*`` (OmniGen2's Qwen2.5-VL is its folder's ``mllm``).
+        by_index: components whose built class is the one the folder's index names among the accepted ones
+            (:meth:`component_class`): a model whose releases differ in that component's class (LTX-2.5's Gemma 4).
+            Every other component builds the table's first class, whatever the index says.
     """
 
     model_name: str
@@ -93,6 +97,7 @@ class DiffusersFolder:
     file_layouts: Mapping[str, Callable[[Mapping[str, Any]], KeyTable]] = field(default_factory=dict)
     file_optional: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     text_encoders: tuple[str, ...] = ()
+    by_index: tuple[str, ...] = ()
     _classes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -207,8 +212,17 @@ class DiffusersFolder:
         return found
 
     # ------------------------------------------------------------------------------------------ loading
-    def component_class(self, component: str) -> str:
-        return self._classes[component][0]
+    def component_class(self, component: str, path: Path | None = None) -> str:
+        """The class :meth:`load` builds for ``component``: for a component of :attr:`by_index`, the one the folder
+        at ``path`` names in its ``model_index.json`` (or ``modular_model_index.json``) when it is among the
+        accepted ones; else the table's first."""
+        accepted = self._classes[component]
+        if path is not None and component in self.by_index:
+            index, _ = read_json(pipeline_index(Path(path)))
+            entry = (index or {}).get(component)
+            if isinstance(entry, list) and len(entry) > 1 and entry[1] in accepted:
+                return entry[1]
+        return accepted[0]
 
     def load(
         self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None, file: Any = None
@@ -229,7 +243,7 @@ class DiffusersFolder:
             raise FileNotFoundError(
                 f"{folder}: missing; [model] path must be a diffusers {self.model_name} folder with {component}/"
             )
-        name = self.component_class(component)
+        name = self.component_class(component, path)
         if name == TOKENIZER:
             from transformers import AutoTokenizer
 
@@ -328,7 +342,7 @@ class DiffusersFolder:
 
         from diffpipe_core.engine.model_loading import cast_skeleton
 
-        cls, where = find_class(self.component_class(component)), str(Path(path) / component)
+        cls, where = find_class(self.component_class(component, path)), str(Path(path) / component)
         computed = {}
         with init_empty_weights():
             if hasattr(cls, "config_class"):  # transformers: built under the load dtype, as from_pretrained builds

@@ -33,3 +33,13 @@ tiny_ltx2 = tiny_model_fixture(
     "diffpipe_ltx.ltx2_testing:write_tiny_ltx2",
     "A tiny LTX-2 folder (``LTX2Pipeline``); its single file is ``diffpipe_ltx.ltx2_testing.single_file_path``.",
 )
+tiny_ltx23 = tiny_model_fixture(
+    "tiny_ltx23",
+    "diffpipe_ltx.ltx2_testing:write_tiny_ltx23",
+    "A tiny LTX-2.3 folder (``LTX2Pipeline``, LTX-2.3's switches on) and its single file beside it.",
+)
+tiny_ltx25 = tiny_model_fixture(
+    "tiny_ltx25",
+    "diffpipe_ltx.ltx2_testing:write_tiny_ltx25",
+    "A tiny LTX-2.5 folder (``LTX25ModularPipeline``, ``modular_model_index.json``) and its single file beside it.",
+)

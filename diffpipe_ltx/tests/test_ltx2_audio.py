@@ -1,7 +1,8 @@
 """LTX-2 audio (issue 40, ``[model] train_audio`` / ``train_video``): the clips' sound cached as the audio VAE's
 latents (packed and normalised as ``LTX2Pipeline`` packs and normalises audio latents; the log-mel front-end checked
 against transformers' own spectrogram code), the joint flow-matching inputs and weights, the LoRA targets of each
-stream, and one shared tiny run of an audio-only LoRA on tone clips: its loss falls, only the audio stream's modules
+stream, the audio crossing a stage boundary (LTX-2 and LTX-2.3 layers, in-process), and one shared tiny run of an
+audio-only LoRA on tone clips on 2 pipeline stages (2 processes): its loss falls, only the audio stream's modules
 trained, its samples are MP4s with a sound track, and the LoRA loaded by ``LTX2Pipeline.load_lora_weights``
 reproduces the trained transformer's audio (and video) prediction; its ComfyUI file has the keys ComfyUI's key map
 accepts for the native ``LTXAVModel`` and applies as the diffusers LoRA merged."""
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 from test_ltx2_matches_pipeline import config
-from test_ltx2_train import assert_comfyui_file, both_outputs
+from test_ltx2_train import assert_comfyui_file, lora_outputs
 
 from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
-from diffpipe_core.schema import ConfigError
+from diffpipe_core.schema import ConfigError, validate
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import tone, write_dataset_toml, write_image_dataset
 from diffpipe_ltx.ltx2 import AUDIO_LORA_TARGETS, FRAME_RATE
@@ -67,10 +68,11 @@ def test_audio_latents_are_the_audio_vaes_encoding_as_the_pipeline_packs_it(tiny
     assert out["audio_mask"].tolist() == [1.0, 0.0]
 
 
-def _batch(tiny_ltx2: Path, cfg, audio: bool) -> dict:
+def _batch(tiny_ltx2: Path, cfg, audio: bool, widths: tuple[int, int] = (16, 16)) -> dict:
     g = torch.Generator().manual_seed(1)
-    batch = {"latents": torch.randn(2, 4, 2, 2, 2, generator=g), "video_text": torch.randn(2, 16, 16, generator=g),
-             "audio_text": torch.randn(2, 16, 16, generator=g), "text_mask": torch.ones(2, 16, dtype=torch.bool)}
+    batch = {"latents": torch.randn(2, 4, 2, 2, 2, generator=g),
+             "video_text": torch.randn(2, 16, widths[0], generator=g),
+             "audio_text": torch.randn(2, 16, widths[1], generator=g), "text_mask": torch.ones(2, 16, dtype=torch.bool)}
     if audio:
         batch["audio_latents"] = torch.randn(2, 9, 4, generator=g)
         batch["audio_mask"] = torch.tensor([1.0, 0.0])
@@ -114,22 +116,30 @@ def test_the_joint_flow_inputs_and_weights_of_each_stream(tiny_ltx2: Path) -> No
         config(tiny_ltx2, train_video=False)
 
 
-def test_the_audio_crosses_a_stage_boundary_as_the_forward_with_audio(tiny_ltx2: Path) -> None:
+@pytest.mark.parametrize("name", ["ltx-2", "ltx-2.3"])
+def test_the_audio_crosses_a_stage_boundary_as_the_forward_with_audio(name: str, request) -> None:
     """Two stages loaded each with only its own layers' weights (as 2 ranks load them), chained in-process through
-    the tensors a pipeline boundary passes (detached copies): the audio stream crosses it, and the output equals
-    ``LTX2VideoTransformer3DModel``'s forward on the same noisy video and audio latents."""
+    the tensors a pipeline boundary passes (detached copies): the audio stream crosses it (with LTX-2.3's prompt
+    modulation), and the output equals ``LTX2VideoTransformer3DModel``'s forward on the same noisy video and audio
+    latents."""
     from diffusers import LTX2VideoTransformer3DModel
 
     from diffpipe_core.engine import model_loading
     from diffpipe_core.engine.partition import stage_parts
     from diffpipe_core.registry import Registry
     from diffpipe_ltx.ltx2_layers import split
+    from diffpipe_ltx.ltx23 import ltx23
 
+    model, folder = (plugin, request.getfixturevalue("tiny_ltx2")) if name == "ltx-2" else (
+        ltx23, request.getfixturevalue("tiny_ltx23"))
     registry = Registry()
-    assert registry.register_model("ltx-2", plugin).ok
-    registered = registry.model("ltx-2")
-    cfg = config(tiny_ltx2, train_audio=True)
-    inputs, _ = plugin.prepare_inputs(batch=_batch(tiny_ltx2, cfg, audio=True), context=TrainingContext(
+    assert registry.register_model(name, model).ok
+    registered = registry.model(name)
+    table = {"type": name, "path": folder, "dtype": "float32", "encoder_dtype": "float32", "max_sequence_length": 16,
+             "train_audio": True}
+    cfg = validate(model.spec.config_schema, table, "test")
+    widths = (16, 16) if name == "ltx-2" else (32, 16)  # LTX-2.3's text has each stream's width
+    inputs, _ = model.prepare_inputs(batch=_batch(folder, cfg, audio=True, widths=widths), context=TrainingContext(
         model_config=cfg), generator=torch.Generator().manual_seed(2))
     stages = [model_loading.load_for_stages(registered, cfg, CPU, torch.float32) for _ in range(2)]
     parts = stage_parts(stages[0].layers, 2)
@@ -144,9 +154,9 @@ def test_the_audio_crosses_a_stage_boundary_as_the_forward_with_audio(tiny_ltx2:
             for k in own:
                 x = stage.layers[k](x)
         video, audio = split(x[0], 8, 4, 9)
-        model = LTX2VideoTransformer3DModel.from_pretrained(str(tiny_ltx2 / "transformer")).eval()
+        transformer = LTX2VideoTransformer3DModel.from_pretrained(str(folder / "transformer")).eval()
         timestep = inputs[1][:, -1] * 1000
-        expected_video, expected_audio = model(
+        expected_video, expected_audio = transformer(
             hidden_states=inputs[0], audio_hidden_states=inputs[2], encoder_hidden_states=inputs[3],
             audio_encoder_hidden_states=inputs[4], timestep=timestep, sigma=timestep,
             encoder_attention_mask=inputs[5].float(), audio_encoder_attention_mask=inputs[5].float(), num_frames=2,
@@ -162,19 +172,27 @@ SAMPLE = {"prompts": ["a bell"], "every_n_steps": STEPS, "steps": 2, "seed": 5, 
 
 @pytest.fixture(scope="module")
 def audio_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An audio-only LoRA (``train_video = false``) on 4 tone clips and 2 images (no sound), 1 process."""
+    """An audio-only LoRA (``train_video = false``) on 4 tone clips and 2 images (no sound), on 2 pipeline stages
+    (2 processes; embedders + block 0 | block 1 + output): the audio stream crosses DeepSpeed's stage boundary. The
+    1-process run with audio in the loss is the shared LTX-2.3 run (``test_ltx23_train.py``)."""
     root = tmp_path_factory.mktemp("ltx2_audio")
-    write_tiny_ltx2(root / "model")
+    model = {"type": "ltx-2", "train_video": False}
+    return tone_run(root, write_tiny_ltx2, model, procs=2, pipeline_stages=2, partition_split=[2])
+
+
+def tone_run(root: Path, write_model, model: dict, procs: int, **top) -> Path:
+    """Train a LoRA with ``train_audio`` (and the ``model`` keys) on 4 tone clips and 2 images without sound, from
+    the tiny model ``write_model`` writes, on ``procs`` processes (``top``: more run keys); returns the run folder."""
+    write_model(root / "model")
     data = root / "data"
     write_clips(data, ["a bell", "a bell ringing", "a tone", "a high tone"], frames=12, size=(64, 64), audio="tone")
     write_image_dataset(data, 2, size=(64, 64), captions=["a cat", "a dog"])
     write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False, frame_buckets=[1, 9])
-    model = {"type": "ltx-2", "max_sequence_length": 16, "timestep_sample_method": "uniform", "train_audio": True,
-             "train_video": False}
+    model = {"max_sequence_length": 16, "timestep_sample_method": "uniform", "train_audio": True, **model}
     top = {"output_dir": "out", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 3,
-           "checkpoint_every_n_steps": STEPS}
+           "checkpoint_every_n_steps": STEPS, **top}
     (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, SAMPLE, 4, 8.0, **top))
-    return runs.train(root, "run.toml", procs=1, timeout=500)
+    return runs.train(root, "run.toml", procs=procs, timeout=500)
 
 
 @pytest.mark.slow
@@ -182,6 +200,7 @@ def test_an_audio_only_lora_learns_the_tone_and_samples_have_sound(audio_run: Pa
     import av
     from safetensors.torch import load_file
 
+    runs.assert_trained_in_stages(audio_run, STEPS, 2)
     runs.assert_loss_falls(audio_run, STEPS, STEPS // 4)
     lora = load_file(str(audio_run / "saved" / "final" / "adapter_model.safetensors"))
     modules = {k.split(".lora_")[0] for k in lora}
@@ -202,20 +221,11 @@ def test_an_audio_only_lora_learns_the_tone_and_samples_have_sound(audio_run: Pa
 
 @pytest.mark.slow
 def test_the_audio_lora_loads_in_ltx2_pipeline_and_reproduces_the_trained_audio(audio_run: Path) -> None:
-    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
-
-    saved, model_dir = audio_run / "saved" / "final", audio_run.parent.parent / "model"
-    state, cfg = runs.read_saved_lora(saved, 4, 8.0)
+    trained = ("transformer_blocks.1.audio_ff.net.2.lora_A.default.weight",)
+    (_, untrained_audio), (video, audio), (expected_video, expected_audio), state = lora_outputs(
+        audio_run, 4, 8.0, trained)
     assert "transformer.transformer_blocks.0.audio_attn1.to_q.lora_A.weight" in state
     assert "transformer.transformer_blocks.1.video_to_audio_attn.to_v.lora_B.weight" in state
-    trained = ("transformer_blocks.1.audio_ff.net.2.lora_A.default.weight",)
-    reference = runs.trained_transformer(LTX2VideoTransformer3DModel, audio_run, model_dir, 4, 8.0,
-                                         cfg["target_modules"], trained)
-    pipe = LTX2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
-    _, untrained_audio = both_outputs(pipe.transformer)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    video, audio = both_outputs(pipe.transformer)
-    expected_video, expected_audio = both_outputs(reference)
     runs.assert_reproduces(audio, expected_audio, untrained_audio)
     torch.testing.assert_close(video, expected_video, rtol=1e-5, atol=1e-5)
 

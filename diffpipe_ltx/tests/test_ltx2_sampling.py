@@ -91,19 +91,26 @@ def test_ltx2_i2v_sample_equals_ltx2_image_to_video_pipeline(tiny_ltx2: Path, tm
         audio_guidance_rescale=0.0, spatio_temporal_guidance_blocks=None, max_sequence_length=16,
         generator=noise_generator(SEED, 0), output_type="latent", return_dict=False,
     )
-    f, h, w = 2, 2, 2
-    video, audio = split(ours, f * h * w, 4, audio_latents.shape[2])
-    vae = pipe.vae
-    expected = LTX2ImageToVideoPipeline._normalize_latents(video_latents, vae.latents_mean, vae.latents_std,
-                                                           vae.config.scaling_factor)
-    noise = torch.randn((1, 4, f, h, w), generator=noise_generator(SEED, 0))
-    assert_same_sample(unpack(video, f, h, w), expected, noise)
+    video = assert_pipeline_sample(ours, pipe, video_latents, audio_latents)
     # the first latent frame stayed the image's latents, as the pipeline encodes it (no scaling factor)
-    torch.testing.assert_close(unpack(video, f, h, w)[:, :, :1], ltx2_plugin.sample_condition(cfg, request)["latents"])
+    torch.testing.assert_close(video[:, :, :1], ltx2_plugin.sample_condition(cfg, request)["latents"])
+
+
+def assert_pipeline_sample(ours: torch.Tensor, pipe, video_latents: torch.Tensor, audio_latents: torch.Tensor,
+                           grid: tuple[int, int, int] = (2, 2, 2)) -> torch.Tensor:
+    """diffpipe's sample ``ours`` (packed video and audio side by side) equals an LTX-2 pipeline's ``output_type =
+    "latent"`` result, which the pipeline denormalised (normalised back with its VAEs' statistics), and moved away
+    from the noise of ``SEED``; returns our video latents unpacked."""
+    f, h, w = grid
+    video, audio = split(ours, f * h * w, video_latents.shape[1], audio_latents.shape[2])
+    vae = pipe.vae
+    expected = pipe._normalize_latents(video_latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    noise = torch.randn((1, video_latents.shape[1], f, h, w), generator=noise_generator(SEED, 0))
+    assert_same_sample(unpack(video, f, h, w), expected, noise)
     packed = audio_latents.transpose(1, 2).flatten(2, 3)
-    sound = LTX2ImageToVideoPipeline._normalize_audio_latents(packed, pipe.audio_vae.latents_mean,
-                                                              pipe.audio_vae.latents_std)
+    sound = pipe._normalize_audio_latents(packed, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
     torch.testing.assert_close(audio, sound, rtol=1e-4, atol=1e-4)
+    return unpack(video, f, h, w)
 
 
 def test_a_missing_sample_image_is_a_config_error_naming_it(tiny_ltx2: Path, tmp_path: Path) -> None:

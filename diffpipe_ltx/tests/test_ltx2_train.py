@@ -67,13 +67,15 @@ def test_two_pipeline_stages_train_as_the_one_process_run(ltx2_run: Path) -> Non
     assert runs.losses(run) == pytest.approx(runs.losses(ltx2_run)[:TWO_STAGE_STEPS], rel=1e-4)
 
 
-def transformer_inputs() -> dict:
+def transformer_inputs(video_text: int = 16, audio_text: int = 16) -> dict:
+    """One call of the tiny transformer; the text widths are LTX-2.0's (the caption width, 16) unless given (LTX-2.3:
+    each stream's, 32 and 16)."""
     g = torch.Generator().manual_seed(0)
     return {
         "hidden_states": torch.randn(1, 8, 4, generator=g),
         "audio_hidden_states": torch.randn(1, 9, 4, generator=g),
-        "encoder_hidden_states": torch.randn(1, 16, 16, generator=g),
-        "audio_encoder_hidden_states": torch.randn(1, 16, 16, generator=g),
+        "encoder_hidden_states": torch.randn(1, 16, video_text, generator=g),
+        "audio_encoder_hidden_states": torch.randn(1, 16, audio_text, generator=g),
         "timestep": torch.tensor([400.0]),
         "sigma": torch.tensor([400.0]),
         "encoder_attention_mask": torch.ones(1, 16),
@@ -82,27 +84,34 @@ def transformer_inputs() -> dict:
     }
 
 
-def both_outputs(model) -> tuple[torch.Tensor, torch.Tensor]:
+def both_outputs(model, inputs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
-        return model(**transformer_inputs(), return_dict=False)
+        return model(**(inputs or transformer_inputs()), return_dict=False)
+
+
+def lora_outputs(run: Path, rank: int, alpha: float, trained: tuple[str, ...], inputs: dict | None = None):
+    """``(untrained, loaded, expected)``: the ``(video, audio)`` outputs of ``LTX2Pipeline``'s transformer of the run's
+    folder before and after ``load_lora_weights`` of the run's diffusers LoRA, and of the transformer with the run's
+    trained LoRA tensors (holding ``trained``), on ``inputs``; and the saved LoRA's tensors."""
+    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
+
+    saved, model_dir = run / "saved" / "final", run.parent.parent / "model"
+    state, cfg = runs.read_saved_lora(saved, rank, alpha)
+    reference = runs.trained_transformer(LTX2VideoTransformer3DModel, run, model_dir, rank, alpha,
+                                         cfg["target_modules"], trained)
+    pipe = LTX2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
+    untrained = both_outputs(pipe.transformer, inputs)
+    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
+    return untrained, both_outputs(pipe.transformer, inputs), both_outputs(reference, inputs), state
 
 
 def test_diffusers_lora_loads_in_ltx2_pipeline_and_reproduces(ltx2_run: Path) -> None:
-    from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
-
-    saved, model_dir = ltx2_run / "saved" / "final", ltx2_run.parent.parent / "model"
-    state, cfg = runs.read_saved_lora(saved, RANK, ALPHA)
+    trained = ("transformer_blocks.1.attn2.to_k.lora_A.default.weight",)
+    (untrained_video, _), (video, audio), (expected_video, expected_audio), state = lora_outputs(
+        ltx2_run, RANK, ALPHA, trained)
     assert "transformer.transformer_blocks.0.attn1.to_q.lora_A.weight" in state
     assert "transformer.transformer_blocks.1.ff.net.2.lora_B.weight" in state
     assert not any("audio" in k for k in state)  # the audio branch is not trained
-    trained = ("transformer_blocks.1.attn2.to_k.lora_A.default.weight",)
-    reference = runs.trained_transformer(LTX2VideoTransformer3DModel, ltx2_run, model_dir, RANK, ALPHA,
-                                         cfg["target_modules"], trained)
-    pipe = LTX2Pipeline.from_pretrained(str(model_dir), local_files_only=True)
-    untrained_video, _ = both_outputs(pipe.transformer)
-    runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
-    video, audio = both_outputs(pipe.transformer)
-    expected_video, expected_audio = both_outputs(reference)
     runs.assert_reproduces(video, expected_video, untrained_video)  # alpha != rank: the strength applied too
     torch.testing.assert_close(audio, expected_audio, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(audio).all()

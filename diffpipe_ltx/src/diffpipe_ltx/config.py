@@ -89,3 +89,17 @@ class LTX2Config(DiffusersModelConfig, FlowMatchingConfig):
         if not (self.train_audio or self.train_video):
             raise ValueError("train_video = false and train_audio = false leave nothing to train; set one to true")
         return self
+
+
+class LTX23Config(LTX2Config):
+    """``[model]`` keys of LTX-2.3 (as LTX-2's). ``path`` is a diffusers ``LTX2Pipeline`` folder of an LTX-2.3
+    transformer (``cross_attn_mod``, no caption projection; connectors with ``per_modality_projections``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Lightricks/LTX-2.3",)
+
+
+class LTX25Config(LTX2Config):
+    """``[model]`` keys of LTX-2.5 (as LTX-2's). ``path`` is a diffusers ``LTX25ModularPipeline`` folder
+    (``modular_model_index.json``): LTX-2.3's layout with static prompt tables (``use_prompt_adaln_single = false``)."""
+
+    hub_repos: ClassVar[tuple[str, ...]] = ("Lightricks/LTX-2.5",)

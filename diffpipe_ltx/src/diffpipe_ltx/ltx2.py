@@ -59,6 +59,15 @@ AUDIO_LORA_TARGETS = tuple(
 ) + ("audio_ff.net.0.proj", "audio_ff.net.2")
 
 
+def ltx2_spec(name: str, config: type[LTX2Config], description: str) -> Any:
+    """The ``ModelSpec`` of the LTX-2 family (``ltx-2``, ``ltx-2.3``, ``ltx-2.5``): 8k + 1 frames at 24 fps, sizes
+    multiples of 32, an optional first frame."""
+    return diffusers_spec(
+        name, config, description, video=(8, 1, FRAME_RATE), spatial_multiple=32,
+        encoder_settings=("max_sequence_length",), block_layers=("BlockLayer",), first_frame="optional",
+    )
+
+
 @dataclass(frozen=True)
 class Geometry:
     """What ``LTX2Pipeline`` derives from the folder's configs: VAE compression, the audio latents' rate and size."""
@@ -76,6 +85,12 @@ class Geometry:
 
     def audio_shape(self, batch: int, latent_frames: int) -> tuple[int, int, int, int]:
         return batch, self.audio_channels, self.audio_frames(latent_frames), self.audio_mel
+
+
+def is_ltx23(config: dict[str, Any]) -> bool:
+    """Whether a transformer config has LTX-2.3's layout (text cross-attention modulation, no caption projection)."""
+    return bool(config.get("cross_attn_mod") or config.get("audio_cross_attn_mod")
+                or not config.get("use_prompt_embeddings", True))
 
 
 class LTX2Folder(DiffusersFolder):
@@ -110,10 +125,8 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
     plan_size = None
     tiny_writer = "diffpipe_ltx.ltx2_testing:write_tiny_ltx2"  # python -m diffpipe_core.testing.tiny_models
 
-    spec = diffusers_spec(
-        "ltx-2", LTX2Config, "LTX-2 video branch (diffusers folder or original Lightricks single-file transformer)",
-        video=(8, 1, FRAME_RATE), spatial_multiple=32, encoder_settings=("max_sequence_length",),
-        block_layers=("BlockLayer",), first_frame="optional",
+    spec = ltx2_spec(
+        "ltx-2", LTX2Config, "LTX-2 video branch (diffusers folder or original Lightricks single-file transformer)"
     )
     folder = LTX2Folder(
         "ltx-2", PIPELINES, COMPONENTS, sizes=SIZES, single_file_example="ltx-2-19b-dev.safetensors",
@@ -185,22 +198,31 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         file = model_config.path / "transformer" / "config.json"
         if (config.get("patch_size", 1), config.get("patch_size_t", 1), config.get("audio_patch_size", 1)) != (1,) * 3:
             raise ValueError(f"{file}: patch sizes other than 1; diffpipe-ltx supports LTX-2's (all 1)")
-        if config.get("cross_attn_mod") or config.get("audio_cross_attn_mod") or not config.get(
-            "use_prompt_embeddings", True
-        ):
+        self.check_layout(config, file)
+        return super().build_skeleton(model_config, device, dtype)
+
+    def check_layout(self, config: dict[str, Any], file: Path) -> None:
+        """``ltx-2`` trains LTX-2.0 transformers; an LTX-2.3-style one is refused, naming the entry point for it."""
+        if is_ltx23(config):
             raise ValueError(
                 f"{file}: an LTX-2.3-style transformer (cross_attn_mod / no caption projection); ltx-2 trains "
-                "LTX-2.0 transformers"
+                "LTX-2.0 transformers: use [model] type = \"ltx-2.3\" (or \"ltx-2.5\" for an LTX25ModularPipeline "
+                "folder)"
             )
-        return super().build_skeleton(model_config, device, dtype)
 
     @hookimpl
     def validate_model_files(self, model_config: LTX2Config) -> list[str]:
-        """The folder and single file (the shared checks), and that ``max_sequence_length`` is a multiple of the
-        connectors' learnable registers (``LTX2ConnectorTransformer1d`` refuses other lengths)."""
+        """The folder and single file (the shared checks), the transformer's layout (:meth:`check_layout`), and that
+        ``max_sequence_length`` is a multiple of the connectors' learnable registers (``LTX2ConnectorTransformer1d``
+        refuses other lengths)."""
         found = super().validate_model_files(model_config)
         if found:
             return found
+        try:
+            file = model_config.path / "transformer" / "config.json"
+            self.check_layout(self.model_folder_config(model_config), file)
+        except ValueError as refused:
+            return [str(refused)]
         connectors = self.folder.config(model_config.path, "connectors")
         registers = connectors.get("video_connector_num_learnable_registers", 128)
         if registers and model_config.max_sequence_length % registers:

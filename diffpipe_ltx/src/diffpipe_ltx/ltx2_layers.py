@@ -8,7 +8,8 @@ What flows between layers (a tuple of tensors; every float tensor is used downst
   and the latent ``(F, H, W)``;
 - between blocks: ``(video, audio, video_text, audio_text, temb, audio_temb, ca_scale_shift, ca_audio_scale_shift,
   ca_gate, ca_audio_gate, rope cos/sin for video, audio, video cross, audio cross, text_mask, embedded,
-  audio_embedded)``;
+  audio_embedded)``, and with LTX-2.3's prompt adaLN (``prompt_adaln``) two more: ``(temb_prompt,
+  temb_prompt_audio)``, the text keys' and values' modulation by the sample's time;
 - the last block passes on ``(video, audio, embedded, audio_embedded)``;
 - out of the output layer: ``(prediction,)`` in float32: the video prediction ``(B, F*H*W, C)`` and the audio
   prediction ``(B, L, C_a*M)``, flattened and side by side ``(B, F*H*W*C + L*C_a*M)`` (the loss weighs the audio
@@ -20,6 +21,11 @@ the audio-video cross-attention modulations take the sample's time, ``sigma = ti
 layers computes the diffusers model. The video time embedding is computed once per latent frame and spread over that
 frame's tokens; when every frame of every sample has the same time it stays one row per sample, as in
 ``LTX2Pipeline``. The audio stream's time is the sample's (the last frame's: a conditioned first frame is 0).
+
+LTX-2.3 / 2.5 transformers (``cross_attn_mod``, ``use_prompt_embeddings = false``) run through the same layers: there
+is no caption projection (the connectors' text already has each stream's width), the blocks' 9-row tables and
+prompt tables are the blocks' own, and the prompt adaLN, when the model has one (LTX-2.3; LTX-2.5 has static tables
+only), is computed once in the embedders and passed on.
 """
 
 from __future__ import annotations
@@ -42,13 +48,16 @@ class EmbedLayer(nn.Module):
 
     NAMES = ("proj_in", "audio_proj_in", "time_embed", "audio_time_embed", "av_cross_attn_video_scale_shift",
              "av_cross_attn_video_a2v_gate", "av_cross_attn_audio_scale_shift", "av_cross_attn_audio_v2a_gate",
-             "caption_projection", "audio_caption_projection", "rope", "audio_rope", "cross_attn_rope",
-             "cross_attn_audio_rope")
+             "rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
+    #: absent from LTX-2.3 / 2.5 (caption projections) or from LTX-2.0 and 2.5 (prompt adaLN)
+    OPTIONAL = ("caption_projection", "audio_caption_projection", "prompt_adaln", "audio_prompt_adaln")
 
     def __init__(self, model: nn.Module, fps: float) -> None:
         super().__init__()
         for name in self.NAMES:
             setattr(self, name, getattr(model, name))
+        for name in self.OPTIONAL:
+            setattr(self, name, getattr(model, name, None))
         self.fps = fps
         self.gate_factor = model.config.cross_attn_timestep_scale_multiplier / model.config.timestep_scale_multiplier
 
@@ -80,16 +89,29 @@ class EmbedLayer(nn.Module):
         ca_ss, ca_gate = ca_ss.view(b, 1, -1), ca_gate.view(b, 1, -1)
         ca_audio_ss, ca_audio_gate = ca_audio_ss.view(b, 1, -1), ca_audio_gate.view(b, 1, -1)
 
-        text = self.caption_projection(text.to(dtype)).view(b, -1, hidden.shape[-1])
-        audio_text = self.audio_caption_projection(audio_text.to(audio_dtype)).view(b, -1, audio.shape[-1])
-        return (hidden, audio, text, audio_text, temb, audio_temb, ca_ss, ca_audio_ss, ca_gate, ca_audio_gate,
-                v_cos, v_sin, a_cos, a_sin, cv_cos, cv_sin, ca_cos, ca_sin, text_mask, embedded, audio_embedded)
+        if self.caption_projection is not None:  # LTX-2.0; LTX-2.3's connectors project per stream
+            text = self.caption_projection(text.to(dtype)).view(b, -1, hidden.shape[-1])
+            audio_text = self.audio_caption_projection(audio_text.to(audio_dtype)).view(b, -1, audio.shape[-1])
+        else:
+            text, audio_text = text.to(dtype), audio_text.to(audio_dtype)
+        out = (hidden, audio, text, audio_text, temb, audio_temb, ca_ss, ca_audio_ss, ca_gate, ca_audio_gate,
+               v_cos, v_sin, a_cos, a_sin, cv_cos, cv_sin, ca_cos, ca_sin, text_mask, embedded, audio_embedded)
+        if self.prompt_adaln is None:
+            return out
+        prompt, _ = self.prompt_adaln(sigma, batch_size=b, hidden_dtype=dtype)
+        audio_prompt, _ = self.audio_prompt_adaln(sigma, batch_size=b, hidden_dtype=audio_dtype)
+        return (*out, prompt.view(b, 1, -1), audio_prompt.view(b, 1, -1))
+
+
+BETWEEN = 21  # the tensors every LTX-2 block takes (the prompt adaLN's two follow them)
 
 
 class BlockLayer(WrappedBlock):
     def forward(self, inputs: Tensors) -> Tensors:
         (hidden, audio, text, audio_text, temb, audio_temb, ca_ss, ca_audio_ss, ca_gate, ca_audio_gate,
-         v_cos, v_sin, a_cos, a_sin, cv_cos, cv_sin, ca_cos, ca_sin, text_mask, embedded, audio_embedded) = inputs
+         v_cos, v_sin, a_cos, a_sin, cv_cos, cv_sin, ca_cos, ca_sin, text_mask, embedded,
+         audio_embedded) = inputs[:BETWEEN]
+        prompt, audio_prompt = inputs[BETWEEN:] or (None, None)  # LTX-2.3's prompt adaLN, when the model has it
         new_hidden, new_audio = self.block(
             hidden_states=hidden,
             audio_hidden_states=audio,
@@ -101,6 +123,8 @@ class BlockLayer(WrappedBlock):
             temb_ca_audio_scale_shift=ca_audio_ss,
             temb_ca_gate=ca_gate,
             temb_ca_audio_gate=ca_audio_gate,
+            temb_prompt=prompt,
+            temb_prompt_audio=audio_prompt,
             video_rotary_emb=(v_cos, v_sin),
             audio_rotary_emb=(a_cos, a_sin),
             ca_video_rotary_emb=(cv_cos, cv_sin),

@@ -89,8 +89,11 @@ def diffusers_name(name: str, num_layers: int = 0) -> str:
 
 #: where the original checkpoint keeps the text connectors' parts: (original prefixes, diffusers prefix)
 PROJECTION = "text_embedding_projection.aggregate_embed"
+STREAM_PROJECTION = "text_embedding_projection.{}_aggregate_embed"  # LTX-2.3's feature extractor, one per stream
 CONNECTOR_PARTS = (
     ((PROJECTION, FILE_PREFIX + PROJECTION), "text_proj_in"),
+    *(((STREAM_PROJECTION.format(s), FILE_PREFIX + STREAM_PROJECTION.format(s)), f"{s}_text_proj_in")
+      for s in ("video", "audio")),
     ((f"{FILE_PREFIX}video_embeddings_connector",), "video_connector"),
     ((f"{FILE_PREFIX}audio_embeddings_connector",), "audio_connector"),
 )
@@ -101,7 +104,8 @@ CONNECTOR_NAMES = (
 
 def connectors_table(config: Mapping[str, Any]) -> KeyTable:
     """The text connectors (diffusers' ``LTX2TextConnectors`` of ``config``) as the original checkpoint holds them:
-    ``text_embedding_projection.aggregate_embed`` (beside the transformer, or under ``model.diffusion_model.``) and
+    ``text_embedding_projection.aggregate_embed`` (LTX-2.3's ``video_aggregate_embed`` / ``audio_aggregate_embed``:
+    ``per_modality_projections``; beside the transformer, or under ``model.diffusion_model.``) and
     ``model.diffusion_model.{video,audio}_embeddings_connector`` with ``transformer_1d_blocks`` and ``q_norm`` /
     ``k_norm``: the inverse of diffusers' ``LTX_2_0_CONNECTORS_KEYS_RENAME_DICT``. Every other key of the checkpoint
     is not the connectors'."""

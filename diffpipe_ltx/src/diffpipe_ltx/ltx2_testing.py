@@ -34,6 +34,11 @@ class TinyLTX2Config(tiny.TinySizes):
     text_layers: int = 2
     registers: int = 8  # connector registers; max_sequence_length must be a multiple
     vae_channels: int = 8
+    #: LTX-2.3's switches: text cross-attention modulation (9-row tables, prompt tables), gated attention, no caption
+    #: projection (the connectors project per stream); ``prompt_adaln`` False is LTX-2.5's static prompt tables
+    ltx23: bool = False
+    prompt_adaln: bool = True
+    gemma4: bool = False  #: LTX-2.5's text encoder generation (Gemma 4) in place of Gemma 3
 
 
 def tokenizer(max_length: int = 1024):
@@ -62,12 +67,30 @@ def gemma3(tok, cfg: TinyLTX2Config):
     return Gemma3ForConditionalGeneration(config)
 
 
+def gemma4(tok, cfg: TinyLTX2Config):
+    """A random ``Gemma4ForConditionalGeneration`` (LTX-2.5's text encoder generation), its language model alone."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = Gemma4TextConfig(
+        vocab_size=len(tok), hidden_size=cfg.text_dim, intermediate_size=2 * cfg.text_dim,
+        num_hidden_layers=cfg.text_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        max_position_embeddings=1024, sliding_window=16, vocab_size_per_layer_input=len(tok),
+        hidden_size_per_layer_input=0, layer_types=["sliding_attention"] * (cfg.text_layers - 1) + ["full_attention"],
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )
+    return Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+
+
 def tiny_transformer(cfg: TinyLTX2Config):
     """The random-weight diffusers ``LTX2VideoTransformer3DModel`` of ``cfg``."""
     from diffusers import LTX2VideoTransformer3DModel
 
     torch.manual_seed(cfg.seed)
     inner = cfg.num_attention_heads * cfg.attention_head_dim
+    switches = {} if not cfg.ltx23 else dict(
+        cross_attn_mod=True, audio_cross_attn_mod=True, gated_attn=True, audio_gated_attn=True,
+        use_prompt_embeddings=False, use_prompt_adaln_single=cfg.prompt_adaln,
+    )
     return LTX2VideoTransformer3DModel(
         in_channels=cfg.latent_channels,
         out_channels=cfg.latent_channels,
@@ -83,28 +106,37 @@ def tiny_transformer(cfg: TinyLTX2Config):
         caption_channels=cfg.text_dim,
         rope_double_precision=False,
         rope_type="split",
+        **switches,
     )
 
 
 def tiny_connectors(cfg: TinyLTX2Config):
     """``LTX2TextConnectors`` (LTX-2.0's: one projection of all Gemma layers, a video and an audio connector with
-    learnable registers) whose outputs have the transformer's caption width."""
+    learnable registers) whose outputs have the transformer's caption width; with ``cfg.ltx23`` LTX-2.3's (a projection
+    per stream, ``per_modality_projections``, to each stream's width, and gated connector attention)."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
+    video_dim = cfg.num_attention_heads * cfg.attention_head_dim if cfg.ltx23 else cfg.text_dim
+    audio_dim = video_dim // 2 if cfg.ltx23 else cfg.text_dim
+    switches = {} if not cfg.ltx23 else dict(
+        per_modality_projections=True, video_hidden_dim=video_dim, audio_hidden_dim=audio_dim, proj_bias=True,
+        video_gated_attn=True, audio_gated_attn=True,
+    )
     return LTX2TextConnectors(
         caption_channels=cfg.text_dim,
         text_proj_in_factor=cfg.text_layers + 1,
         video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=cfg.text_dim // 2,
+        video_connector_attention_head_dim=video_dim // 2,
         video_connector_num_layers=1,
         video_connector_num_learnable_registers=cfg.registers,
         audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=cfg.text_dim // 2,
+        audio_connector_attention_head_dim=audio_dim // 2,
         audio_connector_num_layers=1,
         audio_connector_num_learnable_registers=cfg.registers,
         connector_rope_base_seq_len=32,
         rope_double_precision=False,
         rope_type="split",
+        **switches,
     )
 
 
@@ -159,7 +191,7 @@ def parts(cfg: TinyLTX2Config) -> dict[str, tiny.Part]:
         "vae": tiny.Part(lambda: tiny_vae(cfg), seed=cfg.seed + 1),
         "audio_vae": tiny.Part(lambda: tiny_audio_vae(cfg), seed=cfg.seed + 2),
         "vocoder": tiny.Part(lambda: tiny_vocoder(cfg), seed=cfg.seed + 3),
-        "text_encoder": tiny.Part(lambda: gemma3(tok, cfg), seed=cfg.seed + 4),
+        "text_encoder": tiny.Part(lambda: (gemma4 if cfg.gemma4 else gemma3)(tok, cfg), seed=cfg.seed + 4),
         "tokenizer": tiny.Part(lambda: tok),
         "connectors": tiny.Part(lambda: tiny_connectors(cfg), seed=cfg.seed + 5),
         # LTX-2's own scheduler settings (scheduler/scheduler_config.json of Lightricks/LTX-2)
@@ -186,12 +218,43 @@ def write_tiny_ltx2(
     ``<folder>.ltx2.safetensors``)."""
     folder = Path(folder)
     pipe = tiny.write_pipeline(pipeline, parts(cfg or TinyLTX2Config()), folder)
-    original = layout_for_config(pipe.transformer.config).to_original(pipe.transformer.state_dict())
+    _write_single_file(pipe.transformer, pipe.connectors, Path(single_file or single_file_path(folder)))
+    return folder
+
+
+def _write_single_file(transformer, connectors, file: Path) -> None:
+    original = layout_for_config(transformer.config).to_original(transformer.state_dict())
     # what else a downloaded file holds under the transformer's prefix (ignored when loading the transformer)
     original.update({f"model.diffusion_model.video_embeddings_connector.{k}": v.clone()
-                     for k, v in pipe.connectors.video_connector.state_dict().items()})
-    original["text_embedding_projection.aggregate_embed.weight"] = pipe.connectors.text_proj_in.weight.clone()
-    tiny.save_single_file(original, Path(single_file or single_file_path(folder)))
+                     for k, v in connectors.video_connector.state_dict().items()})
+    if connectors.config.per_modality_projections:  # LTX-2.3's feature extractor: one projection per stream
+        for stream in ("video", "audio"):
+            for k, v in getattr(connectors, f"{stream}_text_proj_in").state_dict().items():
+                original[f"text_embedding_projection.{stream}_aggregate_embed.{k}"] = v.clone()
+    else:
+        original["text_embedding_projection.aggregate_embed.weight"] = connectors.text_proj_in.weight.clone()
+    tiny.save_single_file(original, file)
+
+
+def write_tiny_ltx23(folder: Path, single_file: Path | None = None) -> Path:
+    """A tiny LTX-2.3 ``LTX2Pipeline`` folder (:class:`TinyLTX2Config` with ``ltx23``: ``cross_attn_mod``, prompt
+    adaLN, gated attention, per-stream connector projections, no caption projection) and its single file."""
+    return write_tiny_ltx2(folder, TinyLTX2Config(ltx23=True), single_file)
+
+
+def write_tiny_ltx25(folder: Path, single_file: Path | None = None) -> Path:
+    """A tiny LTX-2.5 ``LTX25ModularPipeline`` folder (``modular_model_index.json``, as
+    ``ModularPipeline.save_pretrained`` writes it): LTX-2.3's layout with ``use_prompt_adaln_single = false`` (static
+    prompt tables), a Gemma 4 text encoder, the convolutional VAE kept for encoding and decoding (no diffusion
+    decoder), and its single file."""
+    from diffusers.modular_pipelines import LTX25AutoBlocks
+
+    folder = Path(folder)
+    built = tiny.build_components(parts(TinyLTX2Config(ltx23=True, prompt_adaln=False, gemma4=True)))
+    pipe = LTX25AutoBlocks().init_pipeline()
+    pipe.update_components(**built)
+    pipe.save_pretrained(str(folder), overwrite_modular_index=True)
+    _write_single_file(built["transformer"], built["connectors"], Path(single_file or single_file_path(folder)))
     return folder
 
 
