@@ -17,11 +17,18 @@ Relative paths are resolved against the folder of the file that names them.
 
 def config_reference_markdown(registry: Registry | None = None, model: str | None = None) -> str:
     from diffpipe_core.data.dataset_config import DatasetConfig
+    from diffpipe_core.parts.config import DiffusersModelConfig
     from diffpipe_core.types import ModelConfigBase
 
     parts = [HEADER, reference_markdown(RunConfig, "top level")]
     parts.append("\n## [model] keys every model takes\n")
     parts.append(reference_markdown(ModelConfigBase, "[model]", "model"))
+    parts.append("\n## [model] keys every diffusers-folder model takes\n")
+    parts.append("Besides those above, every model whose schema builds on `DiffusersModelConfig` (read from a "
+                 "diffusers folder and component files) takes these; `diffpipe config-reference --model NAME` lists a "
+                 "model's keys.\n")
+    parts.append(reference_markdown(DiffusersModelConfig, "[model] (diffusers folder)", "model",
+                                    skip=ModelConfigBase.model_fields))
     parts.append("\n## dataset.toml\n")
     parts.append(reference_markdown(DatasetConfig, "top level"))
     if registry is not None and model is not None:

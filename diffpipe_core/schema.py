@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -338,11 +338,13 @@ def loose_numbers(cls: type[BaseModel], data: Any, path: str = "") -> list[tuple
     return found
 
 
-def reference_markdown(cls: type[BaseModel], heading: str, table: str = "") -> str:
-    """A markdown table of every key of ``cls`` (name, type, default, description)."""
+def reference_markdown(cls: type[BaseModel], heading: str, table: str = "", skip: Collection[str] = ()) -> str:
+    """A markdown table of every key of ``cls`` (name, type, default, description), less the keys in ``skip``."""
     lines = [f"### {heading}", "", "| key | type | default | description |", "|---|---|---|---|"]
     nested = []
     for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
         sub = _unwrap_model(field.annotation)
         if sub is not None and sub is not cls:
             nested.append((name, sub))

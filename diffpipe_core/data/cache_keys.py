@@ -121,12 +121,16 @@ def encoder_identity(model_config: ModelConfigBase, encoder_settings: tuple[str,
 
 def encoder_fingerprint(plugin_name: str, plugin_version: str, model_config: ModelConfigBase,
                         encoder_settings: tuple[str, ...], strict: bool = False) -> str:
-    """Hash of everything about the encoders that changes their outputs: the plugin's name and version and
-    :func:`encoder_identity` (which reads the encoder files' stats and headers, or hashes them with ``strict``)."""
+    """Hash of everything about the encoders that changes their outputs: the plugin's name and version,
+    :func:`encoder_identity` (which reads the encoder files' stats and headers, or hashes them with ``strict``) and
+    ``[model] encoder_quantize`` when set."""
     try:
         settings = encoder_identity(model_config, encoder_settings, strict)
     except ValueError as exc:
         raise ValueError(f"model plugin {plugin_name!r}: {exc}") from None
+    quantize = getattr(model_config, "encoder_quantize", None)  # every plugin's; keyed only when set (older keys hold)
+    if quantize is not None:
+        settings["encoder_quantize"] = quantize
     return _digest({"format": KEY_FORMAT, "plugin": plugin_name, "version": plugin_version, "settings": settings})
 
 

@@ -69,6 +69,14 @@ class DiffusersModelConfig(ModelConfigBase):
     )
     dtype: Dtype = Field("bfloat16", description="dtype of the diffusion model's base weights while training.")
     encoder_dtype: Dtype = Field("bfloat16", description="dtype of the VAE and text encoders while caching.")
+    encoder_quantize: Literal["nf4", "int8"] | None = Field(
+        None,
+        description="Load the text encoders quantized while caching (bitsandbytes 'nf4' computing in encoder_dtype, "
+        "or 'int8'), tensor by tensor as they are read, so a large one (an LLM) is never whole in memory in full "
+        "precision: about a quarter ('nf4') or half ('int8') of its bf16 size. The cached text differs slightly from "
+        "the unquantized encoder's (the cache is rebuilt when this changes). Quantizes the folder's text encoders; "
+        "not with a text encoder given as a file in text_encoders. Needs the bitsandbytes package.",
+    )
 
     @model_validator(mode="before")
     @classmethod

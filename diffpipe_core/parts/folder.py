@@ -225,13 +225,15 @@ class DiffusersFolder:
         return accepted[0]
 
     def load(
-        self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None, file: Any = None
+        self, path: Path, component: str, dtype: torch.dtype | None = None, device: Any = None, file: Any = None,
+        quantization: Any = None,
     ) -> Any:
         """One component from its folder: a diffusers or transformers class by the table's first name (frozen,
         in eval mode, on ``device``), a tokenizer (``AutoTokenizer``) or an image processor
         (``AutoImageProcessor``). Only local files are read. ``file``: the component's weights come from this
         component file instead (a ``(ComponentFile, Fit)`` pair from :meth:`component_files`), its config from the
-        folder."""
+        folder. ``quantization``: a transformers ``BitsAndBytesConfig`` the folder's weights are quantized with as
+        they are read (a transformers class only; :func:`diffpipe_core.parts.encoders.encoder_quantization`)."""
         if file is not None:
             from diffpipe_core.component_files import load_into
 
@@ -256,8 +258,10 @@ class DiffusersFolder:
         kwargs: dict[str, Any] = {"local_files_only": True}
         if dtype is not None:
             kwargs["dtype"] = dtype
+        if quantization is not None:  # bitsandbytes places the weights itself: no .to() afterwards
+            kwargs.update(quantization_config=quantization, device_map=str(device if device is not None else "cpu"))
         module = cls.from_pretrained(str(folder), **kwargs)
-        if device is not None:
+        if device is not None and quantization is None:
             module = module.to(device)
         return module.eval().requires_grad_(False)
 

@@ -232,3 +232,23 @@ def test_the_reference_key_table_is_diffusers_converter_inverted() -> None:
     back = convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(original), dict(model.config))
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_encoder_quantize_loads_qwen3_vl_quantized_for_caching(tiny_minimax: Path) -> None:
+    """Issue 40: ``encoder_quantize = "nf4"`` (the core key) loads Qwen3-VL's language-model linears as bitsandbytes
+    nf4 while caching; the text tensors equal the full encoder's with those weights put through bitsandbytes' nf4
+    round trip (:func:`diffpipe_core.testing.quantized.nf4_round_trip`), and differ from the full encoder's."""
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.nn import Linear4bit
+
+    from diffpipe_core.testing.quantized import nf4_round_trip
+
+    enc = minimax.load_encoders(config(tiny_minimax, encoder_quantize="nf4"), CPU)
+    assert isinstance(enc.text_encoder.model.language_model.layers[0].self_attn.q_proj, Linear4bit)
+    got = minimax.encode_batch(enc, EncodeBatch(captions=list(CAPTIONS)))
+    full = minimax.load_encoders(config(tiny_minimax), CPU)
+    want = minimax.encode_batch(full, EncodeBatch(captions=list(CAPTIONS)))
+    assert torch.equal(got["text_mask"], want["text_mask"]) and not torch.equal(got["text_embeds"], want["text_embeds"])
+    assert nf4_round_trip(full.text_encoder, enc.text_encoder) > 0
+    reference = minimax.encode_batch(full, EncodeBatch(captions=list(CAPTIONS)))
+    torch.testing.assert_close(got["text_embeds"], reference["text_embeds"], rtol=1e-4, atol=1e-5)

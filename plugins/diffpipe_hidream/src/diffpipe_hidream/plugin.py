@@ -123,13 +123,12 @@ class HiDream(DiffusersModel, FlowSampling):
 
     def load_llama_4bit(self, model_config: HiDreamConfig, device: Any) -> Any:
         """``text_encoder_4`` from the folder, its linears quantized to bitsandbytes nf4 computing in
-        ``encoder_dtype`` (diffusion-pipe's ``llama3_4bit``); a clear error without bitsandbytes or with a Llama
-        component file (quantize the folder's weights)."""
+        ``encoder_dtype`` as they are read (diffusion-pipe's ``llama3_4bit``; the core's ``encoder_quantize`` path for
+        this one encoder); a clear error without bitsandbytes or with a Llama component file (quantize the folder's
+        weights)."""
         import importlib.util
 
-        from transformers import BitsAndBytesConfig, LlamaForCausalLM
-
-        from diffpipe_core.parts.encoders import torch_dtype
+        from diffpipe_core.parts.encoders import quantization_config, torch_dtype
 
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("[model] llama_4bit = true needs the bitsandbytes package (pip install bitsandbytes)")
@@ -137,12 +136,8 @@ class HiDream(DiffusersModel, FlowSampling):
             raise ValueError("[model] llama_4bit quantizes the folder's text_encoder_4; leave the Llama file out of "
                              "text_encoders, or set llama_4bit = false")
         dtype = torch_dtype(model_config.encoder_dtype)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-        model = LlamaForCausalLM.from_pretrained(
-            str(Path(model_config.path) / "text_encoder_4"), quantization_config=quantization, dtype=dtype,
-            device_map=str(device), local_files_only=True,
-        )
-        return model.eval().requires_grad_(False)
+        return self.folder.load(model_config.path, "text_encoder_4", dtype, device,
+                                quantization=quantization_config("nf4", dtype))
 
     @hookimpl
     def encode_batch(self, encoders: Any, batch: EncodeBatch) -> dict[str, torch.Tensor]:
