@@ -45,8 +45,9 @@ IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this t
 #: rises to the largest chunk freed, up to 32 MiB, and the heap's top is trimmed only past twice that); it does not
 #: shrink with the stage. Per byte the stage holds: the heap's and the interpreter's bookkeeping of what is built
 #: (resident beyond the tensors after the build: 2.0-2.3% of a Flux stage's weights at 1 and 2 stages). A least-squares
-#: fit over the 21 stages gives 44 MiB per worker + 2.8% of the stage's estimate, every stage then within 0.965-1.021
-#: of measured (0.842-0.955 without). Neither part is device memory: a GPU plan leaves both out (its own allocator's
+#: fit over the 21 stages gives 44 MiB per worker + 2.8% of the stage's estimate, every stage then within 0.955-1.055
+#: of measured over 3 rounds (0.839-0.954 without). Its 4-stage Flux workers' reports show the step's slack alone:
+#: 44-50 MiB of resident memory the heap does not hand out, on every stage alike. Neither part is device memory: a GPU plan leaves both out (its own allocator's
 #: slack is the 1-2 GB the manual says to leave), as does a CPU run with glibc's threshold fixed
 #: (``MALLOC_MMAP_THRESHOLD_``: every large tensor its own mapping, returned when freed).
 HEAP_PER_WORKER = 44 * 2**20
