@@ -506,7 +506,7 @@ def breakdown(stages: Workers, baseline: int) -> list[str]:
             f"{_mib(measured)} MiB; estimated {_mib(est.get('peak_bytes', 0))} MiB (weights "
             f"{_mib(est.get('weight_bytes', 0))}, trainable {_mib(est.get('state_bytes', 0))}, activations "
             f"{_mib(est.get('activation_bytes', 0) + est.get('transient_bytes', 0))}, saving "
-            f"{_mib(est.get('save_bytes', 0))}), estimate/measured {ratio:.2f}"
+            f"{_mib(est.get('save_bytes', 0))}, heap {_mib(est.get('heap_bytes', 0))}), estimate/measured {ratio:.2f}"
         )
         lines.append(f"    RssAnon MiB by phase: {rss}")
         sampled = [p for p in report["phases"] if p.get("peak", {}).get("rss_anon")]

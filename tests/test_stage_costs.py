@@ -18,7 +18,14 @@ from diffpipe_core.engine.model_loading import cast_skeleton, load_for_stages, m
 from diffpipe_core.engine.partition import stage_parts
 from diffpipe_core.engine.plan_build import example_inputs, make_plan
 from diffpipe_core.engine.stage_costs import LayerCost, ModelCosts, layer_costs, meta_twin
-from diffpipe_core.engine.stage_plan import format_plan, in_flight_note, plan_stages
+from diffpipe_core.engine.stage_plan import (
+    HEAP_FRACTION,
+    HEAP_PER_WORKER,
+    format_plan,
+    heap_overhead,
+    in_flight_note,
+    plan_stages,
+)
 from diffpipe_core.quantize import quantize_stage
 from diffpipe_core.registry import get_registry
 from diffpipe_core.testing.activations import check_meta_activations
@@ -326,6 +333,49 @@ def test_a_stage_input_counts_once_per_micro_batch_whether_its_layers_keep_it_or
     assert [s.activation_bytes for s in plan.stages] == [2 * 13 + 4, 13 + 4]
     reads = plan_stages(chain([10, 10], [5, 5], 4), run, 2, on_gpu=False, activations="-")
     assert [s.activation_bytes for s in reads.stages] == [2 * 13 + 4, 13 + 4]
+
+
+def test_a_cpu_plan_counts_each_workers_heap_beside_what_its_tensors_reach() -> None:
+    """Issue 46: a CPU worker's C heap holds the step's allocator slack (per worker) and the bookkeeping of what is
+    built (per byte held) beyond the tensors. Worked by hand on the chain of the test above (MiB): stage 0 holds
+    40 + 2 x (4 + 5 + 4) + 4 + 5 = 75, stage 1 holds 60 + 23 + 4 + 5 = 92; each peak adds 44 MiB + 2.8% of that.
+    The memory split balances what the tensors reach, so it is the same with the overhead; a GPU plan has none."""
+    mib = 2**20
+    run = RunConfig(model={"type": "chain"}, gradient_accumulation_steps=4)
+    costs = chain([40 * mib, 20 * mib, 20 * mib, 20 * mib], [5 * mib] * 4, 4 * mib)
+    plain = plan_stages(costs, run, 2, on_gpu=False, activations="-")
+    heap = plan_stages(costs, run, 2, on_gpu=False, activations="-", host_heap=True)
+    assert heap.parts == plain.parts == [0, 1, 4]
+    assert [s.held_bytes for s in heap.stages] == [s.peak_bytes for s in plain.stages] == [75 * mib, 92 * mib]
+    assert [s.heap_bytes for s in heap.stages] == [44 * mib + round(0.028 * held * mib) for held in (75, 92)]
+    assert [s.peak_bytes for s in heap.stages] == [s.held_bytes + s.heap_bytes for s in heap.stages]
+    assert heap_overhead(0) == HEAP_PER_WORKER == 44 * mib and HEAP_FRACTION == 0.028
+    assert "peaks with each CPU worker's C heap (44 MiB + 2.8%):" in format_plan(heap)[0]
+    assert format_plan(plain)[0] == "stage plan (memory, 2 stages; activations: -):"
+    gpu = plan_stages(costs, run, 2, on_gpu=True, activations="-", host_heap=True)  # device memory: no C heap
+    assert [s.heap_bytes for s in gpu.stages] == [0, 0] and gpu.parts == plain.parts
+    # the 1F1B in-flight note and the imbalance warning still judge what the stages hold, overhead included
+    assert heap.imbalance < plain.imbalance
+
+
+def test_make_plan_counts_the_heap_on_a_cpu_run_unless_mallocs_threshold_is_fixed(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU run's plan (what ``train`` prints and partitions by) counts the heap overhead; a GPU run's does not,
+    nor a CPU run with ``MALLOC_MMAP_THRESHOLD_`` fixed (every large tensor its own mapping, returned when freed)."""
+    cfg, plugin = configured(project)
+    model, layers = _meta_stage(cfg, plugin)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    cpu = make_plan(cfg, plugin, model, layers, dataset, on_gpu=False)
+    assert [s.heap_bytes for s in cpu.stages] == [heap_overhead(s.held_bytes) for s in cpu.stages]
+    assert all(s.held_bytes > 0 for s in cpu.stages)
+    gpu = make_plan(cfg, plugin, model, layers, dataset, on_gpu=True)
+    assert [s.heap_bytes for s in gpu.stages] == [0, 0]
+    assert [s.held_bytes for s in gpu.stages] == [s.held_bytes for s in cpu.stages]
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 2**10))
+    fixed = make_plan(cfg, plugin, model, layers, dataset, on_gpu=False)
+    assert [s.peak_bytes for s in fixed.stages] == [s.held_bytes for s in cpu.stages]
 
 
 def test_an_offloaded_optimizer_state_leaves_the_device_state_and_stays_in_the_checkpoint(project: Path) -> None:

@@ -8,7 +8,8 @@ optimizer state, DeepSpeed's pipeline buffers, and whatever else is alive ("othe
 a tensor nobody should hold shows up). Each phase also carries the C heap's live and free bytes (glibc's
 ``mallinfo2``) and ``peak``: the largest RSS since the phase before, sampled every 5 ms by a thread, with the heap's
 live and free bytes at that moment, so that a peak inside a step splits into what was held and what the allocator
-kept of what was freed (issue 46: on a CPU run the latter is most of what the plan does not count).
+kept of what was freed (issue 46: on a CPU run the latter is most of the heap overhead the plan counts,
+:func:`~diffpipe_core.engine.stage_plan.heap_overhead`).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def record(phase: str, stage_id: int, model: torch.nn.Module | None = None, opti
         _estimate.update({
             key: getattr(estimate, key)
             for key in ("start", "stop", "params", "weight_bytes", "host_bytes", "state_bytes", "activation_bytes",
-                        "transient_bytes", "in_flight", "save_bytes", "micro_batch_bytes", "peak_bytes")
+                        "transient_bytes", "in_flight", "save_bytes", "micro_batch_bytes", "heap_bytes", "peak_bytes")
         })  # fmt: skip
     report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "stage": stage_id, "phases": _phases}
     if _estimate:

@@ -15,7 +15,9 @@ A stage's estimated peak (bytes on its device) is
       copies and the tensors) and converts it to the save dtype once per format, while the other stages hold
       their pickled share; a full fine-tune's save converts the stage's weights to the save dtype
 
-or, when larger, the weights plus what ``[model] merge_adapters`` holds while the stage loads (``load_bytes``). The
+or, when larger, the weights plus what ``[model] merge_adapters`` holds while the stage loads (``load_bytes``); on a
+CPU run (``host_heap``), plus what glibc's malloc holds per worker beyond the tensors (``heap_bytes``,
+:func:`heap_overhead`). The
 last stage also keeps the outputs of the passes without gradient (``[model] cfg``, a regularisation folder toward
 the base, ``diff_output_preservation``) for the step's micro-batches; ``diff_output_preservation`` doubles each
 micro-batch's activations. Trained state kept in host memory (an offloaded optimizer state, ``[ema] device = "cpu"``,
@@ -34,6 +36,22 @@ from diffpipe_core.engine.partition import balanced_parts, min_max_parts
 from diffpipe_core.engine.stage_costs import DTYPES, ModelCosts
 
 IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this times the mean
+
+#: What a CPU worker's C heap holds beyond the tensors the plan counts (issue 46), measured by bench/stage_memory.py
+#: (users' regime, 64 px, LoRA rank 4) on HunyuanVideo 0.73 B, Flux 0.70 B and Wan 0.65 B with 1, 2 and 4 stages: each
+#: stage's peak anonymous RSS less an idle worker's, less the plan's estimate, was 46-96 MiB on 21 stages of 334-1476
+#: MiB estimated. The workers' memory reports split it in two. Per worker: the step's allocator slack, memory one
+#: micro-batch's forward or backward freed that glibc keeps resident for the next (its dynamic mmap threshold rises to
+#: the largest chunk freed, up to 32 MiB, and the heap's top is trimmed only past twice that); it shrinks far less than
+#: the stage does (Flux: 93 MiB on 1 stage, 52 and 64 on 2, 44-50 on each of 4). Per byte the stage holds: the heap's
+#: and the interpreter's bookkeeping of what is built (resident beyond the tensors after the build: 2.0-2.3% of a Flux
+#: stage's weights at 1 and 2 stages). A least-squares fit over the 21 stages gives 44 MiB per worker + 2.8% of the
+#: stage's estimate, every stage then within 0.955-1.055 of measured over 3 rounds (0.839-0.954 without). Neither part
+#: is device memory: a GPU plan leaves both out (its own allocator's slack is the 1-2 GB the manual says to leave), as
+#: does a CPU run with glibc's threshold fixed (``MALLOC_MMAP_THRESHOLD_``: every large tensor its own mapping,
+#: returned when freed).
+HEAP_PER_WORKER = 44 * 2**20
+HEAP_FRACTION = 0.028
 
 
 @dataclass
@@ -55,6 +73,7 @@ class StageEstimate:
     micro_batch_bytes: int = 0  # one micro-batch's kept activations with its input and output (x in_flight)
     host_state_bytes: int = 0  # trained state in host memory: offloaded optimizer state, [ema] on the cpu, base copy
     load_bytes: int = 0  # merge_adapters: what merging holds beside the weights while the stage loads
+    heap_bytes: int = 0  # a CPU worker's C heap beyond the counted tensors (heap_overhead), part of the peak
 
     @property
     def queued_bytes(self) -> int:
@@ -62,10 +81,21 @@ class StageEstimate:
         return (self.in_flight - 1) * self.micro_batch_bytes
 
     @property
-    def peak_bytes(self) -> int:
+    def held_bytes(self) -> int:
+        """What the stage's tensors reach at once: the peak without the heap's overhead."""
         training = self.weight_bytes + self.state_bytes + max(self.activation_bytes + self.transient_bytes,
                                                               self.save_bytes)
         return max(training, self.weight_bytes + self.load_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.held_bytes + self.heap_bytes
+
+
+def heap_overhead(held_bytes: int) -> int:
+    """What a CPU worker's C heap holds beyond tensors that reach ``held_bytes`` at once: the step's allocator slack
+    (per worker) and the bookkeeping of what is held (per byte); see :data:`HEAP_PER_WORKER`."""
+    return HEAP_PER_WORKER + round(HEAP_FRACTION * held_bytes)
 
 
 @dataclass
@@ -89,7 +119,7 @@ class Estimator:
 
     def __init__(
         self, costs: ModelCosts, run: RunConfig, stages: int, on_gpu: bool, extra_passes: int = 0,
-        base_copy: bool = False, batch_factor: int = 1,
+        base_copy: bool = False, batch_factor: int = 1, host_heap: bool = False,
     ) -> None:
         self.costs, self.stages, self.gas = costs.layers, stages, run.gradient_accumulation_steps
         # outputs of the passes without gradient ([model] cfg's unconditional one, the regularisation base pass) the
@@ -100,6 +130,7 @@ class Estimator:
         names_blocks = any(c.block for c in self.costs)
         checkpointed = [ckpt and (c.block or not names_blocks) for c in self.costs]
         self.swap, self.on_gpu = run.blocks_to_swap, on_gpu
+        self.host_heap = host_heap and not on_gpu  # count a CPU worker's heap overhead (heap_overhead)
         self.union, self.transient = _interval_tables(costs, tuple(checkpointed), offload and on_gpu)
         self.prefix = {
             attr: _prefix([getattr(c, attr) for c in self.costs])
@@ -148,7 +179,7 @@ class Estimator:
         flight = self.in_flight(stage)
         host_state = self._sum("host_state_bytes", i, j) + (self._sum("trainable_bytes", i, j) if self.base_copy else 0)
         released = max((c.largest_grad_bytes for c in self.costs[i:j]), default=0)
-        return StageEstimate(
+        est = StageEstimate(
             stage=stage,
             start=i,
             stop=j,
@@ -165,9 +196,16 @@ class Estimator:
             host_state_bytes=host_state,
             load_bytes=max((c.merge_bytes for c in self.costs[i:j]), default=0),
         )
+        if self.host_heap:
+            est.heap_bytes = heap_overhead(est.held_bytes)
+        return est
 
     def peak(self, stage: int, i: int, j: int) -> int:
         return self.estimate(stage, i, j).peak_bytes
+
+    def held(self, stage: int, i: int, j: int) -> int:
+        """What the stage's tensors reach (the peak without the heap's overhead): what the memory split balances."""
+        return self.estimate(stage, i, j).held_bytes
 
     def trainable(self, i: int, j: int) -> bool:
         return self._sum("trainable", i, j) > 0
@@ -223,14 +261,16 @@ def plan_stages(
     extra_passes: int = 0,
     base_copy: bool = False,
     batch_factor: int = 1,
+    host_heap: bool = False,
 ) -> StagePlan:
     """Stage boundaries by ``run.partition_split`` or ``run.partition_method``, and each stage's estimate.
     ``extra_passes``: passes without gradient whose outputs the last stage keeps per micro-batch (``[model] cfg``,
     a regularisation folder trained toward the base); ``base_copy``: a full fine-tune keeps its initial weights in
     host memory for that base pass; ``batch_factor``: 2 when every micro-batch also trains its samples' class prompts
-    (``diff_output_preservation``)."""
+    (``diff_output_preservation``); ``host_heap``: a CPU run's estimates count its workers' heap overhead
+    (:func:`heap_overhead`; the memory split balances what the tensors reach, the same split as without it)."""
     n = len(costs.layers)
-    estimator = Estimator(costs, run, stages, on_gpu, extra_passes, base_copy, batch_factor)
+    estimator = Estimator(costs, run, stages, on_gpu, extra_passes, base_copy, batch_factor, host_heap)
     method = "explicit" if run.partition_split is not None else run.partition_method
     if run.partition_split is not None:
         if run.partition_split and run.partition_split[-1] >= n:
@@ -239,7 +279,7 @@ def plan_stages(
             )
         parts = [0, *run.partition_split, n]
     elif method == "memory":
-        parts = min_max_parts(n, stages, estimator.peak, estimator.trainable)
+        parts = min_max_parts(n, stages, estimator.held, estimator.trainable)
     else:
         weights = [c.params for c in costs.layers] if method == "parameters" else [1] * n
         parts = balanced_parts([max(w, 1) for w in weights], stages)
@@ -271,13 +311,16 @@ def _layers(est: StageEstimate) -> str:
 
 
 def format_plan(plan: StagePlan) -> list[str]:
-    """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header, one
-    line per stage (its peak: weights + trainable + the larger of activations and saving), a warning line when
+    """The plan as printed by ``diffpipe validate``, ``diffpipe data`` and the start of ``train``: a header (naming
+    the heap overhead a CPU run's peaks include), one line per stage (its peak: weights + trainable + the larger of
+    activations and saving, + the heap's overhead), a warning line when
     the largest stage is more than 10% above the mean, and a note when the micro-batches it holds at once are why
     (:func:`in_flight_note`)."""
     n = len(plan.stages)
     lines = [
-        f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations}):",
+        f"stage plan ({plan.method}, {n} stage{'s' if n != 1 else ''}; activations: {plan.activations})"
+        + (f", peaks with each CPU worker's C heap ({_mib(HEAP_PER_WORKER)} + {100 * HEAP_FRACTION:g}%)"
+           if any(s.heap_bytes for s in plan.stages) else "") + ":",
         f"  {'stage':<6}{'params':>10}{'weights':>12}{'trainable':>12}{'activations':>13}{'saving':>10}"
         f"{'peak (est.)':>13}  layers",
     ]
