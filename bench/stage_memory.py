@@ -453,8 +453,10 @@ def run_workers(
             if time.monotonic() - listed > 0.5:
                 try:
                     children = psutil.Process(proc.pid).children(recursive=True)
-                except psutil.NoSuchProcess:
-                    break
+                except psutil.NoSuchProcess:  # it ended since poll(): a warm server reaps its child at once, so
+                    children = []  # its pid is gone before its exit code arrives; poll() again for that
+                    time.sleep(0.05)
+                    continue
                 listed = time.monotonic()
             for child in children:
                 try:
