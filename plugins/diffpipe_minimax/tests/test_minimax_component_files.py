@@ -49,3 +49,29 @@ def test_an_int8_file_stays_quantized(tiny_minimax: Path, reference_file: Path, 
     file = quantize_file(reference_file, tmp_path / "minimax_h3_int8.safetensors", "int8")
     assert_kept_quantized(minimax, config(tiny_minimax, diffusion_model=file),
                           config(tiny_minimax, diffusion_model=reference_file), torch.int8)
+
+
+def test_comfyuis_video_vae_file_loads_the_folders_vae(tiny_minimax: Path, tmp_path: Path) -> None:
+    """ComfyUI's video VAE file (the reference layout: ``encoder.down.I.block.J``, the decoder's ``x_embedder``,
+    ``to_qkv`` interleaved per head, ``ff.w1`` = ``[gate; up]``, with ``mask_token`` and the latent statistics as
+    buffers) loads exactly the folder's VAE."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from diffpipe_minimax.testing import comfyui_files
+
+    file = comfyui_files(tiny_minimax, tmp_path)["vae"]
+    original, state = load_file(str(file)), component_state(tiny_minimax, "vae")
+    heads = json.loads((tiny_minimax / "vae" / "config.json").read_text())["decoder_num_attention_heads"]
+    block = "decoder.transformer_blocks.0"
+    q, k, v = (state[f"{block}.attn.to_{p}.weight"].unflatten(0, (heads, -1)) for p in "qkv")  # the reference's rows
+    assert torch.equal(original[f"{block}.attn.to_qkv.weight"], torch.cat([q, k, v], dim=1).flatten(0, 1))
+    up, gate = state[f"{block}.ff.net.0.proj.weight"].chunk(2)
+    assert torch.equal(original[f"{block}.ff.w1.weight"], torch.cat([gate, up]))
+    assert "encoder.down.0.block.0.conv1.weight" in original and "encoder.down.0.downsample.conv.weight" in original
+    cfg = config(tiny_minimax, vae=file)
+    assert minimax.validate_model_files(cfg) == []
+    got = minimax.load_encoders(cfg, CPU).vae.state_dict()
+    expected = minimax.load_encoders(config(tiny_minimax), CPU).vae.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
