@@ -61,7 +61,10 @@ class Module:
         form: how the original stores the module's tensors when not as the model does: ``"conv1x1"`` (a linear's
             weight as a 1x1 convolution's, LDM VAEs' attention), ``"conv1x1x1"`` (as a 1x1x1 3-D convolution's, video
             LDM VAEs' attention), ``"transposed"`` (OpenCLIP's ``text_projection``) or ``"flat6"`` (a ``(6, D)``
-            table stored as one ``6 * D`` vector: Krea 2's per-block modulation).
+            table stored as one ``6 * D`` vector: Krea 2's per-block modulation) or ``"weight_norm"`` (a
+            weight-normed module's ``weight_g`` / ``weight_v`` folded into one ``weight``, as ComfyUI's files hold
+            them: read as ``weight_v`` = the weight and ``weight_g`` = its norm, which give the same weight; list
+            the params ``(("weight", "weight_v"), ("bias", "bias"))``).
             ``original`` may be ``""`` for a parameter at the top of the original layout.
         groups: the original interleaves its equal parts per group (attention head) instead of stacking them:
             rows ``[group 0: part 0, part 1, ...; group 1: part 0, ...]`` (MiniMax H3's video VAE ``to_qkv``:
@@ -130,7 +133,17 @@ FORMS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]
     "conv1x1x1": (_from_conv1x1, _to_conv1x1x1),
     "transposed": (_transpose, _transpose),
     "flat6": (_from_flat6, _to_flat),
+    "weight_norm": (None, None),  # two model tensors of one: KeyTable.targets / to_original
 }
+
+WEIGHT_NORM = "weight_norm"
+
+
+def _weight_norm_g(t: torch.Tensor) -> torch.Tensor:
+    """``weight_g`` of a folded weight: its norm over all dims but 0 (``torch.nn.utils.weight_norm``'s ``dim=0``)."""
+    import torch
+
+    return torch.norm_except_dim(t, 2, 0)
 
 
 def _piece(index: int, count: int, sizes: tuple[int, ...], groups: int = 0) -> Transform:
@@ -233,6 +246,8 @@ class KeyTable:
             if renamed is not None:
                 return [(renamed, None)]
             return [(bare, None)] if self.passthrough else None
+        if entry.form == WEIGHT_NORM and model_param == "weight_v":
+            return [(f"{entry.parts[0]}.weight_g", _weight_norm_g), (f"{entry.parts[0]}.weight_v", None)]
         if len(entry.parts) == 1:
             return [(f"{entry.parts[0]}.{model_param}", _single(entry))]
         count = len(entry.parts)
@@ -349,6 +364,11 @@ class KeyTable:
                 continue
             entry, _ = found
             original_param = param if entry.params is None else {m: o for o, m in entry.params}.get(param)
+            if entry.form == WEIGHT_NORM and param in ("weight_g", "weight_v"):
+                if param == "weight_v":  # the weight weight_g and weight_v give
+                    g = state[f"{module}.weight_g"]
+                    out[self.write_prefix + _join(entry.original, "weight")] = torch._weight_norm(value, g, 0)
+                continue
             if original_param is None:
                 unknown.append(key)
             elif len(entry.parts) == 1:

@@ -75,3 +75,29 @@ def test_comfyuis_video_vae_file_loads_the_folders_vae(tiny_minimax: Path, tmp_p
     got = minimax.load_encoders(cfg, CPU).vae.state_dict()
     expected = minimax.load_encoders(config(tiny_minimax), CPU).vae.state_dict()
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_comfyuis_audio_vae_file_loads_the_folders_audio_vae(tiny_minimax: Path, tmp_path: Path) -> None:
+    """ComfyUI's audio VAE file (diffusers' module names, each weight-normed convolution's ``weight_g`` / ``weight_v``
+    folded into one ``weight``, the latent statistics as buffers) gives the folder's audio VAE: the same convolutions
+    (to float rounding: the file holds their product), every other tensor exactly, and the same latents."""
+    from safetensors.torch import load_file
+
+    from diffpipe_minimax.testing import comfyui_files
+
+    file = comfyui_files(tiny_minimax, tmp_path)["audio_vae"]
+    original = load_file(str(file))
+    assert "decoder.conv_pre.weight" in original and not any(k.endswith(("weight_g", "weight_v")) for k in original)
+    cfg = config(tiny_minimax, audio_vae=file)
+    assert minimax.validate_model_files(cfg) == []
+    got, expected = (minimax.load_decoder(c, CPU).diffpipe_audio for c in (cfg, config(tiny_minimax)))
+    got_state, expected_state = got.state_dict(), expected.state_dict()
+    assert got_state.keys() == expected_state.keys()
+    for name, module in expected.named_modules():
+        if hasattr(module, "weight_g"):  # the convolution's weight, however it is split (to float rounding)
+            mine = got.get_submodule(name)
+            torch.testing.assert_close(torch._weight_norm(mine.weight_v, mine.weight_g, 0),
+                                       torch._weight_norm(module.weight_v, module.weight_g, 0))
+    assert all(torch.equal(got_state[k], expected_state[k]) for k in got_state if not k.endswith(("_g", "_v")))
+    sound = torch.randn(1, 1, 1600, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.encode(sound).latent_dist.mean, expected.encode(sound).latent_dist.mean)

@@ -19,7 +19,7 @@ from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_minimax.config import MiniMaxH3Config
-from diffpipe_minimax.vae_original import video_vae_table
+from diffpipe_minimax.vae_original import audio_vae_table, video_vae_table
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +78,8 @@ class MiniMaxH3(DiffusersModel):
         "minimax-h3", PIPELINES, COMPONENTS,
         sizes=(SizeMatch("text_encoder", "text_config.hidden_size", "text_dim", 5120),),
         single_file_example="minimax_h3_transformer.safetensors", title="MiniMax H3",
-        file_layouts={"vae": video_vae_table},  # ComfyUI's minimax_h3_video_vae_*.safetensors: the reference layout
+        # ComfyUI's minimax_h3_video_vae_*.safetensors (the reference layout) and audio VAE (weight norms folded)
+        file_layouts={"vae": video_vae_table, "audio_vae": audio_vae_table},
     )
     model_class = "MiniMaxH3Transformer3DModel"
     single_file_markers = ("blocks.0.attn.qkv_proj.weight", "audio_patch_proj.weight")

@@ -181,24 +181,26 @@ def modular_pipeline(folder: Path) -> Any:
 def comfyui_files(folder: Path, out: Path) -> dict[str, Path]:
     """A tiny folder's components as the files diffusion-pipe's MiniMax H3 example names (ComfyUI's), under ``out``:
     ``diffusion_model`` (the reference layout under ``model.diffusion_model.``), ``vae`` (the video VAE's reference
-    layout, with ComfyUI's ``mask_token`` and latent statistics buffers), ``audio_vae`` and ``text_encoder`` (diffusers'
-    and transformers' names: ComfyUI's own layouts of these two are not read yet)."""
+    layout), ``audio_vae`` (weight norms folded), both with ComfyUI's latent statistics buffers (and the video VAE's
+    ``mask_token``), and ``text_encoder`` (transformers' names: ComfyUI's Qwen3-VL layout is not read yet)."""
     from diffpipe_core.testing.component_files import component_state, save
     from diffpipe_minimax.original import layout_for_config
-    from diffpipe_minimax.vae_original import video_vae_table
+    from diffpipe_minimax.vae_original import audio_vae_table, video_vae_table
 
     folder, out = Path(folder), Path(out)
-    configs = {n: json.loads((folder / n / "config.json").read_text()) for n in ("transformer", "vae")}
+    configs = {n: json.loads((folder / n / "config.json").read_text()) for n in ("transformer", "vae", "audio_vae")}
     dit = layout_for_config(configs["transformer"]).to_original(component_state(folder, "transformer"))
     vae = video_vae_table(configs["vae"]).to_original(component_state(folder, "vae"))
-    channels, width = configs["vae"]["latent_channels"], vae["decoder.x_embedder.weight"].shape[0]
-    vae.update({"decoder.mask_token": torch.zeros(1, 1, width), "latents_mean": torch.zeros(channels),
-                "latents_std": torch.ones(channels)})
+    audio = audio_vae_table(configs["audio_vae"]).to_original(component_state(folder, "audio_vae"))
+    for state, name in ((vae, "vae"), (audio, "audio_vae")):
+        channels = configs[name]["latent_channels"]
+        state.update({"latents_mean": torch.zeros(channels), "latents_std": torch.ones(channels)})
+    vae["decoder.mask_token"] = torch.zeros(1, 1, vae["decoder.x_embedder.weight"].shape[0])
     return {
         "diffusion_model": save({f"model.diffusion_model.{k}": v for k, v in dit.items()},
                                 out / "minimax_h3_fl2va.safetensors"),
         "vae": save(vae, out / "minimax_h3_video_vae_fp16.safetensors"),
-        "audio_vae": save(component_state(folder, "audio_vae"), out / "minimax_h3_audio_vae_fp32.safetensors"),
+        "audio_vae": save(audio, out / "minimax_h3_audio_vae_fp32.safetensors"),
         "text_encoder": save(component_state(folder, "text_encoder"), out / "qwen3vl_minimax_h3.safetensors"),
     }
 

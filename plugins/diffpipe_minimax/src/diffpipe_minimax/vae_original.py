@@ -15,6 +15,12 @@ What differs from diffusers' names:
   them in the config) are not the model's; everything else keeps its name.
 
 Sizes (levels, blocks per level, decoder blocks and heads) come from the component's diffusers config.
+
+The audio VAE (``AutoencoderKLMiniMaxH3Audio``, ComfyUI's ``comfy/ldm/minimax/audio_vae.py`` and Comfy-Org's
+``minimax_h3_audio_vae_*.safetensors``) names every module as diffusers does, but ComfyUI's file holds each
+weight-normed convolution's ``weight_g`` / ``weight_v`` folded into one ``weight``: :func:`audio_vae_table` reads it as
+``weight_v`` = the weight and ``weight_g`` = its norm (the same convolution), and leaves out ComfyUI's
+``latents_mean`` / ``latents_std`` buffers.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffpipe_core.parts.layout import KeyTable, Module
+from diffpipe_core.parts.layout import WEIGHT_NORM, KeyTable, Module
 
 
 def _decoder_block(i: int, heads: int) -> tuple[Module, ...]:
@@ -49,3 +55,18 @@ def video_vae_table(config: Mapping[str, Any]) -> KeyTable:
     return KeyTable(modules, "original MiniMax H3 video VAE", "MiniMax H3 video VAE",
                     ("first_stage_model.", "vae.", ""), renames=tuple(renames), passthrough=True,
                     skip=r"^(decoder\.mask_token|latents_mean|latents_std)$")
+
+
+def audio_vae_table(config: Mapping[str, Any]) -> KeyTable:
+    """ComfyUI's layout of an ``AutoencoderKLMiniMaxH3Audio`` of this config (its weight-normed convolutions, found
+    in the model built on the meta device, folded)."""
+    import torch
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    with torch.device("meta"):
+        model = AutoencoderKLMiniMaxH3Audio.from_config(dict(config))
+    normed = [name for name, module in model.named_modules() if hasattr(module, "weight_g")]
+    params = (("weight", "weight_v"), ("bias", "bias"))
+    modules = tuple(Module(name, (name,), params=params, form=WEIGHT_NORM, comfy=None) for name in normed)
+    return KeyTable(modules, "ComfyUI MiniMax H3 audio VAE", "MiniMax H3 audio VAE",
+                    ("first_stage_model.", "audio_vae.", ""), passthrough=True, skip=r"^(latents_mean|latents_std)$")
