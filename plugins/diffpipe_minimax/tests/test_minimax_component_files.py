@@ -101,3 +101,21 @@ def test_comfyuis_audio_vae_file_loads_the_folders_audio_vae(tiny_minimax: Path,
     assert all(torch.equal(got_state[k], expected_state[k]) for k in got_state if not k.endswith(("_g", "_v")))
     sound = torch.randn(1, 1, 1600, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(got.encode(sound).latent_dist.mean, expected.encode(sound).latent_dist.mean)
+
+
+def test_comfyuis_qwen3vl_file_gives_the_folders_text(tiny_minimax: Path, tmp_path: Path) -> None:
+    """ComfyUI's Qwen3-VL file (``model.`` / ``visual.``, cut after layer 50 with no final norm and no head) gives
+    Qwen3-VL with the folder's weights wherever text encoding reads them, and the same hidden state after layer 50."""
+    from diffpipe_minimax.plugin import QWEN3VL_UNUSED, TEXT_LAYER
+    from diffpipe_minimax.testing import comfyui_files
+
+    file = comfyui_files(tiny_minimax, tmp_path)["text_encoder"]
+    cfg = config(tiny_minimax, text_encoders=[{"path": str(file), "type": "minimax"}])
+    assert minimax.validate_model_files(cfg) == []
+    got, expected = (minimax.load_encoders(c, CPU).text_encoder for c in (cfg, config(tiny_minimax)))
+    got_state, expected_state = got.state_dict(), expected.state_dict()
+    assert got_state.keys() == expected_state.keys()
+    assert all(torch.equal(got_state[k], expected_state[k]) for k in got_state if not k.startswith(QWEN3VL_UNUSED))
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    states = [m(input_ids=ids, output_hidden_states=True).hidden_states[TEXT_LAYER] for m in (got, expected)]
+    torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)

@@ -178,11 +178,21 @@ def modular_pipeline(folder: Path) -> Any:
     return pipe
 
 
+def comfyui_qwen3vl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``Qwen3VLForConditionalGeneration`` state dict as ComfyUI's MiniMax H3 text encoder file holds it."""
+    from diffpipe_minimax.plugin import QWEN3VL_UNUSED
+
+    renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    return {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
+            for k, v in state.items() if not k.startswith(QWEN3VL_UNUSED)}
+
+
 def comfyui_files(folder: Path, out: Path) -> dict[str, Path]:
     """A tiny folder's components as the files diffusion-pipe's MiniMax H3 example names (ComfyUI's), under ``out``:
     ``diffusion_model`` (the reference layout under ``model.diffusion_model.``), ``vae`` (the video VAE's reference
     layout), ``audio_vae`` (weight norms folded), both with ComfyUI's latent statistics buffers (and the video VAE's
-    ``mask_token``), and ``text_encoder`` (transformers' names: ComfyUI's Qwen3-VL layout is not read yet)."""
+    ``mask_token``), and ``text_encoder`` (ComfyUI's Qwen3-VL: the language model under ``model.``, the vision tower
+    under ``visual.``, cut after layer :data:`TEXT_LAYER`, without the final norm and the head)."""
     from diffpipe_core.testing.component_files import component_state, save
     from diffpipe_minimax.original import layout_for_config
     from diffpipe_minimax.vae_original import audio_vae_table, video_vae_table
@@ -201,7 +211,8 @@ def comfyui_files(folder: Path, out: Path) -> dict[str, Path]:
                                 out / "minimax_h3_fl2va.safetensors"),
         "vae": save(vae, out / "minimax_h3_video_vae_fp16.safetensors"),
         "audio_vae": save(audio, out / "minimax_h3_audio_vae_fp32.safetensors"),
-        "text_encoder": save(component_state(folder, "text_encoder"), out / "qwen3vl_minimax_h3.safetensors"),
+        "text_encoder": save(comfyui_qwen3vl(component_state(folder, "text_encoder")),
+                             out / "qwen3vl_minimax.safetensors"),
     }
 
 
