@@ -294,6 +294,7 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
         model.load_state_dict({n: v for n, v in absent.items() if n not in state}, strict=False, assign=True)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
+    refresh_weight_norms(model)
     missing = meta_tensors(model)
     if missing:
         raise ValueError(
@@ -301,6 +302,17 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
             f"{missing[:3]} (it is read as {fit.layout}); is it the right component?"
         )
     return model
+
+
+def refresh_weight_norms(model: nn.Module) -> None:
+    """Recompute the ``weight`` of every ``torch.nn.utils.weight_norm`` module from its loaded ``weight_g`` /
+    ``weight_v`` (the attribute its hook computed when the skeleton was built on meta; its forward recomputes it)."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm) and not getattr(module, f"{hook.name}_v").is_meta:
+                setattr(module, hook.name, hook.compute_weight(module))
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

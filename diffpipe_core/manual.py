@@ -278,6 +278,8 @@ def anchor_planned() -> str:
 
     rows = ["| diffusion-pipe `type` | will be in |", "|---|---|"]
     rows += [f"| `{anchor}` | `{distribution}` |" for anchor, distribution in sorted(PLANNED.items())]
+    if not PLANNED:
+        return "None: every type diffusion-pipe trains has a diffpipe model.\n"
     return "\n".join(rows) + "\n"
 
 

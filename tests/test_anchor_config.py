@@ -419,3 +419,24 @@ def test_omnigen2_keeps_the_anchors_shift_where_diffpipes_default_differs(tmp_pa
     run = _imported_run(tmp_path, "type = 'omnigen2'\nflux_shift = true\nshift = 3.0")
     assert run["model"]["flux_shift"] is False and run["model"]["shift"] == 3.0
     assert "flux_shift" not in _imported_run(tmp_path, "type = 'flux'")["model"]
+
+
+def test_the_anchors_minimax_example_imports(tmp_path: Path) -> None:
+    """diffusion-pipe's examples/minimax_h3_example.toml (at 8f83dbf, its ComfyUI files as it names them): type
+    minimax_h3 is diffpipe's minimax-h3, its files are carried as the component-file keys, the anchor's defaults where
+    diffpipe's differ (no shift, the clips' sound trained) are written, and image_shift is named. (That the result
+    validates with tiny files in place of these: tests/test_anchor_examples.py's component-file snippets; that
+    ComfyUI's video VAE file loads: the plugin's test_minimax_component_files.py.)"""
+    from diffpipe_core.anchor.convert import import_config
+
+    anchor = Path(__file__).parent / "anchor_examples" / "minimax_h3_example.toml"
+    (tmp_path / "dataset.toml").write_text("resolutions = [64]\n[[directory]]\npath = 'images'\n")
+    run_text = import_config(anchor, tmp_path, tmp_path / "dataset.toml").files["run.toml"]
+    model, given = _keys(run_text)["model"], tomllib.loads(anchor.read_text())["model"]
+    assert model["type"] == "minimax-h3" and model["cfg"] == 4 and model["shift"] == 8
+    assert model["train_audio"] is True and model["timestep_sample_method"] == "uniform"
+    assert {k: model[k] for k in ("diffusion_model", "vae", "audio_vae", "text_encoders")} == {
+        k: given[k] for k in ("diffusion_model", "vae", "audio_vae", "text_encoders")}
+    assert "not carried: image_shift = 1 (diffpipe's 'minimax-h3' model shifts an image's training times" in run_text
+    assert "TODO: path = ..." in run_text  # the configs folder: the one thing the anchor's config cannot say
+    assert _imported_run(tmp_path, "type = 'minimax_h3'")["model"]["shift"] == 1.0  # the anchor's default: none

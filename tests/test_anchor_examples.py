@@ -327,12 +327,13 @@ def _tiny_folder(name: str, root: Path) -> Path:
     from diffpipe_ideogram.testing import write_tiny_ideogram4
     from diffpipe_krea.testing import write_tiny_krea2
     from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
+    from diffpipe_minimax.testing import write_tiny_minimax
     from diffpipe_zimage.testing import write_tiny_zimage
 
     writers = {
         "z-image": write_tiny_zimage, "hunyuan-video-1.5": write_tiny_hunyuan15, "flux2": write_tiny_flux2,
         "flux2-klein": write_tiny_klein, "ltx-2": write_tiny_ltx2, "krea2": write_tiny_krea2,
-        "ideogram4": write_tiny_ideogram4, "ernie-image": write_tiny_ernie,
+        "ideogram4": write_tiny_ideogram4, "ernie-image": write_tiny_ernie, "minimax-h3": write_tiny_minimax,
     }  # fmt: skip
     return writers[name](root / name)
 

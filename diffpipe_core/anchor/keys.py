@@ -361,6 +361,7 @@ MODEL_RULES: dict[str, Rule] = {
     "llm_adapter_lr": _same("model", "the LLM adapter's rate (its parameter group's group_lr; 0 freezes it)"),
     "freeze_llm_adapter": lambda key, value, ctx: _freeze_llm_adapter(value, ctx),
     "flux_shift": lambda key, value, ctx: _flux_shift(value, ctx),
+    "image_shift": lambda key, value, ctx: _image_shift(key, value, ctx),
 }
 
 def _checkpoint_path(key: str, value: Any, ctx: Context) -> list[Change]:
@@ -384,6 +385,14 @@ def _flux_shift(value: Any, ctx: Context) -> list[Change]:
     if value and model.get("shift") and ctx.has("model", "flux_shift"):
         return [Change("model", "flux_shift", False, "diffusion-pipe ignores flux_shift when shift is set")]
     return _same("model")("flux_shift", value, ctx)
+
+
+def _image_shift(key: str, value: Any, ctx: Context) -> list[Change]:
+    """diffusion-pipe's ``image_shift``: the shift of one-frame items (MiniMax H3); carried where the model has the
+    key, else named: diffpipe shifts an image's times by ``shift``, as a clip's."""
+    if ctx.has("model", key):
+        return [Change("model", key, value)]
+    return [Change(None, why=f"{ctx.model_label} shifts an image's training times by shift, as a clip's")]
 
 
 def _pattern_lr(key: str, value: Any) -> list[Change]:

@@ -38,12 +38,11 @@ MODEL_TYPES = {
     "hunyuan_image": "hunyuan-image-2.1",
     "omnigen2": "omnigen2",
     "ernie_image": "ernie-image",
+    "minimax_h3": "minimax-h3",
 }
 
 # types diffpipe has no model for yet -> the distribution that will have it (the family's, where diffpipe has one)
-PLANNED = {
-    "minimax_h3": "diffpipe-minimax",
-}
+PLANNED: dict[str, str] = {}
 
 # a family's model -> its edit variant (trains on control images), where the family model itself does not
 EDIT_VARIANTS = {"flux": "flux-kontext", "qwen-image": "qwen-image-edit"}
@@ -64,6 +63,11 @@ ANCHOR_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
         True, "diffusion-pipe trains SDXL's text encoders (its text is not cached); false caches it instead")},
     "omnigen2": {"flux_shift": (
         False, "diffusion-pipe's default: no resolution shift (diffpipe's is true, as OmniGen2's own training)")},
+    "minimax-h3": {
+        "shift": (1.0, "diffusion-pipe's default: no shift unless shift is given (diffpipe's is 12.0, the pipeline's)"),
+        "train_audio": (True, "diffusion-pipe trains the sound of every clip that has a track (diffpipe's default: "
+                              "false, video only)"),
+    },
 }
 MODEL_FILE_KEYS = ("diffusers_path", "transformer_path", "ckpt_path", "diffusion_model", "checkpoint_path")
 

@@ -61,8 +61,14 @@ class Module:
         form: how the original stores the module's tensors when not as the model does: ``"conv1x1"`` (a linear's
             weight as a 1x1 convolution's, LDM VAEs' attention), ``"conv1x1x1"`` (as a 1x1x1 3-D convolution's, video
             LDM VAEs' attention), ``"transposed"`` (OpenCLIP's ``text_projection``) or ``"flat6"`` (a ``(6, D)``
-            table stored as one ``6 * D`` vector: Krea 2's per-block modulation).
+            table stored as one ``6 * D`` vector: Krea 2's per-block modulation) or ``"weight_norm"`` (a
+            weight-normed module's ``weight_g`` / ``weight_v`` folded into one ``weight``, as ComfyUI's files hold
+            them: read as ``weight_v`` = the weight and ``weight_g`` = its norm, which give the same weight; list
+            the params ``(("weight", "weight_v"), ("bias", "bias"))``).
             ``original`` may be ``""`` for a parameter at the top of the original layout.
+        groups: the original interleaves its equal parts per group (attention head) instead of stacking them:
+            rows ``[group 0: part 0, part 1, ...; group 1: part 0, ...]`` (MiniMax H3's video VAE ``to_qkv``:
+            ``[head 0: q k v; head 1: q k v; ...]``); 0: stacked.
     """
 
     original: str
@@ -72,10 +78,13 @@ class Module:
     swap: bool = False
     comfy: str | None = SAME
     form: str = ""
+    groups: int = 0
 
     def __post_init__(self) -> None:
         if self.sizes and len(self.sizes) != len(self.parts):
             raise ValueError(f"{self.original}: {len(self.sizes)} sizes for {len(self.parts)} parts")
+        if self.groups and (self.sizes or len(self.parts) < 2):
+            raise ValueError(f"{self.original}: interleaved groups need two or more equal parts")
         if self.params is None and len(self.parts) != 1:
             raise ValueError(f"{self.original}: a fused module must list its parameters")
         if self.form not in FORMS or (self.form and len(self.parts) != 1):
@@ -124,19 +133,41 @@ FORMS: dict[str, tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]
     "conv1x1x1": (_from_conv1x1, _to_conv1x1x1),
     "transposed": (_transpose, _transpose),
     "flat6": (_from_flat6, _to_flat),
+    "weight_norm": (None, None),  # two model tensors of one: KeyTable.targets / to_original
 }
 
+WEIGHT_NORM = "weight_norm"
 
-def _piece(index: int, count: int, sizes: tuple[int, ...]) -> Transform:
-    """Part ``index`` of ``count`` stacked along dim 0 (equal parts, or of ``sizes`` rows)."""
+
+def _weight_norm_g(t: torch.Tensor) -> torch.Tensor:
+    """``weight_g`` of a folded weight: its norm over all dims but 0 (``torch.nn.utils.weight_norm``'s ``dim=0``)."""
+    import torch
+
+    return torch.norm_except_dim(t, 2, 0)
+
+
+def _piece(index: int, count: int, sizes: tuple[int, ...], groups: int = 0) -> Transform:
+    """Part ``index`` of ``count`` stacked along dim 0 (equal parts, or of ``sizes`` rows), or with ``groups``,
+    interleaved per group (:attr:`Module.groups`)."""
 
     def take(t: torch.Tensor) -> torch.Tensor:
         import torch
 
+        if groups:
+            grouped = t.reshape(groups, count, t.shape[0] // (groups * count), *t.shape[1:])
+            return grouped[:, index].reshape(t.shape[0] // count, *t.shape[1:]).contiguous()
         rows = list(sizes) if sizes else [t.shape[0] // count] * count
         return torch.split(t, rows, dim=0)[index].contiguous()
 
     return take
+
+
+def _interleave(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Equal ``parts`` interleaved per group along dim 0 (the inverse of :func:`_piece` with ``groups``)."""
+    import torch
+
+    split = [p.reshape(groups, p.shape[0] // groups, *p.shape[1:]) for p in parts]
+    return torch.stack(split, dim=1).reshape(sum(p.shape[0] for p in parts), *parts[0].shape[1:])
 
 
 def _split_key(key: str) -> tuple[str, str]:
@@ -215,10 +246,12 @@ class KeyTable:
             if renamed is not None:
                 return [(renamed, None)]
             return [(bare, None)] if self.passthrough else None
+        if entry.form == WEIGHT_NORM and model_param == "weight_v":
+            return [(f"{entry.parts[0]}.weight_g", _weight_norm_g), (f"{entry.parts[0]}.weight_v", None)]
         if len(entry.parts) == 1:
             return [(f"{entry.parts[0]}.{model_param}", _single(entry))]
         count = len(entry.parts)
-        return [(f"{p}.{model_param}", _piece(i, count, entry.sizes)) for i, p in enumerate(entry.parts)]
+        return [(f"{p}.{model_param}", _piece(i, count, entry.sizes, entry.groups)) for i, p in enumerate(entry.parts)]
 
     def key_map(self, file_keys: Iterable[str] | None = None, under: str = "") -> Callable[[str], Any]:
         """The per-stage loading key map of a file in this layout: a file key -> the model tensors it makes (see
@@ -331,6 +364,11 @@ class KeyTable:
                 continue
             entry, _ = found
             original_param = param if entry.params is None else {m: o for o, m in entry.params}.get(param)
+            if entry.form == WEIGHT_NORM and param in ("weight_g", "weight_v"):
+                if param == "weight_v":  # the weight weight_g and weight_v give
+                    g = state[f"{module}.weight_g"]
+                    out[self.write_prefix + _join(entry.original, "weight")] = torch._weight_norm(value, g, 0)
+                continue
             if original_param is None:
                 unknown.append(key)
             elif len(entry.parts) == 1:
@@ -349,7 +387,8 @@ class KeyTable:
             missing = [n for n in names if n not in state]
             if missing:
                 raise KeyError(f"{self.model} state dict lacks {missing[0]!r} (needed for {original}.{original_param})")
-            value = torch.cat([state[n] for n in names], dim=0)
+            parts = [state[n] for n in names]
+            value = _interleave(parts, entry.groups) if entry.groups else torch.cat(parts, dim=0)
             out[self.write_prefix + _join(original, original_param)] = _swap_halves(value) if entry.swap else value
         return out
 
@@ -368,6 +407,8 @@ class KeyTable:
         for entry in self.modules:
             if entry.comfy_name is None or not adapted & set(entry.parts):
                 continue
+            if entry.groups:
+                raise ValueError(f"{entry.original}: a LoRA of parts interleaved per group is not written")
             targets.append(FusedTarget(entry.comfy_name, entry.parts, entry.sizes))
             covered.update(entry.parts)
         reverse_renames = tuple((m, o) for o, m in self.renames)

@@ -19,6 +19,7 @@ from diffpipe_core.parts.file_variant import Shape, blocks, weight_of
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder, SizeMatch
 from diffpipe_core.parts.plugin import DiffusersModel, diffusers_spec
 from diffpipe_minimax.config import MiniMaxH3Config
+from diffpipe_minimax.vae_original import audio_vae_table, video_vae_table
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,10 @@ COMPONENTS = {
 }
 #: the pipeline conditions on the text encoder's hidden state after this many layers (``text_encoder_layer``)
 TEXT_LAYER = 50
+#: Qwen3-VL tensors text encoding never reads (the hidden state after layer 50 is the text; ComfyUI's file is cut there
+#: and has no head): a component file may leave them out
+QWEN3VL_UNUSED = ("lm_head.", "model.language_model.norm.",
+                  *(f"model.language_model.layers.{i}." for i in range(TEXT_LAYER, 128)))
 #: the linears of the blocks and of the text refiner's blocks: attention and the SwiGLU MLP. The per-block AdaLN
 #: projections (``adaln_proj``), the output modulation and the embedders stay out, as the anchor leaves them out, so a
 #: LoRA fits the full checkpoint and the pruned one (whose AdaLN projections differ in size)
@@ -77,6 +82,9 @@ class MiniMaxH3(DiffusersModel):
         "minimax-h3", PIPELINES, COMPONENTS,
         sizes=(SizeMatch("text_encoder", "text_config.hidden_size", "text_dim", 5120),),
         single_file_example="minimax_h3_transformer.safetensors", title="MiniMax H3",
+        # ComfyUI's minimax_h3_video_vae_*.safetensors (the reference layout) and audio VAE (weight norms folded)
+        file_layouts={"vae": video_vae_table, "audio_vae": audio_vae_table},
+        file_optional={"text_encoder": QWEN3VL_UNUSED},
     )
     model_class = "MiniMaxH3Transformer3DModel"
     single_file_markers = ("blocks.0.attn.qkv_proj.weight", "audio_patch_proj.weight")

@@ -178,6 +178,44 @@ def modular_pipeline(folder: Path) -> Any:
     return pipe
 
 
+def comfyui_qwen3vl(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``Qwen3VLForConditionalGeneration`` state dict as ComfyUI's MiniMax H3 text encoder file holds it."""
+    from diffpipe_minimax.plugin import QWEN3VL_UNUSED
+
+    renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    return {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
+            for k, v in state.items() if not k.startswith(QWEN3VL_UNUSED)}
+
+
+def comfyui_files(folder: Path, out: Path) -> dict[str, Path]:
+    """A tiny folder's components as the files diffusion-pipe's MiniMax H3 example names (ComfyUI's), under ``out``:
+    ``diffusion_model`` (the reference layout under ``model.diffusion_model.``), ``vae`` (the video VAE's reference
+    layout), ``audio_vae`` (weight norms folded), both with ComfyUI's latent statistics buffers (and the video VAE's
+    ``mask_token``), and ``text_encoder`` (ComfyUI's Qwen3-VL: the language model under ``model.``, the vision tower
+    under ``visual.``, cut after layer :data:`TEXT_LAYER`, without the final norm and the head)."""
+    from diffpipe_core.testing.component_files import component_state, save
+    from diffpipe_minimax.original import layout_for_config
+    from diffpipe_minimax.vae_original import audio_vae_table, video_vae_table
+
+    folder, out = Path(folder), Path(out)
+    configs = {n: json.loads((folder / n / "config.json").read_text()) for n in ("transformer", "vae", "audio_vae")}
+    dit = layout_for_config(configs["transformer"]).to_original(component_state(folder, "transformer"))
+    vae = video_vae_table(configs["vae"]).to_original(component_state(folder, "vae"))
+    audio = audio_vae_table(configs["audio_vae"]).to_original(component_state(folder, "audio_vae"))
+    for state, name in ((vae, "vae"), (audio, "audio_vae")):
+        channels = configs[name]["latent_channels"]
+        state.update({"latents_mean": torch.zeros(channels), "latents_std": torch.ones(channels)})
+    vae["decoder.mask_token"] = torch.zeros(1, 1, vae["decoder.x_embedder.weight"].shape[0])
+    return {
+        "diffusion_model": save({f"model.diffusion_model.{k}": v for k, v in dit.items()},
+                                out / "minimax_h3_fl2va.safetensors"),
+        "vae": save(vae, out / "minimax_h3_video_vae_fp16.safetensors"),
+        "audio_vae": save(audio, out / "minimax_h3_audio_vae_fp32.safetensors"),
+        "text_encoder": save(comfyui_qwen3vl(component_state(folder, "text_encoder")),
+                             out / "qwen3vl_minimax.safetensors"),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_minimax.testing FOLDER``: write a tiny MiniMax H3 folder."""
     parser = tiny.folder_parser(main.__doc__)
