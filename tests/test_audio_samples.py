@@ -112,3 +112,20 @@ def test_a_samples_sound_is_muxed_into_its_mp4_and_logged(tmp_path: Path) -> Non
     board = Board()
     log_sampling_point(board, silent)
     assert board.audio == []
+
+
+def test_a_rate_aac_lacks_is_resampled_to_one_it_has() -> None:
+    """A model whose audio rate AAC cannot store (a tiny test model at 800 Hz) still writes its sound: resampled to
+    the next AAC rate, the tone kept."""
+    from diffpipe_core.sampling.output import AAC_RATES, aac_ready, mp4_bytes
+
+    wave = tone(1.0, 50.0, 800)[None].astype(np.float32)
+    ready, rate = aac_ready(wave, 800)
+    assert rate == 7350 and ready.shape == (1, 7350)
+    assert np.corrcoef(ready[0], tone(1.0, 50.0, 7350))[0, 1] > 0.999
+    assert aac_ready(wave, 8000)[1] == 8000 and aac_ready(wave, 200_000)[1] == AAC_RATES[-1]
+    frames = np.zeros((24, 32, 32, 3), np.uint8)
+    import io
+
+    with av.open(io.BytesIO(mp4_bytes(frames, 24.0, wave, 800))) as container:
+        assert container.streams.audio[0].rate == 7350

@@ -82,6 +82,8 @@ def mp4_bytes(frames: np.ndarray, fps: float, audio: np.ndarray | None = None, s
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         if codec == "libx264":
             stream.options = {"crf": "18"}
+        if audio is not None:
+            audio, sample_rate = aac_ready(audio, sample_rate)
         sound = _audio_stream(container, audio, sample_rate) if audio is not None else None
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
@@ -89,6 +91,22 @@ def mp4_bytes(frames: np.ndarray, fps: float, audio: np.ndarray | None = None, s
         if sound is not None:
             _mux_audio(container, sound, audio, sample_rate)  # type: ignore[arg-type]
     return buf.getvalue()
+
+
+#: the sample rates an AAC track can have (MPEG-4's sampling frequency table)
+AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+
+
+def aac_ready(audio: np.ndarray, sample_rate: int) -> tuple[np.ndarray, int]:
+    """``audio`` at a rate AAC takes: as it is where ``sample_rate`` is one, else resampled (linearly) to the next
+    higher one (96 kHz above that), so a model with an unusual rate still writes its sample's sound."""
+    if sample_rate in AAC_RATES or sample_rate < 1:
+        return audio, sample_rate
+    rate = next((r for r in AAC_RATES if r > sample_rate), AAC_RATES[-1])
+    length = max(1, round(audio.shape[-1] * rate / sample_rate))
+    at = np.arange(length) * (sample_rate / rate)
+    source = np.arange(audio.shape[-1])
+    return np.stack([np.interp(at, source, channel) for channel in np.asarray(audio, np.float32)]), rate
 
 
 def _audio_stream(container: Any, audio: np.ndarray, sample_rate: int) -> Any:
