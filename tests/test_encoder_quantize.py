@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import bitsandbytes as bnb  # a core dependency: its absence fails these tests, not skips them
 import pytest
 import torch
 from pydantic import ValidationError
@@ -21,8 +22,6 @@ from diffpipe_core.parts.encoders import load_components, quantization_config
 from diffpipe_core.parts.folder import TOKENIZER, DiffusersFolder
 from diffpipe_core.testing import tiny
 from diffpipe_core.testing.quantized import nf4_round_trip
-
-bnb = pytest.importorskip("bitsandbytes")
 
 FOLDER = DiffusersFolder("Tiny", ("TinyPipeline",), {"vae": "AutoencoderKL", "text_encoder": "LlamaModel",
                                                     "tokenizer": TOKENIZER})

@@ -176,7 +176,8 @@ def test_full_model_exports_load_back(tiny_hidream: Path, tmp_path: Path) -> Non
 def test_llama_4bit_quantizes_the_llama_for_caching(tiny_hidream: Path, encoded: tuple) -> None:
     """``llama_4bit``: Llama's linears are bitsandbytes nf4 (diffusion-pipe's ``llama3_4bit``); its hidden states are
     close to the full encoder's but not equal; the other encoders are untouched."""
-    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
     enc = hidream.load_encoders(tiny_config(tiny_hidream, llama_4bit=True), CPU)
     assert isinstance(enc.text_encoder_4.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
     out = hidream.encode_batch(enc, EncodeBatch(captions=list(CAPTIONS)))

@@ -238,7 +238,6 @@ def test_encoder_quantize_loads_qwen3_vl_quantized_for_caching(tiny_minimax: Pat
     """Issue 40: ``encoder_quantize = "nf4"`` (the core key) loads Qwen3-VL's language-model linears as bitsandbytes
     nf4 while caching; the text tensors equal the full encoder's with those weights put through bitsandbytes' nf4
     round trip (:func:`diffpipe_core.testing.quantized.nf4_round_trip`), and differ from the full encoder's."""
-    pytest.importorskip("bitsandbytes")
     from bitsandbytes.nn import Linear4bit
 
     from diffpipe_core.testing.quantized import nf4_round_trip
