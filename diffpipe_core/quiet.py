@@ -26,6 +26,8 @@ LIBRARY_WARNINGS = (
     r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`",
     r"Seems like `optimizer\.step\(\)` has been overridden after learning rate scheduler initialization",
     r".*torchvision.*",
+    # diffusers' audio VAEs (MiniMax H3's among them) build their layers with torch's older weight_norm
+    r"`torch\.nn\.utils\.weight_norm` is deprecated",
 )
 
 
