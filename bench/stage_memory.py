@@ -539,9 +539,11 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
-def measure(big: Project, tiny: Project, regime: str, layouts: list[int], rounds: int, threads: int) -> None:
+def measure(
+    big: Project, tiny: Project, regime: str, layouts: list[int], rounds: int, threads: int, timeout: float = 1800
+) -> None:
     """Every layout in ``regime`` for ``rounds`` rounds (the order reversed every other round): shares, each
-    stage's estimate over measured, and where the memory goes in the last round."""
+    stage's estimate over measured, and where the memory goes in the last round; ``timeout``: seconds per run."""
     print(f"regime {regime}: {REGIMES[regime].note}", flush=True)
     baselines = {n: max(run_workers(tiny, n, regime, threads).peaks) for n in layouts}
     print("  idle worker baseline (tiny model), largest worker MiB: "
@@ -551,7 +553,7 @@ def measure(big: Project, tiny: Project, regime: str, layouts: list[int], rounds
     last: dict[int, Workers] = {}
     for r in range(rounds):
         order = layouts if r % 2 == 0 else layouts[::-1]
-        got = {n: run_workers(big, n, regime, threads) for n in order}
+        got = {n: run_workers(big, n, regime, threads, timeout) for n in order}
         last = got
         one = got[1].peaks[0] - baselines[1]
         for n in layouts:
@@ -588,6 +590,8 @@ def main() -> None:
                         help=f"how each run trains, in turn: {', '.join(REGIMES)} (see REGIMES)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (OMP_NUM_THREADS)")
     parser.add_argument("--smoke", action="store_true", help="one round of the tiny model: checks the bench runs")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds one run may take (a 4-stage step of a 0.7 B model takes minutes on 2 cores)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="work in this folder and keep it (a model written there before is reused)")
     args = parser.parse_args()
@@ -611,7 +615,7 @@ def main() -> None:
               f"cached in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs, {args.threads} thread(s) per worker", flush=True)
         for regime in regimes:
-            measure(big, tiny, regime, layouts, 1 if args.smoke else args.rounds, args.threads)
+            measure(big, tiny, regime, layouts, 1 if args.smoke else args.rounds, args.threads, args.timeout)
 
 
 if __name__ == "__main__":
