@@ -97,15 +97,27 @@ def test_the_joint_flow_inputs_and_weights_of_each_stream(tiny_ltx2: Path) -> No
     video_weight, audio_weight = split(weight, 8, 4, 9)
     torch.testing.assert_close(audio_target, noise - clean)
     assert audio_weight[1].abs().sum() == 0 and (audio_weight[0] > 0).all()  # the item without sound weighs 0
-    # each stream's mean error counts the same
-    torch.testing.assert_close(video_weight.sum(), torch.tensor(1.0))
-    torch.testing.assert_close(audio_weight.sum(), torch.tensor(1.0))
     assert split(silent_weight, 8, 4, 9)[1].abs().sum() == 0
+    # the loss as Lightricks' LTX-2 trainer computes it (ltx_trainer text_to_video compute_loss): per item the video
+    # stream's mean squared error plus the audio stream's, averaged over the items (here: the item without sound
+    # has its video part only); the old (pooled video mean + audio mean) / 2 gives another value
+    pred = target + torch.randn(target.shape, generator=torch.Generator().manual_seed(3)) * torch.linspace(
+        0.5, 2.0, target.shape[1])
+    err_video, err_audio = split((pred - target) ** 2, 8, 4, 9)
+    expected = (err_video[0].mean() + err_audio[0].mean() + err_video[1].mean()) / 2
+    context = TrainingContext(model_config=both)
+    torch.testing.assert_close(plugin.compute_loss(outputs=(pred,), targets=(target, weight), context=context),
+                               expected)
+    old = (err_video.mean() + err_audio[0].mean()) / 2
+    assert not torch.isclose(expected, old, rtol=1e-3)
 
     audio_only = config(tiny_ltx2, train_audio=True, train_video=False)
     _, (_, weight) = plugin.prepare_inputs(batch=batch, context=TrainingContext(model_config=audio_only),
                                            generator=torch.Generator().manual_seed(2))
     assert split(weight, 8, 4, 9)[0].abs().sum() == 0 and split(weight, 8, 4, 9)[1].abs().sum() > 0
+    loss = plugin.compute_loss(outputs=(pred,), targets=(target, weight),
+                               context=TrainingContext(model_config=audio_only))
+    torch.testing.assert_close(loss, err_audio[0].mean())  # the silent item has nothing in the loss: not counted
 
     # LoRA targets of each stream
     assert plugin.lora_targets(model_config=audio_only) == list(AUDIO_LORA_TARGETS)

@@ -9,7 +9,8 @@ stream and its mask, and the latent ``(F, H, W)``. Without cached sound (``train
 ``LTX2Pipeline`` gives it when no ``audio_latents`` are passed: Gaussian noise of the clip's duration
 (``prepare_audio_latents``, drawn after the video's noise), at the video's time (the pipeline passes one timestep
 to both streams, ``sigma = timestep``), and the audio part of the output weighs 0; with cached ``audio_latents`` they
-are noised at the sample's time and their velocity is in the loss (each stream's mean error counting the same).
+are noised at the sample's time and their velocity is in the loss (per item the video's mean error plus the audio's,
+as the LTX-2 trainer sums them).
 Samples (with sound) are text-to-video as ``LTX2Pipeline`` generates them, or with ``[model] sample_image``
 image-to-video as ``LTX2ImageToVideoPipeline`` does (the image's latents as the clean first latent frame, at time 0,
 kept through the steps). This module imports no torch, diffusers or transformers.
@@ -309,7 +310,7 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
         from diffpipe_core.diffusion import first_frame_conditioning, flux_resolution_shift
         from diffpipe_core.parts.flow import flow_sample
         from diffpipe_ltx.geometry import shift_constants
-        from diffpipe_ltx.ltx2_layers import join
+        from diffpipe_ltx.ltx2_layers import join, per_item_mean
         from diffpipe_ltx.packing import pack
 
         cfg: LTX2Config = context.model_config  # type: ignore[assignment]
@@ -336,15 +337,30 @@ class LTX2(SampleImageConditioning, DiffusersModel, FlowSampling):
             audio, audio_target = (1 - ta) * clean + ta * noise, noise - clean
             present = batch["audio_mask"].float().view(b, 1, 1) * float(cfg.train_audio)
             audio_weight = present.expand_as(audio).clone()
-            if cfg.train_video and audio_weight.sum() > 0 and video_weight.sum() > 0:
-                # each stream's mean error counts the same: (video mean + audio mean) / 2
-                video_weight = video_weight / video_weight.sum()
-                audio_weight = audio_weight / audio_weight.sum()
+        if cfg.train_audio:  # LTX-2's trainer: per item, each stream's mean error, summed (compute_loss)
+            video_weight, audio_weight = per_item_mean(video_weight), per_item_mean(audio_weight)
         grid = torch.tensor([f, h, w], dtype=torch.long)
         inputs = (pack(x_t), frame_t, audio, batch["video_text"].float(), batch["audio_text"].float(),
                   batch["text_mask"].bool(), grid)
         target = join(pack(s.target), audio_target)
         return inputs, (target, join(video_weight, audio_weight))
+
+    @hookimpl
+    def compute_loss(
+        self, outputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...], context: TrainingContext
+    ) -> torch.Tensor:
+        """The run's loss of the prediction to the velocity. With ``train_audio`` it is the LTX-2 trainer's
+        (``ltx_trainer.training_strategies``' ``compute_loss``): per item, the video stream's mean error over its
+        weighted tokens plus the audio stream's mean error, the sum averaged over the items with anything in the
+        loss. ``prepare_inputs`` gives each stream's weights of an item the sum 1 (0 where it has no part), so
+        that sum over items is the weighted mean times the weights' sum."""
+        from diffpipe_core.parts.flow import flow_loss
+
+        loss = flow_loss(outputs, targets, context)
+        if not getattr(context.model_config, "train_audio", False):
+            return loss
+        per_item = targets[1].flatten(1).sum(1).to(loss.device, loss.dtype)
+        return loss * per_item.sum() / (per_item > 0).sum().clamp_min(1)
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl

@@ -175,6 +175,13 @@ def join(video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:
     return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)
 
 
+def per_item_mean(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (B, ...) scaled so that each item's weights sum to 1 (an item weighing nothing stays 0): a weighted
+    sum with them is each item's weighted mean."""
+    total = weight.flatten(1).sum(1).clamp_min(1e-12)
+    return weight / total.view(-1, *([1] * (weight.dim() - 1)))
+
+
 def split(flat: torch.Tensor, video_tokens: int, video_channels: int, audio_tokens: int) -> Tensors:
     """Inverse of :func:`join`: ``(video (B, T, C), audio (B, L, D))``."""
     b, n = flat.shape[0], video_tokens * video_channels
