@@ -253,13 +253,16 @@ def anchor_table() -> str:
 
 
 def anchor_defaults() -> str:
-    """The ``[model]`` keys the importer writes when the anchor config leaves them out (the defaults differ)."""
+    """The ``[model]`` keys the importer writes when the anchor config leaves them out (the defaults differ, or
+    diffusion-pipe reads the component from its ``diffusion_model`` file)."""
     from diffpipe_core.anchor.keys import toml_value
-    from diffpipe_core.anchor.models import ANCHOR_DEFAULTS
+    from diffpipe_core.anchor.models import ANCHOR_DEFAULTS, CHECKPOINT_PARTS
 
     rows = ["| diffpipe model | key written | why |", "|---|---|---|"]
     rows += [f"| `{model}` | `{key} = {toml_value(value)}` | {why} |"
              for model, keys in sorted(ANCHOR_DEFAULTS.items()) for key, (value, why) in keys.items()]
+    rows += [f"| `{model}` | `{key} =` the `diffusion_model` file | {why} |"
+             for model, keys in sorted(CHECKPOINT_PARTS.items()) for key, why in keys.items()]
     return "\n".join(rows) + "\n"
 
 

@@ -312,11 +312,14 @@ def test_model_files_land_on_diffpipes_component_keys(tmp_path: Path) -> None:
     assert "TODO: path = ... (The model's diffusers folder" in text  # no snapshot in this machine's cache
 
 
-# the snippets that give their model as ComfyUI component files, for a model diffpipe has
+# the snippets that give their model as ComfyUI component files, for a model diffpipe has (LTX-2's checkpoint holds
+# its VAEs too: the test after the next)
 COMPONENT_SNIPPETS = [
     i for i, (_, body) in enumerate(SNIPPETS)
     if COMPONENT_KEYS & set(tomllib.loads(body)["model"]) and tomllib.loads(body)["model"]["type"] in MODEL_TYPES
+    and tomllib.loads(body)["model"]["type"] != "ltx2"
 ]  # fmt: skip
+LTX2_SNIPPETS = [i for i, (_, body) in enumerate(SNIPPETS) if tomllib.loads(body)["model"]["type"] == "ltx2"]
 
 
 def _tiny_folder(name: str, root: Path) -> Path:
@@ -326,13 +329,12 @@ def _tiny_folder(name: str, root: Path) -> Path:
     from diffpipe_hunyuan.testing15 import write_tiny_hunyuan15
     from diffpipe_ideogram.testing import write_tiny_ideogram4
     from diffpipe_krea.testing import write_tiny_krea2
-    from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
     from diffpipe_minimax.testing import write_tiny_minimax
     from diffpipe_zimage.testing import write_tiny_zimage
 
     writers = {
         "z-image": write_tiny_zimage, "hunyuan-video-1.5": write_tiny_hunyuan15, "flux2": write_tiny_flux2,
-        "flux2-klein": write_tiny_klein, "ltx-2": write_tiny_ltx2, "krea2": write_tiny_krea2,
+        "flux2-klein": write_tiny_klein, "krea2": write_tiny_krea2,
         "ideogram4": write_tiny_ideogram4, "ernie-image": write_tiny_ernie, "minimax-h3": write_tiny_minimax,
     }  # fmt: skip
     return writers[name](root / name)
@@ -382,3 +384,74 @@ def test_every_component_file_snippet_validates_with_tiny_component_files(
     assert f"diffusion_model: {files['diffusion_model']}: diffusers" in result.output
     for path in [*files["text_encoders"], *([files["vae"]] if "vae" in model else [])]:  # each file read as given
         assert f": {path}: diffusers" in result.output, path
+
+
+@pytest.mark.parametrize("index", LTX2_SNIPPETS, ids=lambda i: SNIPPET_IDS[i])
+def test_the_ltx23_snippet_imports_as_ltx23_and_validates_with_a_tiny_comfy_checkpoint(
+    tmp_path: Path, index: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: diffusion-pipe's ``type = 'ltx2'`` trains LTX-2.3 from ComfyUI's checkpoint (transformer, text
+    connectors, VAE and audio VAE in one file, its VAE read from it) and a Gemma 3 file: it imports as ``ltx-2.3``
+    with ``vae`` and ``audio_vae`` naming the checkpoint, every key carried or named, and with a tiny LTX-2.3's files
+    in place of its paths (its configs in the Hugging Face cache) passes ``diffpipe validate``."""
+    from diffpipe_core.anchor.keys import toml_key, toml_value
+    from diffpipe_core.testing.component_files import hub_snapshot
+    from diffpipe_ltx.ltx2_testing import write_comfy_files, write_tiny_ltx23
+
+    heading, body = SNIPPETS[index]
+    model = tomllib.loads(body)["model"]
+    folder = write_tiny_ltx23(tmp_path / "models" / "ltx-2.3")
+    files = write_comfy_files(folder, tmp_path / "comfy", Path(model["diffusion_model"]).name)
+    model.update(diffusion_model=str(files["checkpoint"]), text_encoder=str(files["gemma"]))
+    table = "[model]\n" + "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in model.items())
+    write_image_dataset(tmp_path / "images", 2, size=(64, 64))
+    dataset = tmp_path / "dp_dataset.toml"
+    dataset.write_text("resolutions = [64]\n[[directory]]\npath = 'images'\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_snapshot(folder, tmp_path / "hub", "Lightricks/LTX-2.3")
+    imported = _convert(tmp_path, _in_main_example(table), dataset)
+    run_text = imported.files["run.toml"]
+    run = tomllib.loads(run_text)["model"]
+    checkpoint = str(files["checkpoint"])
+    assert run["type"] == "ltx-2.3", run_text
+    assert run["diffusion_model"] == run["vae"] == run["audio_vae"] == checkpoint
+    assert run["text_encoders"] == [str(files["gemma"])] and run["quantize"] == "float8"
+    assert "TODO" not in run_text.split("[model]")[1].split("\n[")[0], run_text
+    named = _not_carried(run_text, "run")
+    for key in model:  # every key of the snippet carried or named
+        assert key in run or ("model", key) in named or f"# was {key} = " in run_text, (key, run_text)
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / "run.toml").write_text(run_text)
+    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
+    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
+    assert "ok (model ltx-2.3" in result.output
+    for component in ("diffusion_model", "vae", "audio_vae"):
+        assert f"{component}: {checkpoint}: original Lightricks layout" in result.output, component
+
+
+@pytest.mark.parametrize(("keys", "name", "expected"), [
+    (("prompt_adaln_single.linear.weight", "audio_prompt_adaln_single.linear.weight"), "x.safetensors", "ltx-2.3"),
+    (("prompt_adaln.linear.weight",), "x.safetensors", "ltx-2.3"),  # diffusers' name
+    (("transformer_blocks.0.prompt_scale_shift_table",), "ltx-2.3-x.safetensors", "ltx-2.5"),
+    (("transformer_blocks.0.attn1.to_q.weight",), "ltx-2.3-x.safetensors", "ltx-2"),
+    (None, "ltx-2-19b-dev.safetensors", "ltx-2"),
+    (None, "ltx-2.5-dev.safetensors", "ltx-2.5"),
+    (None, "ltx-2.3-22b-dev.safetensors", "ltx-2.3"),
+])  # fmt: skip
+def test_the_ltx2_checkpoint_tells_which_ltx2_diffusion_pipe_was_given(
+    tmp_path: Path, keys: tuple[str, ...] | None, name: str, expected: str
+) -> None:
+    """diffusion-pipe names LTX-2.3 only; the checkpoint's keys (its name, where it is not here) say 2.0 or 2.5."""
+    import torch
+    from safetensors.torch import save_file
+
+    from diffpipe_core.anchor.models import diffpipe_model
+
+    if keys is not None:
+        block = "model.diffusion_model.transformer_blocks.0.attn1.to_k.weight"
+        save_file({block: torch.zeros(1), **{f"model.diffusion_model.{k}": torch.zeros(1) for k in keys}},
+                  str(tmp_path / name))
+    choice = diffpipe_model("ltx2", {"diffusion_model": name}, False, tmp_path)
+    assert choice.name == expected and (expected == "ltx-2.3") == (choice.why == "")

@@ -25,7 +25,7 @@ from diffpipe_core.anchor.keys import (
     toml_key,
     toml_value,
 )
-from diffpipe_core.anchor.models import ANCHOR_DEFAULTS, diffpipe_model
+from diffpipe_core.anchor.models import ANCHOR_DEFAULTS, CHECKPOINT_PARTS, diffpipe_model
 from diffpipe_core.schema import ConfigError, read_toml
 
 TABLES = ("model", "adapter", "optimizer")  # the anchor's tables that keep their name
@@ -179,6 +179,13 @@ class _Converter:
             if dtype in ("float32", "bfloat16", "float16"):
                 note = "diffusion-pipe's default: the model's dtype (diffpipe's: float32)"
                 run["adapter"].put("dtype", dtype, [note])
+                self.counts["changed"] += 1
+        checkpoint = model_table.get("diffusion_model")
+        parts = CHECKPOINT_PARTS.get(model_name or "", {}) if isinstance(checkpoint, str) else {}
+        for key, why in parts.items():
+            if key not in model_table and not run["model"].has(key) and ctx.has("model", key):
+                value, path_note = self._resolve(checkpoint)
+                run["model"].put(key, value, [f"{why} ({path_note})" if path_note else why])
                 self.counts["changed"] += 1
         for key, (value, why) in ANCHOR_DEFAULTS.get(model_name or "", {}).items():
             if key not in model_table and not run["model"].has(key):

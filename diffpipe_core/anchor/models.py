@@ -30,7 +30,7 @@ MODEL_TYPES = {
     "lumina_2": "lumina2",
     "hunyuan_video_15": "hunyuan-video-1.5",
     "flux2": "flux2",
-    "ltx2": "ltx-2",
+    "ltx2": "ltx-2.3",  # "Only LTX2.3 is supported" (its docs/supported_models.md); the file tells 2.0 and 2.5 apart
     "krea2": "krea2",
     "anima": "anima",
     "ideogram4": "ideogram4",
@@ -68,6 +68,15 @@ ANCHOR_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
         "train_audio": (True, "diffusion-pipe trains the sound of every clip that has a track (diffpipe's default: "
                               "false, video only)"),
     },
+}
+# components diffusion-pipe reads from its diffusion_model file, per diffpipe model: written as diffpipe's component
+# file keys naming that file when the anchor's [model] gives it (LTX-2's ComfyUI checkpoint holds vae.*, audio_vae.*)
+CHECKPOINT_PARTS: dict[str, dict[str, str]] = {
+    name: {
+        "vae": "diffusion-pipe reads LTX-2's VAE from the diffusion_model checkpoint (its vae.* tensors)",
+        "audio_vae": "the audio VAE from the same checkpoint (its audio_vae.* tensors; diffusion-pipe trains no sound)",
+    }
+    for name in ("ltx-2", "ltx-2.3", "ltx-2.5")
 }
 MODEL_FILE_KEYS = ("diffusers_path", "transformer_path", "ckpt_path", "diffusion_model", "checkpoint_path")
 
@@ -110,6 +119,10 @@ def diffpipe_model(anchor_type: str, table: dict[str, Any], uses_control: bool, 
         if variant == "flf2v":
             return ModelChoice("wan-flf2v", "the checkpoint's config.json says model_type = 'flf2v': diffpipe's "
                                             "'wan-flf2v' trains it on each clip's first and last frame")
+    if name == "ltx-2.3":
+        variant = _ltx2_variant(table, base)
+        if variant is not None:
+            return variant
     if name == "flux2":
         named = _file_naming(table, "klein")
         if named:
@@ -138,4 +151,34 @@ def _wan_model_type(table: dict[str, Any], base: Path) -> str | None:
             return json.loads((folder / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
             continue
+    return None
+
+
+def _ltx2_variant(table: dict[str, Any], base: Path) -> ModelChoice | None:
+    """diffusion-pipe's ``ltx2`` trains LTX-2.3 (ComfyUI's ``LTXAVModel`` reads every LTX-2 checkpoint); the
+    ``diffusion_model`` file says which LTX-2 it is: LTX-2.3 has the prompt adaLN (``prompt_adaln_single``,
+    diffusers' ``prompt_adaln``), LTX-2.5 the prompt scale-shift tables without it, LTX-2.0 neither. A file that is
+    not here is told by its name (``ltx-2-19b-*``: 2.0, ``ltx-2.5*``: 2.5). None: LTX-2.3."""
+    import re
+
+    from diffpipe_core.model_files import safetensors_header
+
+    value = table.get("diffusion_model")
+    if not isinstance(value, str):
+        return None
+    file = Path(value).expanduser()
+    header, _, _ = safetensors_header(file if file.is_absolute() else base / file)
+    if header is not None and any("transformer_blocks." in k for k in header):
+        if any("prompt_adaln" in k for k in header):
+            return None
+        if any("prompt_scale_shift_table" in k for k in header):
+            return ModelChoice("ltx-2.5", f"{file.name} has prompt scale-shift tables without a prompt adaLN: "
+                                          "an LTX-2.5 transformer (diffusion-pipe names LTX-2.3 only)")
+        return ModelChoice("ltx-2", f"{file.name} has no prompt modulation: an LTX-2.0 transformer (diffusion-pipe "
+                                    "supports LTX-2.3 only)")
+    if header is None and re.search(r"ltx-?2[._]5", file.name.lower()):
+        return ModelChoice("ltx-2.5", f"diffusion_model = {file.name!r} names LTX-2.5 weights")
+    if header is None and re.search(r"ltx-?2-\d+b", file.name.lower()):
+        return ModelChoice("ltx-2", f"diffusion_model = {file.name!r} names LTX-2.0 weights (diffusion-pipe "
+                                    "supports LTX-2.3 only)")
     return None

@@ -7,7 +7,6 @@ Face cache's snapshot); an fp8 scaled transformer kept quantized."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,48 +19,23 @@ from diffpipe_core.testing.component_files import (
     assert_trains_as,
     assert_variant_loads_as_itself,
     component_state,
-    config_only,
     hub_snapshot,
     quantize_file,
-    save,
     train_from_files,
     variant_file,
     variant_model,
 )
 from diffpipe_core.testing.stage_reads import assert_stages_read_their_own
 from diffpipe_ltx.config import LTX2Config
-from diffpipe_ltx.lightricks_vae import ltx2_audio_vae_table, ltx2_vae_table
 from diffpipe_ltx.ltx2 import ltx2
-from diffpipe_ltx.ltx2_original import connectors_table, layout_for_config
+from diffpipe_ltx.ltx2_testing import write_comfy_files
 
 CPU = torch.device("cpu")
-LANGUAGE_MODEL = ("language_model.model.", "model.language_model.")  # Gemma 3's as saved, as loaded
-
-
-def config_of(folder: Path, component: str) -> dict:
-    return json.loads((folder / component / "config.json").read_text())
-
-
-def comfy_files(folder: Path, out: Path) -> dict:
-    """``folder`` as ComfyUI's LTX-2 files under ``out``: the checkpoint, the Gemma 3 file, a config-only folder."""
-    state = layout_for_config(config_of(folder, "transformer")).to_original(component_state(folder, "transformer"))
-    state.update(connectors_table(config_of(folder, "connectors")).to_original(component_state(folder, "connectors")))
-    state.update(ltx2_vae_table(config_of(folder, "vae")).to_original(component_state(folder, "vae")))
-    audio = ltx2_audio_vae_table(config_of(folder, "audio_vae")).to_original(component_state(folder, "audio_vae"))
-    state.update(audio)
-    state["vocoder.conv_pre.weight"] = torch.ones(4, 8, 7)  # the vocoder: not diffpipe's, ignored
-    gemma = component_state(folder, "text_encoder")
-    text = {"model." + k[len(p) :]: v for k, v in gemma.items() for p in LANGUAGE_MODEL if k.startswith(p)}
-    return {
-        "checkpoint": save(state, out / "ltx-2-19b-dev.safetensors"),
-        "gemma": save(text, out / "gemma_3_12B_it.safetensors"),
-        "configs": config_only(folder, out / "configs"),
-    }
 
 
 @pytest.fixture(scope="module")
 def comfy(tiny_ltx2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return comfy_files(tiny_ltx2, tmp_path_factory.mktemp("comfy"))
+    return write_comfy_files(tiny_ltx2, tmp_path_factory.mktemp("comfy"))
 
 
 def given(comfy: dict) -> dict:
@@ -110,6 +84,31 @@ def _captions(captions: list[str]):
     from diffpipe_core.types import EncodeBatch
 
     return EncodeBatch(captions=captions)
+
+
+def test_ltx23_from_the_anchors_files_loads_exactly_the_folders_weights(tiny_ltx23: Path, tmp_path: Path) -> None:
+    """LTX-2.3 as diffusion-pipe trains it (its docs' ``ltx-2.3-22b-dev.safetensors`` and a Gemma 3 file): the
+    checkpoint gives the transformer, the connectors' per-stream projections, the VAE and the audio VAE, the Gemma
+    file the text encoder, each loaded equal to the LTX-2.3 folder's."""
+    from diffpipe_ltx.config import LTX23Config
+    from diffpipe_ltx.ltx23 import ltx23
+
+    files = write_comfy_files(tiny_ltx23, tmp_path, "ltx-2.3-22b-dev.safetensors")
+    cfg = LTX23Config(type="ltx-2.3", path=files["configs"], max_sequence_length=16, **given(files))
+    assert ltx23.validate_model_files(cfg) == []
+    lines = "\n".join(ltx23.model_file_lines(cfg))
+    for component in ("diffusion_model", "vae", "audio_vae", "connectors"):
+        assert f"{component}: {files['checkpoint']}: original Lightricks layout" in lines, component
+    folder = LTX23Config(type="ltx-2.3", path=tiny_ltx23, max_sequence_length=16, encoder_dtype="bfloat16")
+    got, expected = ltx23.load_encoders(cfg, CPU), ltx23.load_encoders(folder, CPU)
+    for name in ("vae", "connectors"):
+        assert_same(getattr(got, name), getattr(expected, name))
+    assert_same(got.text_encoder, expected.text_encoder, ltx23.folder.file_optional["text_encoder"])
+    audio_file = ltx23.folder.component_files(files["configs"], cfg)["audio_vae"]
+    audio = ltx23.folder.load(files["configs"], "audio_vae", torch.bfloat16, CPU, audio_file)
+    assert_same(audio, ltx23.folder.load(tiny_ltx23, "audio_vae", torch.bfloat16, CPU))
+    assert_same(ltx23.load_diffusion_model(cfg, CPU, torch.bfloat16),
+                ltx23.load_diffusion_model(folder, CPU, torch.bfloat16))
 
 
 def test_the_tables_are_diffusers_converters_inverted(tiny_ltx2: Path, comfy: dict) -> None:
@@ -171,6 +170,6 @@ def test_component_files_train_as_the_folder(ltx2_run: Path, tmp_path: Path) -> 
     from test_ltx2_train import make_project
 
     config = make_project(tmp_path)
-    comfy = comfy_files(tmp_path / "model", tmp_path / "comfy")
+    comfy = write_comfy_files(tmp_path / "model", tmp_path / "comfy")
     keys = {k: [str(p) for p in v] if isinstance(v, list) else str(v) for k, v in given(comfy).items()}
     assert_trains_as(train_from_files(tmp_path, config, {"path": str(comfy["configs"]), **keys}), ltx2_run)

@@ -258,6 +258,38 @@ def write_tiny_ltx25(folder: Path, single_file: Path | None = None) -> Path:
     return folder
 
 
+#: Gemma 3's language model prefixes as transformers saves them and as it loads them
+LANGUAGE_MODEL = ("language_model.model.", "model.language_model.")
+
+
+def write_comfy_files(folder: Path, out: Path, checkpoint: str = "ltx-2-19b-dev.safetensors") -> dict[str, Path]:
+    """The tiny LTX-2 (2.0, 2.3 or 2.5) ``folder`` as ComfyUI's files under ``out``: ``checkpoint`` (the transformer
+    and text connectors under ``model.diffusion_model.`` / ``text_embedding_projection.``, ``vae.*``, ``audio_vae.*``
+    in the original Lightricks layouts, a vocoder tensor), ``gemma`` (ComfyUI's Gemma 3 file: the language model
+    under ``model.``, no vision tower) and ``configs`` (a config-only copy of the folder)."""
+    import json
+
+    from diffpipe_core.testing.component_files import component_state, config_only, save
+    from diffpipe_ltx.lightricks_vae import ltx2_audio_vae_table, ltx2_vae_table
+    from diffpipe_ltx.ltx2_original import connectors_table
+
+    def config(component: str) -> dict:
+        return json.loads((folder / component / "config.json").read_text())
+
+    state = layout_for_config(config("transformer")).to_original(component_state(folder, "transformer"))
+    state.update(connectors_table(config("connectors")).to_original(component_state(folder, "connectors")))
+    state.update(ltx2_vae_table(config("vae")).to_original(component_state(folder, "vae")))
+    state.update(ltx2_audio_vae_table(config("audio_vae")).to_original(component_state(folder, "audio_vae")))
+    state["vocoder.conv_pre.weight"] = torch.ones(4, 8, 7)  # the vocoder: not diffpipe's, ignored
+    gemma = component_state(folder, "text_encoder")
+    text = {"model." + k[len(p) :]: v for k, v in gemma.items() for p in LANGUAGE_MODEL if k.startswith(p)}
+    return {
+        "checkpoint": save(state, out / checkpoint),
+        "gemma": save(text, out / "gemma_3_12B_it.safetensors"),
+        "configs": config_only(folder, out / "configs"),
+    }
+
+
 def write_clips(folder: Path, captions: list[str] | tuple[str, ...], frames: int, size: tuple[int, int],
                 audio: str | None = None) -> list[Path]:
     """``clip_000.mp4``, ... at 24 fps (the model's rate), ``size`` = (width, height), each with its caption file
