@@ -96,6 +96,15 @@ def _convert(tmp_path: Path, run_text: str, dataset: Path | None) -> Imported:
     return import_config(config, tmp_path, dataset)
 
 
+def _validate(tmp_path: Path, run_text: str, dataset_text: str):
+    """``diffpipe validate`` on an imported run.toml and dataset.toml, written under ``tmp_path/converted``."""
+    out = tmp_path / "converted"
+    out.mkdir()
+    (out / "run.toml").write_text(run_text)
+    (out / "dataset.toml").write_text(dataset_text)
+    return CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+
+
 @pytest.mark.parametrize("dataset", DATASETS)
 @pytest.mark.parametrize("run_config", RUN_CONFIGS)
 def test_every_example_config_converts_keeping_what_diffpipe_has(tmp_path: Path, run_config: str,
@@ -234,11 +243,7 @@ def test_every_model_snippet_validates_with_tiny_models_for_its_files(
                        + ("control_path = 'controls'\n" * edit))
     imported = _convert(tmp_path, _in_main_example(text), dataset)
     run_text = re.sub(r"# TODO: (path|config_path) = \.\.\.", rf"\1 = '{folder}'  #", imported.files["run.toml"])
-    out = tmp_path / "converted"
-    out.mkdir()
-    (out / "run.toml").write_text(run_text)
-    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
-    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    result = _validate(tmp_path, run_text, imported.files["dataset.toml"])
     assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
     assert f"ok (model {name}" in result.output
 
@@ -374,11 +379,7 @@ def test_every_component_file_snippet_validates_with_tiny_component_files(
     run_text = imported.files["run.toml"]
     assert "TODO" not in run_text.split("[model]")[1].split("\n[")[0], run_text
     assert "the Hugging Face cache's snapshot of the model" in run_text
-    out = tmp_path / "converted"
-    out.mkdir()
-    (out / "run.toml").write_text(run_text)
-    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
-    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    result = _validate(tmp_path, run_text, imported.files["dataset.toml"])
     assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
     assert f"ok (model {name}" in result.output and "the Hugging Face cache" in result.output
     assert f"diffusion_model: {files['diffusion_model']}: diffusers" in result.output
@@ -420,11 +421,7 @@ def test_the_ltx23_snippet_imports_as_ltx23_and_validates_with_a_tiny_comfy_chec
     named = _not_carried(run_text, "run")
     for key in model:  # every key of the snippet carried or named
         assert key in run or ("model", key) in named or f"# was {key} = " in run_text, (key, run_text)
-    out = tmp_path / "converted"
-    out.mkdir()
-    (out / "run.toml").write_text(run_text)
-    (out / "dataset.toml").write_text(imported.files["dataset.toml"])
-    result = CliRunner().invoke(main, ["validate", "--config", str(out / "run.toml")])
+    result = _validate(tmp_path, run_text, imported.files["dataset.toml"])
     assert result.exit_code == 0, f"{heading}:\n{run_text}\n{result.output}"
     assert "ok (model ltx-2.3" in result.output
     for component in ("diffusion_model", "vae", "audio_vae"):

@@ -13,7 +13,7 @@ What flows between layers (a tuple of tensors; every float tensor is used downst
 - the last block passes on ``(video, audio, embedded, audio_embedded)``;
 - out of the output layer: ``(prediction,)`` in float32: the video prediction ``(B, F*H*W, C)`` and the audio
   prediction ``(B, L, C_a*M)``, flattened and side by side ``(B, F*H*W*C + L*C_a*M)`` (the loss weighs the audio
-  part 0; sampling steps both).
+  part 0 unless ``train_audio``; sampling steps both).
 
 The layers wrap the model's own submodules and call them exactly as ``LTX2VideoTransformer3DModel.forward`` does
 when ``LTX2Pipeline`` / ``LTX2ImageToVideoPipeline`` call it (``fps`` the frame rate, ``use_cross_timestep=True``:
