@@ -425,8 +425,9 @@ def test_the_anchors_minimax_example_imports(tmp_path: Path) -> None:
     """diffusion-pipe's examples/minimax_h3_example.toml (at 8f83dbf, its ComfyUI files as it names them): type
     minimax_h3 is diffpipe's minimax-h3, its files are carried as the component-file keys, the anchor's defaults where
     diffpipe's differ (no shift, the clips' sound trained) are written, and image_shift is named. (That the result
-    validates with tiny files in place of these: tests/test_anchor_examples.py's component-file snippets; that
-    ComfyUI's video VAE file loads: the plugin's test_minimax_component_files.py.)"""
+    validates with tiny files in place of these, the pruned int8 "convrot" transformer and Qwen3-VL files included:
+    tests/test_anchor_examples.py's test_the_minimax_example_validates_with_its_comfyui_files; that each file loads
+    as its component: the plugin's test_minimax_component_files.py and test_minimax_pruned.py.)"""
     from diffpipe_core.anchor.convert import import_config
 
     anchor = Path(__file__).parent / "anchor_examples" / "minimax_h3_example.toml"

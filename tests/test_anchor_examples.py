@@ -248,6 +248,41 @@ def test_every_model_snippet_validates_with_tiny_models_for_its_files(
     assert f"ok (model {name}" in result.output
 
 
+def test_the_minimax_example_validates_with_its_comfyui_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: diffusion-pipe's examples/minimax_h3_example.toml as written, tiny files under its own file names in
+    place of its paths: the pruned (curve-form) int8 "convrot" fl2va transformer (trained text-to-video-and-audio, as
+    the anchor trains it), ComfyUI's video and audio VAE files and the int8 "convrot" Qwen3-VL file; the configs and
+    tokenizer in the Hugging Face cache. It imports with no TODO left and passes ``diffpipe validate``, which reads
+    each file as what it is."""
+    from diffpipe_core.testing.component_files import hub_snapshot, quantize_file
+    from diffpipe_minimax.testing import comfyui_files, pruned_file, write_tiny_minimax
+
+    example = (EXAMPLES / "minimax_h3_example.toml").read_text()
+    given = tomllib.loads(example)["model"]
+    where = Path(given["diffusion_model"]).parent
+    comfy = tmp_path / "comfyui-models"
+    folder = write_tiny_minimax(tmp_path / "models" / "minimax-h3")
+    files = comfyui_files(folder, tmp_path / "plain")
+    dit = pruned_file(folder, comfy / Path(given["diffusion_model"]).name, form="int8_convrot")
+    vae, audio_vae = (files[k].rename(comfy / Path(given[k]).name) for k in ("vae", "audio_vae"))
+    text = quantize_file(files["text_encoder"], comfy / Path(given["text_encoders"][0]["path"]).name, "int8_convrot")
+    write_image_dataset(tmp_path / "images", 8, size=(64, 64))  # the example's image_micro_batch_size_per_gpu
+    dataset = tmp_path / "dp_dataset.toml"
+    dataset.write_text("resolutions = [64]\n[[directory]]\npath = 'images'\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_snapshot(folder, tmp_path / "hub", "MiniMaxAI/MiniMax-H3")
+    imported = _convert(tmp_path, example.replace(str(where), str(comfy)), dataset)
+    run_text = imported.files["run.toml"]
+    assert "TODO" not in run_text.split("[model]")[1].split("\n[")[0], run_text
+    result = _validate(tmp_path, run_text, imported.files["dataset.toml"])
+    assert result.exit_code == 0, f"{run_text}\n{result.output}"
+    assert "ok (model minimax-h3" in result.output and "the Hugging Face cache" in result.output
+    assert f"diffusion_model: {dit}: original MiniMax H3 layout, quantized scaled (int8" in result.output
+    assert "adaln_curve_grid = 1025 from the file's tensors" in result.output
+    for path in (vae, audio_vae, text):
+        assert f": {path}: " in result.output, path
+
+
 def test_the_keys_diffpipe_has_now_are_carried(tmp_path: Path) -> None:
     """The keys issue 43 found dropped: LoKr's decompose_factor, W&B's [monitoring], float8_e5m2, and the dataset's
     size_buckets, subsample_ratio, default_mask_file and control_path; a Wan checkpoint's i2v model_type."""

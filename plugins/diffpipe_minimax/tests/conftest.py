@@ -12,8 +12,9 @@ from diffpipe_core.testing.fixtures import hf_offline, tiny_model_fixture  # noq
 
 @pytest.fixture(scope="session")
 def minimax_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one shared MiniMax H3 training run (``test_minimax_train.make_project``: 1 process, the modular folder,
-    tone clips and images, ``train_audio`` and CFG-augmented training); serves every run assertion."""
+    """The one shared MiniMax H3 training run (``test_minimax_train.make_project``: 1 process, the modular folder
+    with its transformer as a pruned (curve-form) file, tone clips and images, ``train_audio`` and CFG-augmented
+    training); serves every run assertion."""
     from test_minimax_train import make_project
 
     from diffpipe_core.testing import runs

@@ -1,8 +1,10 @@
 """End to end through the real CLI (DeepSpeed on gloo, the real cache and audio path, peft), on the one shared run
-(conftest's ``minimax_run``: video and audio trained, CFG-augmented): the loss falls and the run's 22-frame sample is
-an mp4 with a stereo sound track; the LoRA leaves the AdaLN
-projections alone; the saved diffusers LoRA loads through the modular pipeline's ``load_lora_weights`` and reproduces
-the trained transformer's video and audio outputs; the ComfyUI file is in the reference layout (fused ``qkv_proj``,
+(conftest's ``minimax_run``: video and audio trained, CFG-augmented, on the pruned (curve-form) transformer file
+diffusion-pipe's example names, beside the folder): the loss falls and the run's 22-frame sample (sampled from the
+pruned base) is an mp4 with a stereo sound track; the LoRA leaves the AdaLN
+projections alone; the saved diffusers LoRA loads on the full model through the modular pipeline's
+``load_lora_weights`` and reproduces the trained transformer's video and audio outputs (the pruned one's, at the
+table's grid times); the ComfyUI file is in the reference layout (fused ``qkv_proj``,
 ``mlp.fc1`` halves swapped), applies as ComfyUI applies it to the trained weights, and diffusers' own converter of
 such files loads it to the same outputs."""
 
@@ -15,7 +17,7 @@ import torch
 
 from diffpipe_core.testing import runs
 from diffpipe_core.testing.media import write_clip_dataset, write_dataset_toml, write_image_dataset
-from diffpipe_minimax.testing import write_tiny_minimax
+from diffpipe_minimax.testing import pruned_file, write_tiny_minimax
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +25,20 @@ RANK, ALPHA, STEPS = 4, 8.0, 12
 SAMPLE = {"prompts": ["a bell rings"], "every_n_steps": STEPS, "steps": 2, "seed": 5, "resolution": 64, "frames": 22}
 MODEL = {"type": "minimax-h3", "text_max_length": 16, "train_audio": True, "cfg": 2.0,
          "timestep_sample_method": "uniform", "shift": 1.0}
+PRUNED = "minimax_h3_fl2va_pruned.safetensors"  # the transformer trained: the pruned (curve-form) file
 
 
 def make_project(root: Path) -> Path:
-    """The tiny model, 2 tone clips of 5 frames at 24 fps and 2 images (64x64), and ``run.toml`` in ``root``."""
-    write_tiny_minimax(root / "model")
+    """The tiny model (the folder, and its transformer as a pruned file of 1025 grid rows beside it), 2 tone clips of
+    5 frames at 24 fps and 2 images (64x64), and ``run.toml`` in ``root``."""
+    pruned_file(write_tiny_minimax(root / "model"), root / PRUNED)
     data = root / "data"
     write_clip_dataset(data, 5, ["a bell rings", "a high tone"], size=(64, 64), fps=24, audio="tone")
     write_image_dataset(data, 2, size=(64, 64), captions=["a red cat", "a blue dog on a tree"])
     write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False, frame_buckets=[1, 5])
     top = {"max_steps": STEPS, "checkpoint_every_n_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 7,
            "micro_batch_size_per_gpu": 1}
-    model = {"path": "model", "dtype": "float32", "encoder_dtype": "float32", **MODEL}
+    model = {"path": "model", "diffusion_model": PRUNED, "dtype": "float32", "encoder_dtype": "float32", **MODEL}
     adapter = {"rank": RANK, "alpha": ALPHA, "save_formats": ["diffusers", "comfyui"]}
     (root / "run.toml").write_text(runs.run_toml(model, {"lr": 2e-2}, adapter, SAMPLE, **top))
     return root
@@ -52,7 +56,7 @@ def test_loss_falls_and_the_sample_has_sound(minimax_run: Path) -> None:
         assert stream.rate == 8000 and stream.codec_context.channels == 2  # the tiny audio VAE's rate, stereo
 
 
-def transformer_inputs(text_len: int = 3, audio_len: int = 8) -> dict:
+def transformer_inputs(text_len: int = 3, audio_len: int = 8, times: tuple[float, float] = (0.3, 0.6)) -> dict:
     """One item of the tiny transformer's inputs on the pipeline's layout (2 x 2 latent rows a frame, 2 frames)."""
     from diffpipe_minimax.packing import layout
 
@@ -60,15 +64,15 @@ def transformer_inputs(text_len: int = 3, audio_len: int = 8) -> dict:
     lay = layout(text_len, (2, 4, 4), audio_len, (1, 2, 2))
     return {"hidden_states": torch.randn(1, 8, 16, generator=g), "audio_hidden_states": torch.randn(1, 16, 8,
             generator=g), "encoder_hidden_states": torch.randn(1, text_len, 32, generator=g),
-            "timestep": torch.tensor([0.3, 0.6]), "timestep_indices": lay.timestep_indices,
+            "timestep": torch.tensor(times), "timestep_indices": lay.timestep_indices,
             "token_tags": lay.token_tags, "position_ids": lay.position_ids, "video_indices": lay.video_indices,
             "audio_indices": lay.audio_indices, "text_indices": torch.arange(text_len)}
 
 
-def both(model: torch.nn.Module) -> torch.Tensor:
+def both(model: torch.nn.Module, times: tuple[float, float] = (0.3, 0.6)) -> torch.Tensor:
     """The video and the audio output of ``model`` on :func:`transformer_inputs`, side by side."""
     with torch.no_grad():
-        out = model(**transformer_inputs(), return_dict=False)
+        out = model(**transformer_inputs(times=times), return_dict=False)
     return torch.cat([out[0].flatten(), out[1].flatten()])
 
 
@@ -91,6 +95,15 @@ def test_lora_leaves_adaln_out_and_loads_in_the_modular_pipeline(minimax_run: Pa
     runs.load_lora_into(pipe, saved / "adapter_model.safetensors")
     # trained with alpha != rank, saved folded: reproducing both streams proves the strength arrives
     runs.assert_reproduces(both(pipe.transformer), both(reference), untrained)
+    # the model trained: the pruned file with the trained LoRA, at times on its table's grid (1025 rows)
+    from diffpipe_minimax.plugin import plugin as minimax
+
+    model_cfg = minimax.spec.config_schema(type="minimax-h3", path=model_dir, dtype="float32",
+                                           diffusion_model=model_dir.parent / PRUNED, encoder_dtype="float32")
+    pruned = runs.with_trained_lora(minimax.load_diffusion_model(model_cfg, torch.device("cpu"), torch.float32),
+                                    minimax_run, RANK, ALPHA, cfg["target_modules"])
+    grid = (0.25, 0.625)  # rows 256 and 640 of 1025
+    torch.testing.assert_close(both(pipe.transformer, grid), both(pruned, grid), rtol=1e-4, atol=1e-5)
 
 
 def test_comfyui_lora_is_the_reference_layout_and_loads_in_diffusers(minimax_run: Path) -> None:

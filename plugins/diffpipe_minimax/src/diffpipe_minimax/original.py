@@ -24,6 +24,7 @@ RENAMES = (
     ("blocks", "transformer_blocks"),
     ("time_embedder.proj_in", "time_embedder.linear_1"),
     ("time_embedder.proj_out", "time_embedder.linear_2"),
+    ("adaln_t_table", "time_embedder.table"),  # the pruned (curve-form) checkpoint's table (diffpipe_minimax.pruned)
     ("video_patch_proj", "proj_in"),
     ("audio_patch_proj", "audio_proj_in"),
     ("condition_proj", "context_embedder"),

@@ -48,6 +48,8 @@ QWEN3VL_UNUSED = ("lm_head.", "model.language_model.norm.",
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
 PROJ_IN = weight_of("proj_in")
 HEAD_DIM = Shape(weight_of("transformer_blocks.0.attn.norm_q"), 0)
+#: the config key a pruned file's ``adaln_t_table`` sets: its rows (the curve form, diffpipe_minimax.pruned)
+GRID_KEY = "adaln_curve_grid"
 
 
 class MiniMaxH3(DiffusersModel):
@@ -97,12 +99,27 @@ class MiniMaxH3(DiffusersModel):
         "ffn_dim": Shape(weight_of("transformer_blocks.0.ff.net.2"), 1),
         "text_dim": Shape(weight_of("context_embedder"), 1),
         "audio_in_channels": Shape(weight_of("audio_proj_in"), 1),
+        # the pruned (curve-form) checkpoint: the table's rows, and its width as the AdaLN projections' input
+        "adaln_curve_grid": Shape(r"(?:^|\.)adaln_t_table$", 0),
+        "time_embed_dim": Shape(weight_of("blocks.0.adaln_proj.linear", "transformer_blocks.0.adaln_proj.linear"), 1),
     }
     lora_target_names = BLOCK_LINEARS
 
     def __init__(self) -> None:
         self._grids: dict[int, Any] = {}  # a sample's joined latents' size -> its geometry (sampling.Grid)
     key_tables = "diffpipe_minimax.original"  # the reference layout: ComfyUI's and the published single files'
+
+    def build_skeleton(self, model_config: MiniMaxH3Config, device: Any, dtype: torch.dtype) -> nn.Module:
+        """The transformer from its config, in the curve form of a pruned ``diffusion_model`` file (its
+        ``adaln_t_table`` in place of the time MLP: :mod:`diffpipe_minimax.pruned`) when the file is one."""
+        config = self.model_folder_config(model_config)
+        grid = config.pop(GRID_KEY, None)
+        model = self.skeleton_of(config, device, dtype)
+        if grid is None:
+            return model
+        from diffpipe_minimax.pruned import to_curve_form
+
+        return to_curve_form(model, int(grid), dtype)
 
     def patch_size(self, model_config: MiniMaxH3Config) -> tuple[int, int, int]:
         """The transformer's ``(t, h, w)`` patch."""

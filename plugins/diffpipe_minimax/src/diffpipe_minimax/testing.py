@@ -216,6 +216,31 @@ def comfyui_files(folder: Path, out: Path) -> dict[str, Path]:
     }
 
 
+#: the linears the released pruned int8 "convrot" files quantize: each block's attention and MLP (200 in all)
+PRUNED_QUANTIZED = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def pruned_file(folder: Path, out: Path, grid: int = 1025, rank: int | None = None, form: str | None = None) -> Path:
+    """A tiny folder's transformer as MiniMax H3's pruned (curve-form) file, as the releases are made
+    (:func:`diffpipe_minimax.pruned.curve_of`: ``adaln_t_table`` of ``grid`` rows, the AdaLN projections reduced to
+    ``rank``, all of the time embedding's width by default: then exact), in the reference layout under
+    ``model.diffusion_model.``; ``form = "int8_convrot"``: with the blocks' attention and MLP linears quantized as
+    ComfyUI's ``int8_tensorwise`` convrot files store them, the rest as it is."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from diffpipe_core.testing.component_files import quantize_state, save
+    from diffpipe_minimax.original import layout_for_config
+    from diffpipe_minimax.pruned import curve_of
+
+    model = MiniMaxH3Transformer3DModel.from_pretrained(str(Path(folder) / "transformer"))
+    state = layout_for_config(dict(model.config)).to_original(curve_of(model, grid, rank))
+    if form is not None:
+        chosen = {k: v for k, v in state.items()
+                  if k.startswith("blocks.") and k.rpartition(".")[0].endswith(PRUNED_QUANTIZED)}
+        state.update(quantize_state(chosen, form, min_elements=1))
+    return save({f"model.diffusion_model.{k}": v for k, v in state.items()}, Path(out))
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffpipe_minimax.testing FOLDER``: write a tiny MiniMax H3 folder."""
     parser = tiny.folder_parser(main.__doc__)
