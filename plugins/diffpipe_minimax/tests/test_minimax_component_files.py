@@ -1,7 +1,8 @@
 """MiniMax H3's transformer from the single file ComfyUI users keep (the reference layout under
 ``model.diffusion_model.``: fused ``attn.qkv_proj``, ``mlp.fc1`` halves swapped, ``video_patch_proj`` ...): it loads
 exactly the folder's weights, whole and per stage, and as an int8 file (ComfyUI's ``int8_tensorwise``) its linears stay
-quantized."""
+quantized; ComfyUI's VAE, audio VAE and Qwen3-VL files (its int8 "convrot" one dequantized) load the folder's
+components."""
 
 from __future__ import annotations
 
@@ -119,3 +120,29 @@ def test_comfyuis_qwen3vl_file_gives_the_folders_text(tiny_minimax: Path, tmp_pa
     ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
     states = [m(input_ids=ids, output_hidden_states=True).hidden_states[TEXT_LAYER] for m in (got, expected)]
     torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
+
+
+def test_comfyuis_int8_convrot_qwen3vl_file_loads_dequantized(tiny_minimax: Path, tmp_path: Path) -> None:
+    """The int8 "convrot" Qwen3-VL file diffusion-pipe's example names (``qwen3vl_32b_minimax_h3_int8_convrot``):
+    every linear's weight loads as the file's value (the int8 rows times their scales, rotated back), the rest as
+    stored; the text is the folder's to int8 rounding."""
+    from diffpipe_core.testing.component_files import dequantized_state, quantize_file
+    from diffpipe_minimax.plugin import QWEN3VL_UNUSED, TEXT_LAYER
+    from diffpipe_minimax.testing import comfyui_files
+
+    plain = comfyui_files(tiny_minimax, tmp_path)["text_encoder"]
+    file = quantize_file(plain, tmp_path / "qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "int8_convrot")
+    cfg = config(tiny_minimax, text_encoders=[{"path": str(file), "type": "minimax"}])
+    assert minimax.validate_model_files(cfg) == []
+    got, expected = (minimax.load_encoders(c, CPU).text_encoder for c in (cfg, config(tiny_minimax)))
+    values, state = dequantized_state(file), got.state_dict()
+    renames = (("model.language_model.", "model."), ("model.visual.", "visual."))
+    for key, value in state.items():
+        if key.startswith(QWEN3VL_UNUSED):
+            continue
+        stored = next((new + key[len(old):] for old, new in renames if key.startswith(old)), key)
+        torch.testing.assert_close(value, values[stored], rtol=1e-6, atol=1e-6)
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(0))
+    states = [m(input_ids=ids, output_hidden_states=True).hidden_states[TEXT_LAYER] for m in (got, expected)]
+    assert not torch.equal(states[0], states[1])
+    torch.testing.assert_close(states[0], states[1], rtol=0.05, atol=0.05)
