@@ -386,7 +386,8 @@ class DiffusersModel:
             config = self.folder.model_config(folder, component)
             read = self.file_variant(model_config, config)
             variant = "".join(
-                f", {k} = {v} from the file's {source} (the config says {config.get(k)})"
+                f", {k} = {v} from the file's {source} "
+                + (f"(the config says {config[k]})" if config.get(k) is not None else "(not in the config)")
                 for k, (v, source) in read.items()
             )
             lines.append(
