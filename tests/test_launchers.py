@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from test_train import make_project, run_dirs, train
 
+from diffpipe_core.engine.forked_workers import START_ENV, start_method
 from diffpipe_core.engine.gloo_interface import choose_gloo_interface, ipv4_address
 from diffpipe_core.engine.launcher import free_port, hostfile_slots
 from diffpipe_core.engine.run_dir import read_metrics
@@ -105,15 +106,21 @@ def test_two_hosts_in_network_namespaces_train_two_stages(reference_two_stages: 
     assert (runs[0] / "saved" / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_a_hostfile_hands_the_launch_to_deepspeed(tmp_path: Path) -> None:
-    config = make_project(tmp_path, stages=2, max_steps=2, ckpt=100)
+def test_a_hostfile_hands_the_launch_to_deepspeed(reference_two_stages: Path, tmp_path: Path) -> None:
+    """DeepSpeed's launcher starts each worker as a fresh ``python -m diffpipe_core.engine.worker``, as GPU workers
+    start (our launcher forks CPU workers from a process that imported the libraries once): the fresh workers train
+    the forked reference run's first steps, step for step (at its constant learning rate)."""
+    config = make_project(tmp_path, stages=2, max_steps=3, ckpt=100)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one machine, two workers\nlocalhost slots=2\n")
     assert hostfile_slots(hostfile) == 2
     train(tmp_path, config, "--hostfile", str(hostfile), timeout=400)  # no --num-procs: the hostfile's 2 slots
     run = run_dirs(tmp_path)[0]
-    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3]
     assert (run / "saved" / "final" / "adapter_model.safetensors").is_file()
+    fresh = [r["loss"] for r in read_metrics(run) if "loss" in r]
+    forked = [r["loss"] for r in read_metrics(reference_two_stages) if "loss" in r][:3]
+    assert fresh == pytest.approx(forked, rel=1e-6, abs=1e-7)
 
 
 def test_a_malformed_hostfile_is_named(tmp_path: Path) -> None:
@@ -123,15 +130,17 @@ def test_a_malformed_hostfile_is_named(tmp_path: Path) -> None:
         hostfile_slots(hostfile)
 
 
-def test_workers_started_fresh_train_what_forked_workers_train(reference_two_stages: Path, tmp_path: Path) -> None:
-    """CPU workers are forked from a launcher that imported the libraries once; GPU workers start as fresh
-    processes (``DIFFPIPE_WORKER_START=spawn`` on CPU): both train the same 2-stage run, step for step (the forked
-    reference run's first steps, at its constant learning rate)."""
-    config = make_project(tmp_path, stages=2, max_steps=3, ckpt=100)
-    train(tmp_path, config, "--num-procs", "2", env=cli_env(DIFFPIPE_WORKER_START="spawn"))
-    fresh = [r["loss"] for r in read_metrics(run_dirs(tmp_path)[0]) if "loss" in r]
-    forked = [r["loss"] for r in read_metrics(reference_two_stages) if "loss" in r][:3]
-    assert fresh == pytest.approx(forked, rel=1e-6, abs=1e-7) and len(fresh) == 3
+def test_worker_start_env_chooses_fresh_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DIFFPIPE_WORKER_START=spawn`` makes our launcher start CPU workers fresh (``subprocess.Popen`` of the worker
+    module, as for NCCL); a fresh worker trains what a forked one trains (the hostfile test above: DeepSpeed starts
+    the same module fresh), and the launcher's Popen start is what tests/test_stopping.py's workers run under."""
+    monkeypatch.delenv(START_ENV, raising=False)
+    assert (start_method("gloo"), start_method("nccl")) == ("fork", "spawn")
+    monkeypatch.setenv(START_ENV, "spawn")
+    assert (start_method("gloo"), start_method("nccl")) == ("spawn", "spawn")
+    monkeypatch.setenv(START_ENV, "thread")
+    with pytest.raises(ValueError, match=r"DIFFPIPE_WORKER_START='thread': expected one of fork, spawn"):
+        start_method("gloo")
 
 
 def test_gloo_is_told_the_interface_of_the_route_to_the_master() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,6 +43,24 @@ def test_durations_report_sums_setup_call_and_teardown_per_module() -> None:
 """
     seconds = script.module_seconds(report)
     assert seconds == {"tests/test_train.py": 43.0, "plugins/diffpipe_wan/tests/test_wan_train.py": 3.0}
+
+
+def test_a_partial_report_merges_in_scaled_by_its_calibration_modules(tmp_path: Path) -> None:
+    """A busy machine's report of a few modules: the calibration modules keep their committed seconds and scale the
+    others (here twice as slow); a module pytest named by a shortened path is found by its file name."""
+    script = _load(ROOT / "scripts" / "test_durations.py", "test_durations_script")
+    (tmp_path / "plugins/diffpipe_x/tests").mkdir(parents=True)
+    (tmp_path / "plugins/diffpipe_x/tests/test_x_train.py").write_text("")
+    assert script.resolve("tests/test_x_train.py", tmp_path) == "plugins/diffpipe_x/tests/test_x_train.py"
+    committed = {"tests/test_cache.py": 20.0, "tests/test_old.py": 5.0, "tests/test_krea.py": 10.0}
+    measured = {"tests/test_cache.py": 41.0, "tests/test_krea.py": 19.0,
+                "tests/test_new.py": 8.0, "tests/test_old.py": 3.0}  # fmt: skip
+    merged = script.merged(committed, measured, ["tests/test_cache.py", "tests/test_krea.py"])
+    assert merged == {"tests/test_cache.py": 20.0, "tests/test_krea.py": 10.0, "tests/test_new.py": 4.0,
+                      "tests/test_old.py": 1.5}  # fmt: skip
+    assert list(merged) == ["tests/test_cache.py", "tests/test_krea.py", "tests/test_new.py", "tests/test_old.py"]
+    with pytest.raises(SystemExit, match="calibration modules must be both committed and in the report"):
+        script.merged(committed, measured, ["tests/test_new.py"])
 
 
 def test_the_committed_durations_name_existing_modules() -> None:

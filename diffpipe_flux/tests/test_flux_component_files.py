@@ -232,38 +232,40 @@ def test_component_files_train_as_the_folder(flux_two_stages: Path, tmp_path: Pa
         assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in got), name
 
 
-def project_from_files(root: Path, form: str | None, steps: int) -> tuple[Path, Path]:
-    """test_flux_train's project (1 stage, float32), its model given as ComfyUI files, the transformer quantized as
-    ``form`` (None: as is), trained ``steps`` steps. Returns the run config and the transformer file."""
+@pytest.fixture(scope="module")
+def files_project(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    """test_flux_train's project (1 stage, float32), its model given as ComfyUI files: the root, its run config and
+    the files. Every run of the quantized-base tests trains on its one dataset with the same encoder files, so the
+    first run caches the dataset and the others read that cache."""
     from test_flux_train import make_project
 
+    root = tmp_path_factory.mktemp("files_project")
     config = make_project(root, stages=1, single_file=False)
-    files = comfy_files(root / "model", root / "comfy")
-    dit = files["diffusion_model"] if form is None else quantized(files["diffusion_model"], root / "q.st", form)
-    return with_files(config, files, dit, steps), dit
+    return root, config, comfy_files(root / "model", root / "comfy")
 
 
-def with_files(config: Path, files: dict, dit: Path, steps: int) -> Path:
+def with_files(config: Path, files: dict, dit: Path, steps: int, out: Path) -> Path:
+    """``config`` with the model given as ``files`` (the transformer as ``dit``), trained ``steps`` steps, written
+    to ``out`` (beside it: the same dataset and output folder)."""
     keys = {"path": str(files["configs"]), "diffusion_model": str(dit), "vae": str(files["vae"])}
     keys["text_encoders"] = [str(p) for p in files["text_encoders"]]
     given = "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in keys.items())
     text = config.read_text().replace('path = "model"\n', given)
-    config.write_text(text.replace("max_steps = 24", f"max_steps = {steps}"))
-    return config
+    out.write_text(text.replace("max_steps = 24", f"max_steps = {steps}"))
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["fp8_scaled", "int8", "gguf_Q4_0"])
-def test_a_lora_trains_on_a_quantized_base(tmp_path: Path, form: str) -> None:
+def test_a_lora_trains_on_a_quantized_base(files_project: tuple[Path, Path, dict], tmp_path: Path, form: str) -> None:
     """The LoRA trains on the quantized base kept quantized; in float32 the losses equal those of a run on the
     dequantized weights (stored * scale) within 1e-5: the kept weights are exactly what the file stands for."""
-    config, quantized_file = project_from_files(tmp_path / "q", form, steps=4)
-    run = runs.train(tmp_path / "q", config, procs=1, timeout=300)
-    plain_config, _ = project_from_files(tmp_path / "plain", None, steps=4)
-    files = {"configs": tmp_path / "plain/comfy/configs", "vae": tmp_path / "plain/comfy/vae.st"}
-    files["text_encoders"] = [tmp_path / "plain/comfy/text_encoder.st", tmp_path / "plain/comfy/text_encoder_2.st"]
-    dequantized = save(values(quantized_file), tmp_path / "plain" / "dequantized.safetensors")
-    plain = runs.train(tmp_path / "plain", with_files(plain_config, files, dequantized, 4), procs=1, timeout=300)
+    root, config, files = files_project
+    quantized_file = quantized(files["diffusion_model"], tmp_path / "q.st", form)
+    run = runs.train(root, with_files(config, files, quantized_file, 4, root / f"{form}.toml"), procs=1, timeout=300)
+    dequantized = save(values(quantized_file), tmp_path / "dequantized.safetensors")
+    plain_config = with_files(config, files, dequantized, 4, root / f"{form}_dequantized.toml")
+    plain = runs.train(root, plain_config, procs=1, timeout=300)
     got, expected = runs.losses(run), runs.losses(plain)
     assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5), (got, expected)
     lora = load_file(str(run / "saved/final/adapter_model.safetensors"))
