@@ -256,11 +256,14 @@ def with_files(config: Path, files: dict, dit: Path, steps: int, out: Path) -> P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["fp8_scaled", "int8", "gguf_Q4_0"])
-def test_a_lora_trains_on_a_quantized_base(files_project: tuple[Path, Path, dict], tmp_path: Path, form: str) -> None:
+def test_a_lora_trains_on_a_quantized_base(files_project: tuple[Path, Path, dict], tmp_path: Path) -> None:
     """The LoRA trains on the quantized base kept quantized; in float32 the losses equal those of a run on the
-    dequantized weights (stored * scale) within 1e-5: the kept weights are exactly what the file stands for."""
+    dequantized weights (stored * scale) within 1e-5: the kept weights are exactly what the file stands for. The
+    trainer's path is the same for every kept form (``ScaledLinear``, ``GGUFLinear``): int8 and GGUF bases give the
+    LoRA the same outputs and gradients as their weights in
+    :func:`test_adapters_train_on_a_quantized_base_as_on_its_weights`."""
     root, config, files = files_project
+    form = "fp8_scaled"
     quantized_file = quantized(files["diffusion_model"], tmp_path / "q.st", form)
     run = runs.train(root, with_files(config, files, quantized_file, 4, root / f"{form}.toml"), procs=1, timeout=300)
     dequantized = save(values(quantized_file), tmp_path / "dequantized.safetensors")
@@ -302,24 +305,33 @@ def test_another_models_file_is_named_with_the_type_to_train_it(comfy: dict, tmp
     assert 'type = "z-image"' in problem
 
 
-@pytest.mark.parametrize("kind", ["lokr", "loha"])
-def test_lokr_and_loha_train_on_a_quantized_base_as_on_its_weights(comfy: dict, tmp_path: Path, kind: str) -> None:
-    """peft's LoKr / LoHa on the kept fp8 linears: the same adapter gives the output and input gradients it gives on
-    the dequantized weights (its delta is computed apart from the stored weight, never cast to float8)."""
-    from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model
+@pytest.mark.parametrize("kind, form", [("lokr", "fp8_scaled"), ("loha", "fp8_scaled"), ("lora", "int8"),
+                                        ("lora", "gguf_Q4_0")])  # fmt: skip
+def test_adapters_train_on_a_quantized_base_as_on_its_weights(
+    comfy: dict, tmp_path: Path, kind: str, form: str
+) -> None:
+    """peft's LoKr / LoHa on the kept fp8 linears, LoRA on kept int8 and GGUF ones: the same adapter gives the output
+    and the input and adapter gradients it gives on the dequantized weights (its delta is computed apart from the
+    stored weight, never cast to the storage dtype)."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 
-    file = quantize_file(comfy["diffusion_model"], tmp_path / "fp8_scaled.safetensors", "fp8_scaled")
-    plain = save(dequantized_state(file), tmp_path / "dequantized.safetensors")
+    file = quantized(comfy["diffusion_model"], tmp_path / f"{form}.safetensors", form)
+    plain = save(values(file), tmp_path / "dequantized.safetensors")
     models = []
     for dit in (file, plain):
         model = flux.load_diffusion_model(from_files(comfy, diffusion_model=dit), CPU, torch.float32)
-        config = (LoKrConfig if kind == "lokr" else LoHaConfig)(
-            r=4, alpha=8, target_modules=["attn.to_q", "attn.to_k", "attn.to_v"], init_weights=False
-        )
+        targets = ["attn.to_q", "attn.to_k", "attn.to_v"]
+        if kind == "lora":
+            config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        else:
+            config = (LoKrConfig if kind == "lokr" else LoHaConfig)(
+                r=4, alpha=8, target_modules=targets, init_weights=False
+            )
         models.append(inject_adapter_in_model(config, model))
     quantized_model, reference = models
     adapter = {n: p for n, p in quantized_model.named_parameters() if p.requires_grad}
-    assert adapter and any(isinstance(m, ScaledLinear) for m in quantized_model.modules())
+    kept = GGUFLinear if form.startswith("gguf_") else ScaledLinear
+    assert adapter and any(isinstance(m, kept) for m in quantized_model.modules())
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name in adapter:
