@@ -99,6 +99,51 @@ def image_run(root: Path, write_model: Callable[[Path], Any], config: str, size:
     return train(root, "run.toml", 1)
 
 
+#: the captions of the tone clips of a plugin's shared audio run (:func:`tone_run`)
+TONE_CAPTIONS = ("a bell", "a bell ringing", "a tone", "a high tone")
+
+
+def tone_project(
+    root: Path,
+    write_model: Callable[[Path], Any],
+    model: dict[str, Any],
+    frames: int,
+    frame_buckets: list[int],
+    steps: int,
+    sample: dict[str, Any] | None = None,
+    fps: int = 24,
+    **top: Any,
+) -> Path:
+    """The project of a plugin's tiny audio run in ``root``: ``write_model(root / "model")``, 4 clips of ``frames``
+    frames at ``fps`` with a 440 Hz tone track (:data:`TONE_CAPTIONS`) and 2 images without sound, all 64 x 64, with
+    their ``dataset.toml`` (``frame_buckets``, no aspect buckets), and ``run.toml``: a LoRA (rank 4, alpha 8, lr 2e-2,
+    :func:`lora_run_toml`) with ``train_audio`` and uniform times (then the ``model`` keys: ``type``, the model's own),
+    ``steps`` steps of 2 micro-batches of 2, seed 3, one checkpoint at the end, ``sample`` (``[sample]``; None: no
+    samples) and the ``top`` keys (``pipeline_stages``, ``partition_split``, ...). Returns ``root``."""
+    from diffpipe_core.testing.media import write_clip_dataset, write_dataset_toml, write_image_dataset
+
+    root = Path(root)
+    write_model(root / "model")
+    data = root / "data"
+    write_clip_dataset(data, frames, TONE_CAPTIONS, size=(64, 64), fps=fps, audio="tone")
+    write_image_dataset(data, 2, size=(64, 64), captions=["a cat", "a dog"])
+    write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False,
+                       frame_buckets=frame_buckets)
+    model = {"timestep_sample_method": "uniform", "train_audio": True, **model}
+    top = {"max_steps": steps, "gradient_accumulation_steps": 2, "seed": 3, "checkpoint_every_n_steps": steps, **top}
+    (root / "run.toml").write_text(lora_run_toml(model, 2e-2, sample, 4, 8.0, **top))
+    return root
+
+
+def tone_run(root: Path, write_model: Callable[[Path], Any], model: dict[str, Any], procs: int, frames: int,
+             frame_buckets: list[int], steps: int, sample: dict[str, Any] | None = None, fps: int = 24,
+             **top: Any) -> Path:
+    """A plugin's shared tiny audio run (issue 40): :func:`tone_project` in ``root`` trained through the CLI on
+    ``procs`` processes. Returns the run folder."""
+    tone_project(root, write_model, model, frames, frame_buckets, steps, sample, fps, **top)
+    return train(root, "run.toml", procs=procs, timeout=500)
+
+
 def stages_run(run: Path, config: str, stages: int = 2) -> Path:
     """The project of :func:`image_run`'s ``run`` trained again from its cache with ``config`` (``run2.toml``: its
     ``pipeline_stages``) in ``stages`` processes. Returns the new run folder."""
@@ -143,6 +188,56 @@ def assert_loss_falls(run: Path, steps: int, window: int, factor: float = 0.85) 
     first, last = sum(seq[:window]) / window, sum(seq[-window:]) / window
     assert last < factor * first, f"loss did not fall: first {window} steps {first:.4f}, last {window} {last:.4f}"
     return seq
+
+
+def first_micro_batches(config: Path) -> tuple[Any, Any, list[tuple[tuple[torch.Tensor, ...], ...]]]:
+    """``(resolved config, model plugin, micro-batches)``: the first step's micro-batches (``prepare_inputs``' inputs
+    and targets) of the run ``config`` describes, from its cache with the trainer's sampler and per-micro-batch
+    generators, as one data-parallel replica draws them (any number of pipeline stages)."""
+    from diffpipe_core.config import load_config
+    from diffpipe_core.data import BucketSampler
+    from diffpipe_core.data.cache import open_cached
+    from diffpipe_core.data.sampler import data_key
+    from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes
+    from diffpipe_core.registry import get_registry
+    from diffpipe_core.types import TrainingContext
+
+    registry = get_registry()
+    cfg = load_config(config, registry)
+    plugin = registry.model(cfg.model_name)
+    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
+    assert dataset is not None, f"no cache of {cfg.run.dataset}"
+    groups = dataset.groups()
+    sampler = BucketSampler(groups, bucket_sizes(cfg.run, dataset, groups), 0, 1, cfg.run.seed,
+                            data_key(dataset.sample_ids(list(range(len(dataset))))))
+    context = TrainingContext(model_config=cfg.model, loss=cfg.run.loss)
+    batches = MicroBatches(dataset, sampler, plugin, context, cfg.run.seed, 0, 0, 1)
+    return cfg, plugin, [next(batches) for _ in range(cfg.run.gradient_accumulation_steps)]
+
+
+def assert_first_loss_is_the_chained_layers(run: Path, config: Path, rel: float = 1e-4) -> float:
+    """``run``'s first logged loss (a float32 run of ``config``, on any number of stages) equals the mean loss of
+    its first step's micro-batches (:func:`first_micro_batches`) through the plugin's layers chained in this
+    process on the base weights (a new LoRA, its ``lora_B`` zero, adds nothing): one process's computation of that
+    step. Returns the loss."""
+    import pytest
+
+    from diffpipe_core.types import TrainingContext
+
+    cfg, plugin, batches = first_micro_batches(config)
+    model = plugin.require("load_diffusion_model", model_config=cfg.model, device=torch.device("cpu"),
+                           dtype=torch.float32)
+    layers = plugin.require("split_into_layers", model=model, model_config=cfg.model)
+    context, step = TrainingContext(model_config=cfg.model, loss=cfg.run.loss), []
+    with torch.no_grad():
+        for inputs, targets in batches:
+            for layer in layers:
+                inputs = layer(inputs)
+            step.append(float(plugin.require("compute_loss", outputs=inputs, targets=targets, context=context)))
+    expected = sum(step) / len(step)
+    assert expected > 0, f"the first step's micro-batches weigh nothing in the loss ({step}): nothing is compared"
+    assert losses(run)[0] == pytest.approx(expected, rel=rel), (losses(run)[0], step)
+    return expected
 
 
 def assert_trained_in_stages(run: Path, steps: int, stages: int) -> list[float]:

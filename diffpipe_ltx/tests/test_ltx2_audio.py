@@ -20,11 +20,11 @@ from test_ltx2_train import assert_comfyui_file, lora_outputs
 from diffpipe_core import AudioSpec, EncodeBatch, TrainingContext
 from diffpipe_core.schema import ConfigError, validate
 from diffpipe_core.testing import runs
-from diffpipe_core.testing.media import tone, write_dataset_toml, write_image_dataset
+from diffpipe_core.testing.media import tone
 from diffpipe_ltx.ltx2 import AUDIO_LORA_TARGETS, FRAME_RATE
 from diffpipe_ltx.ltx2 import ltx2 as plugin
 from diffpipe_ltx.ltx2_audio import N_FFT
-from diffpipe_ltx.ltx2_testing import write_clips, write_tiny_ltx2
+from diffpipe_ltx.ltx2_testing import write_tiny_ltx2
 
 CPU = torch.device("cpu")
 RATE, HOP = 16000, 160  # the tiny audio VAE's sample_rate and mel_hop_length (LTX-2's)
@@ -193,18 +193,10 @@ def audio_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tone_run(root: Path, write_model, model: dict, procs: int, **top) -> Path:
-    """Train a LoRA with ``train_audio`` (and the ``model`` keys) on 4 tone clips and 2 images without sound, from
-    the tiny model ``write_model`` writes, on ``procs`` processes (``top``: more run keys); returns the run folder."""
-    write_model(root / "model")
-    data = root / "data"
-    write_clips(data, ["a bell", "a bell ringing", "a tone", "a high tone"], frames=12, size=(64, 64), audio="tone")
-    write_image_dataset(data, 2, size=(64, 64), captions=["a cat", "a dog"])
-    write_dataset_toml(root / "dataset.toml", data, resolutions=[64], enable_ar_bucket=False, frame_buckets=[1, 9])
-    model = {"max_sequence_length": 16, "timestep_sample_method": "uniform", "train_audio": True, **model}
-    top = {"output_dir": "out", "max_steps": STEPS, "gradient_accumulation_steps": 2, "seed": 3,
-           "checkpoint_every_n_steps": STEPS, **top}
-    (root / "run.toml").write_text(runs.lora_run_toml(model, 2e-2, SAMPLE, 4, 8.0, **top))
-    return runs.train(root, "run.toml", procs=procs, timeout=500)
+    """The core's shared audio run (:func:`diffpipe_core.testing.runs.tone_run`) of a tiny LTX-2 model: 12-frame
+    tone clips in the 9-frame bucket, 16 text tokens, a 9-frame sample at the end."""
+    return runs.tone_run(root, write_model, {"max_sequence_length": 16, **model}, procs, frames=12,
+                         frame_buckets=[1, 9], steps=STEPS, sample=SAMPLE, fps=FRAME_RATE, **top)
 
 
 @pytest.mark.slow
