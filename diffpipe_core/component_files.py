@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diffpipe_core.model_files import Header, safetensors_header
-from diffpipe_core.quantized_files import QuantizedLayer, is_scale_key, is_side_key, quantized_layers
+from diffpipe_core.quantized_files import (
+    QuantizedLayer,
+    is_scale_key,
+    is_side_key,
+    logical_header,
+    quantized_layers,
+)
 from diffpipe_core.weight_files import gguf_header, is_gguf
 
 if TYPE_CHECKING:
@@ -129,7 +135,8 @@ def read_component_file(path: Path, what: str) -> ComponentFile:
     tensors, metadata, problem = safetensors_header(path)
     if tensors is None:
         raise ValueError(f"model.{what}: {problem}")
-    return ComponentFile(path, tensors, metadata, quantized_layers(path, tensors, metadata))
+    layers = quantized_layers(path, tensors, metadata)
+    return ComponentFile(path, logical_header(tensors, layers), metadata, layers)
 
 
 # ---------------------------------------------------------------------------------------------- fitting keys
@@ -260,7 +267,7 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
     import torch
 
     from diffpipe_core.engine.model_loading import key_targets, meta_tensors
-    from diffpipe_core.quantized_files import dequantize
+    from diffpipe_core.quantized_files import stored_value, unpad
     from diffpipe_core.weight_files import gguf_dequantize, open_weights
 
     target = model.state_dict()
@@ -275,10 +282,11 @@ def load_into(model: nn.Module, file: ComponentFile, fit: Fit, what: str) -> nn.
             if layer is not None and layer.weight == key and layer.gguf:
                 value = gguf_dequantize(value, layer.format).reshape(file.tensors[key][1])
             elif layer is not None and layer.weight == key:
-                scale = f.get_tensor(layer.scale) if layer.scale else None
-                value = dequantize(value, scale, torch.float32, layer.rotation)
+                value = stored_value(layer, value, f.get_tensor, torch.float32)
             for name, transform in made:
                 part = transform(value) if transform else value
+                if layer is not None and layer.nvfp4 and layer.weight == key:  # stored padded to 16s
+                    part = unpad(part, tuple(target[name].shape))
                 if tuple(part.shape) != tuple(target[name].shape):
                     raise ValueError(
                         f"model.{what}: {file.path}: tensor {key!r} has shape {tuple(part.shape)}, but the model's "
@@ -380,6 +388,8 @@ def quantized_plan(model: nn.Module, file: ComponentFile, fit: Fit) -> dict[str,
     modules = dict(model.named_modules())
     plan: dict[str, KeptQuantized] = {}
     for layer in file.quantized.values():
+        if layer.nvfp4:  # dequantized as it loads: no ScaledLinear holds packed FP4 with block scales
+            continue
         per_row = layer.scale is not None and len(scale_shape(file.tensors[layer.scale][1])) == 2
         for name, _ in key_targets(fit.key_map(layer.weight)):
             module_name = name.removesuffix(".weight")
@@ -410,10 +420,16 @@ def keep_quantized(model: nn.Module, plan: Mapping[str, KeptQuantized], compute_
     return model
 
 
-def quantized_key_map(file: ComponentFile, key_map: Callable[[str], Any], plan: Mapping[str, KeptQuantized]) -> Any:
+def quantized_key_map(
+    file: ComponentFile,
+    key_map: Callable[[str], Any],
+    plan: Mapping[str, KeptQuantized],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> Any:
     """``key_map`` (file key -> model tensors) for a quantized file: a weight kept quantized loads as stored (a legacy
     uint8 container viewed as its float8 type) with its scale into ``weight_scale``; any other quantized weight loads
-    dequantized; quantization markers and input scales load nowhere."""
+    dequantized (an NVFP4 one cut back to the model's ``shapes`` where its file pads it); quantization markers and
+    input scales load nowhere."""
     import torch
 
     from diffpipe_core.engine.model_loading import key_targets
@@ -441,10 +457,19 @@ def quantized_key_map(file: ComponentFile, key_map: Callable[[str], Any], plan: 
                 made.append((name, _as_stored(store, fn)))
             else:
                 whole = dequantizing(file.path, layer, torch.float32)
+                if layer.nvfp4 and fn is None:
+                    whole = _unpadded(whole, (shapes or {}).get(name))
                 made.append((name, (lambda t, fn=fn, whole=whole: fn(whole(t))) if fn else whole))
         return made
 
     return mapped
+
+
+def _unpadded(whole: Callable[[Any], Any], shape: tuple[int, ...] | None) -> Callable[[Any], Any]:
+    """``whole`` (an NVFP4 weight's dequantization) cut back to the model's ``shape`` (its file pads it to 16s)."""
+    from diffpipe_core.quantized_files import unpad
+
+    return lambda t: unpad(whole(t), shape)
 
 
 def _as_stored(store: Any, fn: Any) -> Any:
@@ -477,6 +502,7 @@ class DiffusionModelFile:
     file: ComponentFile
     fit: Fit | None
     plan: dict[str, KeptQuantized]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # the model's, to cut padded NVFP4 weights
 
     @property
     def gguf(self) -> bool:
@@ -485,15 +511,18 @@ class DiffusionModelFile:
     @property
     def key_map(self) -> Callable[[str], Any]:
         assert self.fit is not None
-        return quantized_key_map(self.file, self.fit.key_map, self.plan) if self.file.quantized else self.fit.key_map
+        if not self.file.quantized:
+            return self.fit.key_map
+        return quantized_key_map(self.file, self.fit.key_map, self.plan, self.shapes)
 
 
 def describe_diffusion_model(path: Path, skeleton: nn.Module, tables: Sequence[KeyTable]) -> DiffusionModelFile:
     """:class:`DiffusionModelFile` of ``path`` for a model built as ``skeleton`` (on meta)."""
     file = read_component_file(path, "diffusion_model")
-    fit = fit_file(file, model_shapes(skeleton), tables, tied_names(skeleton))
+    shapes = model_shapes(skeleton)
+    fit = fit_file(file, shapes, tables, tied_names(skeleton))
     plan = quantized_plan(skeleton, file, fit) if fit is not None and file.quantized else {}
-    return DiffusionModelFile(file, fit, plan)
+    return DiffusionModelFile(file, fit, plan, shapes)
 
 
 def fill_whole(model: nn.Module, path: Path, key_map: Callable[[str], Any], device: Any) -> nn.Module:

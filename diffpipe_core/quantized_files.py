@@ -8,11 +8,26 @@ Three layouts are read, each learned from ComfyUI's ``QUANTIZATION.md``, ``comfy
   weight a ``comfy_quant`` tensor holding the layer's JSON (``{"format": "float8_e4m3fn"}``, ``"int8_tensorwise"``,
   ...), its ``weight_scale`` (one float32 for the tensor, or one per output row) and optionally ``input_scale``; the
   same JSON may instead sit in the file's metadata as ``_quantization_metadata``;
-- **plain float8** weights without a scale (``*_fp8_e4m3fn.safetensors``): scale 1.
+- **plain float8** weights without a scale (``*_fp8_e4m3fn.safetensors``): scale 1;
+- **NVFP4** (``comfy_quant`` ``{"format": "nvfp4"}``, e.g. ``gemma_3_12B_it_fp4_mixed.safetensors``): beside the
+  layer's JSON a ``uint8`` ``weight`` of two FP4 (E2M1) values a byte, ``[rows, cols / 2]``, the first of each pair
+  in the high nibble; a ``float8_e4m3fn`` ``weight_scale``, one per 16 inputs of a row, stored in cuBLAS's blocked
+  order (``to_blocked``: padded with zeros to tiles of 128 rows by 4 scales, the tiles row-major, inside a tile the
+  scale of (row r, block c) at ``(r % 32) * 16 + (r // 32) * 4 + c``), as a ``[roundup(rows, 128), roundup(cols /
+  16, 4)]`` tensor; and a float32 ``weight_scale_2`` for the tensor. A value is ``e2m1 * (weight_scale_2 *
+  weight_scale)``. Both axes are stored padded with zeros to multiples of 16; a layer whose model shape is smaller
+  is cut back to it as it loads. Learned from Comfy-Org/ComfyUI ``comfy/quant_ops.py`` (``QUANT_ALGOS["nvfp4"]``,
+  commit 0271a469fe29524fafe5872b737123d65a63e5fc), ``comfy/float.py`` (``to_blocked(flatten=False)``) and
+  Comfy-Org/comfy-kitchen ``comfy_kitchen/tensor/nvfp4.py`` (``TensorCoreNVFP4Layout``: ``""``, ``"_scale"``,
+  ``"_scale_2"``, padding to 16; commit 0e40907e100f60badc8ad1cd610df414ac22574f) and
+  ``comfy_kitchen/backends/eager/quantization.py`` (``quantize_nvfp4`` / ``dequantize_nvfp4``, ``hi_first=True``;
+  commit 0935c34bea1b8338742d0f874a4d3dfba3695e15). Other layers of such a "mixed" file stay bf16 or fp8 and read as
+  the rest.
 
-The weight is ``stored.float() * scale``. A diffusion model trained with LoRA keeps such linears quantized
-(:class:`~diffpipe_core.quantize.ScaledLinear`); the VAE and text encoders, used only while caching, are dequantized
-to their dtype as they load.
+The weight is ``stored.float() * scale`` (NVFP4: as above). A diffusion model trained with LoRA keeps such linears
+quantized (:class:`~diffpipe_core.quantize.ScaledLinear`), except NVFP4 linears, which are dequantized as they load
+(a packed 4-bit weight with block scales is no ScaledLinear's per-tensor or per-row scale; keeping it would need a
+module of its own); the VAE and text encoders, used only while caching, are dequantized to their dtype as they load.
 """
 
 from __future__ import annotations
@@ -24,11 +39,16 @@ from pathlib import Path
 from typing import Any
 
 #: ComfyUI's format names diffpipe reads -> the storage dtype's name in torch
-READABLE = {"float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8_tensorwise": "int8"}
+READABLE = {
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8_tensorwise": "int8", "nvfp4": "uint8",
+}  # fmt: skip
 #: keys that only describe a quantized layer: never a model tensor
 MARKERS = ("scaled_fp8",)
 SIDE_PARAMS = ("comfy_quant", "scale_input", "input_scale")
-SCALE_PARAMS = ("scale_weight", "weight_scale")
+SCALE_PARAMS = ("scale_weight", "weight_scale", "weight_scale_2")
+NVFP4_BLOCK = 16
+#: the magnitudes of the 8 E2M1 codes (bit 3 is the sign)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FLOAT8 = ("F8_E4M3", "F8_E5M2")
 
 
@@ -42,6 +62,11 @@ class QuantizedLayer:
     scale: str | None
     format: str
     rotation: int = 0  # convrot: the Hadamard group size the stored weight is rotated by (0: none)
+    scale_2: str | None = None  # NVFP4: the per-tensor scale's key (``weight_scale`` holds the block scales)
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.format == "nvfp4"
 
     @property
     def gguf(self) -> bool:
@@ -76,19 +101,108 @@ def quantized_layers(
         if fmt not in READABLE:
             raise QuantizationError(
                 f"{path}: layer {module!r} is quantized as {fmt!r}, which diffpipe does not read; readable: "
-                f"{', '.join(READABLE)} (ComfyUI's fp8 scaled and int8 files), or a bf16/fp16 file"
+                f"{', '.join(READABLE)} (ComfyUI's fp8 scaled, int8 and NVFP4 files), or a bf16/fp16 file"
             )
         scale = next((f"{module}.{p}" for p in SCALE_PARAMS if f"{module}.{p}" in header), None)
         if fmt == "int8_tensorwise" and scale is None:
             raise QuantizationError(f"{path}: int8 layer {module!r} has no weight_scale; the file is incomplete")
         rotation = rotations.get(module, 0)
-        if rotation and (shape[-1] % rotation or not is_power_of_4(rotation)):
+        width = shape[-1] * (2 if fmt == "nvfp4" else 1)
+        if rotation and (width % rotation or not is_power_of_4(rotation)):
             raise QuantizationError(
                 f"{path}: layer {module!r} is rotated in groups of {rotation}, which is no power of 4 dividing its "
-                f"{shape[-1]} inputs"
+                f"{width} inputs"
             )
-        layers[module] = QuantizedLayer(key, READABLE[fmt], scale, fmt, rotation)
+        scale_2 = _check_nvfp4(path, module, header) if fmt == "nvfp4" else None
+        layers[module] = QuantizedLayer(key, READABLE[fmt], scale, fmt, rotation, scale_2)
     return layers
+
+
+def _roundup(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _check_nvfp4(path: Path, module: str, header: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+    """The ``weight_scale_2`` key of NVFP4 layer ``module``, after checking its tensors' dtypes and shapes; raises
+    :class:`QuantizationError` naming the tensor, what it is and what it should be."""
+    dtype, shape = header[f"{module}.weight"]
+    rows, cols = shape if len(shape) == 2 else (0, 0)
+    if dtype != "U8" or rows % NVFP4_BLOCK or (2 * cols) % NVFP4_BLOCK or not rows:
+        raise QuantizationError(
+            f"{path}: nvfp4 layer {module!r}: weight is {dtype} {tuple(shape)}; NVFP4 stores a U8 [rows, inputs / 2] "
+            "of packed E2M1 pairs, both axes padded to multiples of 16"
+        )
+    want = (_roundup(rows, 128), _roundup(2 * cols // NVFP4_BLOCK, 4))
+    scale = header.get(f"{module}.weight_scale")
+    if scale is None or scale[0] != "F8_E4M3" or _count(scale[1]) != want[0] * want[1]:
+        raise QuantizationError(
+            f"{path}: nvfp4 layer {module!r}: weight_scale is {scale or 'missing'}; NVFP4 needs F8_E4M3 block scales "
+            f"{want} in cuBLAS's blocked order (one per 16 inputs, padded to tiles of 128 x 4)"
+        )
+    scale_2 = header.get(f"{module}.weight_scale_2")
+    if scale_2 is None or _count(scale_2[1]) != 1:
+        raise QuantizationError(
+            f"{path}: nvfp4 layer {module!r}: weight_scale_2 is {scale_2 or 'missing'}; NVFP4 needs one float32 "
+            "per-tensor scale"
+        )
+    if f"{module}.pre_quant_scale" in header:
+        raise QuantizationError(
+            f"{path}: nvfp4 layer {module!r} has a pre_quant_scale (activation smoothing), which diffpipe does not read"
+        )
+    return f"{module}.weight_scale_2"
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def logical_header(
+    header: Mapping[str, tuple[str, tuple[int, ...]]], layers: Mapping[str, QuantizedLayer]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``header`` with each NVFP4 weight's shape as the weight it stands for, ``[rows, 2 * packed columns]`` (its
+    16-padded shape), so that it fits a model's shapes as any other weight."""
+    out = dict(header)
+    for layer in layers.values():
+        if layer.nvfp4:
+            dtype, (rows, cols) = header[layer.weight]
+            out[layer.weight] = (dtype, (rows, 2 * cols))
+    return out
+
+
+def unblock_scales(blocked: Any, rows: int, blocks: int) -> Any:
+    """The ``[rows, blocks]`` scales of a tensor stored in cuBLAS's blocked order (``to_blocked``): tiles of 128 rows
+    by 4 columns, row-major, each the 32 x 4 x 4 interleave of its rows ``r = 32 i + j`` and columns ``c`` as
+    ``(j, i, c)``."""
+    tile_rows, tile_cols = _roundup(rows, 128) // 128, _roundup(blocks, 4) // 4
+    tiles = blocked.reshape(tile_rows, tile_cols, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(tile_rows * 128, tile_cols * 4)[:rows, :blocks]
+
+
+def dequantize_nvfp4(packed: Any, block_scales: Any, scale_2: Any, dtype: Any) -> Any:
+    """An NVFP4 weight (``packed`` uint8 ``[rows, cols / 2]``, the first value of a pair in the high nibble) as
+    ``[rows, cols]`` values in ``dtype``: ``e2m1 * (scale_2 * block scale)``, computed in float32."""
+    import torch
+
+    rows, half = packed.shape
+    codes = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(rows, 2 * half).long()
+    magnitudes = torch.tensor(E2M1, dtype=torch.float32)[codes & 7]
+    values = torch.where(codes & 8 != 0, -magnitudes, magnitudes)
+    blocks = 2 * half // NVFP4_BLOCK
+    scales = unblock_scales(block_scales.view(torch.float8_e4m3fn), rows, blocks).to(torch.float32)
+    total = scale_2.to(torch.float32).reshape(()) * scales
+    return (values.reshape(rows, blocks, NVFP4_BLOCK) * total.unsqueeze(-1)).reshape(rows, 2 * half).to(dtype)
+
+
+def unpad(value: Any, shape: tuple[int, ...] | None) -> Any:
+    """A 16-padded NVFP4 weight cut back to the model's ``shape`` (as it is when that is not smaller)."""
+    if shape is None or len(shape) != 2 or tuple(value.shape) == tuple(shape):
+        return value
+    if all(s <= v <= _roundup(s, NVFP4_BLOCK) for s, v in zip(shape, value.shape, strict=True)):
+        return value[: shape[0], : shape[1]]
+    return value
 
 
 def _formats(
@@ -220,12 +334,18 @@ def dequantizing(path: Path, layer: QuantizedLayer, dtype: Any) -> Callable[[Any
 
             rows = weight.shape[0]
             return gguf_dequantize(weight, layer.format).reshape(rows, -1).to(dtype)
-        scale = None
-        if layer.scale is not None:
-            from safetensors import safe_open
+        from diffpipe_core.weight_files import open_weights
 
-            with safe_open(str(path), framework="pt") as f:
-                scale = f.get_tensor(layer.scale)
-        return dequantize(weight, scale, dtype, layer.rotation)
+        with open_weights(path) as f:
+            return stored_value(layer, weight, f.get_tensor, dtype)
 
     return transform
+
+
+def stored_value(layer: QuantizedLayer, weight: Any, get: Callable[[str], Any], dtype: Any) -> Any:
+    """``layer``'s stored ``weight`` as its value in ``dtype``, its scales read through ``get`` (key -> tensor)."""
+    if layer.nvfp4:
+        assert layer.scale is not None and layer.scale_2 is not None
+        value = dequantize_nvfp4(weight, get(layer.scale), get(layer.scale_2), dtype)
+        return rotate(value, layer.rotation) if layer.rotation else value
+    return dequantize(weight, get(layer.scale) if layer.scale else None, dtype, layer.rotation)

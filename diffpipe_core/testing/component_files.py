@@ -1,6 +1,6 @@
 """Test helpers for model files as users have them: a tiny diffusers folder rewritten as ComfyUI component files
 (transformer, VAE and text encoders, each one file in ComfyUI's layout), a folder of only its configs and tokenizers,
-and ComfyUI's quantized files (fp8 scaled, the older and the current format, and int8).
+and ComfyUI's quantized files (fp8 scaled, the older and the current format, int8 and NVFP4).
 
     folder = write_tiny_flux(tmp / "model")
     files = write_component_files(folder, tmp / "comfy", transformer_table=layout_for_config(config))
@@ -101,8 +101,11 @@ def write_component_files(
     return files
 
 
-def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: int = 256) -> dict[str, torch.Tensor]:
-    """``state`` with every 2-D ``.weight`` of at least ``min_elements`` quantized as ComfyUI stores it:
+def quantize_state(
+    state: Mapping[str, torch.Tensor], form: str, min_elements: int = 256, keep: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """``state`` with every 2-D ``.weight`` of at least ``min_elements`` (and whose key holds none of ``keep``: those
+    stay as they are, as in ComfyUI's "mixed" files) quantized as ComfyUI stores it:
 
     - ``"fp8_scaled"``: float8_e4m3fn with a float32 ``scale_weight`` each and the ``scaled_fp8`` marker (the older
       files);
@@ -110,7 +113,9 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
     - ``"int8"``: int8 with one ``weight_scale`` per output row and ``comfy_quant`` ``int8_tensorwise``;
     - ``"int8_convrot"``: the same of the weight rotated in Hadamard groups of :data:`CONVROT_GROUP` inputs (ComfyUI's
       "convrot" files use 256; the tiny models' inputs divide into 16);
-    - ``"fp8"``: plain float8_e4m3fn casts, no scale.
+    - ``"fp8"``: plain float8_e4m3fn casts, no scale;
+    - ``"nvfp4"``: :func:`nvfp4_quantize`'s packed FP4 ``weight``, blocked ``weight_scale`` and ``weight_scale_2``
+      with ``comfy_quant`` ``nvfp4``.
     """
     import torch
 
@@ -119,7 +124,9 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
     out: dict[str, torch.Tensor] = {}
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
     for key, value in state.items():
-        if not (key.endswith(".weight") and value.dim() == 2 and value.numel() >= min_elements):
+        if not (key.endswith(".weight") and value.dim() == 2 and value.numel() >= min_elements) or any(
+            part in key for part in keep
+        ):
             out[key] = value
             continue
         module, w = key[: -len(".weight")], value.float()
@@ -140,11 +147,95 @@ def quantize_state(state: Mapping[str, torch.Tensor], form: str, min_elements: i
             out[key] = (w / scale).round().clamp(-127, 127).to(torch.int8)
             out[f"{module}.weight_scale"] = scale
             out[f"{module}.comfy_quant"] = _layer_json(conf)
+        elif form == "nvfp4":
+            packed, block_scales, scale_2, _ = nvfp4_quantize(w)
+            out[key], out[f"{module}.weight_scale"], out[f"{module}.weight_scale_2"] = packed, block_scales, scale_2
+            out[f"{module}.comfy_quant"] = _layer_json({"format": "nvfp4"})
         else:
             raise ValueError(f"unknown form {form!r}")
     if form == "fp8_scaled":
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     return out
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """The E2M1 code (sign bit 8, magnitude index 0-7) nearest each of ``x`` (within +-6), ties to the even code, as
+    comfy-kitchen's ``_f32_to_floatx_unpacked`` rounds."""
+    import torch
+
+    grid = torch.tensor(E2M1_VALUES)
+    mids = (grid[1:] + grid[:-1]) / 2
+    a = x.abs().clamp(max=6.0)
+    index = torch.bucketize(a, mids)  # a tie goes to the smaller value ...
+    tie = (index < len(mids)) & (a == mids[index.clamp(max=len(mids) - 1)]) & (index % 2 == 1)
+    index = index + tie.long()  # ... unless its code is odd: then to the even one above
+    return (index | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    magnitudes = torch.tensor(E2M1_VALUES)[(codes & 7).long()]
+    return torch.where(codes & 8 != 0, -magnitudes, magnitudes)
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``[rows, blocks]`` scales in cuBLAS's blocked order (``to_blocked``), as a ``[roundup(rows, 128),
+    roundup(blocks, 4)]`` tensor: zero-padded tiles of 128 x 4, row-major, the scale of (row r, block c) at
+    ``(r % 32) * 16 + (r % 128 // 32) * 4 + c % 4`` of its tile. Written from the cuBLAS layout's formula (not the
+    reader's permutation), so that the reader is checked against it."""
+    import torch
+
+    rows, blocks = scales.shape
+    tile_cols = -(-blocks // 4)
+    padded = (-(-rows // 128) * 128, tile_cols * 4)
+    r = torch.arange(rows).unsqueeze(1)
+    c = torch.arange(blocks).unsqueeze(0)
+    at = ((r // 128) * tile_cols + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+    flat = torch.zeros(padded[0] * padded[1], dtype=scales.dtype)
+    flat[at.reshape(-1)] = scales.reshape(-1)
+    return flat.reshape(padded)
+
+
+def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` (2-D) as comfy-kitchen's ``quantize_nvfp4`` stores it: padded with zeros to multiples of 16; the tensor
+    scale ``amax / (6 * 448)``; per block of 16 inputs the float8_e4m3fn scale ``block amax / 6 / tensor scale``;
+    values ``w / (tensor scale * block scale)`` rounded to E2M1 and packed two a byte, the first in the high nibble.
+    Returns ``(packed uint8, blocked scales float8, tensor scale float32, the values it stands for)`` (values in
+    ``w``'s shape, float32: the writer's own dequantization, before any packing or swizzling)."""
+    import torch
+
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % 16, 0, -rows % 16))
+    amax = padded.abs().amax()
+    scale_2 = (amax / (6 * 448) if amax > 0 else torch.tensor(1.0)).to(torch.float32)
+    blocks = padded.reshape(padded.shape[0], -1, 16)
+    block_scales = (blocks.abs().amax(dim=-1) / 6 / scale_2).clamp(max=448).to(torch.float8_e4m3fn)
+    total = scale_2 * block_scales.float()
+    safe = torch.where(total == 0, torch.ones_like(total), total)
+    codes = _e2m1_codes(torch.where(total.unsqueeze(-1) == 0, 0.0, blocks / safe.unsqueeze(-1)))
+    values = _e2m1_values(codes) * total.unsqueeze(-1)
+    codes = codes.reshape(padded.shape)
+    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return packed, swizzle_scales(block_scales), scale_2.reshape(()), values.reshape(padded.shape)[:rows, :cols]
+
+
+def _nvfp4_values(packed: torch.Tensor, blocked: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """A stored NVFP4 weight's (16-padded) values, read back through :func:`swizzle_scales`' formula."""
+    import torch
+
+    rows, half = packed.shape
+    codes = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(rows, 2 * half)
+    count = rows * half // 8
+    scales = torch.empty(count, dtype=torch.float32)
+    flat = blocked.view(torch.float8_e4m3fn).reshape(-1).float()
+    ids = swizzle_scales(torch.arange(1, count + 1).reshape(rows, half // 8)).reshape(-1)  # 1 + the scale's index
+    scales[ids[ids > 0] - 1] = flat[ids > 0]
+    total = scale_2.float().reshape(()) * scales.reshape(rows, half // 8)
+    return (_e2m1_values(codes).reshape(rows, -1, 16) * total.unsqueeze(-1)).reshape(rows, 2 * half)
 
 
 def _layer_json(conf: dict[str, Any]) -> torch.Tensor:
@@ -153,16 +244,17 @@ def _layer_json(conf: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
 
 
-def quantize_file(file: Path, out: Path, form: str, min_elements: int = 256) -> Path:
+def quantize_file(file: Path, out: Path, form: str, min_elements: int = 256, keep: tuple[str, ...] = ()) -> Path:
     """Component file ``file`` quantized as :func:`quantize_state` says, saved at ``out``."""
     from safetensors.torch import load_file
 
-    return save(quantize_state(load_file(str(file)), form, min_elements), Path(out))
+    return save(quantize_state(load_file(str(file)), form, min_elements, keep), Path(out))
 
 
 def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
-    """A quantized component file's weights as float32 values (``stored * scale``, rotated back where stored rotated),
-    markers and scales left out: what the quantized file stands for."""
+    """A quantized component file's weights as float32 values (``stored * scale``, rotated back where stored rotated;
+    NVFP4 decoded through :func:`swizzle_scales`' formula, in its 16-padded shape), markers and scales left out: what
+    the quantized file stands for."""
     import torch
     from safetensors.torch import load_file
 
@@ -172,9 +264,13 @@ def dequantized_state(file: Path) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
         last = key.rpartition(".")[2]
-        if key == "scaled_fp8" or last in ("comfy_quant", "scale_weight", "weight_scale", "input_scale"):
+        if key == "scaled_fp8" or last in ("comfy_quant", "scale_weight", "weight_scale", "weight_scale_2",
+                                           "input_scale"):
             continue
         module = key.rpartition(".")[0]
+        if last == "weight" and f"{module}.weight_scale_2" in state:  # NVFP4 (16-padded)
+            out[key] = _nvfp4_values(value, state[f"{module}.weight_scale"], state[f"{module}.weight_scale_2"])
+            continue
         scale = state.get(f"{module}.scale_weight", state.get(f"{module}.weight_scale"))
         value = value.to(torch.float32)
         out[key] = value * scale.float() if scale is not None and last == "weight" else value

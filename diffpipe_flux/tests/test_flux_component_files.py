@@ -173,13 +173,13 @@ def test_bad_files_are_named_in_one_line_each(comfy: dict, tmp_path: Path) -> No
     gguf.write_bytes(b"GGUF" + bytes(64))  # a damaged GGUF file
     [problem] = problems(from_files(comfy, diffusion_model=gguf))
     assert str(gguf) in problem and "not a readable GGUF file" in problem
-    nvfp4 = tmp_path / "nvfp4.safetensors"
+    mxfp8 = tmp_path / "mxfp8.safetensors"
     state = load_file(str(quantize_file(dit, tmp_path / "q.st", "comfy_quant_fp8")))
     key = next(k for k in state if k.endswith(".comfy_quant"))
-    state[key] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    save(state, nvfp4)
-    [problem] = problems(from_files(comfy, diffusion_model=nvfp4))
-    assert str(nvfp4) in problem and "'nvfp4'" in problem and "float8_e4m3fn" in problem
+    state[key] = torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)
+    save(state, mxfp8)
+    [problem] = problems(from_files(comfy, diffusion_model=mxfp8))
+    assert str(mxfp8) in problem and "'mxfp8'" in problem and "float8_e4m3fn" in problem
     # the VAE given as a text encoder: named with the model's text encoders
     [problem] = problems(from_files(comfy, text_encoders=(comfy["vae"],)))
     assert "text_encoders[0]" in problem and str(comfy["vae"]) in problem and "T5EncoderModel" in problem

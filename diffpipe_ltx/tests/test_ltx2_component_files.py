@@ -19,8 +19,11 @@ from diffpipe_core.testing.component_files import (
     assert_trains_as,
     assert_variant_loads_as_itself,
     component_state,
+    dequantized_state,
     hub_snapshot,
     quantize_file,
+    quantize_state,
+    save,
     train_from_files,
     variant_file,
     variant_model,
@@ -109,6 +112,42 @@ def test_ltx23_from_the_anchors_files_loads_exactly_the_folders_weights(tiny_ltx
     assert_same(audio, ltx23.folder.load(tiny_ltx23, "audio_vae", torch.bfloat16, CPU))
     assert_same(ltx23.load_diffusion_model(cfg, CPU, torch.bfloat16),
                 ltx23.load_diffusion_model(folder, CPU, torch.bfloat16))
+
+
+def test_ltx23_reads_comfyuis_fp4_mixed_gemma_file(tiny_ltx23: Path, tmp_path: Path) -> None:
+    """diffusion-pipe's LTX-2.3 text encoder, ComfyUI's ``gemma_3_12B_it_fp4_mixed.safetensors``: the Gemma file in
+    bf16 with its linears in NVFP4 but for some left bf16 ("mixed") loads as ``text_encoders`` to the values the file
+    stands for (the same file written dequantized, decoded by the test writer's own cuBLAS-layout formula)."""
+    from diffpipe_ltx.config import LTX23Config
+    from diffpipe_ltx.ltx23 import ltx23
+
+    files = write_comfy_files(tiny_ltx23, tmp_path, "ltx-2.3-22b-dev.safetensors")
+    gemma = {k: v.to(torch.bfloat16) for k, v in load_file(str(files["gemma"])).items()}
+    state = quantize_state(gemma, "nvfp4", keep=("o_proj",))
+    assert any(k.endswith("weight_scale_2") for k in state)
+    assert state["model.layers.0.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    fp4 = save(state, tmp_path / "gemma_3_12B_it_fp4_mixed.safetensors")
+    values = dequantized_state(fp4)  # NVFP4 weights padded to 16s (the 390-token embedding to 400 rows): cut back
+    values = {k: v[tuple(slice(n) for n in gemma[k].shape)] for k, v in values.items()}
+    plain = save(values, tmp_path / "gemma_dequantized.safetensors")
+
+    def config(encoder: Path) -> LTX23Config:
+        keys = {**given(files), "text_encoders": [encoder]}
+        return LTX23Config(type="ltx-2.3", path=files["configs"], max_sequence_length=16, encoder_dtype="float32",
+                           **keys)
+
+    cfg = config(fp4)
+    assert ltx23.validate_model_files(cfg) == []
+    assert "nvfp4 x" in "\n".join(ltx23.model_file_lines(cfg))
+    def text_encoder(cfg: LTX23Config) -> torch.nn.Module:
+        file = ltx23.folder.component_files(files["configs"], cfg)["text_encoder"]
+        return ltx23.folder.load(files["configs"], "text_encoder", torch.float32, CPU, file)
+
+    got = text_encoder(cfg)
+    assert_same(got, text_encoder(config(plain)), ltx23.folder.file_optional["text_encoder"])
+    name = "model.language_model.layers.0.mlp.up_proj.weight"
+    weights = got.state_dict()
+    assert name in weights and not torch.equal(weights[name], gemma["model.layers.0.mlp.up_proj.weight"].float())
 
 
 def test_the_tables_are_diffusers_converters_inverted(tiny_ltx2: Path, comfy: dict) -> None:
