@@ -190,54 +190,16 @@ def assert_loss_falls(run: Path, steps: int, window: int, factor: float = 0.85) 
     return seq
 
 
-def first_micro_batches(config: Path) -> tuple[Any, Any, list[tuple[tuple[torch.Tensor, ...], ...]]]:
-    """``(resolved config, model plugin, micro-batches)``: the first step's micro-batches (``prepare_inputs``' inputs
-    and targets) of the run ``config`` describes, from its cache with the trainer's sampler and per-micro-batch
-    generators, as one data-parallel replica draws them (any number of pipeline stages)."""
-    from diffpipe_core.config import load_config
-    from diffpipe_core.data import BucketSampler
-    from diffpipe_core.data.cache import open_cached
-    from diffpipe_core.data.sampler import data_key
-    from diffpipe_core.engine.micro_batches import MicroBatches, bucket_sizes
-    from diffpipe_core.registry import get_registry
-    from diffpipe_core.types import TrainingContext
-
-    registry = get_registry()
-    cfg = load_config(config, registry)
-    plugin = registry.model(cfg.model_name)
-    dataset = open_cached(cfg.run.dataset, plugin, cfg.model)
-    assert dataset is not None, f"no cache of {cfg.run.dataset}"
-    groups = dataset.groups()
-    sampler = BucketSampler(groups, bucket_sizes(cfg.run, dataset, groups), 0, 1, cfg.run.seed,
-                            data_key(dataset.sample_ids(list(range(len(dataset))))))
-    context = TrainingContext(model_config=cfg.model, loss=cfg.run.loss)
-    batches = MicroBatches(dataset, sampler, plugin, context, cfg.run.seed, 0, 0, 1)
-    return cfg, plugin, [next(batches) for _ in range(cfg.run.gradient_accumulation_steps)]
-
-
-def assert_first_loss_is_the_chained_layers(run: Path, config: Path, rel: float = 1e-4) -> float:
-    """``run``'s first logged loss (a float32 run of ``config``, on any number of stages) equals the mean loss of
-    its first step's micro-batches (:func:`first_micro_batches`) through the plugin's layers chained in this
-    process on the base weights (a new LoRA, its ``lora_B`` zero, adds nothing): one process's computation of that
-    step. Returns the loss."""
-    import pytest
-
-    from diffpipe_core.types import TrainingContext
-
-    cfg, plugin, batches = first_micro_batches(config)
-    model = plugin.require("load_diffusion_model", model_config=cfg.model, device=torch.device("cpu"),
-                           dtype=torch.float32)
-    layers = plugin.require("split_into_layers", model=model, model_config=cfg.model)
-    context, step = TrainingContext(model_config=cfg.model, loss=cfg.run.loss), []
-    with torch.no_grad():
-        for inputs, targets in batches:
-            for layer in layers:
-                inputs = layer(inputs)
-            step.append(float(plugin.require("compute_loss", outputs=inputs, targets=targets, context=context)))
-    expected = sum(step) / len(step)
-    assert expected > 0, f"the first step's micro-batches weigh nothing in the loss ({step}): nothing is compared"
-    assert losses(run)[0] == pytest.approx(expected, rel=rel), (losses(run)[0], step)
-    return expected
+def one_process_run(run: Path) -> Path:
+    """The project of a multi-stage ``run`` (its ``run.toml``: ``pipeline_stages``, ``partition_split``) trained
+    again from its cache in 1 process and 1 stage (``run1.toml``; without its ``[sample]``: the rerun is for its
+    losses and LoRA). Returns the new run folder."""
+    root = Path(run).parent.parent
+    text = (root / "run.toml").read_text()
+    text = re.sub(r"^(pipeline_stages|partition_split) = .*\n", "", text, flags=re.M)
+    text = re.sub(r"^\[sample\]\n(?:(?!\[).*\n?)*", "", text, flags=re.M)
+    (root / "run1.toml").write_text(text)
+    return train(root, "run1.toml", procs=1)
 
 
 def assert_trained_in_stages(run: Path, steps: int, stages: int) -> list[float]:
