@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from diffpipe_core.testing.media import write_dataset_toml, write_image_dataset
-from diffpipe_core.testing.processes import run_diffpipe
+from diffpipe_core.testing.processes import cli_env, run_diffpipe
 from diffpipe_core.testing.runs import run_toml
 from diffpipe_reference.model import write_tiny_model
 
@@ -36,9 +36,10 @@ def test_data_command_lists_buckets_and_left_out_files(project: Path) -> None:
 def test_validate_prints_the_stage_plan_and_warns_of_an_uneven_split(project: Path) -> None:
     run2 = run_toml(MODEL, {}, micro_batch_size_per_gpu=2, pipeline_stages=2, partition_split=[1])
     (project / "run2.toml").write_text(run2)
-    # the workers fix malloc's mmap threshold (engine/host_memory.py), so the plan counts no C heap beside the tensors
-    # (44 MiB + 2.8% per worker, which would even out this tiny model's stages) and the split's own unevenness shows
-    result = run_diffpipe(["validate", "--config", "run2.toml"], cwd=project, timeout=120)
+    # on a CPU the plan adds each worker's C heap (44 MiB + 2.8%), which evens out this tiny model's stages; with
+    # malloc's mmap threshold fixed it counts none, and the split's own unevenness shows
+    fixed = cli_env(MALLOC_MMAP_THRESHOLD_=str(128 * 2**10))
+    result = run_diffpipe(["validate", "--config", "run2.toml"], cwd=project, timeout=120, env=fixed)
     assert result.returncode == 0, result.output
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("stage plan (explicit, 2 stages"))

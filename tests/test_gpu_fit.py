@@ -240,6 +240,11 @@ MEASURED = {
     "wan": (_write_wan, 256, 1, "between", "checkpointing", "float32"),
     "hunyuan-video": (_write_hunyuan, 128, 2, "one stage", "two stages", "float32"),
 }
+#: glibc's malloc keeps freed heap memory resident once its dynamic mmap threshold has grown (up to 32 MiB): a
+#: worker's peak RSS then counts tensors freed long before, 120-140 MiB of these stages' 170-320 (Flux and Wan
+#: checkpointed, measured 315 and 282 MiB against estimates of 181 and 163; with the threshold fixed at 128 KiB, 174
+#: MiB against 181). A fixed threshold gives every large tensor its own mapping, returned when it is freed.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**10)}
 _IDLE: dict[int, int] = {}  # the idle worker's peak by stage count
 
 
@@ -247,15 +252,13 @@ _IDLE: dict[int, int] = {}  # the idle worker's peak by stage count
 @pytest.mark.parametrize("model", list(MEASURED))
 def test_chosen_savers_fit_when_measured(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The savers picked for a budget below the plain run's estimate really fit it on CPU: each worker's peak
-    anonymous RSS (sampled as bench/stage_memory.py samples it, with its helpers) less the same worker's RSS before it
-    built its stage (an idle worker: torch, DeepSpeed, the plugin and the cached dataset loaded) is within the budget
-    and within 15% of the stage's estimate. A planner that picked nothing (or savers that saved nothing) would need the
-    plain run's memory, which is above the budget.
+    anonymous RSS (sampled as bench/stage_memory.py samples it, with its helpers; malloc's freed memory returned,
+    :data:`ALLOCATOR`) less the same worker's RSS before it built its stage (an idle worker: torch, DeepSpeed, the
+    plugin and the cached dataset loaded) is within the budget and within 15% of the stage's estimate. A planner that
+    picked nothing (or savers that saved nothing) would need the plain run's memory, which is above the budget.
     Both runs are forked from the tests' warm server (the libraries imported once, not once per run)."""
-    # the workers fix glibc's mmap threshold themselves (engine/host_memory.py): with its default, growing threshold a
-    # worker's peak counted tensors freed long before (a checkpointed Flux stage measured 315 MiB, Wan 282, against
-    # estimates of 181 and 163; 174 MiB with it fixed), so these runs fail if a worker does not
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for key, value in ALLOCATOR.items():  # the workers inherit the environment (testing.processes.cli_env)
+        monkeypatch.setenv(key, value)
     bench = _bench()
     write, px, gpus, below, expected, dtype = MEASURED[model]
     bench.write_image_dataset(tmp_path / "images", 2, size=(px, px), captions=bench.CAPTIONS[:2])

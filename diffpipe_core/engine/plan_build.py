@@ -4,6 +4,7 @@ inputs for one micro-batch of the largest bucket. Used by the workers before loa
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +13,6 @@ from torch import nn
 
 from diffpipe_core.config import ResolvedConfig
 from diffpipe_core.engine.activations import LayerTensors
-from diffpipe_core.engine.host_memory import threshold_fixable
 from diffpipe_core.engine.stage_costs import ModelCosts, layer_costs, weights_only_costs
 from diffpipe_core.engine.stage_plan import StagePlan, plan_stages
 from diffpipe_core.registry import ModelPlugin
@@ -77,8 +77,8 @@ def make_plan(
     toward_base = roles is not None and roles.any_base and not forward_only
     dop = roles is not None and getattr(roles, "any_dop", False) and not forward_only
     passes = int(getattr(cfg.model, "cfg", None) is not None and not forward_only) + int(toward_base) + int(dop)
-    # a CPU run's workers hold the C heap's overhead beside the tensors where they cannot fix glibc's mmap threshold
-    heap = not gpu and not threshold_fixable()
+    # a CPU run's workers hold glibc's heap overhead beside the tensors, unless its mmap threshold is fixed
+    heap = not gpu and "MALLOC_MMAP_THRESHOLD_" not in os.environ
     return plan_stages(costs, cfg.run, cfg.run.pipeline_stages, gpu, label, passes,
                        (toward_base or dop) and cfg.run.adapter is None, 2 if dop else 1, heap)
 

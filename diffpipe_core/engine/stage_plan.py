@@ -16,8 +16,8 @@ A stage's estimated peak (bytes on its device) is
       their pickled share; a full fine-tune's save converts the stage's weights to the save dtype
 
 or, when larger, the weights plus what ``[model] merge_adapters`` holds while the stage loads (``load_bytes``); on a
-CPU run whose workers cannot fix glibc's mmap threshold (``host_heap``: not glibc; engine/host_memory.py), plus what
-the C heap holds per worker beyond the tensors (``heap_bytes``, :func:`heap_overhead`). The
+CPU run (``host_heap``), plus what glibc's malloc holds per worker beyond the tensors (``heap_bytes``,
+:func:`heap_overhead`). The
 last stage also keeps the outputs of the passes without gradient (``[model] cfg``, a regularisation folder toward
 the base, ``diff_output_preservation``) for the step's micro-batches; ``diff_output_preservation`` doubles each
 micro-batch's activations. Trained state kept in host memory (an offloaded optimizer state, ``[ema] device = "cpu"``,
@@ -48,8 +48,8 @@ IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this t
 #: stage's weights at 1 and 2 stages). A least-squares fit over the 21 stages gives 44 MiB per worker + 2.8% of the
 #: stage's estimate, every stage then within 0.955-1.055 of measured over 3 rounds (0.839-0.954 without). Neither part
 #: is device memory: a GPU plan leaves both out (its own allocator's slack is the 1-2 GB the manual says to leave), as
-#: does a CPU run with glibc's threshold fixed, which every worker fixes (engine/host_memory.py: every large tensor its
-#: own mapping, returned when freed): the plan counts them only where the C library is not glibc.
+#: does a CPU run with glibc's threshold fixed (``MALLOC_MMAP_THRESHOLD_``: every large tensor its own mapping,
+#: returned when freed).
 HEAP_PER_WORKER = 44 * 2**20
 HEAP_FRACTION = 0.028
 

@@ -118,9 +118,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from diffpipe_core.engine.host_memory import fix_mmap_threshold
-
-    fix_mmap_threshold()  # freed tensors go back to the system: a stage's resident memory is what it holds
     parser = argparse.ArgumentParser(prog="diffpipe-worker")
     parser.add_argument("--config", required=True)
     parser.add_argument("--model")
