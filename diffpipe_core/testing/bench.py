@@ -371,3 +371,34 @@ def run_bench(
     pairs = measure_overhead(args, write_model, diffpipe_times, plain_times, args.rounds, label="round")
     print(setup_line(model, args))
     print(ratio_line(pairs))
+
+
+def audio_share_pairs(
+    args: argparse.Namespace, write_model: Callable[[Path], object], write_clips: Callable[..., object],
+    frames: int, width: int, height: int, model_type: str, **keys: object,
+) -> list[tuple[float, float]]:
+    """The audio branch's share of a step (issue 40): ``diffpipe train`` of ``model_type`` (``write_model``'s folder,
+    ``keys`` in its ``[model]`` table) on the same :func:`clip_dataset` of clips with a 440 Hz tone track
+    (``write_clips(folder, captions, frames=, size=, audio="tone")``), with ``train_audio = true`` and ``false``
+    alternating for ``args.pairs`` pairs; each side's median step time after warm-up. Returns ``(with audio, without)``
+    pairs, printing each."""
+    import functools
+
+    tables = {audio: model_table(model_type, **keys, train_audio=audio) for audio in (True, False)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        write_model(model_dir)
+        count = itertools.count()
+
+        def side(audio: bool) -> float:
+            root = Path(tmp) / f"run{next(count)}"
+            root.mkdir()
+            (root / "model").symlink_to(model_dir)
+            clip_dataset(root, functools.partial(write_clips, audio="tone"), frames, width, height)
+            return after_warmup(train_times(root, args, tables[audio]), args.warmup)
+
+        def show(i: int, with_audio: float, without: float) -> None:
+            print(f"pair {i + 1}: with audio {with_audio * 1000:.1f} ms, without {without * 1000:.1f} ms, "
+                  f"ratio {with_audio / without:.3f}", flush=True)
+
+        return compare(lambda: side(True), lambda: side(False), args.pairs, show, args.smoke)

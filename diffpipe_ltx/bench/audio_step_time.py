@@ -17,10 +17,6 @@ The shared skeleton is in ``diffpipe_core.testing.bench``.
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
-import tempfile
-from pathlib import Path
 
 import torch
 from step_time import FRAMES, HEIGHT, LATENT, LTX2_MODEL, T5_LEN, WIDTH
@@ -28,28 +24,11 @@ from step_time import FRAMES, HEIGHT, LATENT, LTX2_MODEL, T5_LEN, WIDTH
 from diffpipe_core.testing import bench
 from diffpipe_ltx.ltx2_testing import write_clips, write_tiny_ltx2
 
-TABLES = {audio: bench.model_table("ltx-2", max_sequence_length=T5_LEN, train_audio=audio) for audio in (True, False)}
-
 
 def main() -> None:
     args = bench.overhead_args(bench.bench_parser(threads=True))
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        write_tiny_ltx2(model_dir, LTX2_MODEL)
-        count = itertools.count()
-
-        def side(audio: bool) -> float:
-            root = Path(tmp) / f"run{next(count)}"
-            root.mkdir()
-            (root / "model").symlink_to(model_dir)
-            bench.clip_dataset(root, functools.partial(write_clips, audio="tone"), FRAMES, WIDTH, HEIGHT)
-            return bench.after_warmup(bench.train_times(root, args, TABLES[audio]), args.warmup)
-
-        def show(i: int, with_audio: float, video_only: float) -> None:
-            print(f"pair {i + 1}: with audio {with_audio * 1000:.1f} ms, video only {video_only * 1000:.1f} ms, "
-                  f"ratio {with_audio / video_only:.3f}", flush=True)
-
-        pairs = bench.compare(lambda: side(True), lambda: side(False), args.pairs, show, args.smoke)
+    pairs = bench.audio_share_pairs(args, lambda folder: write_tiny_ltx2(folder, LTX2_MODEL), write_clips, FRAMES,
+                                    WIDTH, HEIGHT, "ltx-2", max_sequence_length=T5_LEN)
     report(args, pairs)
 
 
