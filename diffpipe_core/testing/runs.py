@@ -202,6 +202,17 @@ def one_process_run(run: Path) -> Path:
     return train(root, "run1.toml", procs=1)
 
 
+def assert_trains_on_one_stage_as_on_several(run: Path, steps: int, window: int) -> Path:
+    """A multi-stage ``run``'s project trained again on 1 process (:func:`one_process_run`): its loss falls too
+    (:func:`assert_loss_falls` over ``steps`` with ``window``), and ``run`` logged its losses and saved its LoRA
+    (:func:`assert_trains_as`): what crossed the stage boundaries, and their gradients, came through unchanged.
+    Returns the 1-process run."""
+    one = one_process_run(run)
+    assert_loss_falls(one, steps, window)
+    assert_trains_as(run, one)
+    return one
+
+
 def assert_trained_in_stages(run: Path, steps: int, stages: int) -> list[float]:
     """The run logged ``steps`` finite losses and its last checkpoint holds one parameter file per pipeline stage (a
     short multi-stage run, too short for the loss to fall clearly). Returns the losses."""

@@ -63,15 +63,8 @@ def test_the_audio_only_lora_trains_on_two_stages_and_the_loss_falls(minimax_aud
     assert not untrained, untrained  # stage 0's refiner and block 0 included: the gradient came back across
 
 
-@pytest.fixture(scope="module")
-def minimax_audio_one(minimax_audio_run: Path) -> Path:
-    """The same project trained again from its cache on 1 process, 1 stage."""
-    return runs.one_process_run(minimax_audio_run)
-
-
 @pytest.mark.slow
-def test_the_audio_only_lora_trains_on_one_stage_as_on_two(minimax_audio_run: Path, minimax_audio_one: Path) -> None:
-    """On 1 process the audio-only loss falls too, and the 2-stage run logged the same losses and saved the same
-    LoRA: the audio rows and their gradient crossed the boundary unchanged."""
-    runs.assert_loss_falls(minimax_audio_one, STEPS, window=3)
-    runs.assert_trains_as(minimax_audio_run, minimax_audio_one)
+def test_the_audio_only_lora_trains_on_one_stage_as_on_two(minimax_audio_run: Path) -> None:
+    """The same project trained again from its cache on 1 process: the audio-only loss falls there too, and the
+    2-stage run logged its losses and saved its LoRA (the audio rows crossed the boundary unchanged)."""
+    runs.assert_trains_on_one_stage_as_on_several(minimax_audio_run, STEPS, 3)
