@@ -247,3 +247,22 @@ def test_the_audio_loras_comfyui_file_has_the_keys_comfyui_maps_and_applies_like
     modules = assert_comfyui_file(audio_run, 4)
     # every audio-stream module of both blocks, under its native LTXAVModel name (comfy/ldm/lightricks/av_model.py)
     assert modules == {f"transformer_blocks.{i}.{t}" for i in range(2) for t in AUDIO_LORA_TARGETS}
+
+
+@pytest.mark.slow
+def test_an_ltx23_audio_only_lora_trains_on_two_stages_as_on_one(tmp_path: Path) -> None:
+    """LTX-2.3 (prompt adaLN tensors and per-stream text widths crossing the boundary beside the audio stream): the
+    audio-only LoRA on 2 pipeline stages trains only audio-stream modules, every stage's share, and its 1-process twin
+    from the same cache falls and logged the same losses and saved the same LoRA."""
+    from safetensors.torch import load_file
+
+    from diffpipe_ltx.ltx2_testing import write_tiny_ltx23
+
+    model = {"type": "ltx-2.3", "train_video": False, "max_sequence_length": 16}
+    run = runs.tone_run(tmp_path, write_tiny_ltx23, model, procs=2, frames=12, frame_buckets=[1, 9], steps=STEPS,
+                        fps=FRAME_RATE, pipeline_stages=2, partition_split=[2])
+    runs.assert_trained_in_stages(run, STEPS, 2)
+    lora = load_file(str(run / "saved" / "final" / "adapter_model.safetensors"))
+    modules = {k.split(".lora_")[0] for k in lora}
+    assert modules and all(any(m.endswith(t) for t in AUDIO_LORA_TARGETS) for m in modules), sorted(modules)[:4]
+    runs.assert_trains_on_one_stage_as_on_several(run, STEPS, STEPS // 4)
