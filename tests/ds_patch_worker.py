@@ -28,9 +28,11 @@ from diffpipe_core.engine.ds_patches import (
     lean_step,
     name_gradless_boundary_tensors,
     release_forward_inputs,
+    release_freed_before_instructions,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
 )
+from diffpipe_core.engine.memory_report import rss_anon
 
 DIM = 4
 MICRO_BATCHES = 2
@@ -330,6 +332,55 @@ def scenario_release_inputs(rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
+class HeapHoles(nn.Module):
+    """Identity whose first forward leaves 16 MiB of freed 64 KiB chunks in the C heap between chunks it keeps (a
+    forward's freed temporaries beside the activations it saves): glibc cannot return them on ``free``."""
+
+    CHUNK = 2**14  # float32 elements: 64 KiB, under glibc's mmap threshold, so from the heap
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kept:
+            chunks = [torch.ones(self.CHUNK) for _ in range(512)]  # touched: resident
+            self.kept = chunks[1::2]
+            del chunks
+        return x
+
+
+def scenario_release_heap(rank: int, out: Path) -> dict[str, Any]:
+    """Two stages, with and without patch 12: stage 0's anonymous RSS when the instruction after its first forward
+    pass starts (that forward left 16 MiB of heap holes), over its RSS when the forward started; and the losses."""
+    result: dict[str, Any] = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        module = ExplicitPartitionPipelineModule(
+            layers=[FirstLinear(DIM, DIM), HeapHoles(), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)], parts=[0, 2, 4],
+            num_stages=2, loss_fn=mse, dynamic_shape=True,
+        )  # fmt: skip
+        engine = engine_for(module)
+        starts: list[tuple[str, int]] = []
+
+        def watched(instruction: Any, name: str, starts: list = starts) -> Any:
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                starts.append((name, rss_anon()))
+                return instruction(self, *args, **kwargs)
+
+            return run
+
+        engine._INSTRUCTION_MAP = {k: watched(v, k.__name__) for k, v in engine._INSTRUCTION_MAP.items()}
+        if patched:
+            release_freed_before_instructions(engine)  # wraps the watcher: the heap is released, then measured
+        losses = [float(engine.train_batch(data_iter=iter(batches(seed=step)))) for step in range(2)]
+        first = next(i for i, (name, _) in enumerate(starts) if name == "ForwardPass")
+        result["patched" if patched else "plain"] = {
+            "retained": starts[first + 1][1] - starts[first][1], "after": starts[first + 1][0], "losses": losses,
+        }  # fmt: skip
+    return result
+
+
 SCENARIOS = {
     "idle_group": scenario_idle_group,
     "parts": scenario_parts,
@@ -340,6 +391,7 @@ SCENARIOS = {
     "single_replica": scenario_single_replica,
     "lean_step": scenario_lean_step,
     "release_inputs": scenario_release_inputs,
+    "release_heap": scenario_release_heap,
 }
 
 

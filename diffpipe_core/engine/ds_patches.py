@@ -62,6 +62,13 @@
    (issue 46). After the forward we point each float buffer's data at a single broadcast zero of its shape:
    the gradient still accumulates into it (autograd checks the shape only) and DeepSpeed sends it as before,
    and the clone the layers kept is the one copy left.
+12. ``release_freed_before_instructions``: on a CPU run a stage's activations live in the worker's C heap, and
+   glibc keeps what a pipeline instruction frees (a forward's temporaries, a received buffer, a backward's scratch)
+   resident in the heap's middle, where the next instruction's differently sized tensors cannot always reuse it.
+   With several micro-batches in flight this slack sat beside the stage's peak: 14-22 MiB of each of 4 stages'
+   model memory on a 0.28 B Flux, 4-12% (issue 46's bench). Before every instruction of the schedule we return the
+   heap's free pages (``host_memory.release_freed``); the step's arithmetic is unchanged, and the run took as long
+   (349 s against 352 s). GPU runs keep their activations on the device and are not patched.
 
 Activation checkpointing no longer goes through DeepSpeed (whose default checkpoint function broke on a
 first layer with several float outputs): diffpipe_core.memory wraps the block layers itself.
@@ -83,6 +90,8 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
+
+from diffpipe_core.engine.host_memory import release_freed
 
 
 class ExplicitPartitionPipelineModule(PipelineModule):
@@ -404,3 +413,18 @@ def keep_idle_groups_gradless(engine: PipelineEngine, groups: list[list[torch.Te
 
     engine.allreduce_gradients = allreduce_gradients
     return True
+
+
+def release_freed_before_instructions(engine: PipelineEngine) -> None:
+    """Patch 12 on this engine (CPU runs): the C heap's free pages go back to the system before every instruction
+    of the pipeline schedule, so a stage's resident memory stays what its tensors hold. Apply it after the other
+    patches: it wraps what they installed."""
+
+    def releasing(instruction: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: PipelineEngine, *args: Any, **kwargs: Any) -> Any:
+            release_freed()
+            return instruction(self, *args, **kwargs)
+
+        return run
+
+    engine._INSTRUCTION_MAP = {kind: releasing(fn) for kind, fn in engine._INSTRUCTION_MAP.items()}

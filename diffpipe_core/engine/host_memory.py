@@ -12,6 +12,8 @@ the next step allocates again, and once returned every page of it is faulted bac
 faults, 40-60 ms, per step of the 0.3 s step-time benches on 2 cores). A step's peak resident memory is the same
 either way; between steps the heap keeps the step's freed activations for the next. The trim's own cost grows with
 what it returns: about 50-75 ms per 100 MB on a loaded 2-core machine (a GPU run's steps free little host memory).
+Within a step a CPU run's engine calls it before every pipeline instruction (``ds_patches`` patch 12): there the
+freed memory of one micro-batch sits beside the activations of the others in flight, at the stage's peak.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from diffpipe_core.engine.ds_patches import (
     lean_step,
     name_gradless_boundary_tensors,
     release_forward_inputs,
+    release_freed_before_instructions,
     single_backward,
     skip_single_replica_allreduce,
     wrap_stage_boundaries,
@@ -322,6 +323,8 @@ def build_stage(
     if layout.stage_id > 0:
         producer = built.parts[layout.stage_id] - 1
         name_gradless_boundary_tensors(engine, f"layer {producer} ({built.layer_names[producer]})")
+    if device.type == "cpu":
+        release_freed_before_instructions(engine)  # last: it wraps the instructions the patches above installed
     ema = EmaWeights(run.ema, trainable) if run.ema is not None else None
     base = FrozenBase(model, trainable, lora is not None) if needs_base(dataset) else None
     return Stage(

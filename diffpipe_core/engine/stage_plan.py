@@ -38,20 +38,19 @@ from diffpipe_core.engine.stage_costs import DTYPES, ModelCosts
 IMBALANCE = 1.10  # warn when the largest stage's estimated peak is above this times the mean
 
 #: What a CPU worker's C heap holds beyond the tensors the plan counts (issue 46), measured by bench/stage_memory.py
-#: (users' regime, 64 px, LoRA rank 4) on HunyuanVideo 0.73 B, Flux 0.70 B and Wan 0.65 B with 1, 2 and 4 stages: each
-#: stage's peak anonymous RSS less an idle worker's, less the plan's estimate, was 46-96 MiB on 21 stages of 334-1476
-#: MiB estimated. The workers' memory reports split it in two. Per worker: the step's allocator slack, memory one
-#: micro-batch's forward or backward freed that glibc keeps resident for the next (its dynamic mmap threshold rises to
-#: the largest chunk freed, up to 32 MiB, and the heap's top is trimmed only past twice that); it shrinks far less than
-#: the stage does (Flux: 93 MiB on 1 stage, 52 and 64 on 2, 44-50 on each of 4). Per byte the stage holds: the heap's
-#: and the interpreter's bookkeeping of what is built (resident beyond the tensors after the build: 2.0-2.3% of a Flux
-#: stage's weights at 1 and 2 stages). A least-squares fit over the 21 stages gives 44 MiB per worker + 2.8% of the
-#: stage's estimate, every stage then within 0.955-1.055 of measured over 3 rounds (0.839-0.954 without). Neither part
-#: is device memory: a GPU plan leaves both out (its own allocator's slack is the 1-2 GB the manual says to leave), as
-#: does a CPU run with glibc's threshold fixed (``MALLOC_MMAP_THRESHOLD_``: every large tensor its own mapping,
-#: returned when freed).
-HEAP_PER_WORKER = 44 * 2**20
-HEAP_FRACTION = 0.028
+#: (users' regime, 64 px, LoRA rank 4) on Flux 0.70 B and Wan 0.65 B with 1, 2 and 4 stages: each stage's peak
+#: anonymous RSS less an idle worker's, less the plan's estimate, was 29-80 MiB on 14 stages of 334-1445 MiB estimated.
+#: Since every CPU worker returns the heap's free pages before each pipeline instruction (``ds_patches`` patch 12; it
+#: had been 46-96 MiB on 21 stages), two parts remain. Per worker: the slack of the instruction at whose middle the
+#: peak falls (what its forward or backward frees and glibc keeps for the rest of it). Per byte the stage holds: the
+#: heap's and the interpreter's bookkeeping of what is built (2-3% of a stage's weights resident beyond its tensors
+#: after the build) and the instruction's slack, which grows with the stage. A least-squares fit over the 14 stages
+#: gives 19 MiB per worker + 4.3% of the stage's estimate, every stage then within 0.97-1.02 of measured (0.90-0.95
+#: without) over 2 rounds. Neither part is device memory: a GPU plan leaves both out (its own allocator's slack is
+#: the 1-2 GB the manual says to leave), as does a CPU run with glibc's threshold fixed (``MALLOC_MMAP_THRESHOLD_``:
+#: every large tensor its own mapping, returned when freed).
+HEAP_PER_WORKER = 19 * 2**20
+HEAP_FRACTION = 0.043
 
 
 @dataclass
